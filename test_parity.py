@@ -1,0 +1,81 @@
+"""The test suite: every implementation against the others and against outside references.
+
+    python test_parity.py                 # everything (CPU: about 8 minutes on 2 cores)
+    python test_parity.py -k tokenizer    # a selection (pytest -k syntax)
+    python test_parity.py --list          # what each test checks, grouped by component
+    pytest                                # the same tests under plain pytest
+
+Component tests live in tests/test_<component>.py, the cross-framework checks in tests/test_cross.py,
+the shared fixtures (offline data, tiny shards and model files, a local HTTP server) in tests/conftest.py.
+Without a CUDA GPU, Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set before triton is
+imported) and JAX and torch run on the CPU; with one, the compiled kernels are also checked in bf16. The
+offline data comes from ../shared (SPEC §7; SHARED_DIR overrides); missing data fails a test, never skips.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.abspath(os.environ.get("SHARED_DIR", os.path.join(REPO, "..", "shared")))
+
+
+def has_cuda_gpu():
+    """True when an NVIDIA GPU is visible; decided without importing torch, jax or triton."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def configure_environment():
+    """Must run before triton is imported anywhere in the test process (and is inherited by the scripts
+    the tests start): the Triton interpreter without a GPU, tiktoken's offline cache, no JAX memory grab."""
+    if "TRITON_INTERPRET" not in os.environ and not has_cuda_gpu():
+        os.environ["TRITON_INTERPRET"] = "1"
+    cache = os.path.join(SHARED, "cache", "tiktoken")
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(cache):
+        os.environ["TIKTOKEN_CACHE_DIR"] = cache
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+configure_environment()
+
+
+class _ListTests:
+    """pytest plugin behind --list: prints each collected test's docstring, grouped by component."""
+
+    def pytest_collection_finish(self, session):
+        groups = {}
+        for item in session.items:
+            module = item.module
+            title = (module.__doc__ or module.__name__).strip().splitlines()[0]
+            doc = (getattr(item.function, "__doc__", None) or "").strip().splitlines()
+            groups.setdefault(title, []).append((item.name, doc[0] if doc else ""))
+        for title, tests in groups.items():
+            print(f"\n{title}")
+            for name, doc in tests:
+                print(f"  {name:<48} {doc}")
+        print(f"\n{len(session.items)} tests")
+
+
+def main(argv):
+    import pytest
+    args = list(argv)
+    listing = "--list" in args
+    if listing:
+        args.remove("--list")
+    targets = [os.path.join(REPO, "tests")]
+    if listing:
+        return pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", *targets, *args],
+                           plugins=[_ListTests()])
+    return pytest.main(["-p", "no:cacheprovider", "--durations=15", *targets, *args])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,230 @@
+"""Fixtures shared by every test file: paths to the offline data, a runner for the scripts, tiny llm.c
+shards and model files built independently of the trainers, and a local HTTP server for download tests."""
+import http.server
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from test_parity import SHARED, configure_environment  # noqa: E402  (sets TRITON_INTERPRET first)
+
+configure_environment()
+
+EOT = 50256
+
+
+def shared_file(rel):
+    """Path of `rel` under ../shared (e.g. "data/tinyshakespeare/input.txt"); a missing one fails the test
+    with a message naming it, never skips it."""
+    path = os.path.join(SHARED, rel)
+    if not os.path.exists(path):
+        pytest.fail(f"offline test data missing: {path} (SPEC §7; set SHARED_DIR to the shared folder)",
+                    pytrace=False)
+    return path
+
+
+def run_script(*args, cwd=None, env=None, timeout=600, check=True):
+    """Runs `python <args>` from the repository root; on an unexpected exit code, fails with its output."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=cwd or REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"`python {' '.join(map(str, args))}` exited {proc.returncode}\n"
+                    f"--- stdout (tail) ---\n{proc.stdout[-3000:]}\n--- stderr (tail) ---\n"
+                    f"{proc.stderr[-3000:]}", pytrace=False)
+    return proc
+
+
+def assert_clean_error(proc, *needles):
+    """A bad-input run: non-zero exit, one-line error naming the problem, no traceback."""
+    assert proc.returncode != 0, f"expected a failure, got exit 0\n{proc.stdout[-2000:]}"
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, f"traceback instead of a clean error:\n{err[-3000:]}"
+    last = err.splitlines()[-1] if err else ""
+    for needle in needles:
+        assert needle.lower() in last.lower(), f"error line {last!r} does not mention {needle!r}"
+
+
+def read_log(out_dir):
+    """The events of <out_dir>/log.jsonl, in order."""
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_events(out_dir):
+    return [e for e in read_log(out_dir) if "train_loss" in e]
+
+
+# -----------------------------------------------------------------------------
+# Token shards and model files, written here with plain numpy (independently of the trainers' code)
+
+def write_shard(path, tokens):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, len(tokens)]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+
+
+def write_model_file(path, params, block_size, n_layer, n_head, n_embd, vocab=50257, padded=50304):
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [20240326, 3, block_size, vocab, n_layer, n_head, n_embd, padded]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        for t in params:
+            f.write(np.asarray(t, dtype="<f4").tobytes())
+
+
+def tiny_params(seed, block_size=64, n_layer=2, n_head=4, n_embd=64, padded=50304, vocab=50257):
+    """GPT-2 init (SPEC §1) of a tiny model, as the list of tensors in llm.c file order."""
+    rng = np.random.default_rng(seed)
+    L, C = n_layer, n_embd
+    normal = lambda shape, std: (rng.standard_normal(shape) * std).astype(np.float32)  # noqa: E731
+    resid = 0.02 / math.sqrt(2 * L)
+    wte = normal((padded, C), 0.02)
+    wte[vocab:] = 0.0
+    return [wte, normal((block_size, C), 0.02),
+            np.ones((L, C), np.float32), np.zeros((L, C), np.float32),
+            normal((L, 3 * C, C), 0.02), np.zeros((L, 3 * C), np.float32),
+            normal((L, C, C), resid), np.zeros((L, C), np.float32),
+            np.ones((L, C), np.float32), np.zeros((L, C), np.float32),
+            normal((L, 4 * C, C), 0.02), np.zeros((L, 4 * C), np.float32),
+            normal((L, C, 4 * C), resid), np.zeros((L, C), np.float32),
+            np.ones(C, np.float32), np.zeros(C, np.float32)]
+
+
+@pytest.fixture(scope="session")
+def shakespeare_tokens():
+    """tinyshakespeare as GPT-2 tokens, one document per blank-line-separated passage, EOT before each."""
+    import tiktoken
+    text = open(shared_file("data/tinyshakespeare/input.txt"), encoding="utf-8").read()
+    enc = tiktoken.get_encoding("gpt2")
+    docs = [d for d in text.split("\n\n") if d]
+    out = []
+    for ids in enc.encode_ordinary_batch(docs):
+        out.append(EOT)
+        out.extend(ids)
+    return np.array(out, dtype=np.uint16)
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory, shakespeare_tokens):
+    """A data dir with tiny_val_000000.bin (first 32,768 tokens) and tiny_train_000001.bin (the rest)."""
+    d = tmp_path_factory.mktemp("shards")
+    write_shard(d / "tiny_val_000000.bin", shakespeare_tokens[:32768])
+    write_shard(d / "tiny_train_000001.bin", shakespeare_tokens[32768:])
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model_file(tmp_path_factory):
+    """An fp32 llm.c model file of a tiny GPT-2 (L2 H4 C64, max T 64), random GPT-2 init."""
+    path = tmp_path_factory.mktemp("model") / "tiny_l2h4c64.bin"
+    write_model_file(path, tiny_params(seed=0), block_size=64, n_layer=2, n_head=4, n_embd=64)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hellaswag_dir(tmp_path_factory):
+    """A HellaSwag cache dir holding the 10 real validation examples as hellaswag_val.jsonl."""
+    d = tmp_path_factory.mktemp("hellaswag")
+    shutil.copy(shared_file("data/hellaswag/hellaswag_val_first10.jsonl"), d / "hellaswag_val.jsonl")
+    return d
+
+
+# -----------------------------------------------------------------------------
+# A local HTTP server (127.0.0.1 only) with byte ranges and injected faults, for download tests
+
+class LocalServer:
+    """Serves `root` on 127.0.0.1. `cut_once[name] = n` makes the next GET of `name` send only n bytes of
+    its body and drop the connection; `fail_once[name] = code` answers the next GET with that status;
+    `requests` records (method, path, Range header) of every request."""
+
+    def __init__(self, root):
+        self.root, self.cut_once, self.fail_once, self.requests = str(root), {}, {}, []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self._serve(body=False)
+
+            def do_GET(self):
+                self._serve(body=True)
+
+            def _serve(self, body):
+                name = self.path.split("?")[0].lstrip("/")
+                rng = self.headers.get("Range")
+                server.requests.append((self.command, name, rng))
+                path = os.path.join(server.root, name)
+                if body and name in server.fail_once:
+                    code = server.fail_once.pop(name)
+                    self.send_response(code)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if not os.path.isfile(path):
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = open(path, "rb").read()
+                start = 0
+                if rng and rng.startswith("bytes="):
+                    start = int(rng[6:].split("-")[0])
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(data) - start))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                if not body:
+                    return
+                payload = data[start:]
+                cut = server.cut_once.pop(name, None) if body else None
+                if cut is not None:
+                    self.wfile.write(payload[:cut])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self.wfile.write(payload)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    """A LocalServer over a fresh directory (tmp_path/'www'); files put there are served at server.url."""
+    root = tmp_path / "www"
+    root.mkdir()
+    server = LocalServer(root)
+    yield server
+    server.close()
