@@ -147,10 +147,12 @@ def hellaswag_dir(tmp_path_factory):
 class LocalServer:
     """Serves `root` on 127.0.0.1. `cut_once[name] = n` makes the next GET of `name` send only n bytes of
     its body and drop the connection; `fail_once[name] = code` answers the next GET with that status;
+    `headers[name] = {...}` adds headers to every response for `name` (an ETag with a checksum, say);
     `requests` records (method, path, Range header) of every request."""
 
     def __init__(self, root):
         self.root, self.cut_once, self.fail_once, self.requests = str(root), {}, {}, []
+        self.headers = {}
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -197,6 +199,8 @@ class LocalServer:
                     self.send_response(200)
                 self.send_header("Content-Length", str(len(data) - start))
                 self.send_header("Accept-Ranges", "bytes")
+                for key, value in server.headers.get(name, {}).items():
+                    self.send_header(key, value)
                 self.end_headers()
                 if not body:
                     return
