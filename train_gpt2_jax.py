@@ -1,0 +1,937 @@
+"""train_gpt2_jax.py: GPT-2 in plain JAX (no flax, no optax), trained with llm.c's recipe.
+
+The whole model is a pure function of a dict of arrays (llm.c's tensor names, per-layer weights stacked
+along a leading L axis), the L blocks run as one lax.scan, and a whole optimizer step (every micro-batch's
+forward and backward, gradient clipping, AdamW) is a single jitted function whose parameter and optimizer
+buffers are donated so they are updated in place. More than one visible device: data parallel over a
+Mesh (batch sharded, everything else replicated). Formats, flags and logs: ../shared/SPEC.md.
+
+    python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
+    python train_gpt2_jax.py --data synthetic --steps 20 --batch-size 32 \\
+        --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
+    python train_gpt2_jax.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
+    python train_gpt2_jax.py --data data/fineweb_edu --resume auto           # continue the newest ckpt
+"""
+import argparse
+import contextlib
+import glob
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tiktoken
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import hellaswag
+
+FRAMEWORK = "jax"  # "torchfunc" | "triton-<backend>" in the siblings
+
+# -----------------------------------------------------------------------------
+# Config
+
+VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
+PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
+EOT = 50256
+MODEL_PRESETS = {  # name: (n_layer, n_head, n_embd)
+    "d12": (12, 12, 768),
+    "d24": (24, 16, 1024),
+    "d36": (36, 20, 1280),
+    "d48": (48, 25, 1600),
+}
+
+
+@dataclass
+class Config:
+    # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = VOCAB_SIZE
+    padded_vocab_size: int = PADDED_VOCAB_SIZE
+    # data
+    data: str = "data/fineweb_edu"
+    val_data: str = ""
+    seq_len: int = 1024
+    batch_size: int = 32
+    total_batch_size: int = 524288
+    # optimization
+    steps: int = 18865
+    lr: float = 6e-4
+    lr_decay_frac: float = 0.0
+    warmup: int = 700
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dtype: str = "bf16"
+    seed: int = 1337
+    # checkpoints, evaluation, output
+    init_from: str = ""
+    resume: str = ""
+    out_dir: str = f"out/gpt2_{FRAMEWORK.split('-')[0]}"
+    ckpt_every: int = 2000
+    val_every: int = 250
+    val_steps: int = 20
+    hellaswag_every: int = 1000
+    hellaswag_limit: int = 0
+    sample_every: int = 1000
+    eval_only: bool = False
+    profile: bool = False
+    # JAX only
+    attn: str = "auto"
+
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def parse_args(argv=None):
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    p.add_argument("--data", default=d.data, help="shard dir, shard glob, or 'synthetic'")
+    p.add_argument("--val-data", default=d.val_data, help="validation shard glob (with a --data glob)")
+    p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="preset (default d12)")
+    p.add_argument("--n-layer", type=int, default=None)
+    p.add_argument("--n-head", type=int, default=None)
+    p.add_argument("--n-embd", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="micro-batch per device")
+    p.add_argument("--total-batch-size", type=int, default=d.total_batch_size, help="tokens per step")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-decay-frac", type=float, default=d.lr_decay_frac)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping")
+    p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--init-from", default=d.init_from, help="llm.c model file to start from")
+    p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
+    p.add_argument("--out-dir", default=d.out_dir)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--val-every", type=int, default=d.val_every)
+    p.add_argument("--val-steps", type=int, default=d.val_steps)
+    p.add_argument("--hellaswag-every", type=int, default=d.hellaswag_every)
+    p.add_argument("--hellaswag-limit", type=int, default=d.hellaswag_limit, help="0 = all examples")
+    p.add_argument("--sample-every", type=int, default=d.sample_every)
+    p.add_argument("--eval-only", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--attn", default=d.attn, choices=["auto", "cudnn", "xla"],
+                   help="attention kernel (auto: cuDNN flash attention on an NVIDIA GPU in bf16)")
+    a = p.parse_args(argv)
+    for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
+        if getattr(a, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit",
+                 "sample_every"):
+        if getattr(a, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if not a.lr > 0:
+        p.error("--lr must be positive")
+    if not 0 <= a.lr_decay_frac <= 1:
+        p.error("--lr-decay-frac must be in [0, 1]")
+    if a.weight_decay < 0 or a.grad_clip < 0:
+        p.error("--weight-decay and --grad-clip must be >= 0")
+    n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
+    explicit = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd))
+                if v is not None}
+    for k, v in explicit.items():
+        if v <= 0:
+            p.error(f"--{k.replace('_', '-')} must be positive")
+    cfg = Config(n_layer=explicit.get("n_layer", n_layer), n_head=explicit.get("n_head", n_head),
+                 n_embd=explicit.get("n_embd", n_embd), block_size=a.seq_len, data=a.data,
+                 val_data=a.val_data, seq_len=a.seq_len, batch_size=a.batch_size,
+                 total_batch_size=a.total_batch_size, steps=a.steps, lr=a.lr,
+                 lr_decay_frac=a.lr_decay_frac, warmup=a.warmup, weight_decay=a.weight_decay,
+                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, init_from=a.init_from,
+                 resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
+                 val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
+                 hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
+                 eval_only=a.eval_only, profile=a.profile, attn=a.attn)
+    if cfg.n_embd % cfg.n_head:
+        p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    # flags that were given explicitly must agree with a model file's header (checked on load)
+    cfg_explicit = explicit if (a.model is None) else {"n_layer": n_layer, "n_head": n_head,
+                                                       "n_embd": n_embd, **explicit}
+    return cfg, cfg_explicit
+
+
+def apply_model_header(cfg, header, explicit):
+    """Takes the model shape from a model file's header; flags given explicitly must match it."""
+    for k in ("n_layer", "n_head", "n_embd"):
+        if k in explicit and explicit[k] != header[k]:
+            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
+            f"expected {VOCAB_SIZE}")
+    if cfg.seq_len > header["block_size"]:
+        die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
+            f"{header['block_size']}")
+    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
+    cfg.block_size, cfg.padded_vocab_size = header["block_size"], header["padded_vocab_size"]
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+# llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
+PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
+               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
+               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
+DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
+
+
+def param_shapes(cfg):
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {
+        "wte": (Vp, C), "wpe": (T, C),
+        "ln_1.w": (L, C), "ln_1.b": (L, C),
+        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
+        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+        "ln_2.w": (L, C), "ln_2.b": (L, C),
+        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
+        "ln_f.w": (C,), "ln_f.b": (C,),
+    }
+
+
+def init_params_numpy(cfg):
+    """GPT-2 init (SPEC §1) from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif name.startswith("ln"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
+    return params
+
+
+# The model is a pure function of the parameter dict. LayerNorm, GELU and the cross-entropy have
+# hand-written backward passes (custom_vjp) so that the backward keeps what llm.c keeps (the
+# compute-dtype inputs plus fp32 mean/rstd/logsumexp) rather than autodiff's fp32 temporaries, which the
+# layer scan would otherwise store for every layer.
+
+LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along L and scanned over
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+
+
+def compute_dtype(cfg):
+    return jnp.bfloat16 if cfg.dtype == "bf16" else jnp.float32
+
+
+@jax.custom_vjp
+def layernorm(x, w, b):
+    """LayerNorm over the last axis (eps 1e-5), statistics in fp32 whatever x's dtype."""
+    return _layernorm_fwd(x, w, b)[0]
+
+
+def _layernorm_fwd(x, w, b):
+    xf = x.astype(jnp.float32)                                                     # (..., C)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)                                    # (..., 1)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + 1e-5)  # (..., 1)
+    y = (xf - mean) * rstd * w.astype(jnp.float32) + b.astype(jnp.float32)         # (..., C)
+    return y.astype(x.dtype), (x, w, mean, rstd)
+
+
+def _layernorm_bwd(res, dy):
+    x, w, mean, rstd = res
+    xhat = (x.astype(jnp.float32) - mean) * rstd                                   # (..., C)
+    dy = dy.astype(jnp.float32)                                                    # (..., C)
+    wdy = dy * w.astype(jnp.float32)                                               # (..., C)
+    dx = rstd * (wdy - jnp.mean(wdy, axis=-1, keepdims=True)
+                 - xhat * jnp.mean(wdy * xhat, axis=-1, keepdims=True))            # (..., C)
+    rows = tuple(range(x.ndim - 1))
+    dw = jnp.sum(dy * xhat, axis=rows)                                             # (C,)
+    db = jnp.sum(dy, axis=rows)                                                    # (C,)
+    return dx.astype(x.dtype), dw.astype(w.dtype), db.astype(w.dtype)
+
+
+layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
+
+
+def _gelu_tanh(hf):
+    return jnp.tanh(GELU_SCALE * (hf + 0.044715 * hf * hf * hf))
+
+
+@jax.custom_vjp
+def gelu(h):
+    """GPT-2's tanh-approximate GELU, evaluated in fp32."""
+    hf = h.astype(jnp.float32)                                                     # (..., 4C)
+    return (0.5 * hf * (1.0 + _gelu_tanh(hf))).astype(h.dtype)
+
+
+def _gelu_fwd(h):
+    return gelu(h), h
+
+
+def _gelu_bwd(h, dy):
+    hf = h.astype(jnp.float32)                                                     # (..., 4C)
+    t = _gelu_tanh(hf)                                                             # (..., 4C)
+    slope = 0.5 * (1.0 + t) + 0.5 * hf * (1.0 - t * t) * GELU_SCALE * (1.0 + 3 * 0.044715 * hf * hf)
+    return ((dy.astype(jnp.float32) * slope).astype(h.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+def _masked_logits(logits):
+    """fp32 logits with the padded columns (>= V) at -inf, so they get zero probability."""
+    col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)      # (..., Vp)
+    return jnp.where(col < VOCAB_SIZE, logits.astype(jnp.float32), -jnp.inf)      # (..., Vp)
+
+
+@jax.custom_vjp
+def cross_entropy(logits, targets):
+    """Per-token loss (...,) in fp32 of logits (..., Vp) over the first V columns only. The backward is
+    llm.c's fused classifier: dlogits = g * (softmax - onehot), written once in the logits' dtype."""
+    return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _cross_entropy_fwd(logits, targets):
+    lf = _masked_logits(logits)                                                    # (..., Vp)
+    lse = jax.nn.logsumexp(lf, axis=-1)                                            # (...,)
+    target_logit = jnp.take_along_axis(lf, targets[..., None], axis=-1)[..., 0]    # (...,)
+    return lse - target_logit, (logits, targets, lse)
+
+
+def _cross_entropy_bwd(res, g):
+    logits, targets, lse = res
+    probs = jnp.exp(_masked_logits(logits) - lse[..., None])                       # (..., Vp)
+    col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)      # (..., Vp)
+    dlogits = (probs - (col == targets[..., None])) * g[..., None]                 # (..., Vp)
+    return dlogits.astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def linear(x, w, b):
+    """x (..., in) @ w (out, in).T + b (out): llm.c's / torch's Linear layout."""
+    return x @ w.T + b                                                             # (..., out)
+
+
+def attention(qkv, cfg):
+    """Causal self-attention: qkv (B,T,3C) -> (B,T,C). cuDNN's fused flash attention on an NVIDIA GPU
+    (--attn cudnn), else XLA's (fp32 softmax either way)."""
+    B, T, C3 = qkv.shape
+    H, D = cfg.n_head, C3 // (3 * cfg.n_head)
+    q, k, v = jnp.split(qkv.reshape(B, T, 3 * H, D), 3, axis=2)                   # 3 x (B,T,H,D)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                     implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
+    return y.reshape(B, T, H * D)                                                  # (B,T,C)
+
+
+def block(x, lp, cfg):
+    """One pre-LN transformer block; lp holds this layer's slice of the stacked weights."""
+    h = layernorm(x, lp["ln_1.w"], lp["ln_1.b"])                                  # (B,T,C)
+    qkv = linear(h, lp["c_attn.w"], lp["c_attn.b"])                               # (B,T,3C)
+    x = x + linear(attention(qkv, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
+    h = layernorm(x, lp["ln_2.w"], lp["ln_2.b"])                                  # (B,T,C)
+    h = gelu(linear(h, lp["c_fc.w"], lp["c_fc.b"]))                               # (B,T,4C)
+    return x + linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                  # (B,T,C)
+
+
+def transformer(params, idx, cfg):
+    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype. params are the
+    fp32 masters: each tensor is cast here, so its gradient comes back in fp32."""
+    dt = compute_dtype(cfg)
+    T = idx.shape[1]
+    # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32
+    x = (jnp.take(params["wte"], idx, axis=0) + params["wpe"][:T]).astype(dt)     # (B,T,C)
+    layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
+    x, _ = jax.lax.scan(lambda x, lp: (block(x, lp, cfg), None), x, layers)      # (B,T,C)
+    return layernorm(x, params["ln_f.w"].astype(dt), params["ln_f.b"].astype(dt))  # (B,T,C)
+
+
+def forward(params, idx, cfg):
+    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows."""
+    h = transformer(params, idx, cfg)                                              # (B,T,C)
+    return h @ params["wte"].astype(h.dtype).T                                     # (B,T,Vp)
+
+
+def token_losses(params, x, y, cfg):
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T)."""
+    return cross_entropy(forward(params, x, cfg), y)                               # (B,T)
+
+
+def loss_fn(params, x, y, cfg):
+    """Mean token loss of one batch, fp32."""
+    return jnp.mean(token_losses(params, x, y, cfg))
+
+
+# -----------------------------------------------------------------------------
+# Optimizer
+
+def lr_at(it, cfg):
+    """llm.c's schedule for 0-based iteration `it`: linear warmup, then cosine down to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
+def grad_accum_steps(cfg, world):
+    tokens = cfg.batch_size * cfg.seq_len * world
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
+    return cfg.total_batch_size // tokens
+
+
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
+
+
+def adam_scalars(step, cfg):
+    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
+    the compiled step as data, so a new lr never recompiles it."""
+    return np.array([lr_at(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
+                    dtype=np.float32)
+
+
+def global_norm(grads):
+    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
+    norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(grads[k]))) for k in PARAM_NAMES])  # (16,)
+    return jnp.sqrt(jnp.sum(jnp.square(norms)))
+
+
+def adamw_update(params, grads, m, v, scalars, cfg):
+    """llm.c's AdamW on every tensor; weight decay only on DECAY_NAMES. Returns new (params, m, v)."""
+    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
+    new_params, new_m, new_v = {}, {}, {}
+    for k in PARAM_NAMES:
+        g = grads[k]
+        new_m[k] = ADAM_BETA1 * m[k] + (1.0 - ADAM_BETA1) * g
+        new_v[k] = ADAM_BETA2 * v[k] + (1.0 - ADAM_BETA2) * g * g
+        update = (new_m[k] / bias1) / (jnp.sqrt(new_v[k] / bias2) + ADAM_EPS)
+        decay = cfg.weight_decay if k in DECAY_NAMES else 0.0
+        new_params[k] = params[k] - lr * (update + decay * params[k])
+    return new_params, new_m, new_v
+
+
+def train_step(params, m, v, x, y, scalars, cfg):
+    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A
+    micro-batch losses (each micro-batch's gradient scaled by 1/A and summed in fp32), clipped to
+    cfg.grad_clip, then AdamW. Returns (params, m, v, loss, grad_norm before clipping)."""
+    A = x.shape[0]
+
+    def micro_step(acc, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch[0], batch[1], cfg) / A)(params)
+        return {k: acc[k] + grads[k] for k in PARAM_NAMES}, loss
+
+    zeros = {k: jnp.zeros_like(p) for k, p in params.items()}
+    grads, losses = jax.lax.scan(micro_step, zeros, (x, y))                       # fp32 dict, (A,)
+    norm = global_norm(grads)
+    if cfg.grad_clip > 0:
+        coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
+        grads = {k: g * coef for k, g in grads.items()}
+    params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
+    return params, m, v, jnp.sum(losses), norm
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+SHARD_MAGIC = 20240520
+SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
+
+
+def read_shard(path):
+    """An llm.c token shard (SPEC §2) as a read-only uint16 memmap, after checking its header and size."""
+    if not os.path.isfile(path):
+        die(f"shard {path} does not exist")
+    size = os.path.getsize(path)
+    if size < 256 * 4:
+        die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    header = np.fromfile(path, dtype="<i4", count=256)
+    if header[0] != SHARD_MAGIC:
+        die(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC} (not an llm.c token shard)")
+    if header[1] != 1:
+        die(f"shard {path} has version {header[1]}, expected 1")
+    ntok = int(header[2])
+    if size != 256 * 4 + 2 * ntok:
+        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds "
+            f"{(size - 1024) // 2}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
+
+
+def find_shards(cfg):
+    """(train files, val files) for --data DIR | GLOB (with --val-data GLOB); (None, None) if synthetic."""
+    if cfg.data == "synthetic":
+        return None, None
+    if os.path.isdir(cfg.data):
+        train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
+        val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
+        if not train:
+            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory "
+                "(run prepro_fineweb.py first, or use --data synthetic)")
+    else:
+        train = sorted(glob.glob(cfg.data))
+        val = sorted(glob.glob(cfg.val_data)) if cfg.val_data else []
+        if not train:
+            die(f"--data {cfg.data}: no such directory and no file matches that glob")
+        if cfg.val_data and not val:
+            die(f"--val-data {cfg.val_data}: no file matches that glob")
+    return train, val
+
+
+class DataLoader:
+    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
+    all ranks advance p by W*B*T, and the next shard (wrapping around) starts when fewer than W*B*T+1
+    tokens remain. files=None reads one in-memory shard of random tokens drawn from `seed`."""
+
+    def __init__(self, files, B, T, rank=0, world=1, seed=0):
+        self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
+        self.shard, self.tokens = None, None
+        for i in range(len(files) if files else 0):  # fail now, not hours into the run
+            if len(read_shard(files[i])) < world * B * T + 1:
+                die(f"shard {files[i]} holds fewer than {world * B * T + 1} tokens, one batch needs that")
+        self.reset()
+
+    def _load(self, shard):
+        if self.shard != shard or self.tokens is None:
+            if self.files is None:
+                n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
+                self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
+            else:
+                self.tokens = read_shard(self.files[shard])
+        self.shard = shard
+
+    def reset(self):
+        self.set_state(0, 0)
+
+    def set_state(self, shard, position):
+        """Puts the loader at rank 0's `position` in `shard` (what state() returned)."""
+        self._load(shard)
+        self.position = position + self.rank * self.B * self.T
+
+    def state(self):
+        """(shard, rank 0's position): where the next batch starts, for checkpoints."""
+        return self.shard, self.position - self.rank * self.B * self.T
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        buf = np.asarray(self.tokens[self.position: self.position + B * T + 1], dtype=np.int32)
+        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
+        self.position += self.world * B * T
+        if self.position + self.world * B * T + 1 > len(self.tokens):
+            n_shards = len(self.files) if self.files else 1
+            self.set_state((self.shard + 1) % n_shards, 0)
+        return x, y
+
+
+def step_batches(loader, grad_accum):
+    """The next optimizer step's micro-batches, stacked: x, y (A,B,T) int32."""
+    xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
+    return np.stack(xs), np.stack(ys)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+MODEL_MAGIC = 20240326
+
+
+def _to_bf16_bits(x):
+    """fp32 -> bf16 bit patterns (uint16), rounding to nearest even, as torch does."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_model_file(path, params, cfg, dtype="fp32"):
+    """An llm.c model file (SPEC §2): 256-int32 header, then the tensors in PARAM_NAMES order."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3 if dtype == "fp32" else 5, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    shapes = param_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes() if dtype == "fp32" else _to_bf16_bits(t).tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size < 1024:
+        die(f"model file {path} is truncated: {raw.size} bytes")
+    h = raw[:1024].view("<i4")
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = param_shapes(Config(**header))
+    itemsize = 4 if h[1] == 3 else 2
+    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
+    if raw.size != expected:
+        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
+    params, offset = {}, 1024
+    for name in PARAM_NAMES:
+        n = math.prod(shapes[name])
+        chunk = raw[offset: offset + n * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        params[name] = t.reshape(shapes[name])
+        offset += n * itemsize
+    return header, params
+
+
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
+    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (SPEC §2), written under a temporary name, then renamed."""
+    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    tmp = final + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    write_model_file(os.path.join(tmp, "model.bin"), params, cfg, "fp32")
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
+                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
+                 config=np.array(json.dumps(asdict(cfg))))
+    with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+        np.savez(f, **state)
+    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+        old = final + ".old"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        for name in os.listdir(old):
+            os.remove(os.path.join(old, name))
+        os.rmdir(old)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def latest_checkpoint(out_dir):
+    """The newest complete checkpoint directory in out_dir, or None."""
+    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
+                   if os.path.basename(d)[5:].isdigit() and os.path.isfile(os.path.join(d, "state.npz")))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path, cfg):
+    """(header, params, m, v, state) from a checkpoint dir; `path` may be 'auto' (newest in cfg.out_dir)."""
+    if path == "auto":
+        path = latest_checkpoint(cfg.out_dir)
+        if path is None:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+    if not os.path.isfile(os.path.join(path, "state.npz")):
+        die(f"--resume {path}: not a checkpoint directory (no state.npz)")
+    header, params = read_model_file(os.path.join(path, "model.bin"))
+    with np.load(os.path.join(path, "state.npz")) as z:
+        missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
+        missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
+        if missing:
+            die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
+        m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
+        v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
+        state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
+    for k in PARAM_NAMES:
+        if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
+            die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
+                f"the model has {params[k].shape}")
+    return header, params, m, v, state
+
+
+# -----------------------------------------------------------------------------
+# Evaluation
+
+HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
+
+
+def evaluate_val(loss_jit, params, loader, cfg, put):
+    """Mean loss over the first cfg.val_steps batches of the val shards (the loader restarts each time)."""
+    loader.reset()
+    total = 0.0
+    for _ in range(cfg.val_steps):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        total += float(loss_jit(params, put(x), put(y)))
+    return total / cfg.val_steps
+
+
+def evaluate_hellaswag(losses_jit, params, cfg):
+    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):                                                        # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = np.asarray(losses_jit(params, xp, yp))                           # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
+        out[:, crop:] = losses[:, :n - crop]
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+
+
+def generate(params, key, cfg):
+    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
+    (S, T) int32 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
+    mask makes the not-yet-sampled zeros to the right irrelevant, and one fixed shape compiles once."""
+    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
+    tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
+    rows = jnp.arange(SAMPLE_COUNT)                                                # (S,)
+
+    def sample_next(t, carry):                                                     # token t+1 from 0..t
+        tokens, key = carry
+        h = jax.lax.dynamic_index_in_dim(transformer(params, tokens, cfg), t, axis=1,
+                                         keepdims=False)                          # (S,C)
+        logits = (h @ params["wte"][:VOCAB_SIZE].astype(h.dtype).T).astype(jnp.float32)  # (S,V)
+        top_logits, top_ids = jax.lax.top_k(logits, TOP_K)                        # (S,K) each
+        key, sub = jax.random.split(key)
+        choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
+        return tokens.at[:, t + 1].set(top_ids[rows, choice]), key
+
+    tokens, _ = jax.lax.fori_loop(0, T - 1, sample_next, (tokens, key))
+    return tokens
+
+
+# -----------------------------------------------------------------------------
+# Logging
+
+PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
+    "H100 PCIe": (756e12, 378e12),
+    "H100": (989e12, 494.5e12),   # SXM
+    "H200": (989e12, 494.5e12),
+    "A100": (312e12, 156e12),
+    "L40S": (362e12, 183e12),
+    "4090": (165e12, 82.6e12),
+}
+
+
+def model_flops_per_token(cfg, n_params):
+    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+
+def peak_flops(device_name, dtype):
+    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
+    for key, (bf16, tf32) in PEAK_FLOPS.items():
+        if key in device_name:
+            return bf16 if dtype == "bf16" else tf32
+    return None
+
+
+def log_event(out_dir, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (SPEC §5 keys)."""
+    record["framework"] = FRAMEWORK
+    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb):
+    mfu_s = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+    mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
+    return (f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | "
+            f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
+
+
+def peak_memory_gb(devices):
+    """The largest peak of allocated bytes over the devices, in GB; None where the backend keeps no
+    statistics (the CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if any(s is None or "peak_bytes_in_use" not in s for s in stats):
+        return None
+    return max(s["peak_bytes_in_use"] for s in stats) / 1e9
+
+
+
+# -----------------------------------------------------------------------------
+# Main
+
+PROFILE_STEPS = 3
+
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def resolve_attention(cfg, platform):
+    """--attn auto: cuDNN flash attention when it compiles here (an NVIDIA GPU, bf16), else XLA's."""
+    if cfg.attn == "cudnn" and (platform != "gpu" or cfg.dtype != "bf16"):
+        die("--attn cudnn needs an NVIDIA GPU and --dtype bf16 (cuDNN's fused attention has no fp32)")
+    if cfg.attn != "auto":
+        return cfg.attn
+    if platform != "gpu" or cfg.dtype != "bf16":
+        return "xla"
+    q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    probe = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    try:
+        jax.jit(probe).lower(q, q, q).compile()
+    except Exception as e:  # noqa: BLE001  (any failure here means: not available, use XLA's)
+        print(f"cuDNN attention unavailable ({str(e).splitlines()[0][:120]}); using XLA's")
+        return "xla"
+    return "cudnn"
+
+
+def main(argv=None):
+    cfg, explicit = parse_args(argv)
+    devices = jax.devices()
+    world, platform = len(devices), devices[0].platform
+
+    # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
+    step, loader_state, m, v = 0, (0, 0), None, None
+    if cfg.resume:
+        header, params, m, v, state = load_checkpoint(cfg.resume, cfg)
+        apply_model_header(cfg, header, explicit)
+        cfg.seed, step, loader_state = state["seed"], state["step"], (state["shard"], state["position"])
+    elif cfg.init_from:
+        header, params = read_model_file(cfg.init_from)
+        apply_model_header(cfg, header, explicit)
+    else:
+        params = init_params_numpy(cfg)
+    if m is None:
+        m = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items()}
+    if cfg.eval_only and not (cfg.resume or cfg.init_from):
+        die("--eval-only needs weights: give --init-from or --resume")
+    cfg.attn = resolve_attention(cfg, platform)
+
+    # data: every micro-batch spans all devices, so one loader reads the global batch (B x devices rows,
+    # the rows llm.c's per-rank loaders would read side by side)
+    grad_accum = grad_accum_steps(cfg, world)
+    B, T = cfg.batch_size * world, cfg.seq_len
+    train_files, val_files = find_shards(cfg)
+    train_loader = None if cfg.eval_only else DataLoader(train_files, B, T, seed=cfg.seed)
+    val_loader = DataLoader(val_files, B, T) if val_files else None
+    if train_loader is not None:
+        n_shards = len(train_files) if train_files else 1
+        shard, position = loader_state
+        if shard >= n_shards:
+            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
+        train_loader.set_state(shard, position)
+        if position + B * T + 1 > len(train_loader.tokens):
+            die(f"--resume: the checkpoint's position {position} is past the end of train shard {shard}")
+    encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
+    os.makedirs(cfg.out_dir, exist_ok=True)
+
+    # devices: parameters and optimizer state replicated, batches split along their B axis
+    mesh = Mesh(np.array(devices), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step_batch = NamedSharding(mesh, PartitionSpec(None, "data"))                  # (A,B,T)
+    eval_batch = NamedSharding(mesh, PartitionSpec("data"))                        # (B,T)
+    params, m, v = jax.device_put((params, m, v), replicated)
+    n_params = sum(p.size for k, p in params.items() if k != "wpe")
+    print(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+          f"wpe) | {world} x {devices[0].device_kind} | {cfg.dtype} | attention: {cfg.attn}")
+    print(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
+          f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
+
+    # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
+    precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
+    with precision:
+        eval_loss = jax.jit(partial(loss_fn, cfg=cfg))
+        row_losses = jax.jit(partial(token_losses, cfg=cfg))
+        put_eval = partial(jax.device_put, device=eval_batch)
+
+        def run_evals(step, val, swag):
+            if val and val_loader is not None:
+                val_loss = evaluate_val(eval_loss, params, val_loader, cfg, put_eval)
+                print(f"step {step:5d} | val loss {val_loss:.6f}")
+                log_event(cfg.out_dir, step=step, val_loss=val_loss)
+            if swag:
+                acc, acc_norm = evaluate_hellaswag(row_losses, params, cfg)
+                print(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
+                log_event(cfg.out_dir, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
+
+        if cfg.eval_only:
+            if val_loader is None:
+                print("no validation shards: val loss skipped")
+            run_evals(step, True, True)
+            return
+
+        t0 = time.perf_counter()
+        step_jit = jax.jit(partial(train_step, cfg=cfg), donate_argnums=(0, 1, 2),
+                           in_shardings=(replicated,) * 3 + (step_batch, step_batch, replicated),
+                           out_shardings=replicated)
+        batch_spec = jax.ShapeDtypeStruct((grad_accum, B, T), jnp.int32, sharding=step_batch)
+        scalar_spec = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=replicated)
+        compiled = step_jit.lower(params, m, v, batch_spec, batch_spec, scalar_spec).compile()
+        print(f"compiled train step in {time.perf_counter() - t0:.1f} s")
+        generate_jit = jax.jit(partial(generate, cfg=cfg))
+
+        flops_per_token = model_flops_per_token(cfg, n_params)
+        peak = peak_flops(devices[0].device_kind, cfg.dtype) if platform == "gpu" else None
+        first = step + 1
+        profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
+        profile_dir = os.path.join(cfg.out_dir, "profile")
+        times = {}
+        for step in range(first, cfg.steps + 1):
+            if cfg.profile and step == profile_steps[0]:
+                jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
+            with jax.profiler.StepTraceAnnotation("train_step", step_num=step):
+                t0 = time.perf_counter()
+                x, y = step_batches(train_loader, grad_accum)                      # (A,B,T) each
+                scalars = adam_scalars(step, cfg)
+                params, m, v, loss, norm = compiled(params, m, v, jax.device_put(x, step_batch),
+                                                    jax.device_put(y, step_batch), scalars)
+                loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
+                dt = time.perf_counter() - t0
+            times[step] = dt
+            if cfg.profile and step == profile_steps[-1]:
+                jax.profiler.stop_trace()
+                ms = [1000 * times[s] for s in profile_steps]
+                print(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {profile_dir} "
+                      f"(Perfetto: the .trace.json.gz; TensorBoard: the .xplane.pb) | step time mean "
+                      f"{np.mean(ms):.1f} ms, min {min(ms):.1f} ms, max {max(ms):.1f} ms")
+            tokens_per_s = cfg.total_batch_size / dt
+            mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+            lr, mem = lr_at(step - 1, cfg), peak_memory_gb(devices)
+            print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
+            log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
+                      tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+            run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
+            if due(cfg.sample_every, step, cfg.steps):
+                key = jax.random.fold_in(jax.random.key(cfg.seed), step)
+                for i, row in enumerate(np.asarray(generate_jit(params, key))):
+                    text = encoder.decode([int(t) for t in row[1:]])
+                    print(f"sample {i}: {text!r}")
+            if due(cfg.ckpt_every, step, cfg.steps):
+                path = save_checkpoint(cfg.out_dir, step, params, m, v, train_loader.state(), cfg)
+                print(f"saved {path}")
+
+    # the first step can carry one-off start-up costs (allocations, cuDNN plans): averaged separately
+    later = [times[s] for s in times if s > first] or list(times.values())
+    if later:
+        dt = float(np.mean(later))
+        tokens_per_s = cfg.total_batch_size / dt
+        mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+        print(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
+              f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, mfu "
+              f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+
+
+if __name__ == "__main__":
+    main()
