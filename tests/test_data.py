@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import hellaswag
+import prepro_fineweb
 from conftest import EOT, assert_clean_error, run_script, shared_file
 
 
@@ -23,6 +24,16 @@ def enc():
 def real_examples():
     with open(shared_file("data/hellaswag/hellaswag_val_first10.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def error_line(main, args, capsys):
+    """The one-line error of a script's main() run in-process: die()'s SystemExit message, or argparse's
+    last stderr line (exit code 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    code = exc.value.code
+    assert code not in (0, None)
+    return code if isinstance(code, str) else capsys.readouterr().err.strip().splitlines()[-1]
 
 
 # -----------------------------------------------------------------------------
@@ -152,9 +163,9 @@ def test_hellaswag_download_retries_and_checksum(http_server, tmp_path):
     assert os.listdir(tmp_path / "got") == ["f.jsonl"]
 
 
-def test_hellaswag_bad_input_clean_errors(http_server, tmp_path):
+def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
     """Malformed jsonl, a row without 4 endings, a missing file on the server and an unknown split end
-    with a one-line error and no traceback."""
+    with a one-line error naming the problem (no traceback from the command line)."""
     cache = tmp_path / "cache"
     cache.mkdir()
     good = open(shared_file("data/hellaswag/hellaswag_val_first10.jsonl")).read()
@@ -162,12 +173,202 @@ def test_hellaswag_bad_input_clean_errors(http_server, tmp_path):
     proc = run_script("hellaswag.py", "show", "--limit", "10", "--cache-dir", cache, check=False)
     assert_clean_error(proc, "hellaswag_val.jsonl:", "not valid JSON")
     (cache / "hellaswag_val.jsonl").write_text('{"ctx": "a", "endings": ["b"], "label": 0}\n')
-    proc = run_script("hellaswag.py", "export", "--out", tmp_path / "x.bin", "--cache-dir", cache,
-                      check=False)
-    assert_clean_error(proc, "endings")
+    line = error_line(hellaswag.main, ["export", "--out", tmp_path / "x.bin", "--cache-dir", cache], capsys)
+    assert line.startswith("error: ") and "endings" in line
     assert not (tmp_path / "x.bin").exists()
-    proc = run_script("hellaswag.py", "download", "--split", "train", "--cache-dir", cache,
-                      "--base-url", http_server.url, check=False)
-    assert_clean_error(proc, "HTTP 404")
-    proc = run_script("hellaswag.py", "show", "--split", "dev", check=False)
-    assert_clean_error(proc, "--split")
+    line = error_line(hellaswag.main, ["download", "--split", "train", "--cache-dir", cache, "--base-url",
+                                       http_server.url], capsys)
+    assert line.startswith("error: ") and "HTTP 404" in line
+    assert "--split" in error_line(hellaswag.main, ["show", "--split", "dev"], capsys)
+
+
+# -----------------------------------------------------------------------------
+# prepro_fineweb.py
+
+SHARD = 100_000
+
+
+@pytest.fixture(scope="module")
+def shakespeare_parquet(tmp_path_factory):
+    """tinyshakespeare as a parquet file: one document per blank-line-separated passage (the documents of
+    conftest's shakespeare_tokens), 500 rows per row group, plus an unused column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    text = open(shared_file("data/tinyshakespeare/input.txt"), encoding="utf-8").read()
+    docs = [d for d in text.split("\n\n") if d]
+    path = tmp_path_factory.mktemp("parquet") / "shakespeare.parquet"
+    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path, row_group_size=500)
+    return path
+
+
+def read_shards(out_dir, name):
+    """{file name: tokens} of the shards in out_dir in shard order, each header checked (SPEC §2)."""
+    files = sorted((f for f in os.listdir(out_dir) if f.startswith(name) and f.endswith(".bin")),
+                   key=lambda f: int(f[-10:-4]))
+    shards = {}
+    for f in files:
+        raw = open(os.path.join(out_dir, f), "rb").read()
+        header = np.frombuffer(raw[:1024], dtype="<i4")
+        tokens = np.frombuffer(raw[1024:], dtype="<u2")
+        assert header[:3].tolist() == [20240520, 1, len(tokens)] and not header[3:].any(), f
+        shards[f] = tokens
+    return shards
+
+
+def expected_names(name, total):
+    n = -(-total // SHARD)
+    return [f"{name}_val_000000.bin"] + [f"{name}_train_{i:06d}.bin" for i in range(1, n)]
+
+
+def test_prepro_parquet_shards(shakespeare_parquet, shakespeare_tokens, tmp_path):
+    """Shards of a parquet input: llm.c headers, shard 0 = val, then train shards of --shard-size tokens;
+    their tokens in order equal EOT + tiktoken's tokens of every document. A rerun writes nothing."""
+    out = tmp_path / "out"
+    proc = run_script("prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out,
+                      "--shard-size", SHARD, "--workers", 2)
+    assert "tokens/s" in proc.stdout
+    shards = read_shards(out, "shakespeare")
+    assert list(shards) == expected_names("shakespeare", len(shakespeare_tokens))
+    assert all(len(t) == SHARD for t in list(shards.values())[:-1])
+    assert np.array_equal(np.concatenate(list(shards.values())), shakespeare_tokens)
+    stamps = {f: os.stat(out / f).st_mtime_ns for f in shards}
+    proc = run_script("prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out,
+                      "--shard-size", SHARD, "--workers", 2)
+    assert "nothing to do" in proc.stdout
+    assert stamps == {f: os.stat(out / f).st_mtime_ns for f in shards}
+
+
+def test_prepro_resume_and_max_tokens(shakespeare_parquet, shakespeare_tokens, tmp_path):
+    """--max-tokens stops early (val full, train short); a rerun without it continues from the last full
+    shard (mid-document), and after a shard is deleted it redoes only that one and what follows: the
+    result equals a single uninterrupted run, kept shards untouched."""
+    out = tmp_path / "out"
+    args = ["prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out, "--shard-size", SHARD,
+            "--workers", 1]
+    run_script(*args, "--max-tokens", 150_000)
+    shards = read_shards(out, "shakespeare")
+    assert {f: len(t) for f, t in shards.items()} == {"shakespeare_val_000000.bin": SHARD,
+                                                      "shakespeare_train_000001.bin": 50_000}
+    assert np.array_equal(np.concatenate(list(shards.values())), shakespeare_tokens[:150_000])
+    val_stamp = os.stat(out / "shakespeare_val_000000.bin").st_mtime_ns
+    run_script(*args)
+    shards = read_shards(out, "shakespeare")
+    assert np.array_equal(np.concatenate(list(shards.values())), shakespeare_tokens)
+    assert os.stat(out / "shakespeare_val_000000.bin").st_mtime_ns == val_stamp
+    os.remove(out / "shakespeare_train_000002.bin")
+    kept = os.stat(out / "shakespeare_train_000001.bin").st_mtime_ns
+    proc = run_script(*args)
+    assert "keeping 2 complete shards" in proc.stdout
+    shards = read_shards(out, "shakespeare")
+    assert list(shards) == expected_names("shakespeare", len(shakespeare_tokens))
+    assert np.array_equal(np.concatenate(list(shards.values())), shakespeare_tokens)
+    assert os.stat(out / "shakespeare_train_000001.bin").st_mtime_ns == kept
+
+
+def test_prepro_download_resumes(http_server, shakespeare_parquet, shakespeare_tokens, tmp_path):
+    """The default FineWeb-Edu path against a local server: the first parquet file, cut off half way,
+    resumes with a Range request, passes the announced sha256 and size, and is byte-identical; only the
+    files needed for --max-tokens are fetched; shards are named edu_fineweb_*."""
+    data = open(shakespeare_parquet, "rb").read()
+    name = "datasets/HuggingFaceFW/fineweb-edu/resolve/main/sample/10BT/000_00000.parquet"
+    os.makedirs(tmp_path / "www" / os.path.dirname(name))
+    (tmp_path / "www" / name).write_bytes(data)
+    http_server.cut_once[name] = len(data) // 2
+    http_server.headers[name] = {"X-Linked-Etag": '"%s"' % hashlib.sha256(data).hexdigest()}
+    out = tmp_path / "out"
+    run_script("prepro_fineweb.py", "--hf-url", http_server.url, "--out-dir", out, "--shard-size", SHARD,
+               "--max-tokens", 250_000, "--workers", 2)
+    assert (out / "parquet" / "000_00000.parquet").read_bytes() == data
+    assert sorted(os.listdir(out / "parquet")) == ["000_00000.parquet"]
+    gets = [(n, r) for m, n, r in http_server.requests if m == "GET"]
+    assert [n for n, _ in gets] == [name, name] and gets[0][1] is None
+    assert gets[1][1] == f"bytes={len(data) // 2}-"
+    shards = read_shards(out, "edu_fineweb")
+    assert list(shards) == expected_names("edu_fineweb", 250_000)
+    assert np.array_equal(np.concatenate(list(shards.values())), shakespeare_tokens[:250_000])
+
+
+def test_prepro_hub_listing(http_server, tmp_path):
+    """edu-100B's file list comes from the Hub tree API, followed across pages (Link: rel="next"), parquet
+    files only, with each LFS file's size and sha256."""
+    api = tmp_path / "www" / "api" / "datasets" / "HuggingFaceFW" / "fineweb-edu" / "tree" / "main" / "sample"
+    api.mkdir(parents=True)
+    entry = lambda i: {"type": "file", "path": f"sample/100BT/{i:03d}_00000.parquet", "size": 10 + i,  # noqa: E731
+                       "lfs": {"oid": f"{i:064x}", "size": 10 + i, "pointerSize": 134}}
+    (api / "100BT").write_text(json.dumps([entry(1), {"type": "directory", "path": "sample/100BT/x"}]))
+    (tmp_path / "www" / "page2").write_text(json.dumps([entry(0), {"type": "file", "path": "a/README.md",
+                                                                    "size": 5}]))
+    http_server.headers["api/datasets/HuggingFaceFW/fineweb-edu/tree/main/sample/100BT"] = {
+        "Link": f'<{http_server.url}/page2>; rel="next"'}
+    files = prepro_fineweb.list_hub_folder(http_server.url, "HuggingFaceFW/fineweb-edu", "sample/100BT")
+    assert files == [("000_00000.parquet", 10, f"{0:064x}"), ("001_00000.parquet", 11, f"{1:064x}")]
+
+
+def test_prepro_corrupt_downloads(http_server, tmp_path):
+    """A download whose sha256 or size disagrees with what was announced is removed with a clean error
+    (nothing under the final name), and a truncated parquet file is reported, not read."""
+    data = bytes(range(256)) * 64
+    (tmp_path / "www" / "f.bin").write_bytes(data)
+    http_server.headers["f.bin"] = {"X-Linked-Etag": '"%s"' % hashlib.sha256(b"other").hexdigest()}
+    with pytest.raises(SystemExit, match="corrupt: sha256"):
+        prepro_fineweb.download_file(f"{http_server.url}/f.bin", str(tmp_path / "d" / "f.bin"), backoff=0.01)
+    del http_server.headers["f.bin"]
+    with pytest.raises(SystemExit, match=f"announces {len(data)} bytes, expected {len(data) + 1}"):
+        prepro_fineweb.download_file(f"{http_server.url}/f.bin", str(tmp_path / "d" / "f.bin"), backoff=0.01,
+                                     expected_size=len(data) + 1)
+    http_server.fail_once["f.bin"] = 404
+    with pytest.raises(SystemExit, match="HTTP 404"):
+        prepro_fineweb.download_file(f"{http_server.url}/f.bin", str(tmp_path / "d" / "f.bin"), backoff=0.01)
+    assert not [f for f in os.listdir(tmp_path / "d") if f == "f.bin"]
+    good = tmp_path / "www" / "good.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["some text"] * 2000}), good)
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    proc = run_script("prepro_fineweb.py", "--input", truncated, "--out-dir", tmp_path / "o", check=False)
+    assert_clean_error(proc, "truncated.parquet", "not a readable parquet file")
+
+
+def test_prepro_bad_input_clean_errors(enc, tmp_path, capsys):
+    """Bad flags and inputs (missing path, wrong file type, malformed jsonl, zero shard size, a rerun
+    with other settings, foreign shards in --out-dir) end with a one-line error naming the problem (no
+    traceback from the command line)."""
+    out = tmp_path / "out"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": 3}\n')
+    other = tmp_path / "notes.csv"
+    other.write_text("a,b\n")
+    cases = [(["--input", tmp_path / "missing.txt"], ["missing.txt", "no such file"]),
+             (["--input", other], ["notes.csv", "not a .txt, .jsonl or .parquet"]),
+             (["--input", bad, "--shard-size", "0"], ["--shard-size"]),
+             (["--input", bad, "--workers", "0"], ["--workers"]),
+             (["--input", bad, "--tokenizer", tmp_path / "none.tok"], ["--tokenizer", "no such file"])]
+    for args, needles in cases:
+        line = error_line(prepro_fineweb.main, [*args, "--out-dir", out], capsys)
+        assert all(n in line for n in needles), (line, needles)
+    proc = run_script("prepro_fineweb.py", "--input", bad, "--out-dir", out, "--workers", 1, check=False)
+    assert_clean_error(proc, "bad.jsonl:2", "no 'text' string")
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("Hello world.")
+    run_script("prepro_fineweb.py", "--input", tiny, "--out-dir", out, "--workers", 1)
+    line = error_line(prepro_fineweb.main, ["--input", tiny, "--out-dir", out, "--shard-size", 5], capsys)
+    assert "other inputs or settings" in line
+    os.remove(out / "tiny_prepro.json")
+    proc = run_script("prepro_fineweb.py", "--input", tiny, "--out-dir", out, "--workers", 1, check=False)
+    assert_clean_error(proc, "no tiny_prepro.json")
+    assert read_shards(out, "tiny")["tiny_val_000000.bin"].tolist() == [EOT] + enc.encode("Hello world.")
+
+
+def test_prepro_bench_prints_both(shakespeare_parquet, shakespeare_tokens, tmp_path):
+    """--bench prints our tokens/s next to bare tiktoken encode_ordinary_batch on the same documents and
+    their ratio, and leaves --out-dir alone."""
+    proc = run_script("prepro_fineweb.py", "--input", shakespeare_parquet, "--bench", "--workers", 2,
+                      "--out-dir", tmp_path / "out")
+    lines = proc.stdout.splitlines()
+    ours = [line for line in lines if line.startswith("prepro_fineweb")]
+    bare = [line for line in lines if line.startswith("tiktoken encode_ordinary_batch, 2 threads")]
+    n = f"{len(shakespeare_tokens):,} tokens in"
+    assert len(ours) == len(bare) == 1 and n in ours[0] and n in bare[0]
+    assert any(line.startswith("ratio to encode_ordinary_batch: ") for line in lines)
+    assert not (tmp_path / "out").exists()
