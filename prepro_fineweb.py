@@ -454,7 +454,8 @@ def resume_point(out_dir, name, manifest_path, settings, max_tokens):
     """Reads the manifest of an earlier run: (manifest, complete full shards to keep, finished?).
     Each shard entry records where the next shard starts: document index and token offset in it."""
     if not os.path.exists(manifest_path):
-        strays = [f for f in os.listdir(out_dir) if re.fullmatch(rf"{re.escape(name)}_(val|train)_\d{{6}}\.bin", f)]
+        pattern = rf"{re.escape(name)}_(val|train)_\d{{6}}\.bin"
+        strays = [f for f in os.listdir(out_dir) if re.fullmatch(pattern, f)]
         if strays:
             die(f"{out_dir} holds {name} shards but no {os.path.basename(manifest_path)}; choose another "
                 f"--out-dir or --name, or delete them")
@@ -514,11 +515,14 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
     t0 = time.time()
     buf = np.empty(shard_size, dtype=np.uint16)  # (shard_size,) the shard being filled
     fill, written, docs_read = 0, 0, 0
+
     def flush(next_pos):
+        """Writes the shard being filled; records where the next one starts (document, token offset)."""
         nonlocal index, fill
         fname = shard_name(name, index)
         write_shard(os.path.join(out_dir, fname), buf[:fill])
-        manifest["shards"].append(dict(file=fname, tokens=fill, next_doc=next_pos[0], next_offset=next_pos[1]))
+        manifest["shards"].append(dict(file=fname, tokens=fill, next_doc=next_pos[0],
+                                       next_offset=next_pos[1]))
         save_manifest(manifest_path, manifest)
         index, fill = index + 1, 0
 

@@ -293,8 +293,10 @@ def test_prepro_hub_listing(http_server, tmp_path):
     files only, with each LFS file's size and sha256."""
     api = tmp_path / "www" / "api" / "datasets" / "HuggingFaceFW" / "fineweb-edu" / "tree" / "main" / "sample"
     api.mkdir(parents=True)
-    entry = lambda i: {"type": "file", "path": f"sample/100BT/{i:03d}_00000.parquet", "size": 10 + i,  # noqa: E731
-                       "lfs": {"oid": f"{i:064x}", "size": 10 + i, "pointerSize": 134}}
+    def entry(i):
+        return {"type": "file", "path": f"sample/100BT/{i:03d}_00000.parquet", "size": 10 + i,
+                "lfs": {"oid": f"{i:064x}", "size": 10 + i, "pointerSize": 134}}
+
     (api / "100BT").write_text(json.dumps([entry(1), {"type": "directory", "path": "sample/100BT/x"}]))
     (tmp_path / "www" / "page2").write_text(json.dumps([entry(0), {"type": "file", "path": "a/README.md",
                                                                     "size": 5}]))
@@ -358,6 +360,32 @@ def test_prepro_bad_input_clean_errors(enc, tmp_path, capsys):
     proc = run_script("prepro_fineweb.py", "--input", tiny, "--out-dir", out, "--workers", 1, check=False)
     assert_clean_error(proc, "no tiny_prepro.json")
     assert read_shards(out, "tiny")["tiny_val_000000.bin"].tolist() == [EOT] + enc.encode("Hello world.")
+
+
+def test_prepro_custom_tokenizer(shakespeare_parquet, tmp_path, capsys):
+    """--tokenizer uses a tokenizer.py file: shards hold its <|endoftext|> id + its encode_ordinary tokens
+    of every document; a damaged tokenizer file is a one-line error."""
+    import pyarrow.parquet as pq
+    from tokenizer import BPETokenizer
+    docs = pq.read_table(shakespeare_parquet, columns=["text"]).column("text").to_pylist()
+    tok = BPETokenizer.train("\n\n".join(docs[:300]), 300)
+    tok.save(tmp_path / "t300.tok")
+    out = tmp_path / "out"
+    run_script("prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out, "--workers", 2,
+               "--tokenizer", tmp_path / "t300.tok", "--max-tokens", 60_000, "--shard-size", 40_000)
+    eot = tok.special_tokens["<|endoftext|>"]
+    expected = []
+    for doc in docs:
+        expected += [eot] + tok.encode_ordinary(doc)
+        if len(expected) >= 60_000:
+            break
+    shards = read_shards(out, "shakespeare")
+    assert [len(t) for t in shards.values()] == [40_000, 20_000]
+    assert np.concatenate(list(shards.values())).tolist() == expected[:60_000]
+    (tmp_path / "bad.tok").write_text("not a tokenizer\n")
+    line = error_line(prepro_fineweb.main, ["--input", shakespeare_parquet, "--out-dir", tmp_path / "o",
+                                            "--tokenizer", tmp_path / "bad.tok"], capsys)
+    assert line.startswith("error: --tokenizer") and "bad.tok" in line
 
 
 def test_prepro_bench_prints_both(shakespeare_parquet, shakespeare_tokens, tmp_path):
