@@ -56,8 +56,9 @@ NO_MERGE = 1 << 62        # the rank of a pair that is not a token
 
 # Where the pre-tokenizer cannot make a piece that crosses the cut: between a letter and " letter" (the
 # letter run ends, " letter" starts a word), or after "\n" between two non-spaces (that "\n" is a piece on
-# its own whatever follows). Searched right to left, so the match is the last such place.
-SAFE_CUT = regex.compile(r"(?r)(?<=\p{L})(?= \p{L})|(?<=\S\n)(?=\S)")
+# its own whatever follows). SAFE_CUT_LAST searches right to left: its match is the last such place.
+SAFE_CUT = regex.compile(r"(?<=\p{L})(?= \p{L})|(?<=\S\n)(?=\S)")
+SAFE_CUT_LAST = regex.compile(r"(?r)" + SAFE_CUT.pattern)
 WHITESPACE = regex.compile(r"\s")
 
 
@@ -151,12 +152,13 @@ def merge_table(tokens):
 # Pre-tokenization of large texts in chunks
 
 def cut_chunks(text, chunk_chars=CHUNK_CHARS):
-    """Yields text in pieces of about chunk_chars, cut only at SAFE_CUT places, so pre-tokenizing the
-    pieces one by one gives exactly the pre-tokens of the whole text."""
+    """Yields text in pieces of at most chunk_chars where a safe place allows (else up to the first one
+    after), cut only at SAFE_CUT places, so pre-tokenizing the pieces one by one gives exactly the
+    pre-tokens of the whole text."""
     start = 0
     while len(text) - start > chunk_chars:
-        m = SAFE_CUT.search(text, start + 1, start + chunk_chars)
-        end = m.start() if m else len(text)  # no safe place in the window: the rest in one piece
+        m = SAFE_CUT_LAST.search(text, start + 1, start + chunk_chars) or SAFE_CUT.search(text, start + chunk_chars)
+        end = m.start() if m else len(text)
         yield text[start:end]
         start = end
     if start < len(text):
@@ -164,9 +166,16 @@ def cut_chunks(text, chunk_chars=CHUNK_CHARS):
 
 
 def read_chunks(path, chunk_chars=CHUNK_CHARS):
-    """Yields a UTF-8 text file (gzip when it ends in .gz) in safely cut chunks, without reading it whole."""
+    """A UTF-8 text file (gzip when it ends in .gz) as an iterator of safely cut chunks, without reading
+    it whole. A missing or empty file fails here, before anything else is done."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file: {path}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"file is empty: {path}")
+    return file_chunks(path, chunk_chars)
+
+
+def file_chunks(path, chunk_chars):
     opener = gzip.open if str(path).endswith(".gz") else open
     empty = True
     try:
@@ -348,14 +357,8 @@ def read_gpt2_files(encoder_json, vocab_bpe):
     """(tokens, special tokens) from GPT-2's files: vocab.bpe defines the tokens (256 bytes, then one per
     merge line) and encoder.json must give each the same id; its extra entries are the special tokens."""
     order, char_to_byte = gpt2_byte_order()
-
-    def to_bytes(s, where):
-        try:
-            return bytes(char_to_byte[c] for c in s)
-        except KeyError:
-            raise ValueError(f"{where}: {s!r} is not in GPT-2's byte alphabet") from None
-
-    tokens = [bytes([b]) for b in order]
+    alphabet = set(char_to_byte)
+    to_latin1 = str.maketrans({c: chr(b) for c, b in char_to_byte.items()})  # then .encode("latin-1")
     try:
         with open(vocab_bpe, encoding="utf-8") as f:
             lines = f.read().split("\n")
@@ -365,22 +368,26 @@ def read_gpt2_files(encoder_json, vocab_bpe):
         raise FileNotFoundError(f"no such file: {e.filename}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{encoder_json} or {vocab_bpe} is not a GPT-2 vocabulary file ({e})") from None
-    if not lines or not lines[0].startswith("#version"):
+    if not lines[0].startswith("#version"):
         raise ValueError(f"{vocab_bpe}: first line is not '#version: ...' (not a GPT-2 vocab.bpe)")
+    while lines[-1] == "":
+        lines.pop()
+    tokens = [bytes([b]) for b in order]
     for n, line in enumerate(lines[1:], start=2):
-        if not line:
-            continue
         parts = line.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"{vocab_bpe} line {n}: expected two tokens separated by one space")
-        tokens.append(to_bytes(parts[0], f"{vocab_bpe} line {n}") + to_bytes(parts[1], f"{vocab_bpe} line {n}"))
-    if not isinstance(encoder, dict) or not all(isinstance(v, int) for v in encoder.values()):
+        if len(parts) != 2 or not all(parts) or not alphabet.issuperset(parts[0] + parts[1]):
+            raise ValueError(f"{vocab_bpe} line {n}: expected two tokens of GPT-2's byte alphabet, one space "
+                             f"apart, got {line[:40]!r}")
+        tokens.append((parts[0] + parts[1]).translate(to_latin1).encode("latin-1"))
+    if not isinstance(encoder, dict):
         raise ValueError(f"{encoder_json}: expected a JSON object of token -> integer id")
     specials = {}
-    for s, i in sorted(encoder.items(), key=lambda kv: kv[1]):
+    for s, i in encoder.items():
+        if not isinstance(i, int) or i < 0:
+            raise ValueError(f"{encoder_json}: the id of {s!r} is {i!r}, not a non-negative integer")
         if i >= len(tokens):
             specials[s] = i
-        elif to_bytes(s, encoder_json) != tokens[i]:
+        elif not alphabet.issuperset(s) or s.translate(to_latin1).encode("latin-1") != tokens[i]:
             raise ValueError(f"{encoder_json}: id {i} is {s!r} but vocab.bpe makes {quote_bytes(tokens[i])}")
     if len(encoder) - len(specials) != len(tokens):
         raise ValueError(f"{encoder_json} has {len(encoder) - len(specials)} ordinary tokens, vocab.bpe "
@@ -651,13 +658,14 @@ def cmd_train(args):
 
 
 def cmd_encode(args):
+    chunks = read_chunks(args.input)
     tok = load_tokenizer_arg(args.tokenizer)
     if tok.vocab_size > 65536:
         die(f"--tokenizer {args.tokenizer}: {tok.vocab_size} tokens do not fit a uint16 shard")
     t0 = time.perf_counter()
     parts = [[tok.special_tokens[ENDOFTEXT]]] if ENDOFTEXT in tok.special_tokens else []
     nbytes = 0
-    for chunk in read_chunks(args.input):
+    for chunk in chunks:
         nbytes += len(chunk.encode("utf-8"))
         parts.append(tok.encode(chunk, allowed_special="all"))
     tokens = np.concatenate([np.asarray(p, dtype=np.uint16) for p in parts])  # (N,)
@@ -667,8 +675,8 @@ def cmd_encode(args):
 
 
 def cmd_decode(args):
-    tok = load_tokenizer_arg(args.tokenizer)
-    text = tok.decode(read_shard(args.input).tolist())
+    tokens = read_shard(args.input)
+    text = load_tokenizer_arg(args.tokenizer).decode(tokens)
     if args.out:
         tmp = f"{args.out}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8", newline="") as f:

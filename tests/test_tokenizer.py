@@ -1,0 +1,443 @@
+"""tokenizer.py: byte-level BPE, GPT-2-exact.
+
+GPT-2's vocabulary loaded by tokenizer.py must give tiktoken's tokens exactly; training must equal a
+slow full-recount reference; files, downloads and the command line must fail cleanly on bad input."""
+import collections
+import gzip
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import regex
+
+from conftest import EOT, assert_clean_error, run_script, shared_file
+import tokenizer
+from tokenizer import BPETokenizer
+
+TRICKY = [
+    "", " ", "a", "Hello, world!", "héllo wörld café naïve Ærøskøbing", "Ça va? Où êtes-vous?",
+    "你好，世界。日本語のテキスト、한국어 텍스트", "emoji 🤖🚀👨‍👩‍👧‍👦 flags 🇩🇪🇬🇧 skin 👍🏽",
+    "tabs\tand\t\ttabs\t", "runs of spaces     here   and there  ", "\n\n\nnewlines\n\n \n\t\n",
+    "trailing spaces   ", "   leading spaces", "\r\nwindows\r\nline ends\r\n",
+    "digits 0123456789 3.14159 1,000,000 2024-05-20 x86_64", "he's she'll they're we've I'm you'd it'd 't",
+    "HE'S SHE'LL THEY'RE I'M", "don’t won’t it’s (curly apostrophes)", "''' 's's ''s 'll'll",
+    "a\u0301 e\u0300 combining marks, \u200bzero\u200dwidth\ufeffBOM", "\x00\x01\x1b[31mred\x1b[0m\x7f",
+    "\x1c\x1d\x1e\x1f separators \x85 next-line \u2028 \u2029 \u00a0nbsp \u3000ideographic",
+    "Straße ǅ ǈ ﬁ ligature ℌ 𝕏 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 Ω ≈ ∑ √", "<|endoftext|> looks special but is text here",
+    "<|endoftext <|endoftext|| |endoftext|>", "a" * 3000, " " * 5000 + "x", "ab" * 700 + " " + "7" * 999,
+    "!?" * 400, "\u0434\u043e\u0431\u0440\u044b\u0439 \u0434\u0435\u043d\u044c, \u0395\u03bb\u03bb\u03ac\u03b4\u03b1",
+    "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 \u0e2a\u0e27\u0e31\u0e2a",
+]
+
+
+@pytest.fixture(scope="session")
+def enc():
+    import tiktoken
+    return tiktoken.get_encoding("gpt2")
+
+
+@pytest.fixture(scope="session")
+def gpt2():
+    return BPETokenizer.from_gpt2(shared_file("data/gpt2/encoder.json"), shared_file("data/gpt2/vocab.bpe"))
+
+
+@pytest.fixture(scope="session")
+def shakespeare():
+    with open(shared_file("data/tinyshakespeare/input.txt"), encoding="utf-8") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="session")
+def trained(shakespeare):
+    return BPETokenizer.train(shakespeare, 4096)
+
+
+def random_strings(seed, n):
+    """Random byte strings decoded as UTF-8 with replacement, and random code points from every plane."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+        out.append(raw.decode("utf-8", errors="replace"))
+        cps = [rng.choice([rng.randrange(0x80), rng.randrange(0x800), rng.randrange(0x10000),
+                           rng.randrange(0x110000)]) for _ in range(rng.randrange(1, 80))]
+        out.append("".join(chr(c) for c in cps if not 0xD800 <= c <= 0xDFFF))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# GPT-2's vocabulary: token for token against tiktoken
+
+def test_gpt2_shakespeare_exact(gpt2, enc, shakespeare):
+    """All of tinyshakespeare encodes to tiktoken's 338,025 tokens and decodes back to the same text."""
+    ids = gpt2.encode(shakespeare)
+    assert ids == enc.encode(shakespeare) and len(ids) == 338025
+    assert gpt2.decode(ids) == shakespeare
+
+
+def test_gpt2_multi30k_exact(gpt2, enc):
+    """Multi30k English and German (whole files, and val/test line by line) encode exactly as tiktoken."""
+    for split in ("train", "val", "test_2016_flickr"):
+        for lang in ("en", "de"):
+            with gzip.open(shared_file(f"data/multi30k/{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
+                text = f.read()
+            ids = gpt2.encode(text)
+            assert ids == enc.encode(text), f"{split}.{lang}"
+            assert gpt2.decode(ids) == text
+            if split != "train":
+                for line in text.splitlines():
+                    assert gpt2.encode(line) == enc.encode(line), line
+
+
+def test_gpt2_tricky_text_exact(gpt2, enc):
+    """Emoji, CJK, accents, tabs, space and newline runs, digits, contractions, control and separator
+    characters, very long pre-tokens, lone surrogates: tiktoken's tokens, and decode(encode(x)) == x."""
+    for text in TRICKY:
+        ids = gpt2.encode_ordinary(text)
+        assert ids == enc.encode_ordinary(text), text[:80]
+        assert gpt2.decode(ids) == text
+    joined = "\n".join(TRICKY)
+    assert gpt2.encode_ordinary(joined) == enc.encode_ordinary(joined)
+    lone = "pair \ud83d\ude00 lone \ud800 end \udfff"  # tiktoken replaces lone surrogates by U+FFFD
+    assert gpt2.encode(lone) == enc.encode(lone)
+
+
+def test_gpt2_random_text_exact(gpt2, enc):
+    """Random byte strings decoded with replacement and random code points: tiktoken's tokens, round trip."""
+    for text in random_strings(seed=1, n=300):
+        ids = gpt2.encode_ordinary(text)
+        assert ids == enc.encode_ordinary(text), repr(text[:80])
+        assert gpt2.decode(ids) == text
+
+
+def test_gpt2_every_code_point_sample(gpt2, enc):
+    """Every 23rd Unicode code point, after a letter, digit, punctuation, space, tab and newline, splits and
+    merges as tiktoken does (the pre-tokenizer's letter/number/space classes agree)."""
+    chars = [chr(c) for c in range(0, 0x110000, 23) if not 0xD800 <= c <= 0xDFFF]
+    text = "".join(f"a{c}1{c}!{c} {c}\t{c}\n" for c in chars)
+    assert gpt2.encode_ordinary(text) == enc.encode_ordinary(text)
+
+
+def test_special_tokens_like_tiktoken(gpt2, enc):
+    """<|endoftext|> in text raises ValueError unless allowed; allowed (a set or "all") it is id 50256;
+    encode_ordinary treats it as text; all three as tiktoken does."""
+    text = "one<|endoftext|>two <|endoftext|><|endoftext|>"
+    with pytest.raises(ValueError, match="special token"):
+        gpt2.encode(text)
+    with pytest.raises(ValueError):
+        enc.encode(text)
+    assert gpt2.encode(text, allowed_special="all") == enc.encode(text, allowed_special="all")
+    assert gpt2.encode(text, allowed_special={"<|endoftext|>"}).count(EOT) == 3
+    assert gpt2.encode_ordinary(text) == enc.encode_ordinary(text) and EOT not in gpt2.encode_ordinary(text)
+    assert gpt2.decode([EOT]) == "<|endoftext|>" and gpt2.special_tokens == {"<|endoftext|>": EOT}
+    with pytest.raises(ValueError, match="unknown special"):
+        gpt2.encode("x", allowed_special={"<|fim|>"})
+
+
+def test_decode_partial_utf8_and_bad_ids(gpt2, enc):
+    """Decoding token ids that split a UTF-8 character gives U+FFFD as tiktoken; ids outside the
+    vocabulary raise ValueError."""
+    ids = gpt2.encode("🤖 中")
+    for k in range(len(ids) + 1):
+        assert gpt2.decode(ids[:k]) == enc.decode(ids[:k])
+    assert gpt2.decode(np.array(ids, dtype=np.uint16)) == "🤖 中"
+    for bad in ([50257], [-1], [5, 60000]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            gpt2.decode(bad)
+
+
+def test_long_piece_merge_equals_short(gpt2, trained):
+    """The heap merge used for long pre-tokens gives the same tokens as the pair-scan merge, on pieces of
+    every length up to 200 bytes (GPT-2's and a trained vocabulary)."""
+    rng = random.Random(2)
+    for tok in (gpt2, trained):
+        for n in range(1, 200):
+            piece = "".join(rng.choice("aeiou rstln'é中") for _ in range(n)).encode("utf-8")
+            ids = [tok.byte_ids[x] for x in piece]
+            assert tokenizer.merge_long(list(ids), tok.merges) == tokenizer.merge_short(list(ids), tok.merges)
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+def naive_train(word_counts, n_tokens):
+    """The reference: recount every pair over every word before each merge; the most frequent pair wins,
+    ties to the smallest (left id, right id); a merge whose bytes already exist reuses that token."""
+    words = [(list(w), c) for w, c in word_counts.items()]
+    tokens = [bytes([b]) for b in range(256)]
+    index = {b: i for i, b in enumerate(tokens)}
+    while len(tokens) < n_tokens:
+        counts = collections.Counter()
+        for w, c in words:
+            for pair in zip(w, w[1:]):
+                counts[pair] += c
+        if not counts:
+            break
+        a, b = min(counts, key=lambda p: (-counts[p], p))
+        new = index.setdefault(tokens[a] + tokens[b], len(tokens))
+        if new == len(tokens):
+            tokens.append(tokens[a] + tokens[b])
+        merged_words = []
+        for w, c in words:
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged_words.append((out, c))
+        words = merged_words
+    return tokens
+
+
+def test_training_equals_full_recount(shakespeare):
+    """Merges learned with incremental pair counts equal a full recount per merge: on 10 kB of
+    tinyshakespeare plus repeated-letter words (overlapping pairs like 'aaaa'), and on 200 random
+    two-letter vocabularies run to exhaustion."""
+    text = shakespeare[:10000] + " aaaa aaaaa abab ababab aabaab aaab bbbb " * 7
+    counts = tokenizer.count_pretokens([text], [])
+    assert tokenizer.learn_merges(counts, 256 + 200) == naive_train(counts, 256 + 200)
+    rng = random.Random(3)
+    for _ in range(200):
+        counts = {}
+        for _ in range(rng.randrange(2, 8)):
+            w = bytes(rng.choice(b"ab") for _ in range(rng.randrange(2, 9)))
+            counts[w] = counts.get(w, 0) + rng.randrange(1, 6)
+        assert tokenizer.learn_merges(counts, 10 ** 6) == naive_train(counts, 10 ** 6), counts
+
+
+def test_trained_shakespeare_round_trip(trained, shakespeare):
+    """A 4,096-token vocabulary trained on tinyshakespeare has exactly 4,096 ids (bytes 0..255, merges,
+    <|endoftext|> last), compresses its text, and round-trips any string."""
+    assert trained.vocab_size == 4096 and trained.special_tokens == {"<|endoftext|>": 4095}
+    assert trained.tokens[:256] == [bytes([b]) for b in range(256)] and len(trained.tokens) == 4095
+    ids = trained.encode(shakespeare)
+    assert max(ids) < 4095 and len(ids) < len(shakespeare) / 3  # GPT-2 (50,257 ids): 3.3 bytes/token
+    assert trained.decode(ids) == shakespeare
+    for text in TRICKY + random_strings(seed=4, n=100):
+        assert trained.decode(trained.encode_ordinary(text)) == text
+    assert trained.encode("a<|endoftext|>b", allowed_special="all")[1] == 4095
+
+
+def test_training_inputs_and_chunking(tmp_path, shakespeare):
+    """Text cut into chunks at the safe places pre-tokenizes exactly as the whole text, at any chunk
+    size; training on files (plain and .gz) equals training on their text; special tokens in the text
+    are not learned from."""
+    text = "\n".join(TRICKY) + shakespeare[:3000] + "\n\n  x\n\ty  \n z" * 20
+    whole = regex.findall(tokenizer.GPT2_SPLIT_PATTERN, text)
+    for size in (1, 2, 3, 5, 8, 13, 40, 200):
+        chunks = list(tokenizer.cut_chunks(text, size))
+        assert "".join(chunks) == text and len(chunks) > 1
+        assert [p for c in chunks for p in regex.findall(tokenizer.GPT2_SPLIT_PATTERN, c)] == whole
+    cut = tokenizer.SAFE_CUT.search(shakespeare, 50000).start()
+    first, second = shakespeare[:cut], shakespeare[cut:100000]
+    (tmp_path / "a.txt").write_text(first, encoding="utf-8")
+    with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(second)
+    from_files = BPETokenizer.train([tmp_path / "a.txt", tmp_path / "b.txt.gz"], 600)
+    assert from_files.tokens == BPETokenizer.train(first + second, 600).tokens
+    assert tokenizer.count_pretokens(tokenizer.read_chunks(tmp_path / "a.txt", 1000), []) == \
+        tokenizer.count_pretokens([first], [])
+    marked = BPETokenizer.train("<|endoftext|>".join([first] * 3), 400)
+    assert not any(b"<|" in t or b"|>" in t for t in marked.tokens)
+
+
+def test_training_bad_arguments(tmp_path):
+    """vocab_size below 256 + specials, empty text, missing or empty files, text too small for the
+    vocabulary: ValueError/OSError naming the problem."""
+    with pytest.raises(ValueError, match="below 256"):
+        BPETokenizer.train("some text", 256)
+    with pytest.raises(ValueError, match="below 256"):
+        BPETokenizer.train("some text", 257, special_tokens=("<a>", "<b>"))
+    with pytest.raises(ValueError, match="empty"):
+        BPETokenizer.train("", 300)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        BPETokenizer.train([tmp_path / "empty.txt"], 300)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        BPETokenizer.train([tmp_path / "missing.txt"], 300)
+    with pytest.raises(ValueError, match="only allows 3 merges"):
+        BPETokenizer.train("abcd", 300)
+    assert BPETokenizer.train("abcd", 256 + 3 + 1).vocab_size == 260
+
+
+# -----------------------------------------------------------------------------
+# Files: the plain-text tokenizer file, GPT-2's files, the download
+
+def test_save_load_plain_text(tmp_path, trained, gpt2, shakespeare):
+    """save() writes a readable text file (one quoted token per line) that load() restores exactly, for a
+    trained vocabulary and for GPT-2's."""
+    for name, tok in (("trained.bpe", trained), ("gpt2.bpe", gpt2)):
+        path = tmp_path / name
+        tok.save(path)
+        back = BPETokenizer.load(path)
+        assert back.tokens == tok.tokens and back.special_tokens == tok.special_tokens
+        assert back.encode(shakespeare[:20000]) == tok.encode(shakespeare[:20000])
+    lines = (tmp_path / "gpt2.bpe").read_text(encoding="utf-8").splitlines()
+    assert lines[:3] == [tokenizer.FILE_HEADER, "tokens 50256", "specials 1"]
+    assert '262 " the"' in lines and '50256 special "<|endoftext|>"' in lines
+    assert lines[3 + 198] == '198 "\\x0a"'  # GPT-2's id 198 is "\n"
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda ls: ["not a tokenizer"] + ls[1:], "not a tokenizer file"),
+    (lambda ls: ls[:-40], "truncated"),
+    (lambda ls: ls[:300] + ['297 "\\q"'] + ls[301:], "bad escape"),
+    (lambda ls: ls[:300] + ['297 "ab'] + ls[301:], "double-quoted"),
+    (lambda ls: ls[:300] + ['301 "ab"'] + ls[301:], "expected id 297"),
+    (lambda ls: ls[:300] + ['297 "a"'] + ls[301:], "same bytes"),
+    (lambda ls: ls[:300] + ['297 "qqq"'] + ls[301:], "not the merge of two other tokens"),
+    (lambda ls: ls[:1] + ["tokens many"] + ls[2:], "line 2"),
+])
+def test_malformed_tokenizer_file(tmp_path, trained, edit, needle):
+    """A tokenizer file with a wrong header, missing lines, a bad escape, ids out of order, a duplicate
+    or unreachable token: ValueError naming the problem."""
+    path = tmp_path / "t.bpe"
+    trained.save(path)
+    lines = path.read_text(encoding="utf-8").split("\n")[:-1]
+    path.write_text("\n".join(edit(lines)) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=needle):
+        BPETokenizer.load(path)
+
+
+def test_malformed_gpt2_files(tmp_path):
+    """encoder.json that is not JSON or disagrees with vocab.bpe, vocab.bpe without its version line:
+    ValueError naming the file."""
+    enc_path, bpe_path = shared_file("data/gpt2/encoder.json"), shared_file("data/gpt2/vocab.bpe")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a GPT-2 vocabulary"):
+        BPETokenizer.from_gpt2(tmp_path / "bad.json", bpe_path)
+    lines = open(bpe_path, encoding="utf-8").read().split("\n")
+    (tmp_path / "swapped.bpe").write_text("\n".join(lines[:1] + [lines[2], lines[1]] + lines[3:]), encoding="utf-8")
+    with pytest.raises(ValueError, match="id 256"):
+        BPETokenizer.from_gpt2(enc_path, tmp_path / "swapped.bpe")
+    (tmp_path / "noversion.bpe").write_text("\n".join(lines[1:]), encoding="utf-8")
+    with pytest.raises(ValueError, match="version"):
+        BPETokenizer.from_gpt2(enc_path, tmp_path / "noversion.bpe")
+
+
+def test_gpt2_download_and_cache(http_server, tmp_path, gpt2):
+    """from_gpt2() downloads both files once (sha256-checked) and then uses the cache; a dropped
+    connection, an HTTP error or a corrupt file gives a clean OSError and leaves no partial file."""
+    for name in ("encoder.json", "vocab.bpe"):
+        shutil.copy(shared_file(f"data/gpt2/{name}"), os.path.join(http_server.root, name))
+    cache = tmp_path / "cache"
+    http_server.cut_once["vocab.bpe"] = 100000
+    with pytest.raises(OSError, match="vocab.bpe"):
+        BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url)
+    assert sorted(os.listdir(cache)) == ["encoder.json"]  # the complete file is kept, the cut one is not
+    http_server.fail_once["vocab.bpe"] = 503
+    with pytest.raises(OSError, match="503"):
+        BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url)
+    tok = BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url)
+    assert tok.tokens == gpt2.tokens and tok.special_tokens == gpt2.special_tokens
+    n = len(http_server.requests)
+    BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url)
+    assert len(http_server.requests) == n  # served from the cache
+    with open(cache / "vocab.bpe", "r+b") as f:  # a damaged cached copy is fetched again
+        f.write(b"#garbage")
+    assert BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url).tokens == gpt2.tokens
+    assert len(http_server.requests) == n + 1
+    with open(os.path.join(http_server.root, "encoder.json"), "ab") as f:  # not the published file
+        f.write(b" ")
+    with pytest.raises(OSError, match="corrupt"):
+        BPETokenizer.from_gpt2(cache_dir=tmp_path / "fresh", base_url=http_server.url)
+    assert not (tmp_path / "fresh").exists()
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def read_shard_tokens(path):
+    data = np.fromfile(path, dtype=np.uint8)
+    header = data[:1024].view("<i4")
+    assert list(header[:3]) == [20240520, 1, (data.size - 1024) // 2]
+    return data[1024:].view("<u2").tolist()
+
+
+def cli(*args):
+    """tokenizer.py's command line run in this process (the subprocess tests below cover the real exit)."""
+    tokenizer.main([str(a) for a in args])
+
+
+def cli_error(*args):
+    """The error a bad command line exits with, checked to be one line starting with "error:"."""
+    with pytest.raises(SystemExit) as e:
+        cli(*args)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+def test_cli_train_encode_decode(tmp_path, monkeypatch, capsys, enc, shakespeare):
+    """`train` writes a tokenizer file; `encode` writes an llm.c shard (<|endoftext|> then the tokens:
+    tiktoken's for --tokenizer gpt2); `decode` gives the text back."""
+    src = shared_file("data/tinyshakespeare/input.txt")
+    gpt2_dir = os.path.dirname(shared_file("data/gpt2/vocab.bpe"))
+    run_script("tokenizer.py", "encode", "--tokenizer", "gpt2", "--input", src, "--out", tmp_path / "g.bin",
+               env={"GPT2_BPE_DIR": gpt2_dir})
+    assert read_shard_tokens(tmp_path / "g.bin") == [EOT] + enc.encode_ordinary(shakespeare)
+    monkeypatch.setenv("GPT2_BPE_DIR", gpt2_dir)
+    cli("decode", "--tokenizer", "gpt2", "--input", tmp_path / "g.bin", "--out", tmp_path / "g.txt")
+    assert (tmp_path / "g.txt").read_text(encoding="utf-8") == "<|endoftext|>" + shakespeare
+    small = tmp_path / "small.txt"
+    small.write_text(shakespeare[:30000], encoding="utf-8")
+    cli("train", "--input", small, "--vocab-size", "512", "--out", tmp_path / "s.bpe")
+    assert "512 tokens" in capsys.readouterr().out
+    tok = BPETokenizer.load(tmp_path / "s.bpe")
+    cli("encode", "--tokenizer", tmp_path / "s.bpe", "--input", small, "--out", tmp_path / "s.bin")
+    assert read_shard_tokens(tmp_path / "s.bin") == [511] + tok.encode(shakespeare[:30000])
+    capsys.readouterr()
+    cli("decode", "--tokenizer", tmp_path / "s.bpe", "--input", tmp_path / "s.bin")
+    assert capsys.readouterr().out == "<|endoftext|>" + shakespeare[:30000]
+
+
+def test_cli_bench(tmp_path, capsys, shakespeare):
+    """`bench` prints our encode MB/s next to tiktoken's (tokens identical) and the training time."""
+    small = tmp_path / "small.txt"
+    small.write_text(shakespeare[:20000], encoding="utf-8")
+    cli("bench", "--input", small, "--vocab-size", "300", "--repeats", "1",
+        "--gpt2-dir", os.path.dirname(shared_file("data/gpt2/vocab.bpe")))
+    out = capsys.readouterr().out
+    assert "identical to tiktoken: yes" in out and out.count("MB/s") == 3
+    assert "train a 300-token vocabulary" in out
+
+
+def test_cli_bad_input(tmp_path, monkeypatch):
+    """Missing or empty input, vocab_size below 256 or below the specials, a malformed tokenizer file or
+    shard: one-line error naming the problem, non-zero exit, no traceback (two as real processes)."""
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.bpe").write_text(tokenizer.FILE_HEADER + "\ntokens 3\nspecials 0\n0 \"a\"\n")
+    shard = tmp_path / "s.bin"
+    np.concatenate([np.array([20240520, 1, 10] + [0] * 253, "<i4").view(np.uint8),
+                    np.zeros(6, np.uint8)]).tofile(shard)
+    gpt2_dir = os.path.dirname(shared_file("data/gpt2/vocab.bpe"))
+    proc = run_script("tokenizer.py", "train", "--input", tmp_path / "missing.txt", "--vocab-size", "300",
+                      "--out", tmp_path / "o", check=False)
+    assert_clean_error(proc, "no such file", "missing.txt")
+    proc = run_script("tokenizer.py", "decode", "--tokenizer", "gpt2", "--input", shard, check=False,
+                      env={"GPT2_BPE_DIR": gpt2_dir})
+    assert_clean_error(proc, "truncated", "s.bin")
+    monkeypatch.setenv("GPT2_BPE_DIR", gpt2_dir)
+    cases = [
+        (["train", "--input", tmp_path / "empty.txt", "--vocab-size", "300", "--out", tmp_path / "o"], "empty"),
+        (["train", "--input", text, "--vocab-size", "100", "--out", tmp_path / "o"], "vocab_size 100"),
+        (["train", "--input", text, "--vocab-size", "257", "--special", "<a>", "<b>", "--out", tmp_path / "o"],
+         "2 special tokens"),
+        (["train", "--input", text, "--vocab-size", "5000", "--out", tmp_path / "o"], "only allows"),
+        (["encode", "--tokenizer", tmp_path / "bad.bpe", "--input", text, "--out", tmp_path / "o.bin"], "truncated"),
+        (["encode", "--tokenizer", tmp_path / "missing.bpe", "--input", text, "--out", tmp_path / "o.bin"],
+         "missing.bpe"),
+        (["encode", "--tokenizer", "gpt2", "--input", tmp_path / "empty.txt", "--out", tmp_path / "o.bin"], "empty"),
+        (["decode", "--tokenizer", "gpt2", "--input", text], "not a token shard"),
+        (["decode", "--tokenizer", "gpt2", "--input", tmp_path / "missing.bin"], "missing.bin"),
+    ]
+    for args, needle in cases:
+        assert needle in cli_error(*args)
+    assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "o.bin")
