@@ -62,10 +62,6 @@ SAFE_CUT_LAST = regex.compile(r"(?r)" + SAFE_CUT.pattern)
 WHITESPACE = regex.compile(r"\s")
 
 
-def die(msg):
-    raise SystemExit(f"error: {msg}")
-
-
 # -----------------------------------------------------------------------------
 # Byte-pair merging of one pre-token (the encoder's inner loop; results are cached per pre-token)
 
@@ -192,7 +188,7 @@ def file_chunks(path, chunk_chars):
             if carry:
                 yield carry
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (bad byte at offset {e.start} of a block)") from None
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason})") from None
     except (OSError, EOFError) as e:
         raise ValueError(f"cannot read {path}: {e}") from None
     if empty:
@@ -211,6 +207,15 @@ def source_chunks(text_or_files, chunk_chars=CHUNK_CHARS):
         raise ValueError("no training files given")
     for path in paths:
         yield from read_chunks(path, chunk_chars)
+
+
+def check_special_tokens(names):
+    """Special tokens are distinct non-empty strings without whitespace (so no chunk cut splits one)."""
+    for s in names:
+        if not isinstance(s, str) or not s or WHITESPACE.search(s):
+            raise ValueError(f"special token {s!r} must be a non-empty string without whitespace")
+    if len(set(names)) != len(names):
+        raise ValueError(f"special tokens repeat: {list(names)}")
 
 
 def special_splitter(names):
@@ -495,11 +500,9 @@ class BPETokenizer:
         special_tokens = dict(special_tokens or {})
         self.index, self.merges = merge_table(tokens)
         self.tokens = list(tokens)
+        check_special_tokens(list(special_tokens))
         if sorted(special_tokens.values()) != list(range(len(tokens), len(tokens) + len(special_tokens))):
             raise ValueError(f"special token ids must be {len(tokens)}.. (right after the ordinary tokens)")
-        for s in special_tokens:
-            if not isinstance(s, str) or not s or WHITESPACE.search(s):
-                raise ValueError(f"special token {s!r} must be a non-empty string without whitespace")
         self.special_tokens = special_tokens
         self.vocab_size = len(tokens) + len(special_tokens)
         self.byte_ids = [self.index[bytes([b])] for b in range(256)]
@@ -514,8 +517,7 @@ class BPETokenizer:
         """Learns vocab_size - 256 - len(special_tokens) merges from a str or a list of text files (.gz
         read as gzip). ValueError when the text is too small to reach vocab_size."""
         special_tokens = list(special_tokens)
-        if len(set(special_tokens)) != len(special_tokens):
-            raise ValueError(f"special tokens repeat: {special_tokens}")
+        check_special_tokens(special_tokens)
         if vocab_size < 256 + len(special_tokens):
             raise ValueError(f"vocab_size {vocab_size} is below 256 byte tokens + {len(special_tokens)} "
                              f"special tokens = {256 + len(special_tokens)}")
@@ -643,6 +645,10 @@ def read_shard(path):
 # -----------------------------------------------------------------------------
 # Command line
 
+def die(msg):
+    raise SystemExit(f"error: {msg}")
+
+
 def load_tokenizer_arg(name):
     """--tokenizer: 'gpt2' (downloaded/cached, see from_gpt2) or a file written by `train`."""
     return BPETokenizer.from_gpt2() if name == "gpt2" else BPETokenizer.load(name)
@@ -663,12 +669,12 @@ def cmd_encode(args):
     if tok.vocab_size > 65536:
         die(f"--tokenizer {args.tokenizer}: {tok.vocab_size} tokens do not fit a uint16 shard")
     t0 = time.perf_counter()
-    parts = [[tok.special_tokens[ENDOFTEXT]]] if ENDOFTEXT in tok.special_tokens else []
+    parts = [np.array([tok.special_tokens[ENDOFTEXT]] if ENDOFTEXT in tok.special_tokens else [], np.uint16)]
     nbytes = 0
     for chunk in chunks:
         nbytes += len(chunk.encode("utf-8"))
-        parts.append(tok.encode(chunk, allowed_special="all"))
-    tokens = np.concatenate([np.asarray(p, dtype=np.uint16) for p in parts])  # (N,)
+        parts.append(np.array(tok.encode(chunk, allowed_special="all"), dtype=np.uint16))  # (n,)
+    tokens = np.concatenate(parts)                                                       # (N,)
     write_shard(args.out, tokens)
     dt = time.perf_counter() - t0
     print(f"encoded {nbytes:,} bytes into {len(tokens):,} tokens in {dt:.2f} s -> {args.out}")
@@ -698,17 +704,20 @@ def best_time(fn, repeats):
 def cmd_bench(args):
     import tiktoken  # the reference, for the comparison only
 
+    if args.repeats < 1:
+        die(f"--repeats {args.repeats}: must be at least 1")
     text = "".join(read_chunks(args.input))
+    name = os.path.normpath(args.input)
     mb = len(text.encode("utf-8")) / 1e6
-    gpt2_dir = args.gpt2_dir
-    tok = BPETokenizer.from_gpt2(os.path.join(gpt2_dir, "encoder.json"), os.path.join(gpt2_dir, "vocab.bpe"))
+    tok = BPETokenizer.from_gpt2(os.path.join(args.gpt2_dir, "encoder.json"),
+                                 os.path.join(args.gpt2_dir, "vocab.bpe"))
     t0 = time.perf_counter()
     ours = tok.encode_ordinary(text)
     cold = time.perf_counter() - t0
     warm, _ = best_time(lambda: tok.encode_ordinary(text), args.repeats)
     enc = tiktoken.get_encoding("gpt2")
     ref_t, ref = best_time(lambda: enc.encode_ordinary(text), args.repeats)
-    print(f"encode {args.input}: {mb:.2f} MB, {len(ref):,} GPT-2 tokens, "
+    print(f"encode {name}: {mb:.2f} MB, {len(ref):,} GPT-2 tokens, "
           f"identical to tiktoken: {'yes' if ours == ref else 'NO'}")
     print(f"  ours, empty pre-token cache  {mb / cold:7.2f} MB/s  ({mb / cold / (mb / ref_t):.2f}x tiktoken)")
     print(f"  ours, warm pre-token cache   {mb / warm:7.2f} MB/s  ({mb / warm / (mb / ref_t):.2f}x tiktoken)")
@@ -716,7 +725,7 @@ def cmd_bench(args):
     t0 = time.perf_counter()
     trained = BPETokenizer.train(text, args.vocab_size)
     dt = time.perf_counter() - t0
-    print(f"train a {trained.vocab_size:,}-token vocabulary on {args.input}: {dt:.2f} s")
+    print(f"train a {trained.vocab_size:,}-token vocabulary on {name}: {dt:.2f} s")
 
 
 def main(argv=None):
