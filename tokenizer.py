@@ -49,7 +49,7 @@ GPT2_SHA256 = {  # the published files (the hashes tiktoken checks, too)
 FILE_HEADER = "tokenizer.py byte-level BPE v1"
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 
-CACHE_LIMIT = 1 << 20     # pre-tokens remembered per tokenizer; past this the cache starts over
+CACHE_LIMIT = 1 << 18     # pre-tokens remembered per tokenizer (~50 MB); past this the cache starts over
 CHUNK_CHARS = 1 << 22     # text is pre-tokenized this many characters at a time, cut at safe points
 LONG_PIECE = 24           # pre-tokens longer than this (in bytes) are merged with a heap, O(n log n)
 NO_MERGE = 1 << 62        # the rank of a pair that is not a token
@@ -153,7 +153,8 @@ def cut_chunks(text, chunk_chars=CHUNK_CHARS):
     pre-tokens of the whole text."""
     start = 0
     while len(text) - start > chunk_chars:
-        m = SAFE_CUT_LAST.search(text, start + 1, start + chunk_chars) or SAFE_CUT.search(text, start + chunk_chars)
+        m = (SAFE_CUT_LAST.search(text, start + 1, start + chunk_chars)
+             or SAFE_CUT.search(text, start + chunk_chars))
         end = m.start() if m else len(text)
         yield text[start:end]
         start = end
@@ -442,7 +443,8 @@ def unquote_bytes(s):
 def write_tokenizer_file(path, tokens, special_tokens):
     lines = [FILE_HEADER, f"tokens {len(tokens)}", f"specials {len(special_tokens)}"]
     lines += [f"{i} {quote_bytes(b)}" for i, b in enumerate(tokens)]
-    lines += [f"{i} special {quote_bytes(s.encode())}" for s, i in sorted(special_tokens.items(), key=lambda kv: kv[1])]
+    lines += [f"{i} special {quote_bytes(s.encode())}" for s, i in sorted(special_tokens.items(),
+                                                                          key=lambda kv: kv[1])]
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8", newline="\n") as f:
         f.write("\n".join(lines) + "\n")
@@ -506,7 +508,8 @@ class BPETokenizer:
         self.special_tokens = special_tokens
         self.vocab_size = len(tokens) + len(special_tokens)
         self.byte_ids = [self.index[bytes([b])] for b in range(256)]
-        self.id_bytes = self.tokens + [s.encode("utf-8") for s in sorted(special_tokens, key=special_tokens.get)]
+        specials_by_id = sorted(special_tokens, key=special_tokens.get)
+        self.id_bytes = self.tokens + [s.encode("utf-8") for s in specials_by_id]  # decode's id -> bytes
         self.pattern = regex.compile(GPT2_SPLIT_PATTERN)
         self.cache = {}  # pre-token -> its token ids: text repeats its words, so most lookups hit
 
@@ -551,11 +554,11 @@ class BPETokenizer:
         b = piece.encode("utf-8")
         whole = self.index.get(b)
         if whole is not None:
-            ids = [whole]
+            ids = (whole,)
         elif len(b) <= LONG_PIECE:
-            ids = merge_short([self.byte_ids[x] for x in b], self.merges)
+            ids = tuple(merge_short([self.byte_ids[x] for x in b], self.merges))
         else:
-            ids = merge_long([self.byte_ids[x] for x in b], self.merges)
+            ids = tuple(merge_long([self.byte_ids[x] for x in b], self.merges))
         if len(self.cache) >= CACHE_LIMIT:
             self.cache.clear()
         self.cache[piece] = ids
@@ -585,8 +588,8 @@ class BPETokenizer:
         disallowed = set(self.special_tokens) - allowed
         if disallowed and (m := special_splitter(disallowed).search(text)):
             raise ValueError(f"text contains the special token {m.group()!r}, which is not allowed: pass "
-                             f"allowed_special={{{m.group()!r}}} (or 'all') to encode it as a special token, or "
-                             f"use encode_ordinary to encode it as text")
+                             f"allowed_special={{{m.group()!r}}} (or 'all') to encode it as a special "
+                             f"token, or use encode_ordinary to encode it as text")
         if not allowed:
             return self.encode_ordinary(text)
         out, start = [], 0
@@ -729,7 +732,7 @@ def cmd_bench(args):
 
 
 def main(argv=None):
-    repo = os.path.dirname(os.path.abspath(__file__))
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")  # SPEC §7
     p = argparse.ArgumentParser(description="Byte-level BPE tokenizer, GPT-2-exact.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="learn a vocabulary from text files")
@@ -747,8 +750,9 @@ def main(argv=None):
     d.add_argument("--input", required=True, help="token shard (.bin)")
     d.add_argument("--out", help="text file to write (default: stdout)")
     b = sub.add_parser("bench", help="encode MB/s vs tiktoken, and time to train a vocabulary")
-    b.add_argument("--input", default=os.path.join(repo, "..", "shared", "data", "tinyshakespeare", "input.txt"))
-    b.add_argument("--gpt2-dir", default=os.path.join(repo, "..", "shared", "data", "gpt2"),
+    b.add_argument("--input", default=os.path.join(shared, "tinyshakespeare", "input.txt"),
+                   help="text to encode and train on (default: ../shared tinyshakespeare)")
+    b.add_argument("--gpt2-dir", default=os.path.join(shared, "gpt2"),
                    help="folder with GPT-2's encoder.json and vocab.bpe")
     b.add_argument("--vocab-size", type=int, default=8192)
     b.add_argument("--repeats", type=int, default=3, help="timed encodes; the best is reported")
