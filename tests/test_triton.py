@@ -1,0 +1,288 @@
+"""train_gpt2_triton.py: hand-derived backward and Triton kernels
+(backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
+forward keeps for the backward, a training run, exact resume, eval-only, two processes, --profile,
+--bench-ops, bad input)."""
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt2_triton as tg
+from conftest import assert_clean_error, read_log, run_script, step_events, write_shard
+
+V = 50257
+B, T, TOTAL, STEPS = 2, 32, 128, 6  # two micro-batches per step
+FLAGS = ["--seq-len", T, "--batch-size", B, "--total-batch-size", TOTAL, "--lr", 3e-3, "--warmup", 2,
+         "--lr-decay-frac", 1.0, "--dtype", "fp32", "--val-steps", 2]
+TINY = ["--n-layer", 2, "--n-head", 4, "--n-embd", 64]
+STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",
+             "framework"}
+
+
+def small_cfg(**kw):
+    """A GPT-2 with a 61-token vocabulary (padded to 64), for in-process steps that cost nothing."""
+    return tg.Config(**{**dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=61,
+                               padded_vocab_size=64, seq_len=8, batch_size=2, total_batch_size=32,
+                               dtype="fp32"), **kw})
+
+
+def shard_tokens(path):
+    return np.fromfile(path, dtype=np.uint16, offset=1024).astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir):
+    """One fp32 run of 6 steps with val (every 3), HellaSwag and samples (step 6), checkpoints at 3 and 6."""
+    out = tmp_path_factory.mktemp("triton_torch_run")
+    proc = run_script("train_gpt2_triton.py", "torch", "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", STEPS, "--out-dir", out, "--ckpt-every", 3, "--val-every", 3,
+                      "--hellaswag-every", STEPS, "--sample-every", STEPS, *FLAGS,
+                      env={"HELLASWAG_DIR": str(hellaswag_dir)})
+    return out, proc.stdout
+
+
+def test_self_test_passes():
+    """`torch --test`: every op's forward and backward at 4 shapes and the whole model's loss, logits and
+    16 gradients match torch.autograd in fp64 (rel 1e-10) and in bf16 (rel 3e-2); a table, exit 0."""
+    proc = run_script("train_gpt2_triton.py", "torch", "--test")
+    rows = [line for line in proc.stdout.splitlines() if " pass " in line or " FAIL " in line]
+    assert len(rows) == 2 * (len(tg.OP_CASES) + 2)
+    assert all(" pass " in row for row in rows), proc.stdout
+    for name, _ in tg.OP_CASES:
+        assert sum(row.startswith(name + " ") for row in rows) == 2, name
+    assert f"all {len(rows)} checks passed" in proc.stdout
+
+
+def test_self_test_catches_a_wrong_backward(monkeypatch, capsys):
+    """--test fails, naming the op, when a backward is wrong: a GELU backward that forgets the tanh
+    derivative's term fails its own check and the whole-model gradient check, and the run exits non-zero."""
+    def gelu_backward_without_tanh_term(dy, pre):
+        x = pre.to(tg._acc(pre.dtype))
+        t = torch.tanh(tg.GELU_C * (x + 0.044715 * x ** 3))
+        return (dy * 0.5 * (1.0 + t)).to(pre.dtype)
+
+    monkeypatch.setattr(tg.TORCH_OPS, "gelu_backward", gelu_backward_without_tanh_term)
+    monkeypatch.setattr(tg, "TEST_SHAPES", [(2, 7, 12, 3)])
+    monkeypatch.setattr(tg, "OP_CASES", [(n, c) for n, c in tg.OP_CASES
+                                         if n in ("gelu fwd+bwd", "layernorm fwd+bwd")])
+    with pytest.raises(SystemExit) as e:
+        tg.run_self_test(small_cfg())
+    assert str(e.value) == "error: --test: 4 of 8 checks failed"
+    table = capsys.readouterr().out
+    failed = {line[:34].strip() for line in table.splitlines() if " FAIL " in line}
+    assert failed == {"gelu fwd+bwd", "model: every parameter gradient"}
+
+
+def test_no_autograd_in_a_training_step(monkeypatch):
+    """A training step records nothing for autograd: with the master weights made to require grad, every op
+    runs with grad mode off and returns tensors without grad_fn, no op saves a tensor for backward (a
+    saved-tensor hook that raises proves it: it does raise for a recorded product), autograd's entry points
+    are never called, yet the step updates every weight tensor."""
+    cfg = small_cfg()
+    params = tg.init_params_numpy(cfg)
+    zeros = {k: np.zeros_like(p) for k, p in params.items()}
+    state = tg.make_state(params, zeros, zeros, cfg, torch.device("cpu"))
+    for t in state["params"].values():
+        t.requires_grad_(True)  # so that any op run with grad mode on would record a graph
+    before = {k: t.detach().clone() for k, t in state["params"].items()}
+    seen = set()
+
+    def guarded(name, fn):
+        def call(*args, **kwargs):
+            assert not torch.is_grad_enabled(), name
+            out = fn(*args, **kwargs)
+            for t in out if isinstance(out, tuple) else (out,):
+                assert t is None or (t.grad_fn is None and not t.requires_grad), name
+            seen.add(name)
+            return out
+        return call
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("autograd was called")
+
+    def pack(t):
+        raise AssertionError("an op saved a tensor for backward")
+
+    for module, name in ((torch.autograd, "grad"), (torch.autograd, "backward"), (torch.Tensor, "backward")):
+        monkeypatch.setattr(module, name, forbidden)
+    ops = SimpleNamespace(**{k: guarded(k, f) for k, f in vars(tg.TORCH_OPS).items()})
+    xs = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len))  # (A, B, T)
+    ys = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len))  # (A, B, T)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with pytest.raises(AssertionError, match="saved a tensor"):
+            (state["params"]["wte"] * state["params"]["wte"]).sum()
+        loss, norm = tg.train_step(state, xs, ys, 1, cfg, ops, 1)
+    assert seen == set(vars(tg.TORCH_OPS))
+    assert math.isfinite(loss) and norm > 0
+    assert all(not torch.equal(before[k], t) and t.grad is None for k, t in state["params"].items())
+
+
+def test_forward_keeps_ten_channels_per_layer():
+    """What one micro-batch's forward keeps for the backward, traced to the op that made each tensor: per
+    layer the input residual, qkv (3C), the attention output (C) and its row logsumexp, the residual after
+    the attention (C) and the MLP's pre-activation (4C), plus ln_f's statistics; nothing else."""
+    cfg = small_cfg(n_layer=3, n_head=2, n_embd=16, seq_len=8, batch_size=3)
+    params = tg.init_params_numpy(cfg)
+    zeros = {k: np.zeros_like(p) for k, p in params.items()}
+    w = tg.make_state(params, zeros, zeros, cfg, torch.device("cpu"))["wts"]
+    x = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len))  # (B, T)
+    N, C, L, f32 = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.n_layer, 4
+    assert tg.kept_bytes(w, x, cfg, tg.TORCH_OPS) == {
+        "encoder_forward": N * C * f32,  # layer 0's input
+        "residual_layernorm_forward": (2 * L * C + 2) * N * f32,  # res2, res3 per layer; ln_f's mean, rstd
+        "matmul_forward": L * N * 3 * C * f32,  # qkv
+        "attention_forward": L * (N * C + N * cfg.n_head) * f32,  # output and lse
+        "matmul_gelu_forward": L * N * 4 * C * f32,  # pre-activation
+    }
+
+
+def test_training_run(trained, tiny_shards, tiny_model_file):
+    """A 6-step run: step 1's loss equals the autograd reference model on the first two micro-batches of
+    the train shard, the loss falls, val/HellaSwag/samples/checkpoints happen when due, and log.jsonl
+    holds only SPEC keys with framework triton-torch."""
+    out, stdout = trained
+    events = step_events(out)
+    assert [e["step"] for e in events] == list(range(1, STEPS + 1))
+    assert all(set(e) == STEP_KEYS and e["framework"] == "triton-torch" for e in events)
+    assert all(e["mfu"] is None and e["peak_mem_gb"] is None and e["tokens_per_s"] > 0 for e in events)
+    assert events[0]["lr"] == pytest.approx(1.5e-3) and events[-1]["lr"] == pytest.approx(3e-3)
+
+    header, params = tg.read_model_file(str(tiny_model_file))
+    cfg = tg.Config(**header)
+    p = {k: torch.from_numpy(a).double() for k, a in params.items()}
+    tokens = torch.from_numpy(shard_tokens(tiny_shards / "tiny_train_000001.bin"))
+    losses = []
+    for s in (0, B * T):
+        x, y = tokens[s:s + B * T].view(B, T), tokens[s + 1:s + B * T + 1].view(B, T)  # (B, T) each
+        logits = tg.reference_logits(p, x, cfg)[..., :V]  # (B, T, V)
+        losses.append(torch.nn.functional.cross_entropy(logits.reshape(B * T, V), y.reshape(-1)).item())
+    assert events[0]["train_loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
+
+    log = read_log(out)
+    vals = [e for e in log if "val_loss" in e]
+    swag = [e for e in log if "hellaswag_acc" in e]
+    assert [e["step"] for e in vals] == [3, STEPS] and vals[1]["val_loss"] < vals[0]["val_loss"]
+    assert len(swag) == 1 and swag[0]["step"] == STEPS
+    assert all(set(e) <= STEP_KEYS | {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"} for e in log)
+    assert sum(line.startswith("sample ") for line in stdout.splitlines()) == 4
+
+    assert sorted(os.listdir(out)) == ["ckpt_0000003", "ckpt_0000006", "log.jsonl"]
+    with np.load(out / "ckpt_0000003" / "state.npz") as z:
+        assert int(z["step"]) == 3 and int(z["shard"]) == 0 and int(z["position"]) == 3 * TOTAL
+        assert json.loads(str(z["config"]))["backend"] == "torch"
+
+
+def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_dir):
+    """Resuming the step-3 checkpoint for steps 4-6 prints the uninterrupted run's losses and grad norms
+    digit for digit and ends on byte-identical weights and AdamW state; --eval-only on the step-6
+    checkpoint reproduces that run's val loss and HellaSwag scores and trains nothing."""
+    out, stdout = trained
+    resumed = tmp_path / "resumed"
+    proc = run_script("train_gpt2_triton.py", "torch", "--data", tiny_shards, "--resume",
+                      out / "ckpt_0000003", "--steps", STEPS, "--out-dir", resumed, "--ckpt-every", 3,
+                      "--val-every", 0, "--hellaswag-every", 0, "--sample-every", 0, *FLAGS)
+    step_lines = lambda s: [line.split(" | ")[:3] for line in s.splitlines()  # noqa: E731
+                            if line.startswith("step") and "/" in line.split("|")[0]]
+    assert step_lines(proc.stdout) == step_lines(stdout)[3:]
+    final, again = out / "ckpt_0000006", resumed / "ckpt_0000006"
+    assert (final / "model.bin").read_bytes() == (again / "model.bin").read_bytes()
+    with np.load(final / "state.npz") as a, np.load(again / "state.npz") as b:
+        for key in a.files:
+            if key != "config":
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+    evaluated = tmp_path / "eval"
+    run_script("train_gpt2_triton.py", "torch", "--data", tiny_shards, "--resume", final, "--eval-only",
+               "--out-dir", evaluated, *FLAGS, env={"HELLASWAG_DIR": str(hellaswag_dir)})
+    log = read_log(evaluated)
+    original = {k: e[k] for e in read_log(out) if e["step"] == STEPS
+                for k in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm") if k in e}
+    assert len(log) == 2 and all(e["step"] == STEPS for e in log)
+    assert {k: e[k] for e in log for k in original if k in e} == original
+
+
+def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path):
+    """torchrun with two CPU processes (gloo; one micro-batch each, the same global batch) gives the
+    one-process losses and grad norms (rel 1e-5: only the order of the sums differs)."""
+    out = tmp_path / "two"
+    proc = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 2,
+                      "train_gpt2_triton.py", "torch", "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 3, "--out-dir", out, "--ckpt-every", 0, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, *FLAGS)
+    assert "2 x cpu" in proc.stdout and "x 1 micro-batches" in proc.stdout
+    one, two = step_events(trained[0])[:3], step_events(out)
+    assert len(two) == 3
+    for a, b in zip(one, two):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def test_profile_and_bench_ops(tmp_path, capsys, monkeypatch):
+    """--profile prints a row per op (time, share of the step, TFLOP/s or GB/s, bytes kept for the
+    backward) and writes a Chrome trace with the ops labelled; --bench-ops prints each op against the
+    PyTorch op it replaces."""
+    synthetic = ["--data", "synthetic", *TINY, *FLAGS, "--out-dir", str(tmp_path)]
+    tg.main(["torch", *map(str, synthetic), "--profile"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and
+            line.split()[0] in vars(tg.TORCH_OPS)}
+    assert set(rows) == set(vars(tg.TORCH_OPS))
+    assert "kept for the backward:" in out and "(outside the ops)" in out
+    with open(tmp_path / "trace_triton-torch.json") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert set(vars(tg.TORCH_OPS)) <= names
+    assert not (tmp_path / "log.jsonl").exists()
+
+    monkeypatch.setattr(tg, "BENCH_WARMUP", 1)
+    monkeypatch.setattr(tg, "BENCH_REPS", 2)
+    monkeypatch.setattr(tg, "COPY_BYTES", 1 << 20)
+    tg.main(["torch", *map(str, synthetic), "--bench-ops"])
+    out = capsys.readouterr().out
+    benched = {line.split()[0] for line in out.splitlines() if " | " in line and line.endswith("x")}
+    assert benched == set(vars(tg.TORCH_OPS)) - {"attention_backward"} | {"attention_forward+backward"}
+    assert "copy bandwidth" in out
+
+
+def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
+    """Bad shards (wrong magic, truncated), a model file that contradicts the flags or is cut short, a
+    directory that is not a checkpoint, a missing or unknown backend, bad flags and impossible batch
+    settings end with a one-line error naming the problem, and write nothing."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_shard(bad / "x_train_000001.bin", np.arange(5000) % V)
+    raw = bytearray((bad / "x_train_000001.bin").read_bytes())
+    raw[:4] = np.int32(12345).tobytes()
+    (bad / "magic_train_000001.bin").write_bytes(bytes(raw))
+    (bad / "short_train_000001.bin").write_bytes((bad / "x_train_000001.bin").read_bytes()[:3000])
+    (bad / "cut.bin").write_bytes(tiny_model_file.read_bytes()[:5000])
+    out = tmp_path / "out"
+    base = ["--out-dir", str(out), *map(str, TINY + FLAGS)]
+    cases = [
+        (["torch", "--data", str(bad / "magic_*.bin")], "magic 12345"),
+        (["torch", "--data", str(bad / "short_*.bin")], "truncated"),
+        (["torch", "--data", str(tiny_shards), "--init-from", str(tiny_model_file), "--n-layer", "3"],
+         "--n-layer 3 does not match"),
+        (["torch", "--data", str(tiny_shards), "--init-from", str(bad / "cut.bin")], "has 5000 bytes"),
+        (["torch", "--data", str(tiny_shards), "--resume", str(bad)], "not a checkpoint"),
+        (["torch", "--data", str(tiny_shards), "--dtype", "fp16"], "--dtype"),
+        (["torch", "--data", str(tiny_shards), "--total-batch-size", "100"], "not a multiple"),
+        (["torch", "--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
+        (["torch", "--data", str(tmp_path / "nothing")], "no such directory"),
+        (["jax", "--data", str(tiny_shards)], "argument backend"),
+        (["--data", str(tiny_shards)], "required: backend"),
+    ]
+    for args, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            tg.main(base + args)
+        assert str(e.value).startswith("error: ") and needle in str(e.value), (args, str(e.value))
+    with pytest.raises(SystemExit) as e:
+        tg.backend_ops("cuda")
+    assert "backend cuda is not built" in str(e.value)
+    assert not out.exists()
+    proc = run_script("train_gpt2_triton.py", "torch", "--data", bad / "magic_*.bin", *base, check=False)
+    assert_clean_error(proc, "magic")

@@ -1,0 +1,1837 @@
+"""train_gpt2_triton.py: GPT-2 with a hand-derived backward, on plain torch ops or on our Triton kernels.
+
+Every op of GPT-2 (embedding, LayerNorm, linear, causal attention, tanh-GELU, residual add, the tied lm
+head, cross-entropy) is a forward that returns exactly what its backward needs and a backward derived by
+hand; the model's backward chains them per layer in reverse, under torch.no_grad(): no autograd at all.
+BACKEND picks who implements the ops, behind one interface: `torch` (plain torch ops) or `triton` (our
+kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
+
+    python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
+    python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
+        --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
+    python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
+    python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 16384 --profile
+    torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
+
+--profile runs two steps (the first compiles and warms up), times every op of the second (table, and a
+Chrome trace in --out-dir) and exits; --bench-ops times each op against the torch op it replaces.
+"""
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import tiktoken
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import hellaswag
+
+FRAMEWORK = "triton"  # logged as f"triton-{backend}": "triton-torch" | "triton-triton"
+
+
+# -----------------------------------------------------------------------------
+# Config
+
+VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
+PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
+EOT = 50256
+MODEL_PRESETS = {  # name: (n_layer, n_head, n_embd)
+    "d12": (12, 12, 768),
+    "d24": (24, 16, 1024),
+    "d36": (36, 20, 1280),
+    "d48": (48, 25, 1600),
+}
+
+
+@dataclass
+class Config:
+    # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = VOCAB_SIZE
+    padded_vocab_size: int = PADDED_VOCAB_SIZE
+    # data
+    data: str = "data/fineweb_edu"
+    val_data: str = ""
+    seq_len: int = 1024
+    batch_size: int = 32
+    total_batch_size: int = 524288
+    # optimization
+    steps: int = 18865
+    lr: float = 6e-4
+    lr_decay_frac: float = 0.0
+    warmup: int = 700
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dtype: str = "bf16"
+    seed: int = 1337
+    # checkpoints, evaluation, output
+    init_from: str = ""
+    resume: str = ""
+    out_dir: str = f"out/gpt2_{FRAMEWORK.split('-')[0]}"
+    ckpt_every: int = 2000
+    val_every: int = 250
+    val_steps: int = 20
+    hellaswag_every: int = 1000
+    hellaswag_limit: int = 0
+    sample_every: int = 1000
+    eval_only: bool = False
+    profile: bool = False
+    # this trainer only: which ops implement the model, and its self-test and op benchmark
+    backend: str = "torch"
+    test: bool = False
+    bench_ops: bool = False
+
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def parse_args(argv=None):
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    p.add_argument("backend", choices=["torch", "triton"],
+                   help="who implements the ops: plain torch ops, or our Triton kernels")
+    p.add_argument("--test", action="store_true",
+                   help="check every op and the whole model against autograd (or backend torch), exit")
+    p.add_argument("--bench-ops", action="store_true",
+                   help="time every op against the PyTorch op it replaces at the model's shapes, exit")
+    p.add_argument("--data", default=d.data, help="shard dir, shard glob, or 'synthetic'")
+    p.add_argument("--val-data", default=d.val_data, help="validation shard glob (with a --data glob)")
+    p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="preset (default d12)")
+    p.add_argument("--n-layer", type=int, default=None)
+    p.add_argument("--n-head", type=int, default=None)
+    p.add_argument("--n-embd", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="micro-batch per device")
+    p.add_argument("--total-batch-size", type=int, default=d.total_batch_size, help="tokens per step")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-decay-frac", type=float, default=d.lr_decay_frac)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping")
+    p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--init-from", default=d.init_from, help="llm.c model file to start from")
+    p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
+    p.add_argument("--out-dir", default=d.out_dir)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--val-every", type=int, default=d.val_every)
+    p.add_argument("--val-steps", type=int, default=d.val_steps)
+    p.add_argument("--hellaswag-every", type=int, default=d.hellaswag_every)
+    p.add_argument("--hellaswag-limit", type=int, default=d.hellaswag_limit, help="0 = all examples")
+    p.add_argument("--sample-every", type=int, default=d.sample_every)
+    p.add_argument("--eval-only", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args(argv)
+    for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
+        if getattr(a, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit",
+                 "sample_every"):
+        if getattr(a, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if not a.lr > 0:
+        p.error("--lr must be positive")
+    if not 0 <= a.lr_decay_frac <= 1:
+        p.error("--lr-decay-frac must be in [0, 1]")
+    if a.weight_decay < 0 or a.grad_clip < 0:
+        p.error("--weight-decay and --grad-clip must be >= 0")
+    n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
+    explicit = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd))
+                if v is not None}
+    for k, v in explicit.items():
+        if v <= 0:
+            p.error(f"--{k.replace('_', '-')} must be positive")
+    cfg = Config(n_layer=explicit.get("n_layer", n_layer), n_head=explicit.get("n_head", n_head),
+                 n_embd=explicit.get("n_embd", n_embd), block_size=a.seq_len, data=a.data,
+                 val_data=a.val_data, seq_len=a.seq_len, batch_size=a.batch_size,
+                 total_batch_size=a.total_batch_size, steps=a.steps, lr=a.lr,
+                 lr_decay_frac=a.lr_decay_frac, warmup=a.warmup, weight_decay=a.weight_decay,
+                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, init_from=a.init_from,
+                 resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
+                 val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
+                 hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
+                 eval_only=a.eval_only, profile=a.profile, backend=a.backend, test=a.test,
+                 bench_ops=a.bench_ops)
+    if cfg.n_embd % cfg.n_head:
+        p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    # flags that were given explicitly must agree with a model file's header (checked on load)
+    cfg_explicit = explicit if (a.model is None) else {"n_layer": n_layer, "n_head": n_head,
+                                                       "n_embd": n_embd, **explicit}
+    return cfg, cfg_explicit
+
+
+def apply_model_header(cfg, header, explicit):
+    """Takes the model shape from a model file's header; flags given explicitly must match it."""
+    for k in ("n_layer", "n_head", "n_embd"):
+        if k in explicit and explicit[k] != header[k]:
+            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
+            f"expected {VOCAB_SIZE}")
+    if cfg.seq_len > header["block_size"]:
+        die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
+            f"{header['block_size']}")
+    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
+    cfg.block_size, cfg.padded_vocab_size = header["block_size"], header["padded_vocab_size"]
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+# llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
+PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
+               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
+               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
+DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
+
+
+def param_shapes(cfg):
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {
+        "wte": (Vp, C), "wpe": (T, C),
+        "ln_1.w": (L, C), "ln_1.b": (L, C),
+        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
+        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+        "ln_2.w": (L, C), "ln_2.b": (L, C),
+        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
+        "ln_f.w": (C,), "ln_f.b": (C,),
+    }
+
+
+def init_params_numpy(cfg):
+    """GPT-2 init (SPEC §1) from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif name.startswith("ln"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
+    return params
+
+
+# What the forward keeps for the backward, per layer and sequence at d12, T=1024 in bf16 ((T, C) = 1.5 MiB):
+#   res   (T, C)   the residual stream entering the layer (the embedding for layer 0)      1.5 MiB
+#   qkv   (T, 3C)  the attention's input projection                                         4.5 MiB
+#   atty  (T, C)   the attention's output, which also feeds its backward                    1.5 MiB
+#   lse   (H, T)   fp32 row logsumexp of the attention scores                               48 KiB
+#   res2  (T, C)   the residual stream after the attention                                  1.5 MiB
+#   fch   (T, 4C)  the MLP's pre-activation                                                 6.0 MiB
+# 15.05 MiB per layer, 181 MiB for 12 layers, plus the final residual (1.5 MiB) and ln_f's statistics.
+# Never kept: the (T, T) attention probabilities (24 MiB per layer in bf16; the backward recomputes them
+# blockwise from lse, as flash attention does), ln_1's and ln_2's outputs and gelu(fch) (9 MiB: the
+# backward recomputes them, one cheap elementwise pass each), and the logits: the lm head and the loss run
+# their forward and backward at once, HEAD_ROWS rows at a time, so at most (HEAD_ROWS, Vp) logits exist.
+# llm.c's train_gpt2.cu keeps 24 MiB per layer (16C wide), without cuDNN also the (T, T) probabilities,
+# and all (T, Vp) logits (98 MiB).
+
+def model_forward(w, idx, cfg, ops, acts=None):
+    """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
+    head's input. With a list `acts`, every layer appends what its backward needs (see above) and a last
+    entry holds the final residual and ln_f's statistics; without, nothing outlives its use."""
+    B, T = idx.shape
+    C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
+    res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
+    h, _, _ = ops.layernorm_forward(res, w["ln_1.w"][0], w["ln_1.b"][0])  # (N, C)
+    for l in range(L):
+        qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
+        atty, lse = ops.attention_forward(qkv.view(B, T, 3 * C), H)  # (B, T, C), (B, H, T) fp32
+        h = ops.matmul_forward(atty.view(B * T, C), w["attn.c_proj.w"][l], w["attn.c_proj.b"][l])  # (N, C)
+        res2, h, _, _ = ops.residual_layernorm_forward(res, h, w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C) x2
+        h, fch = ops.matmul_gelu_forward(h, w["c_fc.w"][l], w["c_fc.b"][l])  # (N, 4C) x2
+        h = ops.matmul_forward(h, w["mlp.c_proj.w"][l], w["mlp.c_proj.b"][l])  # (N, C)
+        # the residual add closing this layer is fused with the LayerNorm opening the next (or ln_f)
+        ln_w, ln_b = (w["ln_1.w"][l + 1], w["ln_1.b"][l + 1]) if l + 1 < L else (w["ln_f.w"], w["ln_f.b"])
+        res3, h, mean, rstd = ops.residual_layernorm_forward(res2, h, ln_w, ln_b)  # (N, C) x2, (N,) x2
+        if acts is not None:
+            acts.append(dict(res=res, qkv=qkv, atty=atty, lse=lse, res2=res2, fch=fch))
+        res = res3  # (N, C)
+    if acts is not None:
+        acts.append(dict(res=res, mean=mean, rstd=rstd))
+    return h  # (N, C) ln_f's output
+
+
+@torch.no_grad()
+def forward(params, idx, cfg):
+    """GPT-2's logits (B, T, Vp) for token ids idx (B, T); params are the weights in the compute dtype."""
+    B, T = idx.shape
+    ops = backend_ops(cfg.backend)
+    h = model_forward(params, idx, cfg, ops)  # (N, C)
+    return ops.matmul_forward(h, params["wte"], None).view(B, T, -1)  # (B, T, Vp) lm head tied to wte
+
+
+@torch.no_grad()
+def token_losses(params, x, y, cfg):
+    """Per-token cross-entropy (B, T) in fp32 over the first V logits only, HEAD_ROWS rows of logits at a
+    time (the cross-entropy op's gradient output is simply dropped)."""
+    ops = backend_ops(cfg.backend)
+    h = model_forward(params, x, cfg, ops)  # (N, C)
+    losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
+    return losses.view(x.shape)  # (B, T)
+
+
+def loss_fn(params, x, y, cfg):
+    """Mean token loss of one micro-batch (fp32 scalar)."""
+    return token_losses(params, x, y, cfg).mean()
+
+
+# -----------------------------------------------------------------------------
+# Backward
+#
+# The ops of backend `torch`: each forward returns its output and what its backward needs; each backward
+# is derived by hand and written with plain torch ops. The interface (shared with backend `triton`):
+# N = B*T rows, `dt` the compute dtype; weight gradients are fp32 buffers that backwards ADD into (+=),
+# so micro-batches accumulate and the tied wte collects both its uses. Statistics, softmax and losses are
+# computed in fp32 (fp64 when everything is fp64, as in --test).
+
+LN_EPS = 1e-5
+GELU_C = math.sqrt(2.0 / math.pi)
+ATTN_BLOCK = 128  # query rows per step of the attention: bounds its (B, H, rows, T) fp32 scores
+CE_BLOCK = 1024   # rows per step of the cross-entropy: bounds its fp32 copies of the logits
+HEAD_ROWS = 4096  # rows per lm-head chunk: only (HEAD_ROWS, Vp) logits ever exist
+
+
+def _acc(dtype):
+    """The dtype that statistics and accumulations use for compute dtype `dtype`: fp32, or fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def torch_encoder_forward(idx, wte, wpe):
+    """x[b, t] = wte[idx[b, t]] + wpe[t]."""
+    return wte[idx] + wpe[:idx.shape[1]]  # (B, T, C)
+
+
+def torch_encoder_backward(dx, idx, dwte, dwpe):
+    """The rows of wte that the forward gathered get their gradient scattered back (a token that appears
+    twice gets both); wpe's gradient is dx summed over the batch."""
+    B, T, C = dx.shape
+    dwte.index_add_(0, idx.reshape(-1), dx.reshape(B * T, C).to(dwte.dtype))  # (Vp, C) += rows of (N, C)
+    dwpe[:T] += dx.sum(0, dtype=dwpe.dtype)  # (T, C)
+
+
+def torch_layernorm_forward(x, w, b):
+    """y = (x - mean) * rstd * w + b over the channels; returns (y, mean, rstd), the statistics in fp32."""
+    xf = x.to(_acc(x.dtype))  # (N, C)
+    mean = xf.mean(-1)  # (N,)
+    xc = xf - mean[:, None]  # (N, C)
+    rstd = torch.rsqrt((xc * xc).mean(-1) + LN_EPS)  # (N,)
+    y = xc * rstd[:, None] * w.to(xf.dtype) + b.to(xf.dtype)  # (N, C)
+    return y.to(x.dtype), mean, rstd
+
+
+def torch_residual_layernorm_forward(res, h, w, b):
+    """x = res + h (the residual stream, kept in the compute dtype as llm.c does), then LayerNorm of x."""
+    x = res + h  # (N, C)
+    y, mean, rstd = torch_layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
+    return x, y, mean, rstd
+
+
+def torch_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
+    """With xhat = (x - mean) * rstd and g = dy * w, the gradient through the normalization is
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += sum over rows of dy * xhat, db += sum of dy.
+    dres, the gradient that reaches x around the LayerNorm through the residual add, is added to dx."""
+    acc = mean.dtype
+    dyf = dy.to(acc)  # (N, C)
+    xhat = (x.to(acc) - mean[:, None]) * rstd[:, None]  # (N, C)
+    dw += (dyf * xhat).sum(0).to(dw.dtype)  # (C,)
+    db += dyf.sum(0).to(db.dtype)  # (C,)
+    g = dyf * w.to(acc)  # (N, C)
+    dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))  # (N, C)
+    if dres is not None:
+        dx += dres.to(acc)
+    return dx.to(x.dtype)
+
+
+def torch_matmul_forward(x, w, b):
+    """y = x w^T + b, w in Linear layout (out, in)."""
+    if b is None:
+        return x @ w.t()  # (N, M)
+    return torch.addmm(b, x, w.t())  # (N, M)
+
+
+def torch_gelu_forward(pre):
+    """tanh-GELU: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), in fp32."""
+    x = pre.to(_acc(pre.dtype))  # (N, M)
+    return (0.5 * x * (1.0 + torch.tanh(GELU_C * (x + 0.044715 * x * x * x)))).to(pre.dtype)  # (N, M)
+
+
+def torch_matmul_gelu_forward(x, w, b):
+    """(gelu(pre), pre) with pre = x w^T + b: the MLP's first layer; pre is what both backwards need."""
+    pre = torch.addmm(b, x, w.t())  # (N, M)
+    return torch_gelu_forward(pre), pre
+
+
+def torch_matmul_backward(dy, x, w, dw, db):
+    """y = x w^T + b  =>  dx = dy w, dw += dy^T x, db += dy summed over the rows."""
+    dw += (dy.t() @ x).to(dw.dtype)  # (M, K)
+    if db is not None:
+        db += dy.sum(0, dtype=db.dtype)  # (M,)
+    return dy @ w  # (N, K)
+
+
+def torch_gelu_backward(dy, pre):
+    """gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) du/dx, du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)."""
+    x = pre.to(_acc(pre.dtype))  # (N, M)
+    t = torch.tanh(GELU_C * (x + 0.044715 * x * x * x))  # (N, M)
+    dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * x * x)  # (N, M)
+    return (dy.to(x.dtype) * dgelu).to(pre.dtype)  # (N, M)
+
+
+def _heads(qkv, n_head):
+    """q, k, v as (B, H, T, D) views of the fused (B, T, 3C) projection; head h is columns h*D..(h+1)*D-1
+    of each third."""
+    B, T, C3 = qkv.shape
+    return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
+
+
+def _causal_scores(q, k, i0):
+    """fp32 scores (B, H, n, i0+n) of the n query rows starting at row i0 against the keys up to the last
+    of them (later keys are masked for every row of the block, so they are never multiplied); -inf where
+    a key comes after its query."""
+    n, D = q.shape[2], q.shape[3]
+    i1 = i0 + n
+    s = (q @ k[:, :, :i1].transpose(-1, -2)).to(_acc(q.dtype)) * (1.0 / math.sqrt(D))  # (B, H, n, i1)
+    rows = torch.arange(i0, i1, device=q.device)  # (n,)
+    later = torch.arange(i1, device=q.device)[None, :] > rows[:, None]  # (n, i1)
+    return s.masked_fill_(later, float("-inf"))
+
+
+def torch_attention_forward(qkv, n_head):
+    """Causal softmax(q k^T / sqrt(D)) v per head, ATTN_BLOCK query rows at a time. Keeps only the output
+    and each row's logsumexp of the scores, from which the backward recomputes the probabilities."""
+    B, T, C3 = qkv.shape
+    q, k, v = _heads(qkv, n_head)  # (B, H, T, D) each
+    out = torch.empty(B, T, n_head, C3 // (3 * n_head), dtype=qkv.dtype, device=qkv.device)  # (B, T, H, D)
+    lse = torch.empty(B, n_head, T, dtype=_acc(qkv.dtype), device=qkv.device)  # (B, H, T)
+    for i0 in range(0, T, ATTN_BLOCK):
+        i1 = min(i0 + ATTN_BLOCK, T)
+        s = _causal_scores(q[:, :, i0:i1], k, i0)  # (B, H, n, i1)
+        lse[:, :, i0:i1] = torch.logsumexp(s, -1)  # (B, H, n)
+        p = torch.exp(s - lse[:, :, i0:i1, None])  # (B, H, n, i1)
+        out[:, i0:i1] = (p.to(qkv.dtype) @ v[:, :, :i1]).transpose(1, 2)  # (B, n, H, D)
+    return out.view(B, T, C3 // 3), lse
+
+
+def torch_attention_backward(dout, qkv, out, lse, n_head):
+    """With S = q k^T / sqrt(D) and P = exp(S - lse) recomputed per block of query rows:
+    dv = P^T do, dP = do v^T, dS = P * (dP - rowsum(do * out)), dq = dS k / sqrt(D), dk = dS^T q / sqrt(D).
+    (rowsum(do * out) = rowsum(P * dP): the softmax's Jacobian without forming it.)"""
+    B, T, C = dout.shape
+    D = C // n_head
+    q, k, v = _heads(qkv, n_head)  # (B, H, T, D) each
+    do = dout.view(B, T, n_head, D).transpose(1, 2)  # (B, H, T, D)
+    acc = lse.dtype
+    delta = (do.to(acc) * out.view(B, T, n_head, D).transpose(1, 2).to(acc)).sum(-1)  # (B, H, T)
+    dqkv = torch.empty_like(qkv)  # (B, T, 3C)
+    dq, dk_out, dv_out = dqkv.view(B, T, 3, n_head, D).unbind(2)  # (B, T, H, D) views each
+    dk = torch.zeros(B, n_head, T, D, dtype=acc, device=qkv.device)  # (B, H, T, D)
+    dv = torch.zeros(B, n_head, T, D, dtype=acc, device=qkv.device)  # (B, H, T, D)
+    for i0 in range(0, T, ATTN_BLOCK):
+        i1 = min(i0 + ATTN_BLOCK, T)
+        p = torch.exp(_causal_scores(q[:, :, i0:i1], k, i0) - lse[:, :, i0:i1, None])  # (B, H, n, i1)
+        do_blk = do[:, :, i0:i1]  # (B, H, n, D)
+        dv[:, :, :i1] += (p.to(qkv.dtype).transpose(-1, -2) @ do_blk).to(acc)  # (B, H, i1, D)
+        dp = (do_blk @ v[:, :, :i1].transpose(-1, -2)).to(acc)  # (B, H, n, i1)
+        ds = (p * (dp - delta[:, :, i0:i1, None]) / math.sqrt(D)).to(qkv.dtype)  # (B, H, n, i1)
+        dq[:, i0:i1] = (ds @ k[:, :, :i1]).transpose(1, 2)  # (B, n, H, D)
+        dk[:, :, :i1] += (ds.transpose(-1, -2) @ q[:, :, i0:i1]).to(acc)  # (B, H, i1, D)
+    dk_out.copy_(dk.transpose(1, 2))  # (B, T, H, D)
+    dv_out.copy_(dv.transpose(1, 2))  # (B, T, H, D)
+    return dqkv
+
+
+def torch_crossentropy_forward_backward(logits, targets, V, dloss):
+    """loss = logsumexp(z[:V]) - z[target] per row; the logits are overwritten with the loss's gradient,
+    dloss * (softmax(z[:V]) - onehot(target)), and 0 in the padded columns V..Vp-1, CE_BLOCK rows at a
+    time so the fp32 temporaries stay small. Returns the losses (N,) in fp32."""
+    N = logits.shape[0]
+    losses = torch.empty(N, dtype=_acc(logits.dtype), device=logits.device)  # (N,)
+    for r0 in range(0, N, CE_BLOCK):
+        r1 = min(r0 + CE_BLOCK, N)
+        z = logits[r0:r1, :V].to(losses.dtype)  # (n, V)
+        t = targets[r0:r1, None]  # (n, 1)
+        lse = torch.logsumexp(z, -1, keepdim=True)  # (n, 1)
+        losses[r0:r1] = (lse - z.gather(1, t))[:, 0]  # (n,)
+        dz = (z - lse).exp_()  # (n, V) softmax (in place: one fp32 temporary, not three)
+        dz.scatter_add_(1, t, torch.full_like(dz[:, :1], -1.0))  # (n, V) minus the one-hot target
+        logits[r0:r1, :V] = dz.mul_(dloss)  # (n, V)
+        logits[r0:r1, V:] = 0
+    return losses
+
+
+def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
+    """The tied lm head and the loss, forward and backward at once, `rows` rows at a time: logits = h wte^T;
+    the cross-entropy overwrites them with dlogits; then dh = dlogits wte and dwte += dlogits^T h. Returns
+    (losses (N,) fp32, dh (N, C)); with grads None, only the losses (dh None)."""
+    N = h.shape[0]
+    losses = torch.empty(N, dtype=_acc(h.dtype), device=h.device)  # (N,)
+    dh = torch.empty_like(h) if grads is not None else None  # (N, C)
+    for r0 in range(0, N, rows):
+        hc = h[r0:r0 + rows]  # (n, C)
+        logits = ops.matmul_forward(hc, w["wte"], None)  # (n, Vp)
+        losses[r0:r0 + rows] = ops.crossentropy_forward_backward(logits, targets[r0:r0 + rows],
+                                                                 cfg.vocab_size, dloss)  # (n,)
+        if grads is not None:
+            dh[r0:r0 + rows] = ops.matmul_backward(logits, hc, w["wte"], grads["wte"], None)  # (n, C)
+        del logits  # freed before the next chunk allocates its own
+    return losses, dh
+
+
+def model_backward(dh, idx, w, grads, acts, cfg, ops):
+    """The forward in reverse, from dh (N, C), the gradient of ln_f's output: ln_f, then per layer the MLP
+    and the attention, then the embedding. Pops each layer's saved tensors off `acts` as it goes, so their
+    memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed."""
+    B, T = idx.shape
+    C, H = cfg.n_embd, cfg.n_head
+    g = grads
+    a = acts.pop()
+    dres = ops.layernorm_backward(dh, a["res"], w["ln_f.w"], a["mean"], a["rstd"], g["ln_f.w"],
+                                  g["ln_f.b"])  # (N, C) gradient of the residual stream
+    for l in reversed(range(cfg.n_layer)):
+        a = acts.pop()
+        # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2))))
+        h, mean, rstd = ops.layernorm_forward(a["res2"], w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C)
+        dgelu = ops.matmul_backward(dres, ops.gelu_forward(a["fch"]), w["mlp.c_proj.w"][l],
+                                    g["mlp.c_proj.w"][l], g["mlp.c_proj.b"][l])  # (N, 4C)
+        dfch = ops.gelu_backward(dgelu, a["fch"])  # (N, 4C)
+        dh = ops.matmul_backward(dfch, h, w["c_fc.w"][l], g["c_fc.w"][l], g["c_fc.b"][l])  # (N, C)
+        dres = ops.layernorm_backward(dh, a["res2"], w["ln_2.w"][l], mean, rstd, g["ln_2.w"][l],
+                                      g["ln_2.b"][l], dres=dres)  # (N, C) reaches res2 both ways
+        # attention: res2 = res + c_proj(attention(c_attn(ln_1(res))))
+        datty = ops.matmul_backward(dres, a["atty"].view(B * T, C), w["attn.c_proj.w"][l],
+                                    g["attn.c_proj.w"][l], g["attn.c_proj.b"][l])  # (N, C)
+        dqkv = ops.attention_backward(datty.view(B, T, C), a["qkv"].view(B, T, 3 * C), a["atty"],
+                                      a["lse"], H)  # (B, T, 3C)
+        h, mean, rstd = ops.layernorm_forward(a["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
+        dh = ops.matmul_backward(dqkv.view(B * T, 3 * C), h, w["c_attn.w"][l], g["c_attn.w"][l],
+                                 g["c_attn.b"][l])  # (N, C)
+        dres = ops.layernorm_backward(dh, a["res"], w["ln_1.w"][l], mean, rstd, g["ln_1.w"][l],
+                                      g["ln_1.b"][l], dres=dres)  # (N, C)
+    ops.encoder_backward(dres.view(B, T, C), idx, g["wte"], g["wpe"])
+
+
+def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
+    """One micro-batch (x, y (B, T) int64): forward, loss, backward. Adds the gradient of dloss * (sum of
+    the token losses) into grads; returns the token losses (N,) in fp32."""
+    acts = []
+    h = model_forward(w, x, cfg, ops, acts)  # (N, C)
+    losses, dh = head_forward_backward(h, y.reshape(-1), w, grads, cfg, ops, dloss, head_rows)  # (N,), (N, C)
+    del h
+    model_backward(dh, x, w, grads, acts, cfg, ops)
+    return losses
+
+
+# -----------------------------------------------------------------------------
+# Optimizer
+
+def lr_at(it, cfg):
+    """llm.c's schedule for 0-based iteration `it`: linear warmup, then cosine down to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
+def grad_accum_steps(cfg, world):
+    tokens = cfg.batch_size * cfg.seq_len * world
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
+    return cfg.total_batch_size // tokens
+
+
+BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
+
+
+def torch_global_norm(grads):
+    """L2 norm over all gradient tensors (0-d fp32), as torch.nn.utils.clip_grad_norm_ computes it."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # ()
+
+
+def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
+    """llm.c's AdamW in place on lists of fp32 tensors, the gradients first scaled by grad_scale (the
+    clipping coefficient): m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
+    p -= lr (mhat / (sqrt(vhat) + eps) + wd p) with mhat = m / (1-b1^t), vhat = v / (1-b2^t); then the
+    compute-dtype copies (None in fp32) are refreshed from the updated masters."""
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    for i, (p, g, m, v, wd) in enumerate(zip(params, grads, ms, vs, weight_decays)):
+        g = g * grad_scale  # same shape as p
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        update = (m / bc1) / ((v / bc2).sqrt_() + eps)  # same shape as p
+        p.sub_(lr * (update + wd * p))
+        if copies is not None:
+            copies[i].copy_(p)
+
+
+@torch.no_grad()
+def train_step(state, xs, ys, step, cfg, ops, world):
+    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): each one's forward and
+    hand-written backward add into the fp32 gradients, scaled so that they sum to the gradient of the mean
+    token loss over all A x world micro-batches; one all-reduce over the processes; clipping by global norm;
+    AdamW. No autograd anywhere: grad mode is off and no tensor requires grad. Returns (train loss, grad
+    norm before clipping) as floats."""
+    w, grads = state["wts"], state["grads"]
+    for g in grads.values():
+        g.zero_()
+    dloss = 1.0 / (xs[0].numel() * len(xs) * world)
+    loss = torch.zeros((), dtype=torch.float32, device=xs.device)  # ()
+    for x, y in zip(xs, ys):
+        loss += forward_backward(w, grads, x, y, cfg, ops, dloss).sum()
+    g = [grads[k] for k in PARAM_NAMES]
+    if world > 1:
+        for t in g:
+            dist.all_reduce(t)
+        dist.all_reduce(loss)
+    norm = ops.global_norm(g).item()
+    clip = cfg.grad_clip / (norm + 1e-6)
+    scale = clip if cfg.grad_clip > 0 and clip < 1 else 1.0
+    copies = [w[k] for k in PARAM_NAMES] if cfg.dtype == "bf16" else None
+    ops.adamw_update([state["params"][k] for k in PARAM_NAMES], g, [state["m"][k] for k in PARAM_NAMES],
+                     [state["v"][k] for k in PARAM_NAMES], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
+                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in PARAM_NAMES], step, scale)
+    return loss.item() * dloss, norm
+
+
+def make_state(params, m, v, cfg, device):
+    """The training state from numpy dicts: fp32 master weights, AdamW moments and gradient buffers, and
+    `wts`, the weights the model computes with (bf16 copies, or the fp32 masters themselves)."""
+    state = {name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))}
+    state["grads"] = {k: torch.zeros_like(t) for k, t in state["params"].items()}
+    state["wts"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
+                    else state["params"])
+    return state
+
+
+# -----------------------------------------------------------------------------
+# Backends: the op interface, filled in by plain torch ops or by our Triton kernels
+
+TORCH_OPS = SimpleNamespace(
+    encoder_forward=torch_encoder_forward, encoder_backward=torch_encoder_backward,
+    layernorm_forward=torch_layernorm_forward, residual_layernorm_forward=torch_residual_layernorm_forward,
+    layernorm_backward=torch_layernorm_backward,
+    matmul_forward=torch_matmul_forward, matmul_gelu_forward=torch_matmul_gelu_forward,
+    matmul_backward=torch_matmul_backward,
+    gelu_forward=torch_gelu_forward, gelu_backward=torch_gelu_backward,
+    attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
+    crossentropy_forward_backward=torch_crossentropy_forward_backward,
+    global_norm=torch_global_norm, adamw_update=torch_adamw_update,
+)
+BACKENDS = {"torch": TORCH_OPS}
+
+
+def backend_ops(name):
+    """The op namespace of backend `name`."""
+    if name not in BACKENDS:
+        die(f"backend {name} is not built yet: its Triton kernels (issues 7 and 8) are not in this file; "
+            f"use backend torch")
+    return BACKENDS[name]
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+SHARD_MAGIC = 20240520
+SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
+
+
+def read_shard(path):
+    """An llm.c token shard (SPEC §2) as a read-only uint16 memmap, after checking its header and size."""
+    if not os.path.isfile(path):
+        die(f"shard {path} does not exist")
+    size = os.path.getsize(path)
+    if size < 256 * 4:
+        die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    header = np.fromfile(path, dtype="<i4", count=256)
+    if header[0] != SHARD_MAGIC:
+        die(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC} (not an llm.c token shard)")
+    if header[1] != 1:
+        die(f"shard {path} has version {header[1]}, expected 1")
+    ntok = int(header[2])
+    if size != 256 * 4 + 2 * ntok:
+        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds "
+            f"{(size - 1024) // 2}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
+
+
+def find_shards(cfg):
+    """(train files, val files) for --data DIR | GLOB (with --val-data GLOB); (None, None) if synthetic."""
+    if cfg.data == "synthetic":
+        return None, None
+    if os.path.isdir(cfg.data):
+        train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
+        val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
+        if not train:
+            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory "
+                "(run prepro_fineweb.py first, or use --data synthetic)")
+    else:
+        train = sorted(glob.glob(cfg.data))
+        val = sorted(glob.glob(cfg.val_data)) if cfg.val_data else []
+        if not train:
+            die(f"--data {cfg.data}: no such directory and no file matches that glob")
+        if cfg.val_data and not val:
+            die(f"--val-data {cfg.val_data}: no file matches that glob")
+    return train, val
+
+
+class DataLoader:
+    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
+    all ranks advance p by W*B*T, and the next shard (wrapping around) starts when fewer than W*B*T+1
+    tokens remain. files=None reads one in-memory shard of random tokens drawn from `seed`."""
+
+    def __init__(self, files, B, T, rank=0, world=1, seed=0):
+        self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
+        self.shard, self.tokens = None, None
+        for i in range(len(files) if files else 0):  # fail now, not hours into the run
+            if len(read_shard(files[i])) < world * B * T + 1:
+                die(f"shard {files[i]} holds fewer than {world * B * T + 1} tokens, one batch needs that")
+        self.reset()
+
+    def _load(self, shard):
+        if self.shard != shard or self.tokens is None:
+            if self.files is None:
+                n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
+                self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
+            else:
+                self.tokens = read_shard(self.files[shard])
+        self.shard = shard
+
+    def reset(self):
+        self.set_state(0, 0)
+
+    def set_state(self, shard, position):
+        """Puts the loader at rank 0's `position` in `shard` (what state() returned)."""
+        self._load(shard)
+        self.position = position + self.rank * self.B * self.T
+
+    def state(self):
+        """(shard, rank 0's position): where the next batch starts, for checkpoints."""
+        return self.shard, self.position - self.rank * self.B * self.T
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        buf = np.asarray(self.tokens[self.position: self.position + B * T + 1], dtype=np.int32)
+        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
+        self.position += self.world * B * T
+        if self.position + self.world * B * T + 1 > len(self.tokens):
+            n_shards = len(self.files) if self.files else 1
+            self.set_state((self.shard + 1) % n_shards, 0)
+        return x, y
+
+
+def step_batches(loader, grad_accum):
+    """The next optimizer step's micro-batches, stacked: x, y (A, B, T) int32."""
+    xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
+    return np.stack(xs), np.stack(ys)
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
+    host can queue the step while the GPU is still busy."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))  # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+MODEL_MAGIC = 20240326
+
+
+def _to_bf16_bits(x):
+    """fp32 -> bf16 bit patterns (uint16), rounding to nearest even, as torch does."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_model_file(path, params, cfg, dtype="fp32"):
+    """An llm.c model file (SPEC §2): 256-int32 header, then the tensors in PARAM_NAMES order."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3 if dtype == "fp32" else 5, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    shapes = param_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes() if dtype == "fp32" else _to_bf16_bits(t).tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size < 1024:
+        die(f"model file {path} is truncated: {raw.size} bytes")
+    h = raw[:1024].view("<i4")
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = param_shapes(Config(**header))
+    itemsize = 4 if h[1] == 3 else 2
+    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
+    if raw.size != expected:
+        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
+    params, offset = {}, 1024
+    for name in PARAM_NAMES:
+        n = math.prod(shapes[name])
+        chunk = raw[offset: offset + n * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        params[name] = t.reshape(shapes[name])
+        offset += n * itemsize
+    return header, params
+
+
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
+    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (SPEC §2), written under a temporary name, then renamed."""
+    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    tmp = final + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    write_model_file(os.path.join(tmp, "model.bin"), params, cfg, "fp32")
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
+                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
+                 config=np.array(json.dumps(asdict(cfg))))
+    with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+        np.savez(f, **state)
+    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+        old = final + ".old"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        for name in os.listdir(old):
+            os.remove(os.path.join(old, name))
+        os.rmdir(old)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def latest_checkpoint(out_dir):
+    """The newest complete checkpoint directory in out_dir, or None."""
+    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
+                   if os.path.basename(d)[5:].isdigit() and os.path.isfile(os.path.join(d, "state.npz")))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path, cfg):
+    """(header, params, m, v, state) from a checkpoint dir; `path` may be 'auto' (newest in cfg.out_dir)."""
+    if path == "auto":
+        path = latest_checkpoint(cfg.out_dir)
+        if path is None:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+    if not os.path.isfile(os.path.join(path, "state.npz")):
+        die(f"--resume {path}: not a checkpoint directory (no state.npz)")
+    header, params = read_model_file(os.path.join(path, "model.bin"))
+    with np.load(os.path.join(path, "state.npz")) as z:
+        missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
+        missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
+        if missing:
+            die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
+        m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
+        v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
+        state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
+    for k in PARAM_NAMES:
+        if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
+            die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
+                f"the model has {params[k].shape}")
+    return header, params, m, v, state
+
+
+def to_numpy(tensors):
+    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
+    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
+
+
+def to_device(arrays, device):
+    """{name: fp32 tensor on device} from a dict of numpy arrays."""
+    return {k: torch.from_numpy(np.asarray(a, np.float32)).to(device) for k, a in arrays.items()}
+
+
+# -----------------------------------------------------------------------------
+# Evaluation
+
+HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: few shapes for the kernels to tune
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
+
+
+def evaluate_val(eval_loss, params, loader, cfg, device, world):
+    """Mean loss over the first cfg.val_steps batches of the val shards (the loader restarts each time),
+    averaged over the processes, each reading its rank's rows as llm.c's loader does."""
+    loader.reset()
+    total = torch.zeros((), device=device)  # ()
+    for _ in range(cfg.val_steps):
+        x, y = loader.next_batch()  # (B, T) each
+        total += eval_loss(params, put_batch(x, device), put_batch(y, device), cfg)
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (cfg.val_steps * world)
+
+
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):  # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]  # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)  # (4, n)
+        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+
+
+@torch.no_grad()
+def generate(params, generator, cfg):
+    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
+    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
+    mask makes the not-yet-sampled zeros to the right irrelevant."""
+    ops = backend_ops(cfg.backend)
+    device = params["wte"].device
+    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
+    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)  # (S, T)
+    tokens[:, 0] = EOT
+    for t in range(T - 1):  # token t+1 from 0..t
+        h = model_forward(params, tokens, cfg, ops).view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
+        logits = ops.matmul_forward(h, params["wte"], None)[:, :VOCAB_SIZE].float()  # (S, V)
+        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)  # (S, K) each
+        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
+        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
+    return tokens
+
+
+# -----------------------------------------------------------------------------
+# Logging
+
+PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
+    "H100 PCIe": (756e12, 378e12),
+    "H100": (989e12, 494.5e12),   # SXM
+    "H200": (989e12, 494.5e12),
+    "A100": (312e12, 156e12),
+    "L40S": (362e12, 183e12),
+    "4090": (165e12, 82.6e12),
+}
+
+
+def model_flops_per_token(cfg, n_params):
+    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+
+def peak_flops(device_name, dtype):
+    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
+    for key, (bf16, tf32) in PEAK_FLOPS.items():
+        if key in device_name:
+            return bf16 if dtype == "bf16" else tf32
+    return None
+
+
+def log_event(out_dir, framework, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (SPEC §5 keys); framework is f"triton-{backend}"."""
+    record["framework"] = framework
+    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb):
+    mfu_s = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+    mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
+    return (f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | "
+            f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
+
+
+def peak_memory_gb(device):
+    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
+    keeps no statistics."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+# -----------------------------------------------------------------------------
+# Self-test (--test)
+#
+# Each op's forward and backward on random inputs of several shapes (odd sizes, T = 1, T past a block),
+# then the whole model's loss, logits and every parameter gradient over two micro-batches, against a
+# reference: for backend torch, torch.autograd through PyTorch's own functional ops; for backend triton,
+# backend torch. References run in fp64 on the very values the tested run sees (its inputs rounded to the
+# dtype under test first), so the error measured is the tested run's alone.
+
+TEST_SHAPES = [(1, 1, 8, 1), (2, 7, 12, 3), (3, 33, 40, 5), (1, 130, 64, 1)]  # (B, T, C, H)
+TEST_TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max relative error
+TEST_SEED = 1234
+
+
+def _leaf(t):
+    """A copy of t that autograd differentiates against."""
+    return t.detach().clone().requires_grad_(True)
+
+
+def autograd_encoder_forward(idx, wte, wpe):
+    return F.embedding(idx, wte) + wpe[:idx.shape[1]]  # (B, T, C)
+
+
+def autograd_encoder_backward(dx, idx, dwte, dwpe):
+    wte, wpe = _leaf(torch.zeros_like(dwte)), _leaf(torch.zeros_like(dwpe))  # values do not matter: linear
+    with torch.enable_grad():
+        x = autograd_encoder_forward(idx, wte, wpe)  # (B, T, C)
+    gwte, gwpe = torch.autograd.grad(x, (wte, wpe), dx.to(x.dtype))
+    dwte += gwte
+    dwpe += gwpe
+
+
+def autograd_layernorm_forward(x, w, b):
+    y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, LN_EPS)  # (N, C), (N, 1), (N, 1)
+    return y, mean[:, 0], rstd[:, 0]
+
+
+def autograd_residual_layernorm_forward(res, h, w, b):
+    x = res + h  # (N, C)
+    return (x, *autograd_layernorm_forward(x, w, b))
+
+
+def autograd_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
+    x, w, b = _leaf(x), _leaf(w), _leaf(torch.zeros_like(w))
+    with torch.enable_grad():
+        y = F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS)  # (N, C)
+    dx, gw, gb = torch.autograd.grad(y, (x, w, b), dy)
+    dw += gw
+    db += gb
+    return dx if dres is None else dx + dres
+
+
+def autograd_matmul_forward(x, w, b):
+    return F.linear(x, w, b)  # (N, M)
+
+
+def autograd_matmul_gelu_forward(x, w, b):
+    pre = F.linear(x, w, b)  # (N, M)
+    return F.gelu(pre, approximate="tanh"), pre
+
+
+def autograd_matmul_backward(dy, x, w, dw, db):
+    x, w = _leaf(x), _leaf(w)
+    b = _leaf(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)) if db is not None else None
+    with torch.enable_grad():
+        y = F.linear(x, w, b)  # (N, M)
+    grads = torch.autograd.grad(y, (x, w) if b is None else (x, w, b), dy)
+    dw += grads[1]
+    if db is not None:
+        db += grads[2]
+    return grads[0]
+
+
+def autograd_gelu_forward(pre):
+    return F.gelu(pre, approximate="tanh")  # (N, M)
+
+
+def autograd_gelu_backward(dy, pre):
+    pre = _leaf(pre)
+    with torch.enable_grad():
+        y = F.gelu(pre, approximate="tanh")  # (N, M)
+    return torch.autograd.grad(y, pre, dy)[0]
+
+
+def autograd_attention_forward(qkv, n_head):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in qkv.split(C, -1))  # (B, H, T, D)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+    s = q @ k.transpose(-1, -2) / math.sqrt(C // n_head)  # (B, H, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
+    lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), -1)  # (B, H, T)
+    return out.transpose(1, 2).reshape(B, T, C), lse
+
+
+def autograd_attention_backward(dout, qkv, out, lse, n_head):
+    qkv = _leaf(qkv)
+    with torch.enable_grad():
+        out, _ = autograd_attention_forward(qkv, n_head)  # (B, T, C)
+    return torch.autograd.grad(out, qkv, dout)[0]
+
+
+def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
+    z = _leaf(logits)
+    with torch.enable_grad():
+        losses = F.cross_entropy(z[:, :V], targets, reduction="none")  # (N,)
+    logits.copy_(torch.autograd.grad(losses, z, torch.full_like(losses, dloss))[0])
+    return losses.detach()
+
+
+def autograd_global_norm(grads):
+    return torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))  # ()
+
+
+def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step,
+                          grad_scale):
+    """torch.optim.AdamW, its state set to the given moments and step: the same update in another form
+    (decoupled decay p *= 1 - lr wd, then the Adam step)."""
+    opt = torch.optim.AdamW([{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decays)],
+                            lr=lr, betas=(beta1, beta2), eps=eps, foreach=False)
+    for p, g, m, v in zip(params, grads, ms, vs):
+        p.grad = g * grad_scale
+        opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m, "exp_avg_sq": v}
+    opt.step()
+    for i, p in enumerate(params):
+        p.grad = None
+        if copies is not None:
+            copies[i].copy_(p)
+
+
+AUTOGRAD_OPS = SimpleNamespace(
+    encoder_forward=autograd_encoder_forward, encoder_backward=autograd_encoder_backward,
+    layernorm_forward=autograd_layernorm_forward,
+    residual_layernorm_forward=autograd_residual_layernorm_forward,
+    layernorm_backward=autograd_layernorm_backward,
+    matmul_forward=autograd_matmul_forward, matmul_gelu_forward=autograd_matmul_gelu_forward,
+    matmul_backward=autograd_matmul_backward,
+    gelu_forward=autograd_gelu_forward, gelu_backward=autograd_gelu_backward,
+    attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
+    crossentropy_forward_backward=autograd_crossentropy_forward_backward,
+    global_norm=autograd_global_norm, adamw_update=autograd_adamw_update,
+)
+
+
+def test_inputs(dt, rdt, device):
+    """A source of random test tensors of dtype dt, each first rounded to rdt (the dtype under test), so
+    that a reference run (dt fp64) draws exactly the values the tested run (dt = rdt) draws."""
+    gen = torch.Generator().manual_seed(TEST_SEED)
+
+    def rand(*shape, scale=1.0, shift=0.0, acc=False, positive=False):
+        """Normal(shift, scale) values in dt, or in the accumulation dtype with acc (gradient buffers)."""
+        t = torch.randn(shape, generator=gen, dtype=torch.float64) * scale + shift  # shape
+        t = t.abs() if positive else t
+        return t.to(_acc(rdt) if acc else rdt).to(_acc(dt) if acc else dt).to(device)
+
+    def randint(high, *shape):
+        return torch.randint(high, shape, generator=gen).to(device)  # shape, int64
+
+    return SimpleNamespace(rand=rand, randint=randint, dt=dt, device=device)
+
+
+def case_encoder(ops, r, B, T, C, H):
+    Vp = B * T + 3
+    idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
+    wte, wpe = r.rand(Vp, C), r.rand(T + 2, C)  # (Vp, C), (T+2, C)
+    x = ops.encoder_forward(idx, wte, wpe)  # (B, T, C)
+    dwte, dwpe = r.rand(Vp, C, acc=True), r.rand(T + 2, C, acc=True)  # filled: backwards add into them
+    ops.encoder_backward(r.rand(B, T, C), idx, dwte, dwpe)
+    return dict(x=x, dwte=dwte, dwpe=dwpe)
+
+
+def case_layernorm(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0), r.rand(C)  # (N, C), (C,), (C,)
+    y, mean, rstd = ops.layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
+    dw, db = r.rand(C, acc=True), r.rand(C, acc=True)  # (C,) each
+    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db)  # (N, C)
+    return dict(y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
+
+
+def case_residual_layernorm(ops, r, B, T, C, H):
+    res, h = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C)  # (N, C) each
+    w, b = r.rand(C, shift=1.0), r.rand(C)  # (C,) each
+    x, y, mean, rstd = ops.residual_layernorm_forward(res, h, w, b)  # (N, C) x2, (N,) x2
+    dw, db = r.rand(C, acc=True), r.rand(C, acc=True)  # (C,) each
+    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db, dres=r.rand(B * T, C))  # (N, C)
+    return dict(x=x, y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
+
+
+def case_matmul(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C), r.rand(3 * C, C, scale=C ** -0.5), r.rand(3 * C)  # (N, C), (3C, C), (3C,)
+    y = ops.matmul_forward(x, w, b)  # (N, 3C)
+    dw, db = r.rand(3 * C, C, acc=True), r.rand(3 * C, acc=True)  # (3C, C), (3C,)
+    dx = ops.matmul_backward(r.rand(B * T, 3 * C), x, w, dw, db)  # (N, C)
+    return dict(y=y, dx=dx, dw=dw, db=db)
+
+
+def case_matmul_no_bias(ops, r, B, T, C, H):
+    M = 5 * C + 3  # like the lm head: a wide output, no bias
+    x, w = r.rand(B * T, C), r.rand(M, C, scale=C ** -0.5)  # (N, C), (M, C)
+    y = ops.matmul_forward(x, w, None)  # (N, M)
+    dw = r.rand(M, C, acc=True)  # (M, C)
+    dx = ops.matmul_backward(r.rand(B * T, M), x, w, dw, None)  # (N, C)
+    return dict(y=y, dx=dx, dw=dw)
+
+
+def case_matmul_gelu(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C), r.rand(4 * C, C, scale=C ** -0.5), r.rand(4 * C)  # (N, C), (4C, C), (4C,)
+    y, pre = ops.matmul_gelu_forward(x, w, b)  # (N, 4C) each
+    dpre = ops.gelu_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
+    dw, db = r.rand(4 * C, C, acc=True), r.rand(4 * C, acc=True)  # (4C, C), (4C,)
+    dx = ops.matmul_backward(dpre, x, w, dw, db)  # (N, C)
+    return dict(y=y, pre=pre, dpre=dpre, dx=dx, dw=dw, db=db)
+
+
+def case_gelu(ops, r, B, T, C, H):
+    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
+    y = ops.gelu_forward(pre)  # (N, 4C)
+    return dict(y=y, dpre=ops.gelu_backward(r.rand(B * T, 4 * C), pre))
+
+
+def case_attention(ops, r, B, T, C, H):
+    qkv = r.rand(B, T, 3 * C, scale=1.5)  # (B, T, 3C)
+    out, lse = ops.attention_forward(qkv, H)  # (B, T, C), (B, H, T)
+    dqkv = ops.attention_backward(r.rand(B, T, C), qkv, out, lse, H)  # (B, T, 3C)
+    return dict(out=out, lse=lse, dqkv=dqkv)
+
+
+def case_crossentropy(ops, r, B, T, C, H):
+    V = 5 * C + 1
+    logits = r.rand(B * T, V + 7, scale=3.0)  # (N, Vp) padded columns too
+    targets = r.randint(V, B * T)  # (N,)
+    losses = ops.crossentropy_forward_backward(logits, targets, V, 1.0 / (B * T))  # (N,)
+    return dict(losses=losses, dlogits=logits)
+
+
+def case_global_norm(ops, r, B, T, C, H):
+    grads = [r.rand(C, 3, acc=True), r.rand(T, acc=True), r.rand(B, C, H, acc=True)]
+    return dict(norm=ops.global_norm(grads))
+
+
+def case_adamw(ops, r, B, T, C, H):
+    shapes = [(C, 3), (T,), (B, C, H)]
+    params = [r.rand(*s, acc=True) for s in shapes]  # fp32 masters (fp64 in the reference)
+    ms = [r.rand(*s, scale=0.1, acc=True) for s in shapes]
+    vs = [r.rand(*s, scale=0.1, acc=True, positive=True) for s in shapes]
+    copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
+    for step, grad_scale in ((1, 1.0), (2, 0.37), (7, 1.0)):
+        grads = [r.rand(*s, acc=True) for s in shapes]
+        ops.adamw_update(params, grads, ms, vs, copies, 0.01, BETA1, BETA2, EPS, [0.1, 0.0, 0.1], step,
+                         grad_scale)
+    out = {}
+    for i in range(len(shapes)):
+        out.update({f"p{i}": params[i], f"m{i}": ms[i], f"v{i}": vs[i],
+                    f"copy{i}": params[i] if copies is None else copies[i]})
+    return out
+
+
+OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
+            ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
+            ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
+            ("gelu fwd+bwd", case_gelu), ("attention fwd+bwd", case_attention),
+            ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
+            ("adamw_update x3", case_adamw)]
+
+
+def test_config():
+    """A tiny GPT-2 for the whole-model check: odd sizes, T below block_size, a small padded vocab."""
+    return Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
+                  seq_len=9, batch_size=2)
+
+
+def test_model_data(r, cfg):
+    """Random weights (scaled so every path carries signal) and two micro-batches of tokens."""
+    w = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.startswith("ln"):
+            w[name] = r.rand(*shape, scale=0.2, shift=1.0 if name.endswith(".w") else 0.0)
+        elif name.endswith(".b"):
+            w[name] = r.rand(*shape, scale=0.1)
+        else:
+            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe") else shape[-1] ** -0.5)
+    batches = [(r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len),
+                r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len)) for _ in range(2)]
+    return w, batches
+
+
+def case_model(ops, r, cfg):
+    """Logits of the first micro-batch, mean loss and all gradients over both, through this file's model
+    (lm head in chunks of 5 rows, so chunks end inside a sequence)."""
+    w, batches = test_model_data(r, cfg)
+    grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
+    x0 = batches[0][0]
+    logits = ops.matmul_forward(model_forward(w, x0, cfg, ops), w["wte"], None)  # (N, Vp)
+    dloss = 1.0 / (x0.numel() * len(batches))
+    loss = sum(forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=5).sum() for x, y in batches)
+    return dict(logits=logits, loss=loss * dloss, **{f"grad {k}": g for k, g in grads.items()})
+
+
+def reference_logits(p, x, cfg):
+    """GPT-2 written with PyTorch's functional ops, for autograd: logits (B, T, Vp)."""
+    B, T = x.shape
+    C, H = cfg.n_embd, cfg.n_head
+    h = F.embedding(x, p["wte"]) + p["wpe"][:T]  # (B, T, C)
+    for l in range(cfg.n_layer):
+        a = F.layer_norm(h, (C,), p["ln_1.w"][l], p["ln_1.b"][l], LN_EPS)  # (B, T, C)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2)
+                   for t in F.linear(a, p["c_attn.w"][l], p["c_attn.b"][l]).split(C, -1))  # (B, H, T, D)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        h = h + F.linear(a, p["attn.c_proj.w"][l], p["attn.c_proj.b"][l])  # (B, T, C)
+        a = F.layer_norm(h, (C,), p["ln_2.w"][l], p["ln_2.b"][l], LN_EPS)  # (B, T, C)
+        a = F.gelu(F.linear(a, p["c_fc.w"][l], p["c_fc.b"][l]), approximate="tanh")  # (B, T, 4C)
+        h = h + F.linear(a, p["mlp.c_proj.w"][l], p["mlp.c_proj.b"][l])  # (B, T, C)
+    h = F.layer_norm(h, (C,), p["ln_f.w"], p["ln_f.b"], LN_EPS)  # (B, T, C)
+    return F.linear(h, p["wte"])  # (B, T, Vp)
+
+
+def reference_case_model(r, cfg):
+    """What case_model computes, by autograd through reference_logits."""
+    w, batches = test_model_data(r, cfg)
+    names = list(w)
+    leaves = [_leaf(w[k]) for k in names]
+    p = dict(zip(names, leaves))
+    with torch.enable_grad():
+        losses = [F.cross_entropy(reference_logits(p, x, cfg)[..., :cfg.vocab_size].reshape(x.numel(), -1),
+                                  y.reshape(-1)) for x, y in batches]
+        loss = sum(losses) / len(losses)
+    grads = torch.autograd.grad(loss, leaves)
+    logits = reference_logits(w, batches[0][0], cfg).reshape(batches[0][0].numel(), -1)  # (N, Vp)
+    return dict(logits=logits, loss=loss.detach(), **{f"grad {k}": g for k, g in zip(names, grads)})
+
+
+def compare(got, want):
+    """(max abs error, max relative error) of got against want; relative to want's largest magnitude, so
+    entries near zero do not blow it up; infinite for a wrong shape or a non-finite value."""
+    g = got.detach().to("cpu", torch.float64)
+    w = want.detach().to("cpu", torch.float64)
+    if g.shape != w.shape or not torch.isfinite(g).all():
+        return math.inf, math.inf
+    err = (g - w).abs().max().item() if g.numel() else 0.0
+    scale = w.abs().max().item() if w.numel() else 0.0
+    return err, (err / scale if scale > 0 else err)
+
+
+def run_self_test(cfg):
+    """--test: prints a table (check, dtype, max abs error, max relative error, tolerance, result, worst
+    output) and exits non-zero if any check fails."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references must be fp32
+    torch.backends.cudnn.allow_tf32 = False
+    ops = backend_ops(cfg.backend)
+    if cfg.backend == "torch":
+        ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
+    else:
+        ref_ops, ref_model = TORCH_OPS, lambda r, c: case_model(TORCH_OPS, r, c)
+        dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    ref_name = "torch.autograd" if cfg.backend == "torch" else "backend torch"
+    print(f"--test: backend {cfg.backend} against {ref_name} (run in fp64) on {device}")
+    f64 = torch.float64
+    rows = []
+    with torch.no_grad():
+        for dt in dtypes:
+            for name, case in OP_CASES:
+                results = []
+                for shape in TEST_SHAPES:
+                    got = case(ops, test_inputs(dt, dt, device), *shape)
+                    want = case(ref_ops, test_inputs(f64, dt, device), *shape)
+                    results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
+                rows.append((name, dt, results))
+            tcfg = test_config()
+            got = case_model(ops, test_inputs(dt, dt, device), tcfg)
+            want = ref_model(test_inputs(f64, dt, device), tcfg)
+            rows.append(("model loss and logits", dt,
+                         [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
+            rows.append(("model: every parameter gradient", dt,
+                         [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
+    names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
+    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  "
+          f"worst")
+    failed = 0
+    for name, dt, results in rows:
+        abs_err = max(r[0] for r in results)
+        _, rel_err, worst = max(results, key=lambda r: r[1])
+        ok = rel_err <= TEST_TOLERANCES[dt]
+        failed += not ok
+        print(f"{name:<34} {names[dt]:<5} {abs_err:11.2e} {rel_err:11.2e} {TEST_TOLERANCES[dt]:9.0e}  "
+              f"{'pass' if ok else 'FAIL':<6}  {worst}")
+    if failed:
+        die(f"--test: {failed} of {len(rows)} checks failed")
+    print(f"--test: all {len(rows)} checks passed")
+
+
+# -----------------------------------------------------------------------------
+# Profiling (--profile, --bench-ops)
+
+BENCH_WARMUP, BENCH_REPS = 3, 20
+
+
+def _nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def op_work(name, args, kwargs, out):
+    """(flops, bytes) that one call of op `name` cannot do without: the matmul flops of the matmuls and
+    the attention (causal: half the score matrix; its backward recomputes the scores, 5 matmuls in all),
+    and for the others the bytes they must read and write. Achieved TFLOP/s and GB/s are measured
+    against these."""
+    outs = out if isinstance(out, tuple) else (out,)
+    if name in ("matmul_forward", "matmul_gelu_forward"):
+        x, w = args[0], args[1]
+        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
+    if name == "matmul_backward":
+        dy, x = args[0], args[1]
+        return 4 * x.shape[0] * x.shape[1] * dy.shape[1], 0
+    if name in ("attention_forward", "attention_backward"):
+        B, T, C3 = args[0 if name == "attention_forward" else 1].shape
+        return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
+    if name == "encoder_forward":
+        idx, x = args[0], outs[0]
+        return 0, _nbytes(idx) + 2 * _nbytes(x) + _nbytes(args[2][:idx.shape[1]])
+    if name == "encoder_backward":
+        dx, idx, dwte, dwpe = args
+        rows = dx.numel() * dwte.element_size()  # the wte rows it updates, read and written
+        return 0, _nbytes(dx, idx) + 2 * rows + 2 * dx[0].numel() * dwpe.element_size()
+    if name == "layernorm_backward":  # dw, db (and dres) are read and written
+        return 0, _nbytes(*args[:5], *args[7:], out, *kwargs.values()) + 2 * _nbytes(*args[5:7])
+    if name == "crossentropy_forward_backward":  # logits read, then overwritten
+        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
+    if name == "global_norm":
+        return 0, _nbytes(*args[0])
+    if name == "adamw_update":  # p, m, v read and written; g read; the copies written
+        params, grads, ms, vs, copies = args[:5]
+        return 0, 2 * _nbytes(*params, *ms, *vs) + _nbytes(*grads, *(copies or ()))
+    return 0, _nbytes(*args, *outs)  # layernorm, residual + layernorm and gelu: inputs read, outputs written
+
+
+def _clock(device):
+    """A point in time: a recorded CUDA event on the GPU (read after a synchronize), else the wall clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed_ms(t0, t1):
+    return t0.elapsed_time(t1) if isinstance(t0, torch.cuda.Event) else 1000 * (t1 - t0)
+
+
+def timed_ops(ops, device, calls):
+    """ops with every function timed and labelled for the profiler's trace: each call appends
+    (name, start, end, flops, bytes) to `calls`."""
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                t0 = _clock(device)
+                out = fn(*args, **kwargs)
+                t1 = _clock(device)
+            calls.append((name, t0, t1, *op_work(name, args, kwargs, out)))
+            return out
+        return call
+    return SimpleNamespace(**{name: wrap(name, fn) for name, fn in vars(ops).items()})
+
+
+def kept_bytes(w, x, cfg, ops):
+    """{op name: bytes} that one micro-batch's forward keeps for its backward, each saved tensor traced back
+    to the op that made it by its storage address."""
+    maker = {}
+
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            for t in out if isinstance(out, tuple) else (out,):
+                maker[t.data_ptr()] = name
+            return out
+        return call
+    acts = []
+    model_forward(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
+    saved = {t.data_ptr(): t for a in acts for t in a.values()}  # distinct tensors
+    kept = {}
+    for ptr, t in saved.items():
+        kept[maker[ptr]] = kept.get(maker[ptr], 0) + _nbytes(t)
+    return kept
+
+
+@torch.no_grad()
+def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework):
+    """--profile: step 1 compiles and warms up; step 2 runs with every op timed and under torch.profiler.
+    Prints per op: calls, time, share of the step, achieved TFLOP/s or GB/s, and the bytes its outputs
+    keep alive for the backward; writes the Chrome trace to the out dir."""
+    for step in (1, 2):
+        x, y = step_batches(loader, grad_accum)  # (A, B, T) each
+        xs, ys = put_batch(x, device), put_batch(y, device)
+        if step == 1:
+            train_step(state, xs, ys, step, cfg, ops, world)
+    kept = kept_bytes(state["wts"], xs[0], cfg, ops)
+    calls = []
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        train_step(state, xs, ys, 2, cfg, timed_ops(ops, device, calls), world)  # .item() syncs
+        step_ms = 1000 * (time.perf_counter() - t0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    table = {}
+    for name, t0, t1, flops, nbytes in calls:
+        row = table.setdefault(name, [0, 0.0, 0, 0])
+        row[0] += 1
+        row[1] += _elapsed_ms(t0, t1)
+        row[2] += flops
+        row[3] += nbytes
+    print(f"profile of step 2: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} x T {cfg.seq_len} x "
+          f"{grad_accum} micro-batches, L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}")
+    print(f"{'op':<30} {'calls':>5} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'GB/s':>8} "
+          f"{'kept MB':>8}")
+    for name, (n, ms, flops, nbytes) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+        rate = (f"{flops / ms / 1e9:8.2f} {'':>8}" if flops else f"{'':>8} {nbytes / ms / 1e6:8.1f}")
+        mb = f"{kept[name] / 1e6:8.2f}" if name in kept else f"{'':>8}"
+        print(f"{name:<30} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {rate} {mb}")
+    in_ops = sum(row[1] for row in table.values())
+    print(f"{'(outside the ops)':<30} {'':>5} {step_ms - in_ops:9.3f} {100 * (1 - in_ops / step_ms):7.1f}")
+    print(f"{'step':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
+    print(f"kept for the backward: {sum(kept.values()) / 1e6:.2f} MB per micro-batch of {cfg.batch_size} "
+          f"sequences | peak memory "
+          f"{'n/a' if device.type != 'cuda' else f'{peak_memory_gb(device):.2f} GB'}")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    trace = os.path.join(cfg.out_dir, f"trace_{framework}.json")
+    prof.export_chrome_trace(trace)
+    print(f"Chrome trace (Perfetto or chrome://tracing): {trace}")
+
+
+def time_ms(fn, device):
+    """Median milliseconds of fn() over BENCH_REPS calls, after BENCH_WARMUP calls (which also compile)."""
+    for _ in range(BENCH_WARMUP):
+        fn()
+    times = []
+    for _ in range(BENCH_REPS):
+        t0 = _clock(device)
+        fn()
+        t1 = _clock(device)
+        times.append((t0, t1))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return float(np.median([_elapsed_ms(t0, t1) for t0, t1 in times]))
+
+
+def bench_cases(cfg, ops, device):
+    """(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work) at the model's
+    shapes: N = B*T rows, and HEAD_ROWS rows for the lm head and the loss, as the training step runs them."""
+    dt = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
+                         cfg.padded_vocab_size)
+    N, R = B * T, min(B * T, HEAD_ROWS)
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    idx = torch.randint(V, (B, T), device=device)  # (B, T)
+    wte, wpe = rand(Vp, C), rand(T, C)  # (Vp, C), (T, C)
+    dwte, dwpe = rand(Vp, C, dtype=torch.float32), rand(T, C, dtype=torch.float32)  # (Vp, C), (T, C)
+    x, h, dy, w, b = rand(N, C), rand(N, C), rand(N, C), rand(C), rand(C)  # (N, C) x3, (C,) x2
+    dw, db = rand(C, dtype=torch.float32), rand(C, dtype=torch.float32)  # (C,) each
+    y, mean, rstd = ops.layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
+    cases = [
+        ("encoder_forward", f"{B}x{T}x{C}", lambda: ops.encoder_forward(idx, wte, wpe),
+         "F.embedding + add", lambda: F.embedding(idx, wte) + wpe[:T], (idx, wte, wpe)),
+        ("encoder_backward", f"{B}x{T}x{C}", lambda: ops.encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
+         "index_add_ + sum", lambda: torch_encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
+         (dy.view(B, T, C), idx, dwte, dwpe)),
+        ("layernorm_forward", f"{N}x{C}", lambda: ops.layernorm_forward(x, w, b),
+         "torch.native_layer_norm", lambda: torch.native_layer_norm(x, (C,), w, b, LN_EPS), (x, w, b)),
+        ("residual_layernorm_forward", f"{N}x{C}", lambda: ops.residual_layernorm_forward(x, h, w, b),
+         "add + native_layer_norm", lambda: torch.native_layer_norm(x + h, (C,), w, b, LN_EPS), (x, h, w, b)),
+        ("layernorm_backward", f"{N}x{C}",
+         lambda: ops.layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=h),
+         "native_layer_norm_backward", lambda: torch.ops.aten.native_layer_norm_backward(
+             dy, x, [C], mean[:, None], rstd[:, None], w, b, [True, True, True])[0] + h,
+         (dy, x, w, mean, rstd, dw, db, h)),
+    ]
+    for label, K, M, bias in (("c_attn", C, 3 * C, True), ("attn.c_proj", C, C, True),
+                              ("mlp.c_proj", 4 * C, C, True), ("lm head", C, Vp, False)):
+        rows = R if label == "lm head" else N
+        xm, wm, bm, dym = rand(rows, K), rand(M, K), rand(M) if bias else None, rand(rows, M)
+        dwm, dbm = rand(M, K, dtype=torch.float32), rand(M, dtype=torch.float32) if bias else None
+        cases += [
+            ("matmul_forward", f"{label} {rows}x{K}x{M}",
+             lambda xm=xm, wm=wm, bm=bm: ops.matmul_forward(xm, wm, bm),
+             "F.linear (cuBLAS)", lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm), (xm, wm, bm)),
+            ("matmul_backward", f"{label} {rows}x{K}x{M}",
+             lambda dym=dym, xm=xm, wm=wm, dwm=dwm, dbm=dbm: ops.matmul_backward(dym, xm, wm, dwm, dbm),
+             "2 x torch.mm (+ sum)", lambda dym=dym, xm=xm, wm=wm, bias=bias: (
+                 dym @ wm, dym.t() @ xm, dym.sum(0) if bias else None), (dym, xm, wm, dwm, dbm)),
+        ]
+    xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
+    pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
+    qkv, dout = rand(B, T, 3 * C), rand(B, T, C)  # (B, T, 3C), (B, T, C)
+    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, -1))  # (B, H, T, D) each
+    out, lse = ops.attention_forward(qkv, H)  # (B, T, C), (B, H, T)
+    logits, targets = rand(R, Vp), torch.randint(V, (R,), device=device)  # (R, Vp), (R,)
+    shapes = param_shapes(cfg)
+    params = [rand(*shapes[k], dtype=torch.float32) for k in PARAM_NAMES]
+    grads, ms = [torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    vs = [torch.zeros_like(p) for p in params]
+    copies = [p.to(dt) for p in params] if dt != torch.float32 else None
+    adamw = torch.optim.AdamW([{"params": [p], "weight_decay": 0.1} for p in params], lr=1e-4,
+                              betas=(BETA1, BETA2), eps=EPS, fused=device.type == "cuda")
+    for p, g in zip(params, grads):
+        p.grad = g
+    adamw_args = (params, grads, ms, vs, copies, 1e-4, BETA1, BETA2, EPS, [0.1] * len(params), 1, 1.0)
+
+    def sdpa_forward_backward():
+        with torch.enable_grad():
+            qkv_leaf = _leaf(qkv)
+            qs, ks, vs_ = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv_leaf.split(C, -1))
+            o = F.scaled_dot_product_attention(qs, ks, vs_, is_causal=True)  # (B, H, T, D)
+            o.backward(dout.view(B, T, H, C // H).transpose(1, 2))
+
+    def torch_cross_entropy():
+        with torch.enable_grad():
+            z = _leaf(logits)  # (R, Vp)
+            F.cross_entropy(z[:, :V].float(), targets).backward()
+
+    cases += [
+        ("matmul_gelu_forward", f"c_fc {N}x{C}x{4 * C}", lambda: ops.matmul_gelu_forward(xf, wf, bf),
+         "F.linear + F.gelu", lambda: F.gelu(F.linear(xf, wf, bf), approximate="tanh"), (xf, wf, bf)),
+        ("gelu_forward", f"{N}x{4 * C}", lambda: ops.gelu_forward(pre),
+         "F.gelu(tanh)", lambda: F.gelu(pre, approximate="tanh"), (pre,)),
+        ("gelu_backward", f"{N}x{4 * C}", lambda: ops.gelu_backward(dpre, pre),
+         "aten.gelu_backward", lambda: torch.ops.aten.gelu_backward(dpre, pre, approximate="tanh"),
+         (dpre, pre)),
+        ("attention_forward", f"{B}x{H}x{T}x{C // H}", lambda: ops.attention_forward(qkv, H),
+         "SDPA causal", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (qkv, H)),
+        ("attention_forward+backward", f"{B}x{H}x{T}x{C // H}",
+         lambda: ops.attention_backward(dout, qkv, *ops.attention_forward(qkv, H), H),
+         "SDPA causal fwd+bwd", sdpa_forward_backward, None),
+        ("crossentropy_forward_backward", f"{R}x{Vp}",
+         lambda: ops.crossentropy_forward_backward(logits, targets, V, 1.0 / R),
+         "F.cross_entropy fwd+bwd", torch_cross_entropy, (logits, targets, V, 1.0 / R)),
+        ("global_norm", f"{len(params)} tensors", lambda: ops.global_norm(grads),
+         "torch._foreach_norm", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
+         (grads,)),
+        ("adamw_update", f"{len(params)} tensors", lambda: ops.adamw_update(*adamw_args),
+         f"torch AdamW ({'fused' if device.type == 'cuda' else 'for-loop'})", adamw.step, adamw_args),
+    ]
+    return cases
+
+
+COPY_BYTES = 1 << 28  # the copy that measures memory bandwidth: 256 MiB, far beyond any cache
+
+
+def copy_bandwidth_gbs(device):
+    """The device memory's bandwidth as a COPY_BYTES copy achieves it (bytes read + written per second)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)  # (COPY_BYTES,)
+    dst = torch.empty_like(src)  # (COPY_BYTES,)
+    return 2 * src.numel() / time_ms(lambda: dst.copy_(src), device) / 1e6
+
+
+@torch.no_grad()
+def bench_ops(cfg, ops, device):
+    """--bench-ops: each op of the backend at the model's shapes against the PyTorch op it replaces:
+    milliseconds and achieved TFLOP/s or GB/s of both, and the device's copy bandwidth for scale."""
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
+          f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
+    print(f"{'op':<30} {'shape':<26} {'ms':>8} {'rate':>12} | {'PyTorch op':<28} {'ms':>8} {'rate':>12} "
+          f"{'speed-up':>8}")
+    for name, shape, ours, torch_label, theirs, args in bench_cases(cfg, ops, device):
+        ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
+        if args is None:  # attention forward + backward
+            B, T, C = cfg.batch_size, cfg.seq_len, cfg.n_embd
+            flops, nbytes = 7 * B * T * T * C, 0
+        else:
+            flops, nbytes = op_work(name, args, {}, ours())
+
+        def unit(ms):
+            return f"{flops / ms / 1e9:7.2f} TF/s" if flops else f"{nbytes / ms / 1e6:7.0f} GB/s"
+        print(f"{name:<30} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} | {torch_label:<28} "
+              f"{theirs_ms:8.3f} {unit(theirs_ms):>12} {theirs_ms / ours_ms:7.2f}x")
+
+
+# -----------------------------------------------------------------------------
+# Main
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def setup_device(cfg):
+    """(rank, world, device): under torchrun one process per GPU (nccl) or per share of the CPU cores
+    (gloo), else one process on the GPU if there is one. Sets the matmul precision cfg.dtype promises."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if world > 1:  # processes on one machine split its cores instead of oversubscribing them
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1:
+        # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(hours=1))
+    # fp32 means fp32: torch would otherwise let cuBLAS and cuDNN run fp32 matmuls as TF32
+    tf32 = cfg.dtype == "bf16"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    return rank, world, device
+
+
+def main(argv=None):
+    cfg, explicit = parse_args(argv)
+    if cfg.test:
+        run_self_test(cfg)
+        return
+    ops = backend_ops(cfg.backend)
+    framework = f"{FRAMEWORK}-{cfg.backend}"
+    rank, world, device = setup_device(cfg)
+    if cfg.bench_ops:
+        bench_ops(cfg, ops, device)
+        return
+    master = rank == 0
+    say = print if master else (lambda *args, **kwargs: None)
+
+    # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
+    step, loader_state, m, v = 0, (0, 0), None, None
+    if cfg.resume:
+        header, params, m, v, state = load_checkpoint(cfg.resume, cfg)
+        apply_model_header(cfg, header, explicit)
+        cfg.seed, step, loader_state = state["seed"], state["step"], (state["shard"], state["position"])
+    elif cfg.init_from:
+        header, params = read_model_file(cfg.init_from)
+        apply_model_header(cfg, header, explicit)
+    else:
+        params = init_params_numpy(cfg)
+    if m is None:
+        m = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items()}
+    if cfg.eval_only and not (cfg.resume or cfg.init_from):
+        die("--eval-only needs weights: give --init-from or --resume")
+
+    # data: each process reads its own B rows of every micro-batch, as llm.c's per-rank loaders do
+    grad_accum = grad_accum_steps(cfg, world)
+    B, T = cfg.batch_size, cfg.seq_len
+    train_files, val_files = find_shards(cfg)
+    train_loader = None if cfg.eval_only else DataLoader(train_files, B, T, rank, world, seed=cfg.seed)
+    val_loader = DataLoader(val_files, B, T, rank, world) if val_files else None
+    if train_loader is not None:
+        n_shards = len(train_files) if train_files else 1
+        shard, position = loader_state
+        if shard >= n_shards:
+            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
+        train_loader.set_state(shard, position)
+        if position + world * B * T + 1 > len(train_loader.tokens):
+            die(f"--resume: the checkpoint's position {position} is past the end of train shard {shard}")
+    encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+
+    # devices: every process holds all parameters, gradients and optimizer state in fp32
+    state = make_state(params, m, v, cfg, device)
+    params = state["wts"]  # what evaluation and sampling compute with
+    n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
+    device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+        f"wpe) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
+    say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
+        f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
+
+    if cfg.profile:
+        if master:
+            profile_run(state, train_loader, cfg, ops, world, device, grad_accum, framework)
+        if world > 1:
+            dist.destroy_process_group()
+        return
+
+    def run_evals(step, val, swag):
+        if val and val_loader is not None:
+            val_loss = evaluate_val(loss_fn, params, val_loader, cfg, device, world)
+            say(f"step {step:5d} | val loss {val_loss:.6f}")
+            if master:
+                log_event(cfg.out_dir, framework, step=step, val_loss=val_loss)
+        if swag and master:
+            acc, acc_norm = evaluate_hellaswag(token_losses, params, cfg, device)
+            say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
+            log_event(cfg.out_dir, framework, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
+
+    if cfg.eval_only:
+        if val_loader is None:
+            say("no validation shards: val loss skipped")
+        run_evals(step, True, True)
+        if world > 1:
+            dist.destroy_process_group()
+        return
+
+    flops_per_token = model_flops_per_token(cfg, n_params)
+    peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
+    first = step + 1
+    times = {}
+    for step in range(first, cfg.steps + 1):
+        t0 = time.perf_counter()
+        x, y = step_batches(train_loader, grad_accum)  # (A, B, T) each
+        loss, norm = train_step(state, put_batch(x, device), put_batch(y, device), step, cfg, ops, world)
+        dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
+        times[step] = dt
+        if step == first and cfg.backend == "triton":
+            say(f"compiled the kernels in {dt:.1f} s (compilation, autotuning and step {step}, left out of "
+                f"the mean)")
+        tokens_per_s = cfg.total_batch_size / dt
+        mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+        lr, mem = lr_at(step - 1, cfg), peak_memory_gb(device)
+        say(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
+        if master:
+            log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr,
+                      dt_ms=1000 * dt, tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+        run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
+        if master and due(cfg.sample_every, step, cfg.steps):
+            seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
+            generator = torch.Generator(device=device).manual_seed(seed)
+            for i, row in enumerate(generate(params, generator, cfg).tolist()):
+                text = encoder.decode(row[1:])
+                say(f"sample {i}: {text!r}")
+        if master and due(cfg.ckpt_every, step, cfg.steps):
+            path = save_checkpoint(cfg.out_dir, step, to_numpy(state["params"]), to_numpy(state["m"]),
+                                   to_numpy(state["v"]), train_loader.state(), cfg)
+            say(f"saved {path}")
+
+    # the first step carries one-off costs (kernel compilation and autotuning, allocations, cuBLAS plans)
+    later = [times[s] for s in times if s > first] or list(times.values())
+    if later:
+        dt = float(np.mean(later))
+        tokens_per_s = cfg.total_batch_size / dt
+        mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+        mem = peak_memory_gb(device)
+        say(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
+            f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, mfu "
+            f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory "
+            f"{'n/a' if mem is None else f'{mem:.2f} GB'}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
