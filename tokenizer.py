@@ -255,11 +255,12 @@ def learn_merges(word_counts, n_tokens):
     index = {b: i for i, b in enumerate(tokens)}
     words = [list(w) for w in word_counts]             # each pre-token as a list of token ids
     freqs = list(word_counts.values())
-    counts, where = {}, {}                             # pair -> count; pair -> indices of words with it
+    counts = collections.defaultdict(int)              # pair -> count over all words
+    where = collections.defaultdict(set)               # pair -> indices of the words that (once) had it
     for wi, (w, f) in enumerate(zip(words, freqs)):
         for pair in zip(w, w[1:]):
-            counts[pair] = counts.get(pair, 0) + f
-            where.setdefault(pair, set()).add(wi)
+            counts[pair] += f
+            where[pair].add(wi)
     heap = [(-c, pair) for pair, c in counts.items()]
     heapq.heapify(heap)
     while len(tokens) < n_tokens and heap:
@@ -278,32 +279,28 @@ def learn_merges(word_counts, n_tokens):
             tokens.append(merged)
         grown = set()
         for wi in where.pop(pair):
-            w = words[wi]
-            if a not in w:  # the pair left this word in an earlier merge
-                continue
-            f, n, out, i = freqs[wi], len(w), [], 0
-            while i < n:
-                if w[i] == a and i + 1 < n and w[i + 1] == b:
-                    if out:
-                        prev = out[-1]
-                        counts[prev, a] -= f
-                        q = (prev, new)
-                        counts[q] = counts.get(q, 0) + f
-                        grown.add(q)
-                        where.setdefault(q, set()).add(wi)
-                    if i + 2 < n:
-                        following = w[i + 2]
-                        counts[b, following] -= f
-                        q = (new, following)
-                        counts[q] = counts.get(q, 0) + f
-                        grown.add(q)
-                        where.setdefault(q, set()).add(wi)
-                    out.append(new)
-                    i += 2
-                else:
-                    out.append(w[i])
+            w, f, i = words[wi], freqs[wi], 0
+            try:
+                while True:  # each occurrence of a, left to right (list.index runs at C speed)
+                    i = w.index(a, i)
+                    if i + 1 < len(w) and w[i + 1] == b:
+                        if i:
+                            prev = w[i - 1]  # the new token itself when the pair repeats (a b a b)
+                            counts[prev, a] -= f
+                            counts[prev, new] += f
+                            grown.add((prev, new))
+                            where[prev, new].add(wi)
+                        if i + 2 < len(w):
+                            following = w[i + 2]
+                            counts[b, following] -= f
+                            counts[new, following] += f
+                            grown.add((new, following))
+                            where[new, following].add(wi)
+                        w[i] = new
+                        del w[i + 1]
                     i += 1
-            words[wi] = out
+            except ValueError:  # no more a in this word
+                pass
         del counts[pair]
         for q in grown:
             if counts[q] > 0:
