@@ -338,12 +338,14 @@ def test_gpt2_download_and_cache(http_server, tmp_path, gpt2):
     tok = BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url)
     assert tok.tokens == gpt2.tokens and tok.special_tokens == gpt2.special_tokens
     n = len(http_server.requests)
-    BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url)
+    for name in ("encoder.json", "vocab.bpe"):
+        assert tokenizer.fetch_gpt2_file(name, cache, http_server.url) == os.path.join(cache, name)
     assert len(http_server.requests) == n  # served from the cache
     with open(cache / "vocab.bpe", "r+b") as f:  # a damaged cached copy is fetched again
         f.write(b"#garbage")
-    assert BPETokenizer.from_gpt2(cache_dir=cache, base_url=http_server.url).tokens == gpt2.tokens
+    tokenizer.fetch_gpt2_file("vocab.bpe", cache, http_server.url)
     assert len(http_server.requests) == n + 1
+    assert tokenizer.sha256_of(cache / "vocab.bpe") == tokenizer.GPT2_SHA256["vocab.bpe"]
     with open(os.path.join(http_server.root, "encoder.json"), "ab") as f:  # not the published file
         f.write(b" ")
     with pytest.raises(OSError, match="corrupt"):
@@ -375,7 +377,7 @@ def cli_error(*args):
     return msg
 
 
-def test_cli_train_encode_decode(tmp_path, monkeypatch, capsys, enc, shakespeare):
+def test_cli_train_encode_decode(tmp_path, capsys, enc, shakespeare):
     """`train` writes a tokenizer file; `encode` writes an llm.c shard (<|endoftext|> then the tokens:
     tiktoken's for --tokenizer gpt2); `decode` gives the text back."""
     src = shared_file("data/tinyshakespeare/input.txt")
@@ -383,9 +385,6 @@ def test_cli_train_encode_decode(tmp_path, monkeypatch, capsys, enc, shakespeare
     run_script("tokenizer.py", "encode", "--tokenizer", "gpt2", "--input", src, "--out", tmp_path / "g.bin",
                env={"GPT2_BPE_DIR": gpt2_dir})
     assert read_shard_tokens(tmp_path / "g.bin") == [EOT] + enc.encode_ordinary(shakespeare)
-    monkeypatch.setenv("GPT2_BPE_DIR", gpt2_dir)
-    cli("decode", "--tokenizer", "gpt2", "--input", tmp_path / "g.bin", "--out", tmp_path / "g.txt")
-    assert (tmp_path / "g.txt").read_text(encoding="utf-8") == "<|endoftext|>" + shakespeare
     small = tmp_path / "small.txt"
     small.write_text(shakespeare[:30000], encoding="utf-8")
     cli("train", "--input", small, "--vocab-size", "512", "--out", tmp_path / "s.bpe")
@@ -396,6 +395,8 @@ def test_cli_train_encode_decode(tmp_path, monkeypatch, capsys, enc, shakespeare
     capsys.readouterr()
     cli("decode", "--tokenizer", tmp_path / "s.bpe", "--input", tmp_path / "s.bin")
     assert capsys.readouterr().out == "<|endoftext|>" + shakespeare[:30000]
+    cli("decode", "--tokenizer", tmp_path / "s.bpe", "--input", tmp_path / "s.bin", "--out", tmp_path / "s.txt")
+    assert (tmp_path / "s.txt").read_text(encoding="utf-8") == "<|endoftext|>" + shakespeare[:30000]
 
 
 def test_cli_bench(tmp_path, capsys, shakespeare):
