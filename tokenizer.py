@@ -224,20 +224,26 @@ def special_splitter(names):
     return regex.compile("|".join(regex.escape(s) for s in sorted(names, key=len, reverse=True)))
 
 
-def count_pretokens(chunks, special_tokens, pattern=GPT2_SPLIT_PATTERN):
+def utf8_safe(text):
+    """text with lone surrogates (which UTF-8 cannot encode) replaced by U+FFFD and surrogate pairs
+    joined into the character they stand for, as tiktoken does before encoding."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def count_pretokens(chunks, special_tokens):
     """{pre-token bytes: count} over all chunks. Special tokens in the text separate documents and are
     not learned from."""
-    findall = regex.compile(pattern).findall
+    findall = regex.compile(GPT2_SPLIT_PATTERN).findall
     split = special_splitter(special_tokens).split if special_tokens else None
     counts = collections.Counter()
     for chunk in chunks:
         for part in (split(chunk) if split else (chunk,)):
-            counts.update(findall(part))
-    out = {}
-    for piece, c in counts.items():
-        b = piece.encode("utf-8", "surrogatepass")
-        out[b] = out.get(b, 0) + c
-    return out
+            counts.update(findall(utf8_safe(part)))
+    return {piece.encode("utf-8"): c for piece, c in counts.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -414,7 +420,7 @@ def quote_bytes(b):
         elif ch == " " or ch.isprintable():
             out.append(ch)
         else:
-            out.extend(f"\\x{x:02x}" for x in ch.encode("utf-8", "surrogatepass"))
+            out.extend(f"\\x{x:02x}" for x in ch.encode("utf-8"))
     return '"' + "".join(out) + '"'
 
 
@@ -430,7 +436,7 @@ def unquote_bytes(s):
         if m.start() != pos:
             break
         hexa, escaped, plain = m.groups()
-        out.append(bytes([int(hexa, 16)]) if hexa else (escaped or plain).encode("utf-8", "surrogatepass"))
+        out.append(bytes([int(hexa, 16)]) if hexa else (escaped or plain).encode("utf-8"))
         pos = m.end()
     if pos != len(body):
         raise ValueError(f"bad escape or stray quote in {s!r}")
@@ -563,14 +569,8 @@ class BPETokenizer:
 
     def encode_ordinary(self, text):
         """Token ids of text, special tokens treated as plain text."""
-        try:
-            return self._encode_ordinary(text)
-        except UnicodeEncodeError:  # lone surrogates: replaced by U+FFFD, as tiktoken does
-            return self._encode_ordinary(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
-
-    def _encode_ordinary(self, text):
         cache, out = self.cache, []
-        for piece in self.pattern.findall(text):
+        for piece in self.pattern.findall(utf8_safe(text)):
             ids = cache.get(piece)
             out += ids if ids is not None else self.encode_piece(piece)
         return out

@@ -227,7 +227,7 @@ def test_trained_shakespeare_round_trip(trained, shakespeare):
 def test_training_inputs_and_chunking(tmp_path, shakespeare):
     """Text cut into chunks at the safe places pre-tokenizes exactly as the whole text, at any chunk
     size; training on files (plain and .gz) equals training on their text; special tokens in the text
-    are not learned from."""
+    are not learned from; surrogates are learned as encode sees them (U+FFFD, or the paired character)."""
     text = "\n".join(TRICKY) + shakespeare[:3000] + "\n\n  x\n\ty  \n z" * 20
     whole = regex.findall(tokenizer.GPT2_SPLIT_PATTERN, text)
     for size in (1, 2, 3, 5, 8, 13, 40, 200):
@@ -245,6 +245,9 @@ def test_training_inputs_and_chunking(tmp_path, shakespeare):
         tokenizer.count_pretokens([first], [])
     marked = BPETokenizer.train("<|endoftext|>".join([first] * 3), 400)
     assert not any(b"<|" in t or b"|>" in t for t in marked.tokens)
+    lone = BPETokenizer.train("ab\ud800cd \ud83d\ude00 " * 50, 266)  # every merge the text allows
+    assert " 😀".encode() in lone.tokens and "\ufffd".encode() in lone.tokens
+    assert not any(b"\xed" in t for t in lone.tokens[256:])  # no UTF-8-encoded surrogate halves
 
 
 def test_training_bad_arguments(tmp_path):
