@@ -93,8 +93,7 @@ def test_gpt2_multi30k_exact(gpt2, enc):
 
 
 def test_gpt2_tricky_text_exact(gpt2, enc):
-    """Emoji, CJK, accents, tabs, space and newline runs, digits, contractions, control and separator
-    characters, very long pre-tokens, lone surrogates: tiktoken's tokens, and decode(encode(x)) == x."""
+    """Emoji, CJK, accents, tabs, space runs, digits, contractions, long pieces: tiktoken's tokens."""
     for text in TRICKY:
         ids = gpt2.encode_ordinary(text)
         assert ids == enc.encode_ordinary(text), text[:80]
@@ -114,16 +113,14 @@ def test_gpt2_random_text_exact(gpt2, enc):
 
 
 def test_gpt2_every_code_point_sample(gpt2, enc):
-    """Every 23rd Unicode code point, after a letter, digit, punctuation, space, tab and newline, splits and
-    merges as tiktoken does (the pre-tokenizer's letter/number/space classes agree)."""
+    """Every 23rd code point, after a letter/digit/symbol/space/tab/newline, encodes as tiktoken."""
     chars = [chr(c) for c in range(0, 0x110000, 23) if not 0xD800 <= c <= 0xDFFF]
     text = "".join(f"a{c}1{c}!{c} {c}\t{c}\n" for c in chars)
     assert gpt2.encode_ordinary(text) == enc.encode_ordinary(text)
 
 
 def test_special_tokens_like_tiktoken(gpt2, enc):
-    """<|endoftext|> in text raises ValueError unless allowed; allowed (a set or "all") it is id 50256;
-    encode_ordinary treats it as text; all three as tiktoken does."""
+    """<|endoftext|> raises unless allowed, is 50256 when allowed, is text to encode_ordinary."""
     text = "one<|endoftext|>two <|endoftext|><|endoftext|>"
     with pytest.raises(ValueError, match="special token"):
         gpt2.encode(text)
@@ -138,8 +135,7 @@ def test_special_tokens_like_tiktoken(gpt2, enc):
 
 
 def test_decode_partial_utf8_and_bad_ids(gpt2, enc):
-    """Decoding token ids that split a UTF-8 character gives U+FFFD as tiktoken; ids outside the
-    vocabulary raise ValueError."""
+    """Ids splitting a UTF-8 character decode to U+FFFD as tiktoken; unknown ids raise."""
     ids = gpt2.encode("🤖 中")
     for k in range(len(ids) + 1):
         assert gpt2.decode(ids[:k]) == enc.decode(ids[:k])
@@ -150,8 +146,7 @@ def test_decode_partial_utf8_and_bad_ids(gpt2, enc):
 
 
 def test_long_piece_merge_equals_short(gpt2, trained):
-    """The heap merge used for long pre-tokens gives the same tokens as the pair-scan merge, on pieces of
-    every length up to 200 bytes (GPT-2's and a trained vocabulary)."""
+    """The heap merge for long pre-tokens equals the pair-scan merge at every length to 200."""
     rng = random.Random(2)
     for tok in (gpt2, trained):
         for n in range(1, 200):
@@ -196,9 +191,7 @@ def naive_train(word_counts, n_tokens):
 
 
 def test_training_equals_full_recount(shakespeare):
-    """Merges learned with incremental pair counts equal a full recount per merge: on 10 kB of
-    tinyshakespeare plus repeated-letter words (overlapping pairs like 'aaaa'), and on 200 random
-    two-letter vocabularies run to exhaustion."""
+    """Incremental pair counts learn the merges of a full recount per merge (text, 'aaaa', random)."""
     text = shakespeare[:10000] + " aaaa aaaaa abab ababab aabaab aaab bbbb " * 7
     counts = tokenizer.count_pretokens([text], [])
     assert tokenizer.learn_merges(counts, 256 + 200) == naive_train(counts, 256 + 200)
@@ -212,8 +205,7 @@ def test_training_equals_full_recount(shakespeare):
 
 
 def test_trained_shakespeare_round_trip(trained, shakespeare):
-    """A 4,096-token vocabulary trained on tinyshakespeare has exactly 4,096 ids (bytes 0..255, merges,
-    <|endoftext|> last), compresses its text, and round-trips any string."""
+    """A 4,096-token BPE of tinyshakespeare has 4,096 ids, compresses, round-trips any string."""
     assert trained.vocab_size == 4096 and trained.special_tokens == {"<|endoftext|>": 4095}
     assert trained.tokens[:256] == [bytes([b]) for b in range(256)] and len(trained.tokens) == 4095
     ids = trained.encode(shakespeare)
@@ -225,9 +217,7 @@ def test_trained_shakespeare_round_trip(trained, shakespeare):
 
 
 def test_training_inputs_and_chunking(tmp_path, shakespeare):
-    """Text cut into chunks at the safe places pre-tokenizes exactly as the whole text, at any chunk
-    size; training on files (plain and .gz) equals training on their text; special tokens in the text
-    are not learned from; surrogates are learned as encode sees them (U+FFFD, or the paired character)."""
+    """Chunk cuts keep pre-tokens; files (plain, .gz) train as their text; specials not learned."""
     text = "\n".join(TRICKY) + shakespeare[:3000] + "\n\n  x\n\ty  \n z" * 20
     whole = regex.findall(tokenizer.GPT2_SPLIT_PATTERN, text)
     for size in (1, 2, 3, 5, 8, 13, 40, 200):
@@ -251,8 +241,7 @@ def test_training_inputs_and_chunking(tmp_path, shakespeare):
 
 
 def test_training_bad_arguments(tmp_path):
-    """vocab_size below 256 + specials, empty text, missing or empty files, text too small for the
-    vocabulary: ValueError/OSError naming the problem."""
+    """Training rejects vocab_size < 256 + specials, empty/missing input, text too small."""
     with pytest.raises(ValueError, match="below 256"):
         BPETokenizer.train("some text", 256)
     with pytest.raises(ValueError, match="below 256"):
@@ -273,8 +262,7 @@ def test_training_bad_arguments(tmp_path):
 # Files: the plain-text tokenizer file, GPT-2's files, the download
 
 def test_save_load_plain_text(tmp_path, trained, gpt2, shakespeare):
-    """save() writes a readable text file (one quoted token per line) that load() restores exactly, for a
-    trained vocabulary and for GPT-2's."""
+    """save() writes readable text (one quoted token per line) that load() restores exactly."""
     for name, tok in (("trained.bpe", trained), ("gpt2.bpe", gpt2)):
         path = tmp_path / name
         tok.save(path)
@@ -296,10 +284,9 @@ def test_save_load_plain_text(tmp_path, trained, gpt2, shakespeare):
     (lambda ls: ls[:300] + ['297 "a"'] + ls[301:], "same bytes"),
     (lambda ls: ls[:300] + ['297 "qqq"'] + ls[301:], "not the merge of two other tokens"),
     (lambda ls: ls[:1] + ["tokens many"] + ls[2:], "line 2"),
-])
+], ids=["header", "truncated", "escape", "quote", "id-gap", "duplicate", "unmergeable", "count"])
 def test_malformed_tokenizer_file(tmp_path, trained, edit, needle):
-    """A tokenizer file with a wrong header, missing lines, a bad escape, ids out of order, a duplicate
-    or unreachable token: ValueError naming the problem."""
+    """A tokenizer file with a bad header, lost line, bad escape or bad token: ValueError."""
     path = tmp_path / "t.bpe"
     trained.save(path)
     lines = path.read_text(encoding="utf-8").split("\n")[:-1]
@@ -309,8 +296,7 @@ def test_malformed_tokenizer_file(tmp_path, trained, edit, needle):
 
 
 def test_malformed_gpt2_files(tmp_path):
-    """encoder.json that is not JSON or disagrees with vocab.bpe, vocab.bpe without its version line:
-    ValueError naming the file."""
+    """encoder.json not JSON or disagreeing with vocab.bpe, no '#version' line: ValueError."""
     enc_path, bpe_path = shared_file("data/gpt2/encoder.json"), shared_file("data/gpt2/vocab.bpe")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a GPT-2 vocabulary"):
@@ -326,8 +312,7 @@ def test_malformed_gpt2_files(tmp_path):
 
 
 def test_gpt2_download_and_cache(http_server, tmp_path, gpt2):
-    """from_gpt2() downloads both files once (sha256-checked) and then uses the cache; a dropped
-    connection, an HTTP error or a corrupt file gives a clean OSError and leaves no partial file."""
+    """from_gpt2() downloads once (sha256-checked) then caches; broken downloads leave nothing."""
     for name in ("encoder.json", "vocab.bpe"):
         shutil.copy(shared_file(f"data/gpt2/{name}"), os.path.join(http_server.root, name))
     cache = tmp_path / "cache"
@@ -381,8 +366,7 @@ def cli_error(*args):
 
 
 def test_cli_train_encode_decode(tmp_path, capsys, enc, shakespeare):
-    """`train` writes a tokenizer file; `encode` writes an llm.c shard (<|endoftext|> then the tokens:
-    tiktoken's for --tokenizer gpt2); `decode` gives the text back."""
+    """CLI train writes a tokenizer, encode an llm.c shard (tiktoken's for gpt2), decode the text."""
     src = shared_file("data/tinyshakespeare/input.txt")
     gpt2_dir = os.path.dirname(shared_file("data/gpt2/vocab.bpe"))
     run_script("tokenizer.py", "encode", "--tokenizer", "gpt2", "--input", src, "--out", tmp_path / "g.bin",
@@ -398,7 +382,8 @@ def test_cli_train_encode_decode(tmp_path, capsys, enc, shakespeare):
     capsys.readouterr()
     cli("decode", "--tokenizer", tmp_path / "s.bpe", "--input", tmp_path / "s.bin")
     assert capsys.readouterr().out == "<|endoftext|>" + shakespeare[:30000]
-    cli("decode", "--tokenizer", tmp_path / "s.bpe", "--input", tmp_path / "s.bin", "--out", tmp_path / "s.txt")
+    cli("decode", "--tokenizer", tmp_path / "s.bpe", "--input", tmp_path / "s.bin",
+        "--out", tmp_path / "s.txt")
     assert (tmp_path / "s.txt").read_text(encoding="utf-8") == "<|endoftext|>" + shakespeare[:30000]
 
 
@@ -414,8 +399,7 @@ def test_cli_bench(tmp_path, capsys, shakespeare):
 
 
 def test_cli_bad_input(tmp_path, monkeypatch):
-    """Missing or empty input, vocab_size below 256 or below the specials, a malformed tokenizer file or
-    shard: one-line error naming the problem, non-zero exit, no traceback (two as real processes)."""
+    """Bad CLI input (missing/empty file, small vocab, bad file or shard): one-line error, exit 1."""
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 50)
     (tmp_path / "empty.txt").write_text("")
