@@ -1,0 +1,257 @@
+"""train_aiayn_jax.py: the Attention Is All You Need translator. A tiny model trained on the first 6,000
+Multi30k pairs (the offline copy), its decoding (beam search, greedy, the incremental decoder), its BLEU,
+checkpoints, downloads and bad input."""
+import gzip
+import math
+import os
+import re
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import sacrebleu
+
+from conftest import assert_clean_error, read_log, run_script, shared_file, step_events
+
+import train_aiayn_jax as aiayn  # noqa: E402  (conftest puts the repository on sys.path)
+
+SCRIPT = "train_aiayn_jax.py"
+SUBSET = {"train": 6000, "val": 100, "test_2016_flickr": 60}
+# one bucket (16 tokens) of short pairs, a 2,500-token BPE that learns in a second, fp32 (fast on a CPU)
+TINY = ["--model", "tiny", "--bpe-vocab", "2500", "--max-len", "16", "--batch-tokens", "1024",
+        "--warmup", "20", "--lr", "3e-3", "--dtype", "fp32", "--decode-batch", "30"]
+STEPS, CKPT_EVERY = 60, 30
+
+
+def first_lines(path, n):
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return f.read().split("\n")[:n]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """The first lines of each Multi30k En-De split, gzip'd under the dataset's file names."""
+    d = tmp_path_factory.mktemp("multi30k")
+    for split, n in SUBSET.items():
+        for lang in ("en", "de"):
+            lines = first_lines(shared_file(f"data/multi30k/{split}.{lang}.gz"), n)
+            with gzip.open(d / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def jax_env(tmp_path_factory):
+    """A persistent XLA compilation cache shared by this module's runs (the resumed run compiles the
+    same train step as the first one)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, jax_env, tmp_path_factory):
+    """(out dir, stdout) of a tiny model trained for 60 steps, checkpointed every 30, scored on 60 test
+    sentences with beam search over the average of its 2 checkpoints."""
+    out = tmp_path_factory.mktemp("run")
+    proc = run_script(SCRIPT, *TINY, "--data-dir", data_dir, "--out-dir", out, "--steps", STEPS,
+                      "--ckpt-every", CKPT_EVERY, "--val-every", CKPT_EVERY, "--average", "2", env=jax_env)
+    return out, proc.stdout
+
+
+def test_training_loss_falls_and_logs(trained):
+    """60 steps of the tiny model cut the training and validation loss; log.jsonl has every step."""
+    out, stdout = trained
+    steps = step_events(out)
+    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    for e in steps:
+        assert set(e) == {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "peak_mem_gb",
+                          "framework"} and e["framework"] == "jax"
+    losses = [e["train_loss"] for e in steps]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.5, losses
+    val = [e["val_loss"] for e in read_log(out) if "val_loss" in e]
+    assert len(val) == 2 and val[1] < val[0]
+    assert steps[19]["lr"] == pytest.approx(3e-3)  # the peak, after 20 warmup steps, then 1/sqrt(step)
+    assert steps[-1]["lr"] == pytest.approx(3e-3 * math.sqrt(20 / STEPS))
+    assert sorted(os.listdir(out)) == ["ckpt_0000030", "ckpt_0000060", "hyp_test.txt", "log.jsonl"]
+    assert "averaged: steps 30, 60" in stdout
+
+
+def test_printed_bleu_is_sacrebleu_of_the_written_hypotheses(trained, data_dir):
+    """The BLEU printed and logged is sacrebleu's corpus BLEU of hyp_test.txt against the raw references."""
+    out, stdout = trained
+    with open(out / "hyp_test.txt", encoding="utf-8") as f:
+        hyps = f.read().split("\n")
+    assert hyps.pop() == ""
+    refs = first_lines(data_dir / "test_2016_flickr.de.gz", SUBSET["test_2016_flickr"])
+    assert len(hyps) == len(refs) and sum(len(h) > 0 for h in hyps) > len(hyps) // 2
+    score = sacrebleu.corpus_bleu(hyps, [refs]).score
+    printed = float(re.search(r"test BLEU (\d+\.\d\d)", stdout).group(1))
+    assert printed == round(score, 2)
+    logged = [e["bleu"] for e in read_log(out) if "bleu" in e]
+    assert logged == [pytest.approx(score, abs=1e-9)]
+
+
+def test_resume_repeats_the_run_exactly(trained, data_dir, jax_env, tmp_path):
+    """Resuming from the step-30 checkpoint gives steps 31-60 the same losses, bit for bit."""
+    out, _ = trained
+    run_script(SCRIPT, *TINY, "--data-dir", data_dir, "--out-dir", tmp_path, "--steps", STEPS,
+               "--ckpt-every", "0", "--val-every", "0", "--bleu-split", "none",
+               "--resume", out / "ckpt_0000030", env=jax_env)
+    original = {e["step"]: e["train_loss"] for e in step_events(out)}
+    resumed = {e["step"]: e["train_loss"] for e in step_events(tmp_path)}
+    assert sorted(resumed) == list(range(CKPT_EVERY + 1, STEPS + 1))
+    assert all(resumed[s] == original[s] for s in resumed), (resumed, original)
+
+
+def test_translate_prints_the_beam_search_translation(trained, data_dir, jax_env):
+    """--translate prints the same translation of a test sentence as the BLEU run wrote for it."""
+    out, _ = trained
+    _, cfg, tok = load_trained(out)
+    sources = first_lines(data_dir / "test_2016_flickr.en.gz", SUBSET["test_2016_flickr"])
+    # the longest sentence: alone it is padded to the length its batch had in the BLEU run
+    longest = max(range(len(sources)), key=lambda i: len(tok.encode_ordinary(sources[i])))
+    proc = run_script(SCRIPT, "--translate", sources[longest], "--resume", out / "ckpt_0000060",
+                      "--average", "2", "--dtype", "fp32", env=jax_env)
+    with open(out / "hyp_test.txt", encoding="utf-8") as f:
+        assert proc.stdout == f.read().split("\n")[longest] + "\n"
+
+
+def load_trained(out):
+    """(params, cfg, tokenizer) of the trained run's last checkpoint."""
+    params, _, _, _, cfg = aiayn.load_checkpoint(str(out / "ckpt_0000060"))
+    return params, cfg, aiayn.load_tokenizer(str(out / "ckpt_0000060" / aiayn.TOKENIZER_FILE))
+
+
+def test_beam_one_is_greedy_and_incremental_decoding_is_the_full_forward(trained, data_dir):
+    """On the trained model: beam search with beam 1 returns greedy's tokens, and greedy's summed
+    log-probabilities (from the cached one-token-at-a-time decoder) equal the full forward's."""
+    import jax
+    import jax.numpy as jnp
+    out, _ = trained
+    params, cfg, tok = load_trained(out)
+    cfg = replace(cfg, beam=1)
+    lines = first_lines(data_dir / "val.en.gz", 12)
+    ids = [tok.encode_ordinary(s) for s in lines]
+    S = aiayn.bucket_size(max(map(len, ids)) + 1)
+    src = np.full((len(ids), S), cfg.pad_id, np.int32)
+    for r, s in enumerate(ids):
+        src[r, :len(s) + 1] = s + [cfg.eos_id]
+    max_lens = np.array([len(s) + aiayn.EXTRA_LEN for s in ids], np.int32)
+    greedy, greedy_logp = aiayn.translate_batch(params, src, max_lens, cfg, greedy=True)
+    beam1, beam1_score = aiayn.translate_batch(params, src, max_lens, cfg, greedy=False)
+    np.testing.assert_array_equal(np.asarray(beam1), np.asarray(greedy))
+
+    rows = np.asarray(greedy)
+    ends = [list(r).index(cfg.eos_id) + 1 for r in rows]  # tokens including EOS
+    T = max(ends)
+    tgt_in = np.concatenate([np.full((len(rows), 1), cfg.bos_id), rows[:, :T - 1]], axis=1)
+    logp = np.asarray(jax.nn.log_softmax(aiayn.forward(params, jnp.asarray(src), jnp.asarray(tgt_in), cfg)))
+    full = [sum(logp[r, t, rows[r, t]] for t in range(ends[r])) for r in range(len(rows))]
+    np.testing.assert_allclose(np.asarray(greedy_logp), full, rtol=1e-4, atol=1e-4)
+    lengths = np.array(ends, np.float64)
+    np.testing.assert_allclose(np.asarray(beam1_score), np.array(full) / ((5 + lengths) / 6) ** cfg.alpha,
+                               rtol=1e-4, atol=1e-4)
+
+
+def markov_step(table):
+    """A toy model for the search functions: next-token log-probabilities depend on the last token."""
+    import jax.numpy as jnp
+    logp = jnp.log(jnp.asarray(table / table.sum(axis=1, keepdims=True), jnp.float32))
+    return lambda state, tokens, t: (logp[tokens], state)
+
+
+def test_beam_search_finds_the_best_hypothesis():
+    """A hand-checked case: greedy takes the likelier first word and ends worse; beam search finds the
+    best total log-probability, and the length penalty turns the choice toward the longer hypothesis."""
+    import jax.numpy as jnp
+    BOS, EOS, A, B, C = range(5)
+    t = np.full((5, 5), 1e-12)
+    t[BOS, [A, B]] = [0.55, 0.45]        # A first is likelier ...
+    t[A, [EOS, C]] = [0.4, 0.6]          # ... but A ends with 0.55*0.4 = 0.22
+    t[B, [EOS, C]] = [0.9, 0.1]          # B ends with 0.45*0.9 = 0.405
+    t[C, EOS] = 1.0                      # A C EOS = 0.33, B C EOS = 0.045
+    step = markov_step(t)
+    max_lens = jnp.array([5])
+    greedy, _ = aiayn.greedy_search(step, {}, max_lens, 8, BOS, EOS)
+    assert list(np.asarray(greedy)[0, :3]) == [A, C, EOS]
+    for alpha, best, p in ((0.0, [B, EOS], 0.405), (3.0, [A, C, EOS], 0.33)):
+        # alpha 3: B EOS scores log(0.405)/(7/6)^3 = -0.571, A C EOS log(0.33)/(8/6)^3 = -0.468
+        tokens, score = aiayn.beam_search(step, {}, max_lens, 8, 2, alpha, BOS, EOS)
+        assert list(np.asarray(tokens)[0, :len(best)]) == best
+        assert float(score[0]) == pytest.approx(math.log(p) / ((5 + len(best)) / 6) ** alpha, rel=1e-5)
+    # only EOS may follow max_lens tokens: with a limit of 1, A C EOS is out of reach
+    tokens, _ = aiayn.beam_search(step, {}, jnp.array([1]), 8, 2, 3.0, BOS, EOS)
+    assert list(np.asarray(tokens)[0, :2]) == [B, EOS]
+
+
+def test_label_smoothed_loss_matches_a_direct_computation():
+    """smoothed_loss_sums = sum over non-padding targets of -sum_v q_v log p_v, q = 0.9 one-hot + 0.1/V."""
+    rng = np.random.default_rng(0)
+    B, T, V, pad, eps = 3, 5, 11, 10, 0.1
+    logits = rng.standard_normal((B, T, V)).astype(np.float32) * 3
+    targets = rng.integers(0, V - 1, (B, T))
+    targets[0, 3:] = targets[2, 1:] = pad
+    loss, nll, count = aiayn.smoothed_loss_sums(logits, targets, pad, eps)
+    logp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    want_loss = want_nll = 0.0
+    for b in range(B):
+        for t in range(T):
+            if targets[b, t] == pad:
+                continue
+            q = np.full(V, eps / V)
+            q[targets[b, t]] += 1 - eps
+            want_loss -= (q * logp[b, t]).sum()
+            want_nll -= logp[b, t, targets[b, t]]
+    assert float(count) == 9
+    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+    assert float(nll) == pytest.approx(want_nll, rel=1e-5)
+
+
+def test_bf16_forward_matches_fp32(trained):
+    """The bf16 compute path (fp32 masters, fp32 softmax and LayerNorm statistics) gives the fp32 loss to
+    within bf16's precision on the trained model."""
+    out, _ = trained
+    params, cfg, _ = load_trained(out)
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, cfg.pad_id, (4, 16)).astype(np.int32)
+    tgt = rng.integers(0, cfg.pad_id, (4, 17)).astype(np.int32)
+    fp32 = aiayn.loss_sums(params, src, tgt[:, :-1], tgt[:, 1:], cfg)
+    bf16 = aiayn.loss_sums(params, src, tgt[:, :-1], tgt[:, 1:], replace(cfg, dtype="bf16"))
+    assert float(bf16[0]) == pytest.approx(float(fp32[0]), rel=2e-2)
+
+
+def test_download_resumes_and_retries(http_server, tmp_path, monkeypatch):
+    """Multi30k's files come from the mirror into the data dir: a dropped connection resumes with a Range
+    request, a 503 is retried, the files arrive byte for byte, and a missing one is a clean error."""
+    monkeypatch.setattr(aiayn.time, "sleep", lambda s: None)
+    root = tmp_path / "www"
+    for lang in ("en", "de"):
+        shutil.copy(shared_file(f"data/multi30k/train.{lang}.gz"), root / f"train.{lang}.gz")
+    http_server.cut_once["train.en.gz"] = 300_000
+    http_server.fail_once["train.de.gz"] = 503
+    cfg = aiayn.Config(data_dir=str(tmp_path / "data"), base_url=http_server.url)
+    src, tgt = aiayn.read_split(cfg, "train")
+    assert len(src) == len(tgt) == 29000
+    for lang in ("en", "de"):
+        assert (tmp_path / "data" / f"train.{lang}.gz").read_bytes() == (root / f"train.{lang}.gz").read_bytes()
+    en = [r for r in http_server.requests if r[1] == "train.en.gz"]
+    assert len(en) == 2 and en[0][2] is None and 0 < int(re.fullmatch(r"bytes=(\d+)-", en[1][2]).group(1)) <= 300_000
+    assert [r for r in http_server.requests if r[1] == "train.de.gz"] == [("GET", "train.de.gz", None)] * 2
+    assert sorted(os.listdir(tmp_path / "data")) == ["train.de.gz", "train.en.gz"]
+    with pytest.raises(SystemExit, match="HTTP 404"):
+        aiayn.read_split(cfg, "test")
+
+
+def test_bad_input_gets_a_one_line_error(data_dir, tmp_path):
+    """A bad flag value, a corrupt data file and a directory that is not a checkpoint: one line each."""
+    assert_clean_error(run_script(SCRIPT, "--beam", "0", check=False), "--beam")
+    broken = tmp_path / "broken"
+    shutil.copytree(data_dir, broken)
+    raw = (broken / "val.de.gz").read_bytes()
+    (broken / "val.de.gz").write_bytes(raw[:len(raw) // 2])
+    proc = run_script(SCRIPT, *TINY, "--data-dir", broken, "--out-dir", tmp_path / "out", check=False)
+    assert_clean_error(proc, "val.de.gz", "gzip")
+    with pytest.raises(SystemExit, match="not a checkpoint directory"):
+        aiayn.main(["--translate", "Hello.", "--resume", str(tmp_path)])

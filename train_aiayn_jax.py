@@ -1,0 +1,1303 @@
+"""train_aiayn_jax.py: the "Attention Is All You Need" Transformer translator in plain JAX (no flax/optax).
+
+Vaswani et al. (2017): an encoder-decoder of post-LayerNorm blocks with sinusoidal positions, dropout on
+the embeddings and on every sub-layer's output, one joint BPE vocabulary whose embedding matrix serves the
+source, the target and the pre-softmax projection (embeddings scaled by sqrt(d_model)); label smoothing
+0.1, Adam (0.9, 0.98, 1e-9) with the inverse-square-root warmup schedule, batches of about --batch-tokens
+source and target tokens built by length bucketing. Decoding: beam search (beam 4, GNMT length penalty
+alpha 0.6, at most source length + 50 tokens) or greedy, both one jitted while-loop over fixed shapes; the
+final score averages the last --average checkpoints and is sacrebleu's cased BLEU on detokenized output.
+
+    python train_aiayn_jax.py --model small                          # Multi30k En->De (downloads it)
+    python train_aiayn_jax.py --model small --data-dir ../shared/data/multi30k --src de --tgt en
+    python train_aiayn_jax.py --dataset wmt14 --model base           # the paper's base run, newstest2014
+    python train_aiayn_jax.py --eval-only --resume auto --average 5  # BLEU of the last 5 checkpoints
+    python train_aiayn_jax.py --translate "A man is riding a bike." --resume out/aiayn_jax/ckpt_0008000
+
+Everything one step needs (each micro-batch's forward and backward, the Adam update) is one jitted
+function per bucket shape, compiled ahead of time, so a run compiles a handful of times, not per batch.
+log.jsonl holds the GPT-2 trainers' keys (../shared/SPEC.md §5) plus bleu.
+"""
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import requests
+import sacrebleu
+from tqdm import tqdm
+
+from tokenizer import BPETokenizer
+
+FRAMEWORK = "jax"
+
+# -----------------------------------------------------------------------------
+# Config
+
+MODEL_PRESETS = {  # name: (n_layer per stack, n_head, d_model, d_ff, dropout)
+    "tiny": (2, 4, 64, 128, 0.1),     # for tests
+    "small": (4, 4, 128, 256, 0.3),   # Multi30k: Wu et al. (2021)'s text-only "Transformer-Tiny"
+    "base": (6, 8, 512, 2048, 0.1),   # the paper's base model
+    "big": (6, 16, 1024, 4096, 0.3),  # the paper's big model (dropout 0.3 for En-De)
+}
+RECIPES = {  # name: training defaults that go with the model (any flag overrides them)
+    # fairseq's recipe for it: lr 5e-3 after 2000 warmup steps, 4096-token batches, 8000 updates
+    "tiny": dict(batch_tokens=1024, warmup=100, lr=2e-3, steps=200, ckpt_every=50, val_every=50),
+    "small": dict(batch_tokens=4096, warmup=2000, lr=5e-3, steps=8000, ckpt_every=200, val_every=500),
+    # the paper: 25,000 source + 25,000 target tokens, 4000 warmup steps, lr from d_model; 100k / 300k steps
+    "base": dict(batch_tokens=25000, warmup=4000, lr=0.0, steps=100000, ckpt_every=1000, val_every=1000),
+    "big": dict(batch_tokens=25000, warmup=4000, lr=0.0, steps=300000, ckpt_every=1000, val_every=1000),
+}
+DATASETS = {
+    # En-De task 1 of Multi30k, raw (untokenized, cased) files from the dataset's own repository
+    "multi30k": dict(
+        url="https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw",
+        splits={"train": "train", "val": "val", "test": "test_2016_flickr"},
+        model="small", bpe_vocab=10000),
+    # WMT14 En-De as Hugging Face's wmt/wmt14 dataset keeps it: the standard 4.5M-pair training corpus,
+    # newstest2013 (validation) and newstest2014 (test), raw text in parquet files
+    "wmt14": dict(
+        url="https://huggingface.co/datasets/wmt/wmt14/resolve/main/de-en",
+        splits={"train": ["train-00000-of-00003", "train-00001-of-00003", "train-00002-of-00003"],
+                "val": ["validation-00000-of-00001"], "test": ["test-00000-of-00001"]},
+        model="base", bpe_vocab=37000),
+}
+LANGS = ("en", "de")
+SPECIALS = ("<pad>", "<s>", "</s>")  # the tokenizer appends them last: ids vocab_size-3 .. vocab_size-1
+BPE_TRAIN_PAIRS = 1_000_000          # a larger training set learns its BPE from an even sample of pairs
+LN_EPS = 1e-6                        # tensor2tensor's LayerNorm epsilon
+EXTRA_LEN = 50                       # decoding stops at source length + 50 tokens (the paper)
+
+
+@dataclass
+class Config:
+    # model (per-stack sizes: the encoder and the decoder have n_layer layers each)
+    model: str = "small"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int = 256
+    dropout: float = 0.3
+    vocab_size: int = 0  # from the tokenizer: the joint BPE's size, its special tokens last
+    pad_id: int = 0
+    bos_id: int = 0
+    eos_id: int = 0
+    # data
+    dataset: str = "multi30k"
+    src: str = "en"
+    tgt: str = "de"
+    data_dir: str = ""     # default data/<dataset>
+    base_url: str = ""     # default: the dataset's public mirror (DATASETS)
+    bpe_vocab: int = 10000
+    max_len: int = 256     # training pairs longer than this (BPE tokens + EOS) on either side are skipped
+    batch_tokens: int = 4096  # padded source (and target) tokens per optimizer step
+    micro_tokens: int = 0     # padded tokens per micro-batch; 0 = batch_tokens (no accumulation)
+    # optimization
+    steps: int = 8000
+    lr: float = 5e-3       # peak learning rate; 0 = the paper's d_model^-0.5 * warmup^-0.5
+    warmup: int = 2000
+    label_smoothing: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.98
+    adam_eps: float = 1e-9
+    grad_clip: float = 0.0
+    dtype: str = "bf16"
+    seed: int = 1337
+    # checkpoints, evaluation, output
+    resume: str = ""
+    out_dir: str = "out/aiayn_jax"
+    ckpt_every: int = 200
+    val_every: int = 500
+    average: int = 5       # the final BLEU averages the newest N checkpoints' weights
+    bleu_split: str = "test"
+    decode: str = "beam"
+    beam: int = 4
+    alpha: float = 0.6
+    decode_batch: int = 128
+    eval_only: bool = False
+    translate: str = ""
+
+
+MODEL_FIELDS = ("n_layer", "n_head", "d_model", "d_ff")
+
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def parse_args(argv=None):
+    """(cfg, explicit model flags). Defaults come in layers: the dataset picks the model preset (small for
+    Multi30k, base for WMT14), the preset its sizes and training recipe, and any flag given wins."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    p.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS))
+    p.add_argument("--src", default=d.src, choices=LANGS)
+    p.add_argument("--tgt", default=d.tgt, choices=LANGS)
+    p.add_argument("--data-dir", default=None, help="raw files (downloaded there if missing); default "
+                   "data/<dataset>. The BPE and the encoded data are cached there too (in --out-dir "
+                   "when the directory is read-only)")
+    p.add_argument("--base-url", default=None, help="download mirror (default: the dataset's)")
+    p.add_argument("--bpe-vocab", type=int, default=None, help="joint BPE size (10000 / 37000)")
+    p.add_argument("--model", default=None, choices=list(MODEL_PRESETS), help="default: the dataset's")
+    p.add_argument("--n-layer", type=int, default=None)
+    p.add_argument("--n-head", type=int, default=None)
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--d-ff", type=int, default=None)
+    p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--max-len", type=int, default=d.max_len)
+    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per side per step")
+    p.add_argument("--micro-tokens", type=int, default=d.micro_tokens, help="per micro-batch (0: all)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="peak lr; 0 = d_model^-0.5 * warmup^-0.5")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping (the paper)")
+    p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
+    p.add_argument("--out-dir", default=d.out_dir)
+    p.add_argument("--ckpt-every", type=int, default=None)
+    p.add_argument("--val-every", type=int, default=None)
+    p.add_argument("--average", type=int, default=d.average, help="final eval: average the newest N ckpts")
+    p.add_argument("--bleu-split", default=d.bleu_split, choices=["test", "val", "none"])
+    p.add_argument("--decode", default=d.decode, choices=["beam", "greedy"])
+    p.add_argument("--beam", type=int, default=d.beam)
+    p.add_argument("--alpha", type=float, default=d.alpha, help="length penalty ((5+len)/6)^alpha")
+    p.add_argument("--decode-batch", type=int, default=d.decode_batch, help="sentences per decode call")
+    p.add_argument("--eval-only", action="store_true", help="val loss and BLEU of --resume, then exit")
+    p.add_argument("--translate", default=d.translate, help="print the translation of this text (--resume)")
+    a = p.parse_args(argv)
+
+    ds = DATASETS[a.dataset]
+    model = a.model or ds["model"]
+    n_layer, n_head, d_model, d_ff, dropout = MODEL_PRESETS[model]
+    given = {"n_layer": a.n_layer, "n_head": a.n_head, "d_model": a.d_model, "d_ff": a.d_ff}
+    explicit = {k: v for k, v in given.items() if v is not None}
+    dims = dict(n_layer=n_layer, n_head=n_head, d_model=d_model, d_ff=d_ff, **explicit)
+    recipe = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in RECIPES[model].items()}
+    cfg = Config(model=model, **dims, dropout=dropout if a.dropout is None else a.dropout,
+                 dataset=a.dataset, src=a.src, tgt=a.tgt, data_dir=a.data_dir or f"data/{a.dataset}",
+                 base_url=a.base_url or ds["url"], bpe_vocab=a.bpe_vocab or ds["bpe_vocab"],
+                 max_len=a.max_len, micro_tokens=a.micro_tokens, label_smoothing=a.label_smoothing,
+                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, resume=a.resume, out_dir=a.out_dir,
+                 average=a.average, bleu_split=a.bleu_split, decode=a.decode, beam=a.beam, alpha=a.alpha,
+                 decode_batch=a.decode_batch, eval_only=a.eval_only, translate=a.translate, **recipe)
+
+    for flag in ("n_layer", "n_head", "d_model", "d_ff", "steps", "batch_tokens", "warmup", "beam",
+                 "decode_batch", "average"):
+        if getattr(cfg, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("micro_tokens", "ckpt_every", "val_every"):
+        if getattr(cfg, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if cfg.d_model % cfg.n_head or cfg.d_model % 2:
+        p.error(f"--d-model {cfg.d_model} must be even and divisible by --n-head {cfg.n_head}")
+    if cfg.src == cfg.tgt:
+        p.error(f"--src and --tgt are both {cfg.src}: choose two different languages")
+    if not 0 <= cfg.dropout < 1 or not 0 <= cfg.label_smoothing < 1:
+        p.error("--dropout and --label-smoothing must be in [0, 1)")
+    if cfg.lr < 0 or cfg.grad_clip < 0 or cfg.alpha < 0:
+        p.error("--lr, --grad-clip and --alpha must be >= 0")
+    if cfg.max_len < 2:
+        p.error("--max-len must be at least 2")
+    if cfg.bpe_vocab <= 256 + len(SPECIALS):
+        p.error(f"--bpe-vocab must exceed {256 + len(SPECIALS)} (256 byte tokens + {len(SPECIALS)} specials)")
+    if cfg.micro_tokens == 0:
+        cfg.micro_tokens = cfg.batch_tokens
+    if cfg.batch_tokens % cfg.micro_tokens:
+        p.error(f"--batch-tokens {cfg.batch_tokens} is not a multiple of --micro-tokens {cfg.micro_tokens}")
+    if cfg.micro_tokens < bucket_size(cfg.max_len):
+        p.error(f"--micro-tokens {cfg.micro_tokens} cannot hold one pair of the longest bucket "
+                f"({bucket_size(cfg.max_len)} tokens): raise it or lower --max-len")
+    if (cfg.translate or cfg.eval_only) and not cfg.resume:
+        p.error("--translate and --eval-only need a checkpoint: give --resume DIR (or auto)")
+    return cfg, explicit
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+ENC_NAMES = ["attn.qkv.w", "attn.qkv.b", "attn.out.w", "attn.out.b", "ln1.w", "ln1.b",
+             "ff1.w", "ff1.b", "ff2.w", "ff2.b", "ln2.w", "ln2.b"]
+DEC_NAMES = ["self.qkv.w", "self.qkv.b", "self.out.w", "self.out.b", "ln1.w", "ln1.b",
+             "cross.q.w", "cross.q.b", "cross.kv.w", "cross.kv.b", "cross.out.w", "cross.out.b",
+             "ln2.w", "ln2.b", "ff1.w", "ff1.b", "ff2.w", "ff2.b", "ln3.w", "ln3.b"]
+# one embedding matrix for source, target and output; per-layer tensors stacked along a leading L axis
+PARAM_NAMES = ["emb"] + [f"enc.{n}" for n in ENC_NAMES] + [f"dec.{n}" for n in DEC_NAMES]
+
+
+def param_shapes(cfg):
+    L, D, F, V = cfg.n_layer, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    linear = {"qkv": (3 * D, D), "out": (D, D), "q": (D, D), "kv": (2 * D, D), "ff1": (F, D), "ff2": (D, F)}
+    shapes = {"emb": (V, D)}
+    for name in PARAM_NAMES[1:]:
+        parts = name.split(".")  # e.g. dec.cross.kv.w
+        if parts[1].startswith("ln"):
+            shapes[name] = (L, D)
+        else:
+            out_in = linear[parts[-2]]
+            shapes[name] = (L, *out_in) if parts[-1] == "w" else (L, out_in[0])
+    return shapes
+
+
+def init_params_numpy(cfg):
+    """fairseq's init of the paper's model, from cfg.seed: embeddings N(0, d_model^-0.5) with the padding
+    row at zero, Xavier-uniform weight matrices (q, k and v each its own (D, D) matrix), zero biases,
+    LayerNorm weight 1."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name == "emb":
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * cfg.d_model ** -0.5)
+            params[name][cfg.pad_id] = 0.0
+        elif name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif ".ln" in name:
+            params[name] = np.ones(shape, np.float32)
+        else:
+            fan_out = shape[1] // (3 if ".qkv." in name else 2 if ".kv." in name else 1)
+            limit = math.sqrt(6.0 / (fan_out + shape[2]))
+            params[name] = rng.uniform(-limit, limit, shape).astype(np.float32)
+    return params
+
+
+def compute_dtype(cfg):
+    return jnp.bfloat16 if cfg.dtype == "bf16" else jnp.float32
+
+
+def cast_params(params, cfg):
+    """The compute-dtype copy of the fp32 masters (LayerNorm weights stay fp32: its statistics are fp32).
+    The cast happens inside the jitted step, so gradients come back to the fp32 masters."""
+    dt = compute_dtype(cfg)
+    return {k: p if ".ln" in k else p.astype(dt) for k, p in params.items()}
+
+
+def sinusoids(T, D):
+    """The paper's positional encodings (T, D): sin at even channels, cos at odd, wavelengths 2pi..1e4*2pi."""
+    pos = np.arange(T, dtype=np.float64)[:, None]                                  # (T, 1)
+    freq = 10000.0 ** (-np.arange(0, D, 2, dtype=np.float64) / D)                  # (D/2,)
+    pe = np.zeros((T, D), np.float32)                                              # (T, D)
+    pe[:, 0::2], pe[:, 1::2] = np.sin(pos * freq), np.cos(pos * freq)
+    return pe
+
+
+def layernorm(x, w, b):
+    """LayerNorm over the last axis with fp32 statistics, returned in x's dtype."""
+    xf = x.astype(jnp.float32)                                                     # (..., D)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)                                    # (..., 1)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)                  # (..., 1)
+    return ((xf - mean) * jax.lax.rsqrt(var + LN_EPS) * w + b).astype(x.dtype)     # (..., D)
+
+
+def linear(x, w, b):
+    """x (..., in) @ w (out, in).T + b (out): torch's Linear layout, as the GPT-2 trainers."""
+    return x @ w.T + b                                                             # (..., out)
+
+
+def dropout(x, rate, key):
+    """Inverted dropout; key None (evaluation) or rate 0 leaves x as it is."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)                          # (...) bool
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)                    # (...)
+
+
+def attend(q, k, v, mask, n_head):
+    """Scaled dot-product attention of q (B,Tq,D) over k, v (B,Tk,D), heads = D/n_head-wide slices.
+    mask broadcasts to (B,1,Tq,Tk), True where a query may look. Scores and softmax in fp32; a query with
+    nothing to look at (an all-padding row) gets a uniform average instead of NaNs."""
+    B, Tq, D = q.shape
+    Tk, Dh = k.shape[1], D // n_head
+    q = q.reshape(B, Tq, n_head, Dh)                                               # (B,Tq,H,Dh)
+    k = k.reshape(B, Tk, n_head, Dh)                                               # (B,Tk,H,Dh)
+    v = v.reshape(B, Tk, n_head, Dh)                                               # (B,Tk,H,Dh)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)    # (B,H,Tq,Tk)
+    s = jnp.where(mask, s * (1.0 / math.sqrt(Dh)), -1e9)                           # (B,H,Tq,Tk)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)                                 # (B,H,Tq,Tk)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, Tq, D)                   # (B,Tq,D)
+
+
+def embed(p, ids, pe, cfg, key):
+    """Token embeddings of ids (B,T) scaled by sqrt(d_model) plus their positions' sinusoids pe (T,D),
+    then dropout."""
+    x = p["emb"][ids] * math.sqrt(cfg.d_model)                                     # (B,T,D)
+    return dropout(x + pe.astype(x.dtype), cfg.dropout, key)                       # (B,T,D)
+
+
+def layer_keys(key, n_layer, n_sub):
+    """Dropout keys (L, n_sub) for the scanned layers, or None in evaluation."""
+    if key is None:
+        return None
+    return jax.random.split(key, n_layer * n_sub).reshape(n_layer, n_sub)          # (L, n_sub)
+
+
+def encode(p, src, cfg, key):
+    """Source ids (B,S) -> encoder output (B,S,D) and the key-padding mask (B,1,1,S)."""
+    S = src.shape[1]
+    mask = (src != cfg.pad_id)[:, None, None, :]                                   # (B,1,1,S)
+    pe = jnp.asarray(sinusoids(S, cfg.d_model))                                    # (S,D)
+    x = embed(p, src, pe, cfg, None if key is None else jax.random.fold_in(key, 0))  # (B,S,D)
+    keys = layer_keys(None if key is None else jax.random.fold_in(key, 1), cfg.n_layer, 2)
+
+    def layer(x, xs):
+        lp, lk = xs
+        k0, k1 = (None, None) if lk is None else (lk[0], lk[1])
+        qkv = linear(x, lp["attn.qkv.w"], lp["attn.qkv.b"])                       # (B,S,3D)
+        q, k, v = jnp.split(qkv, 3, axis=-1)                                       # 3 x (B,S,D)
+        h = linear(attend(q, k, v, mask, cfg.n_head), lp["attn.out.w"], lp["attn.out.b"])  # (B,S,D)
+        x = layernorm(x + dropout(h, cfg.dropout, k0), lp["ln1.w"], lp["ln1.b"])   # (B,S,D)
+        h = jax.nn.relu(linear(x, lp["ff1.w"], lp["ff1.b"]))                       # (B,S,F)
+        h = linear(h, lp["ff2.w"], lp["ff2.b"])                                    # (B,S,D)
+        return layernorm(x + dropout(h, cfg.dropout, k1), lp["ln2.w"], lp["ln2.b"]), None  # (B,S,D)
+
+    layers = {n: p[f"enc.{n}"] for n in ENC_NAMES}                                 # (L, ...) each
+    x, _ = jax.lax.scan(layer, x, (layers, keys))                                # (B,S,D)
+    return x, mask
+
+
+def cross_kv(p, memory):
+    """Every decoder layer's cross-attention keys and values of the encoder output: (L,B,S,D) each."""
+    kv = jnp.einsum("bsd,led->lbse", memory, p["dec.cross.kv.w"]) \
+        + p["dec.cross.kv.b"][:, None, None, :]                                    # (L,B,S,2D)
+    return jnp.split(kv, 2, axis=-1)                                               # 2 x (L,B,S,D)
+
+
+def decoder(p, x, mem_k, mem_v, src_mask, self_mask, cfg, key, cache=None, t=None):
+    """The decoder stack on embedded targets x (B,T,D). Training: the whole target at once under a
+    causal self_mask. Decoding: x is one position (B,1,D) at step t, whose keys and values are written
+    into cache = (k, v) (L,B,Tmax,D) each, and attention spans the cache under self_mask. Returns the
+    final hidden states (B,T,D) and the updated cache (None in training)."""
+    keys = layer_keys(key, cfg.n_layer, 3)
+
+    def layer(x, xs):
+        lp, mk, mv, ck, cv, lk = xs
+        k0, k1, k2 = (None, None, None) if lk is None else (lk[0], lk[1], lk[2])
+        qkv = linear(x, lp["self.qkv.w"], lp["self.qkv.b"])                       # (B,T,3D)
+        q, k, v = jnp.split(qkv, 3, axis=-1)                                       # 3 x (B,T,D)
+        if ck is not None:  # one step of incremental decoding: this position joins the cache
+            k = ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), t, axis=1)  # (B,Tmax,D)
+            v = cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), t, axis=1)  # (B,Tmax,D)
+        h = linear(attend(q, k, v, self_mask, cfg.n_head), lp["self.out.w"], lp["self.out.b"])  # (B,T,D)
+        x = layernorm(x + dropout(h, cfg.dropout, k0), lp["ln1.w"], lp["ln1.b"])   # (B,T,D)
+        q = linear(x, lp["cross.q.w"], lp["cross.q.b"])                            # (B,T,D)
+        h = linear(attend(q, mk, mv, src_mask, cfg.n_head), lp["cross.out.w"], lp["cross.out.b"])  # (B,T,D)
+        x = layernorm(x + dropout(h, cfg.dropout, k1), lp["ln2.w"], lp["ln2.b"])   # (B,T,D)
+        h = jax.nn.relu(linear(x, lp["ff1.w"], lp["ff1.b"]))                       # (B,T,F)
+        h = linear(h, lp["ff2.w"], lp["ff2.b"])                                    # (B,T,D)
+        x = layernorm(x + dropout(h, cfg.dropout, k2), lp["ln3.w"], lp["ln3.b"])   # (B,T,D)
+        return x, (ck, cv)
+
+    layers = {n: p[f"dec.{n}"] for n in DEC_NAMES if not n.startswith("cross.kv")}  # (L, ...) each
+    ck, cv = cache if cache is not None else (None, None)
+    x, new_cache = jax.lax.scan(layer, x, (layers, mem_k, mem_v, ck, cv, keys))   # (B,T,D)
+    return x, (new_cache if cache is not None else None)
+
+
+def output_logits(p, x):
+    """Pre-softmax projection tied to the embedding matrix: (B,T,D) -> fp32 logits (B,T,V)."""
+    return jnp.einsum("btd,vd->btv", x, p["emb"], preferred_element_type=jnp.float32)  # (B,T,V)
+
+
+def forward(params, src, tgt_in, cfg, key=None):
+    """Logits (B,T,V) in fp32 of every next target token, given source ids (B,S) and the target shifted
+    right (B,T) = BOS + target. key: dropout randomness (None: evaluation, no dropout)."""
+    p = cast_params(params, cfg)
+    memory, src_mask = encode(p, src, cfg, None if key is None else jax.random.fold_in(key, 0))  # (B,S,D)
+    mem_k, mem_v = cross_kv(p, memory)                                             # (L,B,S,D) each
+    T = tgt_in.shape[1]
+    dkey = None if key is None else jax.random.fold_in(key, 1)
+    pe = jnp.asarray(sinusoids(T, cfg.d_model))                                    # (T,D)
+    x = embed(p, tgt_in, pe, cfg, None if dkey is None else jax.random.fold_in(dkey, 0))  # (B,T,D)
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, None]                          # (1,1,T,T)
+    x, _ = decoder(p, x, mem_k, mem_v, src_mask, causal, cfg,
+                   None if dkey is None else jax.random.fold_in(dkey, 1))          # (B,T,D)
+    return output_logits(p, x)                                                     # (B,T,V)
+
+
+def smoothed_loss_sums(logits, targets, pad_id, eps):
+    """(label-smoothed loss, plain NLL, token count) summed over the non-padding targets (B,T). The
+    smoothed target puts 1-eps on the right token and eps spread evenly over all V tokens, so a token's
+    loss is (1-eps) * NLL + eps * mean over the vocabulary of -log p (torch's label_smoothing)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)                 # (B,T,V)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]          # (B,T)
+    smooth = -jnp.mean(logp, axis=-1)                                              # (B,T)
+    mask = (targets != pad_id).astype(jnp.float32)                                 # (B,T)
+    loss = (1.0 - eps) * nll + eps * smooth                                        # (B,T)
+    return jnp.sum(loss * mask), jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def loss_sums(params, src, tgt_in, tgt_out, cfg, key=None):
+    """smoothed_loss_sums of one batch: src (B,S), tgt_in and tgt_out (B,T)."""
+    logits = forward(params, src, tgt_in, cfg, key)                                # (B,T,V)
+    return smoothed_loss_sums(logits, tgt_out, cfg.pad_id, cfg.label_smoothing)
+
+
+# -----------------------------------------------------------------------------
+# Optimizer
+
+def lr_at(step, cfg):
+    """The paper's schedule for 1-based `step`: peak * min(step/warmup, sqrt(warmup/step)), i.e.
+    d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) when the peak is the paper's (--lr 0)."""
+    peak = cfg.lr or cfg.d_model ** -0.5 * cfg.warmup ** -0.5
+    return peak * min(step / cfg.warmup, math.sqrt(cfg.warmup / step))
+
+
+def adam_scalars(step, cfg):
+    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
+    the compiled step as data, so a new lr never recompiles it."""
+    return np.array([lr_at(step, cfg), 1.0 - cfg.beta1 ** step, 1.0 - cfg.beta2 ** step], np.float32)
+
+
+def global_norm(grads):
+    """The L2 norm of all gradients together (torch.nn.utils.clip_grad_norm_'s total norm), fp32."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(grads[k])) for k in PARAM_NAMES))
+
+
+def adam_update(params, grads, m, v, scalars, cfg):
+    """Adam (the paper: no weight decay) on every tensor. Returns new (params, m, v)."""
+    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
+    new_params, new_m, new_v = {}, {}, {}
+    for k in PARAM_NAMES:
+        g = grads[k]
+        new_m[k] = cfg.beta1 * m[k] + (1.0 - cfg.beta1) * g
+        new_v[k] = cfg.beta2 * v[k] + (1.0 - cfg.beta2) * g * g
+        new_params[k] = params[k] - lr * (new_m[k] / bias1) / (jnp.sqrt(new_v[k] / bias2) + cfg.adam_eps)
+    return new_params, new_m, new_v
+
+
+def micro_loss(params, src, tgt_in, tgt_out, key, cfg):
+    """(summed label-smoothed loss, token count) of one micro-batch: what its gradient is taken of."""
+    loss, _, count = loss_sums(params, src, tgt_in, tgt_out, cfg, key)
+    return loss, count
+
+
+def train_step(params, m, v, src, tgt_in, tgt_out, step, scalars, cfg):
+    """One optimizer step over A micro-batches of one bucket: src, tgt_in, tgt_out (A,B,T). The loss is
+    the label-smoothed loss per target token of the whole step (every micro-batch's token sum over the
+    step's token count, as fairseq), its gradient clipped to cfg.grad_clip (0: never), then Adam. Dropout
+    randomness comes from (seed, step, micro-batch), so a resumed run repeats it exactly.
+    Returns (params, m, v, loss, grad_norm before clipping)."""
+    base = jax.random.fold_in(jax.random.key(cfg.seed), step)
+
+    def micro_step(acc, xs):
+        i, s, ti, to = xs
+        (loss, count), grads = jax.value_and_grad(micro_loss, has_aux=True)(
+            params, s, ti, to, jax.random.fold_in(base, i), cfg)
+        grads_acc, loss_acc, count_acc = acc
+        return ({k: grads_acc[k] + grads[k] for k in PARAM_NAMES}, loss_acc + loss, count_acc + count), None
+
+    zeros = {k: jnp.zeros_like(p) for k, p in params.items()}
+    A = src.shape[0]
+    (grads, loss, count), _ = jax.lax.scan(
+        micro_step, (zeros, jnp.float32(0), jnp.float32(0)), (jnp.arange(A), src, tgt_in, tgt_out))
+    count = jnp.maximum(count, 1.0)
+    grads = {k: g / count for k, g in grads.items()}                               # fp32 dict
+    norm = global_norm(grads)
+    if cfg.grad_clip > 0:
+        coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
+        grads = {k: g * coef for k, g in grads.items()}
+    params, m, v = adam_update(params, grads, m, v, scalars, cfg)
+    return params, m, v, loss / count, norm
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+DOWNLOAD_RETRIES = 5
+DOWNLOAD_BACKOFF_S = 1.0
+DOWNLOAD_TIMEOUT_S = 60
+CHUNK_BYTES = 1 << 16  # a dropped connection loses at most the chunk in flight
+
+
+class RetryableError(Exception):
+    """A download failure worth another attempt: a 5xx or 429 answer, a short body, a refused resume."""
+
+
+def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_S):
+    """Downloads url to path: streamed into <path>.part, resumed with an HTTP Range request after a
+    dropped connection, retried with exponential backoff, checked against the size the server announced,
+    and renamed to path only when complete (so a file under its final name is always whole)."""
+    if os.path.exists(path):
+        return path
+    part = path + ".part"
+    total, failures = None, 0
+    while True:
+        have = os.path.getsize(part) if os.path.exists(part) else 0
+        headers = {"Accept-Encoding": "identity"}  # the bytes on disk are the bytes the sizes count
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        try:
+            with requests.get(url, headers=headers, stream=True, timeout=DOWNLOAD_TIMEOUT_S) as r:
+                if r.status_code == 416 and have:  # nothing left past what we have: done, or a bad part
+                    m = re.fullmatch(r"bytes \*/(\d+)", r.headers.get("Content-Range", ""))
+                    if m and int(m.group(1)) == have:
+                        total = have
+                        break
+                    os.remove(part)
+                    raise RetryableError("the server refused to resume; starting over")
+                if r.status_code == 429 or r.status_code >= 500:
+                    raise RetryableError(f"HTTP {r.status_code}")
+                if r.status_code not in (200, 206):
+                    die(f"download of {url} failed: HTTP {r.status_code}")
+                if r.status_code == 206:
+                    m = re.fullmatch(r"bytes (\d+)-\d+/(\d+)", r.headers.get("Content-Range", ""))
+                    if not m or int(m.group(1)) != have:
+                        os.remove(part)
+                        raise RetryableError(f"unexpected Content-Range {r.headers.get('Content-Range')!r}")
+                    total = int(m.group(2))
+                else:  # a 200 is the whole file, whatever we asked for
+                    have = 0
+                    length = r.headers.get("Content-Length", "")
+                    total = int(length) if length.isdigit() else None
+                try:
+                    f = open(part, "r+b" if have else "wb")
+                except OSError as e:
+                    die(f"cannot write {part}: {e.strerror}")
+                with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=os.path.basename(path), leave=False) as bar:
+                    f.seek(have)
+                    f.truncate()
+                    for chunk in r.iter_content(CHUNK_BYTES):
+                        f.write(chunk)
+                        bar.update(len(chunk))
+            got = os.path.getsize(part)
+            if total is not None and got != total:
+                raise RetryableError(f"got {got} of {total} bytes")
+            break
+        except (RetryableError, requests.RequestException) as e:
+            failures += 1
+            if failures > retries:
+                die(f"download of {url} failed after {retries} retries: {e}")
+            print(f"download of {url}: {e}; retrying", file=sys.stderr)
+            time.sleep(backoff * 2 ** (failures - 1))
+    os.replace(part, path)
+    return path
+
+
+def split_files(cfg, split):
+    """Local paths of a split's raw files: one gzip'd text file per language (Multi30k), or the parquet
+    shards holding both languages (WMT14)."""
+    names = DATASETS[cfg.dataset]["splits"][split]
+    if cfg.dataset == "multi30k":
+        files = [f"{names}.{lang}.gz" for lang in (cfg.src, cfg.tgt)]
+    else:
+        files = [f"{name}.parquet" for name in names]
+    return [os.path.join(cfg.data_dir, f) for f in files]
+
+
+def fetch_split(cfg, split):
+    """split_files, each downloaded from cfg.base_url first if it is not there yet."""
+    paths = split_files(cfg, split)
+    for path in paths:
+        if not os.path.exists(path):
+            url = f"{cfg.base_url}/{os.path.basename(path)}"
+            try:
+                os.makedirs(cfg.data_dir, exist_ok=True)
+            except OSError as e:
+                die(f"--data-dir {cfg.data_dir}: cannot create it to download {url} ({e.strerror})")
+            print(f"downloading {url} to {path}")
+            download_file(url, path)
+    return paths
+
+
+def read_gz_lines(path):
+    """The lines of a gzip'd UTF-8 text file (without their newlines)."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8", newline="\n") as f:
+            lines = f.read().split("\n")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        die(f"{path} is not a readable gzip'd UTF-8 text file ({e}); delete it to download it again")
+    return lines[:-1] if lines[-1] == "" else lines
+
+
+def read_parquet_pairs(path, src, tgt):
+    """(src sentences, tgt sentences) from a parquet file with a `translation` struct column (WMT14)."""
+    import pyarrow
+    import pyarrow.parquet
+    try:
+        pairs = pyarrow.parquet.read_table(path, columns=["translation"]).column("translation")
+        pairs = pairs.combine_chunks()
+        return pairs.field(src).to_pylist(), pairs.field(tgt).to_pylist()
+    except (pyarrow.ArrowException, KeyError, OSError) as e:
+        die(f"{path} is not a parquet file of {src}-{tgt} translation pairs ({e}); delete it to download "
+            f"it again")
+
+
+def read_split(cfg, split):
+    """(source sentences, target sentences) of a split as raw text, downloading it first if needed."""
+    paths = fetch_split(cfg, split)
+    if cfg.dataset == "multi30k":
+        src, tgt = read_gz_lines(paths[0]), read_gz_lines(paths[1])
+    else:
+        src, tgt = [], []
+        for path in paths:
+            s, t = read_parquet_pairs(path, cfg.src, cfg.tgt)
+            src, tgt = src + s, tgt + t
+    if len(src) != len(tgt):
+        die(f"{split} split: {len(src)} {cfg.src} lines but {len(tgt)} {cfg.tgt} lines ({', '.join(paths)})")
+    if not src:
+        die(f"{split} split is empty ({', '.join(paths)})")
+    return src, tgt
+
+
+def cache_dir(cfg):
+    """Where the BPE and the encoded splits are kept: beside the data, or in --out-dir when the data
+    directory is read-only (a shared offline copy)."""
+    return cfg.data_dir if os.access(cfg.data_dir, os.W_OK) else cfg.out_dir
+
+
+def build_tokenizer(cfg, train_src, train_tgt):
+    """(tokenizer, its file): the joint BPE of the training text, learned once and cached; past
+    BPE_TRAIN_PAIRS pairs it learns from an even sample of them."""
+    pair = "-".join(sorted((cfg.src, cfg.tgt)))
+    path = os.path.join(cache_dir(cfg), f"joint_{pair}_{cfg.bpe_vocab}.bpe")
+    if os.path.exists(path):
+        try:
+            tok = BPETokenizer.load(path)
+        except ValueError as e:
+            die(f"{e} (delete it to learn the BPE again)")
+    else:
+        every = max(1, math.ceil(len(train_src) / BPE_TRAIN_PAIRS))
+        t0 = time.perf_counter()
+        try:
+            tok = BPETokenizer.train("\n".join(train_src[::every] + train_tgt[::every]), cfg.bpe_vocab,
+                                     special_tokens=SPECIALS)
+        except ValueError as e:
+            die(f"--bpe-vocab {cfg.bpe_vocab}: {e}")
+        tok.save(path)
+        print(f"learned a {cfg.bpe_vocab}-token joint BPE from {len(train_src[::every]):,} pairs in "
+              f"{time.perf_counter() - t0:.1f} s -> {path}")
+    if tok.vocab_size != cfg.bpe_vocab or set(tok.special_tokens) != set(SPECIALS):
+        die(f"{path} holds {tok.vocab_size} tokens with specials {sorted(tok.special_tokens)}, expected "
+            f"{cfg.bpe_vocab} with {list(SPECIALS)} (delete it to learn the BPE again)")
+    return tok, path
+
+
+def set_vocab(cfg, tok):
+    pad, bos, eos = (tok.special_tokens[s] for s in SPECIALS)
+    return replace(cfg, vocab_size=tok.vocab_size, pad_id=pad, bos_id=bos, eos_id=eos)
+
+
+def encode_lines(tok, tok_path, lines, path):
+    """The BPE ids of every line as a ragged array (flat int32 ids, int64 offsets (n+1,)), cached in an
+    npz that remembers the sha256 of the tokenizer file and of the text, so a stale cache is redone."""
+    h = hashlib.sha256()
+    with open(tok_path, "rb") as f:
+        h.update(f.read())
+    h.update("\n".join(lines).encode("utf-8", "surrogatepass"))
+    key = h.hexdigest()
+    if os.path.exists(path):
+        try:
+            with np.load(path) as z:
+                if str(z["key"]) == key:
+                    return z["ids"], z["offsets"]
+        except (OSError, ValueError, KeyError, EOFError):
+            pass  # unreadable cache: encode again and overwrite it
+    seqs = [tok.encode_ordinary(line) for line in lines]
+    offsets = np.zeros(len(seqs) + 1, np.int64)                                    # (n+1,)
+    offsets[1:] = np.cumsum([len(s) for s in seqs])
+    ids = np.fromiter((i for s in seqs for i in s), np.int32, count=int(offsets[-1]))  # (total,)
+    with open(path + ".tmp", "wb") as f:
+        np.savez(f, ids=ids, offsets=offsets, key=np.array(key))
+    os.replace(path + ".tmp", path)
+    return ids, offsets
+
+
+def encode_split(cfg, tok, tok_path, split, src_lines, tgt_lines):
+    """(source ragged ids, target ragged ids) of a split."""
+    out = []
+    for lang, lines in ((cfg.src, src_lines), (cfg.tgt, tgt_lines)):
+        path = os.path.join(cache_dir(cfg), f"{split}.{lang}.bpe{cfg.bpe_vocab}.npz")
+        out.append(encode_lines(tok, tok_path, lines, path))
+    return out
+
+
+def bucket_size(n):
+    """The padded length for n tokens: the smallest of 16, 24, 32, 48, 64, 96, 128, ... that holds them,
+    so a run compiles one step per bucket and pads at most a third of any sequence."""
+    size = 16
+    while True:
+        for s in (size, size * 3 // 2):
+            if s >= n:
+                return s
+        size *= 2
+
+
+def pad_rows(ragged, idx, T, pad_id, bos_id=None, eos_id=None):
+    """Rows idx of a ragged array as a (len(idx), T) int32 matrix: [bos] + ids + [eos], then padding."""
+    ids, offsets = ragged
+    idx = np.asarray(idx, np.int64)                                                # (n,)
+    lens = offsets[idx + 1] - offsets[idx]                                         # (n,)
+    out = np.full((len(idx), T), pad_id, np.int32)                                 # (n, T)
+    first = 0 if bos_id is None else 1
+    if bos_id is not None:
+        out[:, 0] = bos_id
+    rows = np.repeat(np.arange(len(idx)), lens)                                    # (total,)
+    within = np.arange(rows.size) - np.repeat(np.cumsum(lens) - lens, lens)        # (total,)
+    out[rows, first + within] = ids[np.repeat(offsets[idx], lens) + within]
+    if eos_id is not None:
+        out[np.arange(len(idx)), first + lens] = eos_id
+    return out
+
+
+def lengths(ragged):
+    return np.diff(ragged[1])                                                      # (n,)
+
+
+class Batches:
+    """The training pairs grouped by length bucket T and cut into optimizer steps: A micro-batches of
+    R_T = micro_tokens // T pairs each, src (A,R_T,T) = ids + EOS and tgt_in, tgt_out (A,R_T,T) = BOS + ids
+    and ids + EOS. Each epoch shuffles the pairs within buckets and the steps across buckets from
+    (seed, epoch), so (epoch, steps done in it) is the whole state a resumed run needs."""
+
+    def __init__(self, src, tgt, cfg):
+        self.cfg = cfg
+        need = np.maximum(lengths(src), lengths(tgt)) + 1                          # (n,) with EOS / BOS
+        keep = np.flatnonzero(need <= cfg.max_len)                                 # (n_kept,)
+        self.dropped = len(need) - len(keep)
+        sizes = sorted({bucket_size(int(n)) for n in np.unique(need[keep])})
+        bucket = np.array([bucket_size(int(n)) for n in range(cfg.max_len + 1)])[need[keep]]  # (n_kept,)
+        self.accum = cfg.batch_tokens // cfg.micro_tokens
+        self.rows = {T: cfg.micro_tokens // T for T in sizes}
+        self.data = {}
+        for T in sizes:
+            idx = keep[bucket == T]
+            self.data[T] = (pad_rows(src, idx, T, cfg.pad_id, eos_id=cfg.eos_id),          # (n_T, T)
+                            pad_rows(tgt, idx, T + 1, cfg.pad_id, cfg.bos_id, cfg.eos_id))  # (n_T, T+1)
+        self.set_state(0, 0)
+
+    def plan(self, epoch):
+        """The epoch's steps as (T, indices into bucket T's rows)."""
+        rng = np.random.default_rng([self.cfg.seed, epoch])
+        steps = []
+        for T, (src, _) in self.data.items():
+            order = rng.permutation(len(src))
+            per = self.rows[T] * self.accum
+            steps += [(T, order[i:i + per]) for i in range(0, len(order), per)]
+        return [steps[i] for i in rng.permutation(len(steps))]
+
+    def set_state(self, epoch, index):
+        self.epoch, self.index, self.steps = epoch, index, self.plan(epoch)
+        if index > len(self.steps):
+            die(f"--resume: the checkpoint is {index} steps into epoch {epoch}, which has only "
+                f"{len(self.steps)} (different data or --batch-tokens?)")
+
+    def state(self):
+        return self.epoch, self.index
+
+    def next(self):
+        """(T, src, tgt_in, tgt_out) of the next step, int32 (A,R_T,T) each; short steps padded with empty
+        rows (all padding), which add nothing to the loss."""
+        if self.index == len(self.steps):
+            self.set_state(self.epoch + 1, 0)
+        T, idx = self.steps[self.index]
+        self.index += 1
+        A, R = self.accum, self.rows[T]
+        src = np.full((A * R, T), self.cfg.pad_id, np.int32)                       # (A*R, T)
+        tgt = np.full((A * R, T + 1), self.cfg.pad_id, np.int32)                   # (A*R, T+1)
+        src[:len(idx)], tgt[:len(idx)] = self.data[T][0][idx], self.data[T][1][idx]
+        return (T, src.reshape(A, R, T), tgt[:, :-1].reshape(A, R, T),
+                tgt[:, 1:].reshape(A, R, T))
+
+
+def eval_batches(src, tgt, cfg):
+    """A whole split for the loss: (src, tgt_in, tgt_out) batches (R,T) of one bucket T that holds its
+    longest pair (nothing skipped), so the evaluation compiles once."""
+    need = int(np.max(np.maximum(lengths(src), lengths(tgt)))) + 1
+    T = bucket_size(need)
+    R = max(1, cfg.micro_tokens // T)
+    n = len(lengths(src))
+    s = pad_rows(src, np.arange(n), T, cfg.pad_id, eos_id=cfg.eos_id)               # (n, T)
+    t = pad_rows(tgt, np.arange(n), T + 1, cfg.pad_id, cfg.bos_id, cfg.eos_id)     # (n, T+1)
+    fill = -n % R
+    s = np.concatenate([s, np.full((fill, T), cfg.pad_id, np.int32)])              # (n', T)
+    t = np.concatenate([t, np.full((fill, T + 1), cfg.pad_id, np.int32)])          # (n', T+1)
+    return [(s[i:i + R], t[i:i + R, :-1], t[i:i + R, 1:]) for i in range(0, len(s), R)]
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+TOKENIZER_FILE = "tokenizer.bpe"
+
+
+def save_checkpoint(out_dir, step, params, m, v, batches_state, cfg, tok_path):
+    """<out_dir>/ckpt_<step>/: params.npz (fp32 weights), state.npz (Adam moments, step, data position,
+    seed, config) and the tokenizer, so a checkpoint translates on its own. Written under a temporary
+    name, then renamed: a crash never leaves a half checkpoint."""
+    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    np.savez(os.path.join(tmp, "params.npz"), **{k: np.asarray(params[k], np.float32) for k in PARAM_NAMES})
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
+    state.update(step=np.int64(step), epoch=np.int64(batches_state[0]), index=np.int64(batches_state[1]),
+                 seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
+    np.savez(os.path.join(tmp, "state.npz"), **state)
+    shutil.copyfile(tok_path, os.path.join(tmp, TOKENIZER_FILE))
+    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        shutil.rmtree(final + ".old")
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def list_checkpoints(directory):
+    """The complete checkpoint directories in `directory`, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    names = sorted(n for n in os.listdir(directory) if re.fullmatch(r"ckpt_\d{7}", n))
+    paths = [os.path.join(directory, n) for n in names]
+    return [p for p in paths if all(os.path.isfile(os.path.join(p, f))
+                                    for f in ("params.npz", "state.npz", TOKENIZER_FILE))]
+
+
+def resolve_checkpoint(path, out_dir):
+    """--resume DIR | auto -> a complete checkpoint directory."""
+    if path == "auto":
+        found = list_checkpoints(out_dir)
+        if not found:
+            die(f"--resume auto: no checkpoint in {out_dir}")
+        return found[-1]
+    path = os.path.normpath(path)
+    missing = [f for f in ("params.npz", "state.npz", TOKENIZER_FILE)
+               if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        die(f"--resume {path}: not a checkpoint directory (no {', '.join(missing)})")
+    return path
+
+
+def load_npz(path, names):
+    """{name: array} of the named arrays of an npz file; a clean error when it is unreadable."""
+    try:
+        with np.load(path) as z:
+            absent = [n for n in names if n not in z.files]
+            if absent:
+                die(f"{path} is missing {', '.join(absent[:3])}")
+            return {n: z[n] for n in names}
+    except (OSError, ValueError, EOFError) as e:
+        die(f"{path} is not a readable npz file ({e})")
+
+
+def load_checkpoint(path):
+    """(params, m, v, state, saved config) of a checkpoint directory, shapes checked against its config."""
+    state = load_npz(os.path.join(path, "state.npz"), ["step", "epoch", "index", "seed", "config"])
+    try:
+        saved = Config(**{k: v for k, v in json.loads(str(state["config"])).items()
+                          if k in {f.name for f in fields(Config)}})
+    except (ValueError, TypeError) as e:
+        die(f"{path}/state.npz: unreadable config ({e})")
+    shapes = param_shapes(saved)
+    params = load_npz(os.path.join(path, "params.npz"), PARAM_NAMES)
+    moments = load_npz(os.path.join(path, "state.npz"), [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES])
+    for k in PARAM_NAMES:
+        for name, a in ((k, params[k]), (f"m.{k}", moments[f"m.{k}"]), (f"v.{k}", moments[f"v.{k}"])):
+            if a.shape != shapes[k]:
+                die(f"checkpoint {path}: {name} has shape {a.shape}, its config implies {shapes[k]}")
+    m = {k: moments[f"m.{k}"] for k in PARAM_NAMES}
+    v = {k: moments[f"v.{k}"] for k in PARAM_NAMES}
+    info = {k: int(state[k]) for k in ("step", "epoch", "index", "seed")}
+    return params, m, v, info, saved
+
+
+def apply_checkpoint_config(cfg, saved, explicit, check_data):
+    """cfg with the checkpoint's model sizes, dropout, vocabulary and seed. A model flag given on the
+    command line that disagrees is an error; so is another dataset or language pair when check_data."""
+    for k, value in explicit.items():
+        if value != getattr(saved, k):
+            die(f"--{k.replace('_', '-')} {value} disagrees with the checkpoint ({getattr(saved, k)})")
+    if check_data:
+        for k in ("dataset", "src", "tgt", "bpe_vocab"):
+            if getattr(cfg, k) != getattr(saved, k):
+                die(f"--{k.replace('_', '-')} {getattr(cfg, k)}: the checkpoint was trained with "
+                    f"{getattr(saved, k)}")
+    keep = MODEL_FIELDS + ("model", "dropout", "vocab_size", "pad_id", "bos_id", "eos_id", "seed",
+                           "dataset", "src", "tgt", "bpe_vocab")
+    return replace(cfg, **{k: getattr(saved, k) for k in keep})
+
+
+def averaged_params(path, n):
+    """(weights, checkpoints used): checkpoint `path`'s fp32 weights averaged with those of the n-1
+    checkpoints before it in its directory (the paper averages the last 5 of the base model)."""
+    found = [p for p in list_checkpoints(os.path.dirname(path))
+             if os.path.basename(p) <= os.path.basename(path)]
+    chosen = found[-n:] if path in found else [path]
+    total = None
+    for p in chosen:
+        params = load_npz(os.path.join(p, "params.npz"), PARAM_NAMES)
+        if total is None:
+            total = {k: a.astype(np.float64) for k, a in params.items()}
+        else:
+            for k in PARAM_NAMES:
+                if params[k].shape != total[k].shape:
+                    die(f"--average {n}: {p} has another model shape than {chosen[0]}")
+                total[k] += params[k]
+    return {k: (a / len(chosen)).astype(np.float32) for k, a in total.items()}, chosen
+
+
+# -----------------------------------------------------------------------------
+# Evaluation
+
+def evaluate_loss(eval_fn, params, batches):
+    """(label-smoothed loss, NLL) per target token over a split's eval_batches, without dropout."""
+    loss = nll = count = 0.0
+    for src, tgt_in, tgt_out in batches:
+        l, n, c = eval_fn(params, src, tgt_in, tgt_out)
+        loss, nll, count = loss + float(l), nll + float(n), count + float(c)
+    return loss / count, nll / count
+
+
+def length_penalty(length, alpha):
+    """GNMT's length penalty ((5 + length) / 6)^alpha; a hypothesis scores log p / penalty."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_search(step_fn, state, max_lens, t_max, beam, alpha, bos_id, eos_id):
+    """Beam search over a batch of n sentences, fairseq's rule: each step expands every live hypothesis
+    by every token, keeps the 2*beam best extensions by total log-probability; those among the best
+    `beam` that end in EOS are finished (score = log p / length_penalty(length with EOS)), the best
+    `beam` that do not stay alive, and a sentence is done once it has `beam` finished hypotheses. Only
+    EOS may follow max_lens (n,) tokens, so every sentence is done by then (t_max > max(max_lens)).
+    With beam 1 this is exactly greedy search.
+    step_fn(state, tokens (n*beam,), t) -> (log-probabilities (n*beam, V) fp32, state) runs the model one
+    step; state's arrays hold the n*beam hypotheses (sentence-major) along axis 1, reordered here as the
+    beams change. Returns (tokens (n, t_max) int32, each ending at its first EOS, scores (n,))."""
+    n, K = max_lens.shape[0], beam
+    seqs = jnp.full((n, K, t_max), eos_id, jnp.int32)                              # (n,K,t_max)
+    alive = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (K - 1), jnp.float32), (n, 1))  # (n,K) log p
+    done_seqs = jnp.full((n, K, t_max), eos_id, jnp.int32)                         # (n,K,t_max)
+    done_scores = jnp.full((n, K), -jnp.inf, jnp.float32)                          # (n,K)
+    n_done = jnp.zeros((n,), jnp.int32)                                            # (n,)
+
+    def cond(carry):
+        t, n_done = carry[0], carry[-1]
+        return (t < t_max) & ~jnp.all(n_done >= K)
+
+    def body(carry):
+        t, state, seqs, alive, done_seqs, done_scores, n_done = carry
+        prev = jnp.where(t == 0, bos_id, seqs[:, :, jnp.maximum(t - 1, 0)])       # (n,K)
+        logp, state = step_fn(state, prev.reshape(n * K), t)                       # (n*K,V)
+        V = logp.shape[-1]
+        only_eos = (t >= max_lens)[:, None, None] & (jnp.arange(V) != eos_id)     # (n,1,V)
+        logp = jnp.where(only_eos, -jnp.inf, logp.reshape(n, K, V))                # (n,K,V)
+        cand = (alive[:, :, None] + logp).reshape(n, K * V)                        # (n,K*V)
+        top, idx = jax.lax.top_k(cand, 2 * K)                                      # (n,2K) each
+        origin, token = idx // V, idx % V                                          # (n,2K) each
+        ext = jnp.take_along_axis(seqs, origin[:, :, None], axis=1)                # (n,2K,t_max)
+        ext = ext.at[:, :, t].set(token)                                           # (n,2K,t_max)
+        is_eos = token == eos_id                                                   # (n,2K)
+        # finished: EOS among the K best, filling the sentence's free slots in rank order
+        new = is_eos[:, :K] & (top[:, :K] > -jnp.inf) & (n_done < K)[:, None]      # (n,K)
+        slot = n_done[:, None] + jnp.cumsum(new, axis=1) - 1                       # (n,K)
+        hit = new[:, :, None] & (slot[:, :, None] == jnp.arange(K))                # (n,K cand,K slot)
+        filled = jnp.any(hit, axis=1)                                              # (n,K)
+        which = jnp.argmax(hit, axis=1)                                            # (n,K)
+        score = top[:, :K] / length_penalty(t + 1.0, alpha)                        # (n,K)
+        done_scores = jnp.where(filled, jnp.take_along_axis(score, which, axis=1), done_scores)  # (n,K)
+        done_seqs = jnp.where(filled[:, :, None],
+                              jnp.take_along_axis(ext[:, :K], which[:, :, None], axis=1), done_seqs)
+        n_done = jnp.minimum(n_done + jnp.sum(new, axis=1), K)                     # (n,)
+        # alive: the K best extensions that did not end
+        alive, pick = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, top), K)          # (n,K) each
+        seqs = jnp.take_along_axis(ext, pick[:, :, None], axis=1)                  # (n,K,t_max)
+        rows = (jnp.arange(n)[:, None] * K + jnp.take_along_axis(origin, pick, axis=1)).reshape(n * K)
+        state = jax.tree.map(lambda a: jnp.take(a, rows, axis=1), state)
+        return t + 1, state, seqs, alive, done_seqs, done_scores, n_done
+
+    carry = (jnp.int32(0), state, seqs, alive, done_seqs, done_scores, n_done)
+    _, _, _, _, done_seqs, done_scores, _ = jax.lax.while_loop(cond, body, carry)
+    best = jnp.argmax(done_scores, axis=1)                                         # (n,)
+    tokens = jnp.take_along_axis(done_seqs, best[:, None, None], axis=1)[:, 0]     # (n,t_max)
+    return tokens, jnp.take_along_axis(done_scores, best[:, None], axis=1)[:, 0]
+
+
+def greedy_search(step_fn, state, max_lens, t_max, bos_id, eos_id):
+    """The most probable next token at every step until EOS (forced after max_lens (n,) tokens).
+    Returns (tokens (n, t_max) int32 ending at their first EOS, summed log-probabilities (n,))."""
+    n = max_lens.shape[0]
+    seqs = jnp.full((n, t_max), eos_id, jnp.int32)                                 # (n,t_max)
+
+    def cond(carry):
+        t, done = carry[0], carry[3]
+        return (t < t_max) & ~jnp.all(done)
+
+    def body(carry):
+        t, state, seqs, done, total = carry
+        prev = jnp.where(t == 0, bos_id, seqs[:, jnp.maximum(t - 1, 0)])          # (n,)
+        logp, state = step_fn(state, prev, t)                                      # (n,V)
+        only_eos = (t >= max_lens)[:, None] & (jnp.arange(logp.shape[-1]) != eos_id)  # (n,V)
+        logp = jnp.where(only_eos, -jnp.inf, logp)                                 # (n,V)
+        token = jnp.where(done, eos_id, jnp.argmax(logp, axis=-1))                 # (n,)
+        total = total + jnp.where(done, 0.0, jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0])
+        return t + 1, state, seqs.at[:, t].set(token), done | (token == eos_id), total
+
+    carry = (jnp.int32(0), state, seqs, jnp.zeros((n,), bool), jnp.zeros((n,), jnp.float32))
+    _, _, seqs, _, total = jax.lax.while_loop(cond, body, carry)
+    return seqs, total
+
+
+def translate_batch(params, src, max_lens, cfg, greedy):
+    """Decodes source ids src (n,S) (ids + EOS, padded) into (tokens (n, S+EXTRA_LEN), scores (n,)) with
+    the model's incremental decoder: the encoder runs once, each decoder step feeds one token and keeps
+    every layer's keys and values in a cache (L, n*beam, t_max, D)."""
+    p = cast_params(params, cfg)
+    n, S = src.shape
+    K = 1 if greedy else cfg.beam
+    t_max = S + EXTRA_LEN
+    memory, src_mask = encode(p, src, cfg, None)                                   # (n,S,D), (n,1,1,S)
+    mem_k, mem_v = (jnp.repeat(a, K, axis=1) for a in cross_kv(p, memory))         # (L,n*K,S,D) each
+    src_mask = jnp.repeat(src_mask, K, axis=0)                                     # (n*K,1,1,S)
+    dt = compute_dtype(cfg)
+    cache = (jnp.zeros((cfg.n_layer, n * K, t_max, cfg.d_model), dt),
+             jnp.zeros((cfg.n_layer, n * K, t_max, cfg.d_model), dt))             # (L,n*K,t_max,D) x 2
+    banned = jnp.zeros((cfg.vocab_size,), bool).at[jnp.array([cfg.pad_id, cfg.bos_id])].set(True)  # (V,)
+
+    table = jnp.asarray(sinusoids(t_max, cfg.d_model))                             # (t_max,D)
+
+    def step(cache, tokens, t):
+        x = embed(p, tokens[:, None], table[t][None], cfg, None)                   # (n*K,1,D)
+        visible = (jnp.arange(t_max) <= t)[None, None, None, :]                    # (1,1,1,t_max)
+        x, cache = decoder(p, x, mem_k, mem_v, src_mask, visible, cfg, None, cache, t)  # (n*K,1,D)
+        logp = jax.nn.log_softmax(output_logits(p, x)[:, 0], axis=-1)              # (n*K,V)
+        return jnp.where(banned, -jnp.inf, logp), cache
+
+    if greedy:
+        return greedy_search(step, cache, max_lens, t_max, cfg.bos_id, cfg.eos_id)
+    return beam_search(step, cache, max_lens, t_max, K, cfg.alpha, cfg.bos_id, cfg.eos_id)
+
+
+def translate_ids(search, params, src, cfg):
+    """Token ids (without EOS) of the translations of every sentence of the ragged source ids src,
+    decoded cfg.decode_batch sentences at a time (longest first, so a batch's loop ends early), all
+    padded to one source length, so the search compiles once. A short last batch gets empty rows."""
+    lens = lengths(src)                                                            # (n,)
+    S = bucket_size(int(lens.max()) + 1)
+    B = min(cfg.decode_batch, len(lens))
+    order = np.argsort(-lens, kind="stable")                                       # (n,)
+    out = [None] * len(lens)
+    for i in range(0, len(order), B):
+        idx = order[i:i + B]
+        batch = np.full((B, S), cfg.pad_id, np.int32)                              # (B,S)
+        batch[:len(idx)] = pad_rows(src, idx, S, cfg.pad_id, eos_id=cfg.eos_id)
+        max_lens = np.zeros(B, np.int32)                                           # (B,) 0: empty row
+        max_lens[:len(idx)] = lens[idx] + EXTRA_LEN
+        tokens, _ = search(params, batch, max_lens)
+        for row, j in zip(np.asarray(tokens).tolist(), idx):
+            out[j] = row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row
+    return out
+
+
+def evaluate_bleu(search, params, cfg, tok, split, src, refs):
+    """(BLEU, hypotheses file): the translations of a split, detokenized (the BPE decodes to raw text),
+    written to <out_dir>/hyp_<split>.txt, scored against the raw references by sacrebleu (cased, 13a)."""
+    hyps = [tok.decode(ids).replace("\r", " ").replace("\n", " ")  # one line per sentence, whatever
+            for ids in translate_ids(search, params, src, cfg)]      # an undertrained model emits
+    bleu = sacrebleu.corpus_bleu(hyps, [refs])
+    path = os.path.join(cfg.out_dir, f"hyp_{split}.txt")
+    with open(path + ".tmp", "w", encoding="utf-8", newline="\n") as f:
+        f.write("".join(h + "\n" for h in hyps))
+    os.replace(path + ".tmp", path)
+    return bleu, path
+
+
+# -----------------------------------------------------------------------------
+# Logging
+
+def log_event(out_dir, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (SPEC §5 keys, plus bleu)."""
+    record["framework"] = FRAMEWORK
+    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, peak_mem_gb):
+    mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
+    return (f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | "
+            f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mem {mem_s}")
+
+
+def peak_memory_gb(device):
+    """The device's peak of allocated bytes in GB; None where the backend keeps no statistics (CPU)."""
+    stats = device.memory_stats()
+    return stats["peak_bytes_in_use"] / 1e9 if stats and "peak_bytes_in_use" in stats else None
+
+
+# -----------------------------------------------------------------------------
+# Main
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def compile_train_steps(step_jit, params, m, v, batches, cfg):
+    """The train step compiled ahead of time for every bucket's shape (A,R_T,T), in parallel threads
+    (XLA compiles outside the GIL): {T: compiled}."""
+    scalar = jax.ShapeDtypeStruct((3,), jnp.float32)
+    step = jax.ShapeDtypeStruct((), jnp.int32)
+    lowered = {}
+    for T, rows in batches.rows.items():
+        batch = jax.ShapeDtypeStruct((batches.accum, rows, T), jnp.int32)
+        lowered[T] = step_jit.lower(params, m, v, batch, batch, batch, step, scalar)
+    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+        return dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+
+
+def load_tokenizer(path):
+    try:
+        return BPETokenizer.load(path)
+    except ValueError as e:
+        die(str(e))
+
+
+def main(argv=None):
+    cfg, explicit = parse_args(argv)
+    device = jax.devices()[0]
+
+    # weights and optimizer state: a checkpoint (with its own tokenizer), or fresh from the seed below
+    ckpt_path, info, tok, tok_path = None, dict(step=0, epoch=0, index=0), None, None
+    params = m = v = None
+    if cfg.resume:
+        ckpt_path = resolve_checkpoint(cfg.resume, cfg.out_dir)
+        params, m, v, info, saved = load_checkpoint(ckpt_path)
+        cfg = apply_checkpoint_config(cfg, saved, explicit, check_data=not cfg.translate)
+        tok_path = os.path.join(ckpt_path, TOKENIZER_FILE)
+        tok = load_tokenizer(tok_path)
+        if tok.vocab_size != cfg.vocab_size:
+            die(f"{tok_path} holds {tok.vocab_size} tokens, the checkpoint's model {cfg.vocab_size}")
+
+    # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
+    with jax.default_matmul_precision("highest" if cfg.dtype == "fp32" else "default"):
+        if cfg.translate:
+            search = jax.jit(partial(translate_batch, cfg=cfg, greedy=cfg.decode == "greedy"))
+            weights, _ = averaged_params(ckpt_path, cfg.average)
+            ids = np.array(tok.encode_ordinary(cfg.translate), np.int32)
+            print(tok.decode(translate_ids(search, weights, (ids, np.array([0, len(ids)])), cfg)[0]))
+            return
+        run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v)
+
+
+def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
+    """Training (or, with --eval-only, evaluation) after main has restored any checkpoint."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    if not cfg.eval_only:
+        train_text = read_split(cfg, "train")
+    if tok is None:
+        tok, tok_path = build_tokenizer(cfg, *train_text)
+        cfg = set_vocab(cfg, tok)
+    val_text = read_split(cfg, "val")
+    val = encode_split(cfg, tok, tok_path, "val", *val_text)
+    val_batches = eval_batches(*val, cfg)
+    if params is None:
+        params = init_params_numpy(cfg)
+        m = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items()}
+    n_params = sum(p.size for p in params.values())
+    print(f"Transformer {cfg.model}: {cfg.n_layer}+{cfg.n_layer} layers, {cfg.n_head} heads, d_model "
+          f"{cfg.d_model}, d_ff {cfg.d_ff}, dropout {cfg.dropout}, {n_params / 1e6:.2f}M parameters | "
+          f"{cfg.dataset} {cfg.src}->{cfg.tgt}, joint BPE {cfg.vocab_size} | {device.device_kind} | {cfg.dtype}")
+
+    eval_fn = jax.jit(partial(loss_sums, cfg=cfg))
+    search = jax.jit(partial(translate_batch, cfg=cfg, greedy=cfg.decode == "greedy"))
+
+    def run_val(step, weights):
+        loss, nll = evaluate_loss(eval_fn, weights, val_batches)
+        print(f"step {step:5d} | val loss {loss:.6f} | nll {nll:.4f} | ppl {math.exp(nll):.2f}")
+        log_event(cfg.out_dir, step=step, val_loss=loss)
+
+    def run_bleu(step, weights, note):
+        if cfg.bleu_split == "none":
+            return
+        src_text, refs = (read_split(cfg, "test") if cfg.bleu_split == "test" else val_text)
+        src = encode_split(cfg, tok, tok_path, cfg.bleu_split, src_text, refs)[0]
+        t0 = time.perf_counter()
+        bleu, path = evaluate_bleu(search, weights, cfg, tok, cfg.bleu_split, src, refs)
+        how = "greedy" if cfg.decode == "greedy" else f"beam {cfg.beam}, alpha {cfg.alpha}"
+        print(f"step {step:5d} | {cfg.bleu_split} BLEU {bleu.score:.2f} ({how}, {note}; "
+              f"{len(refs)} sentences in {time.perf_counter() - t0:.1f} s) -> {path}")
+        print(f"sacrebleu: {bleu}")
+        log_event(cfg.out_dir, step=step, bleu=bleu.score)
+
+    def final_weights(step):
+        """The weights to score: the newest --average checkpoints up to `step` averaged, when there are."""
+        path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}")
+        if cfg.eval_only:
+            path = ckpt_path
+        elif path not in list_checkpoints(cfg.out_dir):
+            return params, "no checkpoint to average"
+        weights, used = averaged_params(path, cfg.average)
+        names = ", ".join(os.path.basename(p)[5:].lstrip("0") or "0" for p in used)
+        return weights, f"weights of {len(used)} checkpoint{'s' * (len(used) > 1)} averaged: steps {names}"
+
+    if cfg.eval_only:
+        weights, note = final_weights(info["step"])
+        run_val(info["step"], weights)
+        run_bleu(info["step"], weights, note)
+        return
+
+    train = encode_split(cfg, tok, tok_path, "train", *train_text)
+    batches = Batches(*train, cfg)
+    if not batches.data:
+        die(f"no training pair fits --max-len {cfg.max_len}")
+    batches.set_state(info["epoch"], info["index"])
+    print(f"data: {len(lengths(train[0])):,} training pairs ({batches.dropped} longer than --max-len "
+          f"{cfg.max_len} skipped), {len(lengths(val[0])):,} validation pairs, ready in "
+          f"{time.perf_counter() - t0:.1f} s")
+    print(f"batches: {cfg.batch_tokens} padded tokens per side per step = {batches.accum} micro-batch(es) "
+          f"of {cfg.micro_tokens} | rows per bucket length: "
+          + ", ".join(f"{T}: {r}" for T, r in batches.rows.items()))
+
+    t0 = time.perf_counter()
+    step_jit = jax.jit(partial(train_step, cfg=cfg), donate_argnums=(0, 1, 2))
+    params, m, v = jax.device_put((params, m, v))
+    compiled = compile_train_steps(step_jit, params, m, v, batches, cfg)
+    print(f"compiled the train step for {len(compiled)} bucket shapes in {time.perf_counter() - t0:.1f} s")
+
+    step, times = info["step"], []
+    for step in range(info["step"] + 1, cfg.steps + 1):
+        T, src, tgt_in, tgt_out = batches.next()                                   # (A,R,T) each
+        tokens = int(np.count_nonzero(src != cfg.pad_id) + np.count_nonzero(tgt_out != cfg.pad_id))
+        t0 = time.perf_counter()
+        params, m, v, loss, norm = compiled[T](params, m, v, src, tgt_in, tgt_out, np.int32(step),
+                                               adam_scalars(step, cfg))
+        loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
+        dt = time.perf_counter() - t0
+        if not math.isfinite(loss):
+            die(f"step {step}: the loss is {loss} (try a lower --lr or --dtype fp32)")
+        times.append(dt)
+        lr, mem = lr_at(step, cfg), peak_memory_gb(device)
+        print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens / dt, mem))
+        log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
+                  tokens_per_s=tokens / dt, peak_mem_gb=mem)
+        if due(cfg.val_every, step, cfg.steps):
+            run_val(step, params)
+        if due(cfg.ckpt_every, step, cfg.steps):
+            print(f"saved {save_checkpoint(cfg.out_dir, step, params, m, v, batches.state(), cfg, tok_path)}")
+    if times:
+        later = times[1:] or times
+        print(f"trained {len(times)} steps: mean {1000 * np.mean(later):.1f} ms per step"
+              f"{' after the first' if len(times) > 1 else ''}")
+    weights, note = final_weights(step)
+    run_bleu(step, weights, note)
+
+
+if __name__ == "__main__":
+    main()
