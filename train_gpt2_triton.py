@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -510,22 +510,22 @@ def model_backward(dh, idx, w, grads, acts, cfg, ops):
     for l in reversed(range(cfg.n_layer)):
         a = acts.pop()
         # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2))))
-        h, mean, rstd = ops.layernorm_forward(a["res2"], w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C)
+        ln, mean, rstd = ops.layernorm_forward(a["res2"], w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C)
         dgelu = ops.matmul_backward(dres, ops.gelu_forward(a["fch"]), w["mlp.c_proj.w"][l],
                                     g["mlp.c_proj.w"][l], g["mlp.c_proj.b"][l])  # (N, 4C)
         dfch = ops.gelu_backward(dgelu, a["fch"])  # (N, 4C)
-        dh = ops.matmul_backward(dfch, h, w["c_fc.w"][l], g["c_fc.w"][l], g["c_fc.b"][l])  # (N, C)
-        dres = ops.layernorm_backward(dh, a["res2"], w["ln_2.w"][l], mean, rstd, g["ln_2.w"][l],
+        dln = ops.matmul_backward(dfch, ln, w["c_fc.w"][l], g["c_fc.w"][l], g["c_fc.b"][l])  # (N, C)
+        dres = ops.layernorm_backward(dln, a["res2"], w["ln_2.w"][l], mean, rstd, g["ln_2.w"][l],
                                       g["ln_2.b"][l], dres=dres)  # (N, C) reaches res2 both ways
         # attention: res2 = res + c_proj(attention(c_attn(ln_1(res))))
         datty = ops.matmul_backward(dres, a["atty"].view(B * T, C), w["attn.c_proj.w"][l],
                                     g["attn.c_proj.w"][l], g["attn.c_proj.b"][l])  # (N, C)
         dqkv = ops.attention_backward(datty.view(B, T, C), a["qkv"].view(B, T, 3 * C), a["atty"],
                                       a["lse"], H)  # (B, T, 3C)
-        h, mean, rstd = ops.layernorm_forward(a["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
-        dh = ops.matmul_backward(dqkv.view(B * T, 3 * C), h, w["c_attn.w"][l], g["c_attn.w"][l],
-                                 g["c_attn.b"][l])  # (N, C)
-        dres = ops.layernorm_backward(dh, a["res"], w["ln_1.w"][l], mean, rstd, g["ln_1.w"][l],
+        ln, mean, rstd = ops.layernorm_forward(a["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
+        dln = ops.matmul_backward(dqkv.view(B * T, 3 * C), ln, w["c_attn.w"][l], g["c_attn.w"][l],
+                                  g["c_attn.b"][l])  # (N, C)
+        dres = ops.layernorm_backward(dln, a["res"], w["ln_1.w"][l], mean, rstd, g["ln_1.w"][l],
                                       g["ln_1.b"][l], dres=dres)  # (N, C)
     ops.encoder_backward(dres.view(B, T, C), idx, g["wte"], g["wpe"])
 
@@ -578,11 +578,14 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
     compute-dtype copies (None in fp32) are refreshed from the updated masters."""
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     for i, (p, g, m, v, wd) in enumerate(zip(params, grads, ms, vs, weight_decays)):
-        g = g * grad_scale  # same shape as p
+        if grad_scale != 1.0:
+            g = g * grad_scale  # same shape as p
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        update = (m / bc1) / ((v / bc2).sqrt_() + eps)  # same shape as p
-        p.sub_(lr * (update + wd * p))
+        update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))  # mhat / (sqrt(vhat) + eps), like p
+        if wd:
+            update.add_(p, alpha=wd)
+        p.sub_(update.mul_(lr))
         if copies is not None:
             copies[i].copy_(p)
 
@@ -1274,13 +1277,14 @@ def test_model_data(r, cfg):
     return w, batches
 
 
-def case_model(ops, r, cfg):
+def case_model(backend, r, cfg):
     """Logits of the first micro-batch, mean loss and all gradients over both, through this file's model
-    (lm head in chunks of 5 rows, so chunks end inside a sequence)."""
+    on `backend` (the lm head in chunks of 5 rows, so that chunks end inside a sequence)."""
+    ops = backend_ops(backend)
     w, batches = test_model_data(r, cfg)
     grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
     x0 = batches[0][0]
-    logits = ops.matmul_forward(model_forward(w, x0, cfg, ops), w["wte"], None)  # (N, Vp)
+    logits = forward(w, x0, replace(cfg, backend=backend)).view(x0.numel(), -1)  # (N, Vp)
     dloss = 1.0 / (x0.numel() * len(batches))
     loss = sum(forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=5).sum() for x, y in batches)
     return dict(logits=logits, loss=loss * dloss, **{f"grad {k}": g for k, g in grads.items()})
@@ -1341,7 +1345,7 @@ def run_self_test(cfg):
     if cfg.backend == "torch":
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
     else:
-        ref_ops, ref_model = TORCH_OPS, lambda r, c: case_model(TORCH_OPS, r, c)
+        ref_ops, ref_model = TORCH_OPS, lambda r, c: case_model("torch", r, c)
         dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
     ref_name = "torch.autograd" if cfg.backend == "torch" else "backend torch"
     print(f"--test: backend {cfg.backend} against {ref_name} (run in fp64) on {device}")
@@ -1357,7 +1361,7 @@ def run_self_test(cfg):
                     results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
                 rows.append((name, dt, results))
             tcfg = test_config()
-            got = case_model(ops, test_inputs(dt, dt, device), tcfg)
+            got = case_model(cfg.backend, test_inputs(dt, dt, device), tcfg)
             want = ref_model(test_inputs(f64, dt, device), tcfg)
             rows.append(("model loss and logits", dt,
                          [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
@@ -1473,15 +1477,14 @@ def kept_bytes(w, x, cfg, ops):
 
 
 @torch.no_grad()
-def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework):
+def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, master):
     """--profile: step 1 compiles and warms up; step 2 runs with every op timed and under torch.profiler.
-    Prints per op: calls, time, share of the step, achieved TFLOP/s or GB/s, and the bytes its outputs
-    keep alive for the backward; writes the Chrome trace to the out dir."""
-    for step in (1, 2):
-        x, y = step_batches(loader, grad_accum)  # (A, B, T) each
-        xs, ys = put_batch(x, device), put_batch(y, device)
-        if step == 1:
-            train_step(state, xs, ys, step, cfg, ops, world)
+    Rank 0 prints per op: calls, time, share of the step, achieved TFLOP/s or GB/s, and the bytes its
+    outputs keep alive for the backward; and writes the Chrome trace to the out dir."""
+    x, y = step_batches(loader, grad_accum)  # (A, B, T) each
+    train_step(state, put_batch(x, device), put_batch(y, device), 1, cfg, ops, world)
+    x, y = step_batches(loader, grad_accum)  # (A, B, T) each
+    xs, ys = put_batch(x, device), put_batch(y, device)
     kept = kept_bytes(state["wts"], xs[0], cfg, ops)
     calls = []
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -1494,6 +1497,8 @@ def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework):
         step_ms = 1000 * (time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if not master:
+        return
     table = {}
     for name, t0, t1, flops, nbytes in calls:
         row = table.setdefault(name, [0, 0.0, 0, 0])
@@ -1761,8 +1766,7 @@ def main(argv=None):
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
 
     if cfg.profile:
-        if master:
-            profile_run(state, train_loader, cfg, ops, world, device, grad_accum, framework)
+        profile_run(state, train_loader, cfg, ops, world, device, grad_accum, framework, master)
         if world > 1:
             dist.destroy_process_group()
         return

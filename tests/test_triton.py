@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import hellaswag
 import train_gpt2_triton as tg
 from conftest import assert_clean_error, read_log, run_script, step_events, write_shard
 
@@ -21,6 +22,18 @@ FLAGS = ["--seq-len", T, "--batch-size", B, "--total-batch-size", TOTAL, "--lr",
 TINY = ["--n-layer", 2, "--n-head", 4, "--n-embd", 64]
 STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",
              "framework"}
+# these models are too small to gain from intra-op threads, and on a busy 2-core machine the threads of
+# concurrent runs slow each other down several times over
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def one_thread():
+    """The in-process runs of a test use one intra-op thread, as the scripts started with ONE_THREAD do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def small_cfg(**kw):
@@ -41,23 +54,24 @@ def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir):
     proc = run_script("train_gpt2_triton.py", "torch", "--data", tiny_shards, "--init-from", tiny_model_file,
                       "--steps", STEPS, "--out-dir", out, "--ckpt-every", 3, "--val-every", 3,
                       "--hellaswag-every", STEPS, "--sample-every", STEPS, *FLAGS,
-                      env={"HELLASWAG_DIR": str(hellaswag_dir)})
+                      env={"HELLASWAG_DIR": str(hellaswag_dir), **ONE_THREAD})
     return out, proc.stdout
 
 
-def test_self_test_passes():
+def test_self_test_passes(capsys, one_thread):
     """`torch --test`: every op's forward and backward at 4 shapes and the whole model's loss, logits and
-    16 gradients match torch.autograd in fp64 (rel 1e-10) and in bf16 (rel 3e-2); a table, exit 0."""
-    proc = run_script("train_gpt2_triton.py", "torch", "--test")
-    rows = [line for line in proc.stdout.splitlines() if " pass " in line or " FAIL " in line]
+    16 gradients match torch.autograd in fp64 (rel 1e-10) and in bf16 (rel 3e-2); a table, no error."""
+    tg.main(["torch", "--test"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if " pass " in line or " FAIL " in line]
     assert len(rows) == 2 * (len(tg.OP_CASES) + 2)
-    assert all(" pass " in row for row in rows), proc.stdout
+    assert all(" pass " in row for row in rows), out
     for name, _ in tg.OP_CASES:
         assert sum(row.startswith(name + " ") for row in rows) == 2, name
-    assert f"all {len(rows)} checks passed" in proc.stdout
+    assert f"all {len(rows)} checks passed" in out
 
 
-def test_self_test_catches_a_wrong_backward(monkeypatch, capsys):
+def test_self_test_catches_a_wrong_backward(monkeypatch, capsys, one_thread):
     """--test fails, naming the op, when a backward is wrong: a GELU backward that forgets the tanh
     derivative's term fails its own check and the whole-model gradient check, and the run exits non-zero."""
     def gelu_backward_without_tanh_term(dy, pre):
@@ -177,18 +191,19 @@ def test_training_run(trained, tiny_shards, tiny_model_file):
         assert json.loads(str(z["config"]))["backend"] == "torch"
 
 
-def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_dir):
+def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_dir, capsys, monkeypatch,
+                                    one_thread):
     """Resuming the step-3 checkpoint for steps 4-6 prints the uninterrupted run's losses and grad norms
     digit for digit and ends on byte-identical weights and AdamW state; --eval-only on the step-6
     checkpoint reproduces that run's val loss and HellaSwag scores and trains nothing."""
     out, stdout = trained
     resumed = tmp_path / "resumed"
-    proc = run_script("train_gpt2_triton.py", "torch", "--data", tiny_shards, "--resume",
-                      out / "ckpt_0000003", "--steps", STEPS, "--out-dir", resumed, "--ckpt-every", 3,
-                      "--val-every", 0, "--hellaswag-every", 0, "--sample-every", 0, *FLAGS)
+    tg.main(["torch", "--data", str(tiny_shards), "--resume", str(out / "ckpt_0000003"), "--steps",
+             str(STEPS), "--out-dir", str(resumed), "--ckpt-every", "3", "--val-every", "0",
+             "--hellaswag-every", "0", "--sample-every", "0", *map(str, FLAGS)])
     step_lines = lambda s: [line.split(" | ")[:3] for line in s.splitlines()  # noqa: E731
                             if line.startswith("step") and "/" in line.split("|")[0]]
-    assert step_lines(proc.stdout) == step_lines(stdout)[3:]
+    assert step_lines(capsys.readouterr().out) == step_lines(stdout)[3:]
     final, again = out / "ckpt_0000006", resumed / "ckpt_0000006"
     assert (final / "model.bin").read_bytes() == (again / "model.bin").read_bytes()
     with np.load(final / "state.npz") as a, np.load(again / "state.npz") as b:
@@ -197,8 +212,9 @@ def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_di
                 np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
     evaluated = tmp_path / "eval"
-    run_script("train_gpt2_triton.py", "torch", "--data", tiny_shards, "--resume", final, "--eval-only",
-               "--out-dir", evaluated, *FLAGS, env={"HELLASWAG_DIR": str(hellaswag_dir)})
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
+    tg.main(["torch", "--data", str(tiny_shards), "--resume", str(final), "--eval-only", "--out-dir",
+             str(evaluated), *map(str, FLAGS)])
     log = read_log(evaluated)
     original = {k: e[k] for e in read_log(out) if e["step"] == STEPS
                 for k in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm") if k in e}
@@ -222,16 +238,18 @@ def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
-def test_profile_and_bench_ops(tmp_path, capsys, monkeypatch):
+def test_profile_and_bench_ops(tmp_path, capsys, monkeypatch, one_thread):
     """--profile prints a row per op (time, share of the step, TFLOP/s or GB/s, bytes kept for the
     backward) and writes a Chrome trace with the ops labelled; --bench-ops prints each op against the
     PyTorch op it replaces."""
-    synthetic = ["--data", "synthetic", *TINY, *FLAGS, "--out-dir", str(tmp_path)]
+    synthetic = ["--data", "synthetic", *TINY, *FLAGS, "--batch-size", 1, "--seq-len", 16,
+                 "--total-batch-size", 32, "--out-dir", tmp_path]
     tg.main(["torch", *map(str, synthetic), "--profile"])
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and
-            line.split()[0] in vars(tg.TORCH_OPS)}
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.split()[:1] and line.split()[0] in vars(tg.TORCH_OPS)}
     assert set(rows) == set(vars(tg.TORCH_OPS))
+    assert all(int(r[0]) > 0 and float(r[1]) >= 0 for r in rows.values())
     assert "kept for the backward:" in out and "(outside the ops)" in out
     with open(tmp_path / "trace_triton-torch.json") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
@@ -248,7 +266,7 @@ def test_profile_and_bench_ops(tmp_path, capsys, monkeypatch):
     assert "copy bandwidth" in out
 
 
-def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
+def test_bad_input(tmp_path, tiny_shards, tiny_model_file, one_thread):
     """Bad shards (wrong magic, truncated), a model file that contradicts the flags or is cut short, a
     directory that is not a checkpoint, a missing or unknown backend, bad flags and impossible batch
     settings end with a one-line error naming the problem, and write nothing."""
@@ -284,5 +302,6 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
         tg.backend_ops("cuda")
     assert "backend cuda is not built" in str(e.value)
     assert not out.exists()
-    proc = run_script("train_gpt2_triton.py", "torch", "--data", bad / "magic_*.bin", *base, check=False)
+    proc = run_script("train_gpt2_triton.py", "torch", "--data", bad / "magic_*.bin", *base, check=False,
+                      env=ONE_THREAD)
     assert_clean_error(proc, "magic")
