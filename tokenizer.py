@@ -62,6 +62,14 @@ SAFE_CUT_LAST = regex.compile(r"(?r)" + SAFE_CUT.pattern)
 WHITESPACE = regex.compile(r"\s")
 
 
+def write_file(path, data):
+    """Writes bytes under a temporary name beside path, then renames: path is never left half-written."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 # -----------------------------------------------------------------------------
 # Byte-pair merging of one pre-token (the encoder's inner loop; results are cached per pre-token)
 
@@ -355,10 +363,7 @@ def fetch_gpt2_file(name, cache_dir=None, base_url=GPT2_BASE_URL):
         raise OSError(f"download of {url} is corrupt ({len(data)} bytes, sha256 {got[:12]}... is not the "
                       f"published {GPT2_SHA256[name][:12]}...); run again to retry")
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    write_file(path, data)
     return path
 
 
@@ -448,10 +453,7 @@ def write_tokenizer_file(path, tokens, special_tokens):
     lines += [f"{i} {quote_bytes(b)}" for i, b in enumerate(tokens)]
     lines += [f"{i} special {quote_bytes(s.encode())}" for s, i in sorted(special_tokens.items(),
                                                                           key=lambda kv: kv[1])]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_file(path, ("\n".join(lines) + "\n").encode("utf-8"))
 
 
 def read_tokenizer_file(path):
@@ -618,11 +620,7 @@ def write_shard(path, tokens):
     tokens = np.asarray(tokens)
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")              # (256,)
     header[:3] = [SHARD_MAGIC, SHARD_VERSION, len(tokens)]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())                    # (N,) uint16
-    os.replace(tmp, path)
+    write_file(path, header.tobytes() + tokens.astype("<u2").tobytes())  # tokens (N,) uint16
 
 
 def read_shard(path):
@@ -682,14 +680,11 @@ def cmd_encode(args):
 
 def cmd_decode(args):
     tokens = read_shard(args.input)
-    text = load_tokenizer_arg(args.tokenizer).decode(tokens)
+    data = load_tokenizer_arg(args.tokenizer).decode(tokens).encode("utf-8")  # invalid UTF-8 -> U+FFFD
     if args.out:
-        tmp = f"{args.out}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.replace(tmp, args.out)
+        write_file(args.out, data)
     else:
-        sys.stdout.write(text)
+        sys.stdout.buffer.write(data)  # UTF-8 whatever the locale
 
 
 def best_time(fn, repeats):
