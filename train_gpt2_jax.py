@@ -1,9 +1,9 @@
 """train_gpt2_jax.py: GPT-2 in plain JAX (no flax, no optax), trained with llm.c's recipe.
 
 The whole model is a pure function of a dict of arrays (llm.c's tensor names, per-layer weights stacked
-along a leading L axis), the L blocks run as one lax.scan, and a whole optimizer step (every micro-batch's
-forward and backward, gradient clipping, AdamW) is a single jitted function whose parameter and optimizer
-buffers are donated so they are updated in place. More than one visible device: data parallel over a
+along a leading L axis), and a whole optimizer step (every micro-batch's forward and backward, gradient
+clipping, AdamW) is a single jitted function whose parameter and optimizer buffers are donated so they
+are updated in place. More than one visible device: data parallel over a
 Mesh (batch sharded, everything else replicated). Formats, flags and logs: ../shared/SPEC.md.
 
     python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
@@ -85,6 +85,7 @@ class Config:
     profile: bool = False
     # JAX only
     attn: str = "auto"
+    scan_layers: bool = False
 
 
 def die(msg):
@@ -126,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--attn", default=d.attn, choices=["auto", "cudnn", "xla"],
                    help="attention kernel (auto: cuDNN flash attention on an NVIDIA GPU in bf16)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the layers as one lax.scan: compile time independent of depth")
     a = p.parse_args(argv)
     for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
         if getattr(a, flag) <= 0:
@@ -155,7 +158,8 @@ def parse_args(argv=None):
                  resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
                  val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
                  hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
-                 eval_only=a.eval_only, profile=a.profile, attn=a.attn)
+                 eval_only=a.eval_only, profile=a.profile, attn=a.attn,
+                 scan_layers=a.scan_layers)
     if cfg.n_embd % cfg.n_head:
         p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     # flags that were given explicitly must agree with a model file's header (checked on load)
@@ -221,10 +225,9 @@ def init_params_numpy(cfg):
 
 # The model is a pure function of the parameter dict. LayerNorm, GELU and the cross-entropy have
 # hand-written backward passes (custom_vjp) so that the backward keeps what llm.c keeps (the
-# compute-dtype inputs plus fp32 mean/rstd/logsumexp) rather than autodiff's fp32 temporaries, which the
-# layer scan would otherwise store for every layer.
+# compute-dtype inputs plus fp32 mean/rstd/logsumexp) rather than autodiff's fp32 temporaries.
 
-LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along L and scanned over
+LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along a leading L axis
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 
 
@@ -323,22 +326,26 @@ def linear(x, w, b):
     return x @ w.T + b                                                             # (..., out)
 
 
-def attention(qkv, cfg):
-    """Causal self-attention: qkv (B,T,3C) -> (B,T,C). cuDNN's fused flash attention on an NVIDIA GPU
-    (--attn cudnn), else XLA's (fp32 softmax either way)."""
-    B, T, C3 = qkv.shape
-    H, D = cfg.n_head, C3 // (3 * cfg.n_head)
-    q, k, v = jnp.split(qkv.reshape(B, T, 3 * H, D), 3, axis=2)                   # 3 x (B,T,H,D)
+def attention(q, k, v, cfg):
+    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C); heads are D-wide slices of C. cuDNN's fused
+    flash attention on an NVIDIA GPU (--attn cudnn), else XLA's (fp32 softmax either way)."""
+    B, T, C = q.shape
+    H, D = cfg.n_head, C // cfg.n_head
+    q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))                           # (B,T,H,D) each
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                      implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
-    return y.reshape(B, T, H * D)                                                  # (B,T,C)
+    return y.reshape(B, T, C)                                                      # (B,T,C)
 
 
 def block(x, lp, cfg):
-    """One pre-LN transformer block; lp holds this layer's slice of the stacked weights."""
+    """One pre-LN transformer block; lp holds this layer's weights."""
+    C = x.shape[-1]
     h = layernorm(x, lp["ln_1.w"], lp["ln_1.b"])                                  # (B,T,C)
-    qkv = linear(h, lp["c_attn.w"], lp["c_attn.b"])                               # (B,T,3C)
-    x = x + linear(attention(qkv, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
+    # q, k, v from c_attn's three row blocks: three contiguous outputs for the attention kernel, where
+    # slicing one (B,T,3C) product would cost a copy of each (and a concatenation in the backward)
+    q, k, v = (linear(h, lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
+               for i in range(3))                                                  # (B,T,C) each
+    x = x + linear(attention(q, k, v, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
     h = layernorm(x, lp["ln_2.w"], lp["ln_2.b"])                                  # (B,T,C)
     h = gelu(linear(h, lp["c_fc.w"], lp["c_fc.b"]))                               # (B,T,4C)
     return x + linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                  # (B,T,C)
@@ -352,7 +359,11 @@ def transformer(params, idx, cfg):
     # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32
     x = (jnp.take(params["wte"], idx, axis=0) + params["wpe"][:T]).astype(dt)     # (B,T,C)
     layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
-    x, _ = jax.lax.scan(lambda x, lp: (block(x, lp, cfg), None), x, layers)      # (B,T,C)
+    if cfg.scan_layers:  # one compiled block whatever the depth; activations pass through (L, ...) stacks
+        x, _ = jax.lax.scan(lambda x, lp: (block(x, lp, cfg), None), x, layers)  # (B,T,C)
+    else:  # unrolled: XLA sees every layer's activations as plain buffers
+        for l in range(cfg.n_layer):
+            x = block(x, {k: w[l] for k, w in layers.items()}, cfg)               # (B,T,C)
     return layernorm(x, params["ln_f.w"].astype(dt), params["ln_f.b"].astype(dt))  # (B,T,C)
 
 
@@ -796,6 +807,18 @@ def resolve_attention(cfg, platform):
     return "cudnn"
 
 
+@contextlib.contextmanager
+def out_of_memory_is_an_error(cfg):
+    """Running out of device memory (at compile or run time) is a bad --batch-size: one line, no trace."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        die(f"out of device memory at --batch-size {cfg.batch_size} (try a smaller one): "
+            f"{str(e).splitlines()[0][:200]}")
+
+
 def main(argv=None):
     cfg, explicit = parse_args(argv)
     devices = jax.devices()
@@ -851,12 +874,12 @@ def main(argv=None):
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
-    with precision:
+    with precision, out_of_memory_is_an_error(cfg):
         eval_loss = jax.jit(partial(loss_fn, cfg=cfg))
         row_losses = jax.jit(partial(token_losses, cfg=cfg))
         put_eval = partial(jax.device_put, device=eval_batch)
 
-        def run_evals(step, val, swag):
+        def run_evals(params, step, val, swag):
             if val and val_loader is not None:
                 val_loss = evaluate_val(eval_loss, params, val_loader, cfg, put_eval)
                 print(f"step {step:5d} | val loss {val_loss:.6f}")
@@ -869,7 +892,10 @@ def main(argv=None):
         if cfg.eval_only:
             if val_loader is None:
                 print("no validation shards: val loss skipped")
-            run_evals(step, True, True)
+            run_evals(params, step, True, True)
+            return
+        if step >= cfg.steps:
+            print(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
 
         t0 = time.perf_counter()
@@ -912,7 +938,8 @@ def main(argv=None):
             print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
             log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                       tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
-            run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
+            run_evals(params, step, due(cfg.val_every, step, cfg.steps),
+                      due(cfg.hellaswag_every, step, cfg.steps))
             if due(cfg.sample_every, step, cfg.steps):
                 key = jax.random.fold_in(jax.random.key(cfg.seed), step)
                 for i, row in enumerate(np.asarray(generate_jit(params, key))):
@@ -924,13 +951,12 @@ def main(argv=None):
 
     # the first step can carry one-off start-up costs (allocations, cuDNN plans): averaged separately
     later = [times[s] for s in times if s > first] or list(times.values())
-    if later:
-        dt = float(np.mean(later))
-        tokens_per_s = cfg.total_batch_size / dt
-        mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
-        print(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
-              f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, mfu "
-              f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+    dt = float(np.mean(later))
+    tokens_per_s = cfg.total_batch_size / dt
+    mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+    print(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
+          f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
+          f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
 
 
 if __name__ == "__main__":

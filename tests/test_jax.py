@@ -67,7 +67,8 @@ def test_model_and_gradients(tiny_model_file, tiny_shards):
     matches central finite differences of that reference (rel 1e-3); padded vocab rows get no gradient;
     bf16 stays within 0.02 of the fp32 loss and its backward yields fp32 gradients."""
     header, params = tg.read_model_file(str(tiny_model_file))
-    assert header == dict(block_size=64, vocab_size=V, n_layer=2, n_head=4, n_embd=64, padded_vocab_size=50304)
+    assert header == dict(block_size=64, vocab_size=V, n_layer=2, n_head=4, n_embd=64,
+                          padded_vocab_size=50304)
     for name, expected in zip(tg.PARAM_NAMES, tiny_params(seed=0)):
         np.testing.assert_array_equal(params[name], expected, err_msg=name)
     tokens = shard_tokens(tiny_shards / "tiny_train_000001.bin")
@@ -90,9 +91,10 @@ def test_model_and_gradients(tiny_model_file, tiny_shards):
     # bf16: the same loss within bf16's precision; the backward (traced, not compiled: it only checks
     # dtypes here, the GPU run is where bf16 speed and accuracy are measured) hands back fp32 gradients
     bf16 = tiny_cfg("bf16")
-    assert float(jax.jit(lambda p: tg.loss_fn(p, x, y, bf16))(params)) == pytest.approx(float(loss), abs=2e-2)
-    loss16, grads16 = jax.eval_shape(jax.value_and_grad(lambda p: tg.loss_fn(p, x, y, bf16)), params)
-    assert loss16.dtype == jnp.float32 and all(grads16[k].dtype == jnp.float32 for k in tg.PARAM_NAMES)
+    assert float(jax.jit(lambda p: tg.loss_fn(p, x, y, bf16))(params)) == pytest.approx(float(loss),
+                                                                                       abs=2e-2)
+    shapes = jax.eval_shape(jax.value_and_grad(lambda p: tg.loss_fn(p, x, y, bf16)), params)
+    assert shapes[0].dtype == jnp.float32 and all(shapes[1][k].dtype == jnp.float32 for k in tg.PARAM_NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,8 @@ def cache(tmp_path_factory):
     """Environment for a persistent JAX compilation cache shared by this file's runs, so that runs with
     the same shapes (a run and its resumption) compile once."""
     return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +191,14 @@ def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_di
 
 
 def test_two_devices_match_one(trained, tiny_shards, tiny_model_file, tmp_path):
-    """Two CPU devices (batch 2 each, same global batch) give the one-device losses and grad norms
-    (rel 1e-5: only the order of the cross-device sums differs); --profile writes a trace."""
+    """Two CPU devices (batch 2 each, same global batch), with the layers run as a lax.scan, give the
+    one-device unrolled run's losses and grad norms (rel 1e-5: the order of the cross-device sums
+    differs); --profile writes a trace and prints the traced steps' times."""
     out = tmp_path / "two"
     proc = run_script("train_gpt2_jax.py", "--data", tiny_shards, "--init-from", tiny_model_file,
                       "--steps", 3, "--out-dir", out, "--ckpt-every", 0, "--val-every", 0,
-                      "--hellaswag-every", 0, "--sample-every", 0, "--profile", *FLAGS, "--batch-size", 2,
+                      "--hellaswag-every", 0, "--sample-every", 0, "--profile", "--scan-layers", *FLAGS,
+                      "--batch-size", 2,
                       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert "2 x cpu" in proc.stdout and "profile: steps 2-3" in proc.stdout
     assert glob.glob(str(out / "profile" / "**" / "*.trace.json.gz"), recursive=True)
