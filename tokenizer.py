@@ -1,4 +1,4 @@
-"""tokenizer.py: byte-level BPE, GPT-2-exact.
+r"""tokenizer.py: byte-level BPE, GPT-2-exact.
 
 A byte-pair-encoding tokenizer written from scratch: text is split into pre-tokens with GPT-2's regex, each
 pre-token's UTF-8 bytes start as base tokens, and adjacent tokens are merged, lowest rank first, until no
@@ -16,7 +16,12 @@ tok.decode(ids), tok.save(path), BPETokenizer.load(path).
 Ranks: a token's id is its rank. Encoding merges, at every step, the leftmost adjacent pair whose
 concatenated bytes form the lowest-id token (tiktoken's rule); for GPT-2's files this is the order of
 vocab.bpe. A trained vocabulary has ids 0..255 = the bytes, then the merges in the order they were learned,
-then the special tokens last (vocab_size counts them).
+then the special tokens last (vocab_size counts them). Encoding caches each pre-token's ids, so only new
+words are merged; training keeps pair counts up to date merge by merge instead of recounting.
+
+Saved file (plain text): the header line, "tokens N", "specials K", then one line per id: `262 " the"` (the
+token's bytes quoted: printable UTF-8 as is, \xNN for other bytes, \\ and \" escaped), and last
+`50256 special "<|endoftext|>"` for each special token.
 """
 import argparse
 import collections
