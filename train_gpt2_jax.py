@@ -3,8 +3,8 @@
 The whole model is a pure function of a dict of arrays (llm.c's tensor names, per-layer weights stacked
 along a leading L axis), and a whole optimizer step (every micro-batch's forward and backward, gradient
 clipping, AdamW) is a single jitted function whose parameter and optimizer buffers are donated so they
-are updated in place. More than one visible device: data parallel over a
-Mesh (batch sharded, everything else replicated). Formats, flags and logs: ../shared/SPEC.md.
+are updated in place. With more than one visible device it trains data parallel over a Mesh (batches
+sharded, everything else replicated). Formats, flags and logs: ../shared/SPEC.md.
 
     python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
     python train_gpt2_jax.py --data synthetic --steps 20 --batch-size 32 \\
@@ -18,7 +18,6 @@ import glob
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -675,7 +674,7 @@ def load_checkpoint(path, cfg):
 # Evaluation
 
 HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 tokens: a width every attention kernel takes
 
 
 def evaluate_val(loss_jit, params, loader, cfg, put):
@@ -856,7 +855,8 @@ def main(argv=None):
             die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
         train_loader.set_state(shard, position)
         if position + B * T + 1 > len(train_loader.tokens):
-            die(f"--resume: the checkpoint's position {position} is past the end of train shard {shard}")
+            die(f"--resume: the checkpoint's position {position} leaves less than one batch of {B * T} "
+                f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
     encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
     os.makedirs(cfg.out_dir, exist_ok=True)
 
