@@ -1,16 +1,21 @@
 """train_gpt2_torchfunc.py: GPT-2 as pure functions in PyTorch (torch.func + torch.compile).
 
-The model is a plain function forward(params, idx) over a dict of fp32 tensors, stacked per layer in
-llm.c's order; gradients come from torch.func.grad_and_value, AdamW is written with torch._foreach_* ops,
-and torch.compile compiles both (on by default with CUDA). torchrun runs it data parallel.
+The whole model is a pure function of a dict of tensors (llm.c's tensor names, per-layer weights stacked
+along a leading L axis, no nn.Module), gradients come from torch.func.grad_and_value, AdamW is written
+with multi-tensor torch._foreach_* ops (no torch.optim), and torch.compile compiles the gradient and the
+update (on by default with CUDA). Under torchrun: data parallel over processes with torch.distributed,
+gradients all-reduced once per step. Formats, flags and logs: ../shared/SPEC.md.
 
-    python train_gpt2_torchfunc.py                            # GPT-2 124M on data/fineweb_edu, bf16
-    python train_gpt2_torchfunc.py --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
-        --batch-size 4 --total-batch-size 1024 --steps 20     # smoke run, any machine, no download
-    torchrun --standalone --nproc_per_node=8 train_gpt2_torchfunc.py    # 8 GPUs, data parallel
-    python train_gpt2_torchfunc.py --init-from gpt2_124M.bin --eval-only  # val + HellaSwag of a model
+    python train_gpt2_torchfunc.py --data data/fineweb_edu                   # GPT-2 124M, llm.c recipe
+    python train_gpt2_torchfunc.py --data synthetic --steps 20 --batch-size 32 \\
+        --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
+    torchrun --standalone --nproc_per_node=8 train_gpt2_torchfunc.py --data data/fineweb_edu
+    python train_gpt2_torchfunc.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
 """
 import argparse
+import atexit
+import contextlib
+import datetime
 import glob
 import json
 import math
@@ -79,7 +84,8 @@ class Config:
     sample_every: int = 1000
     eval_only: bool = False
     profile: bool = False
-    compile: bool = True  # torch.compile (--compile defaults to 1 with CUDA, 0 on the CPU)
+    # torch only (--compile defaults to 1 with CUDA, 0 on the CPU)
+    compile: bool = True
 
 
 def die(msg):
@@ -214,45 +220,69 @@ def init_params_numpy(cfg):
     return params
 
 
+# The model is a pure function of the parameter dict. With --dtype bf16 it runs under autocast: matmuls
+# and attention in bf16 on bf16 copies of the fp32 masters (so gradients come back in fp32), LayerNorm,
+# the residual stream and the loss in fp32. Autodiff is torch.func's; torch.compile fuses the rest.
+
+LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along L
+
+
+def attention(qkv, cfg):
+    """Causal self-attention: qkv (B,T,3C) -> (B,T,C). SDPA picks flash attention on a GPU in bf16."""
+    B, T, C3 = qkv.shape
+    H, D = cfg.n_head, C3 // (3 * cfg.n_head)
+    q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)                       # 3 x (B,H,T,D)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                    # (B,H,T,D)
+    return y.transpose(1, 2).reshape(B, T, H * D)                                  # (B,T,C)
+
+
+def block(x, lp, cfg):
+    """One pre-LN transformer block; lp holds this layer's slice of the stacked weights."""
+    C = cfg.n_embd
+    h = F.layer_norm(x, (C,), lp["ln_1.w"], lp["ln_1.b"], 1e-5)                   # (B,T,C)
+    qkv = F.linear(h, lp["c_attn.w"], lp["c_attn.b"])                             # (B,T,3C)
+    x = x + F.linear(attention(qkv, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
+    h = F.layer_norm(x, (C,), lp["ln_2.w"], lp["ln_2.b"], 1e-5)                   # (B,T,C)
+    h = F.gelu(F.linear(h, lp["c_fc.w"], lp["c_fc.b"]), approximate="tanh")       # (B,T,4C)
+    return x + F.linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                # (B,T,C)
+
+
+def autocast(cfg, device):
+    """bf16 autocast for --dtype bf16, a no-op context for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+
+
+def transformer(params, idx, cfg):
+    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f (fp32; call under autocast(cfg))."""
+    T = idx.shape[1]
+    x = params["wte"][idx] + params["wpe"][:T]                                     # (B,T,C)
+    for layer in range(cfg.n_layer):
+        x = block(x, {k: params[k][layer] for k in LAYER_NAMES}, cfg)             # (B,T,C)
+    return F.layer_norm(x, (cfg.n_embd,), params["ln_f.w"], params["ln_f.b"], 1e-5)  # (B,T,C)
+
+
 def forward(params, idx, cfg):
-    """GPT-2's logits (B, T, Vp) for token ids idx (B, T), a pure function of the parameter dict. With
-    --dtype bf16, autocast runs the matmuls and attention in bf16; the residual stream, LayerNorm and
-    everything after the logits stay fp32."""
-    B, T = idx.shape
-    C, H = cfg.n_embd, cfg.n_head
-    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
-        x = params["wte"][idx] + params["wpe"][:T]  # (B, T, C)
-        for l in range(cfg.n_layer):
-            h = F.layer_norm(x, (C,), params["ln_1.w"][l], params["ln_1.b"][l], 1e-5)  # (B, T, C)
-            qkv = F.linear(h, params["c_attn.w"][l], params["c_attn.b"][l])  # (B, T, 3C)
-            q, k, v = qkv.view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D) flash on a GPU
-            y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C) heads side by side again
-            x = x + F.linear(y, params["attn.c_proj.w"][l], params["attn.c_proj.b"][l])  # (B, T, C)
-            h = F.layer_norm(x, (C,), params["ln_2.w"][l], params["ln_2.b"][l], 1e-5)  # (B, T, C)
-            h = F.linear(h, params["c_fc.w"][l], params["c_fc.b"][l])  # (B, T, 4C)
-            h = F.gelu(h, approximate="tanh")  # (B, T, 4C)
-            x = x + F.linear(h, params["mlp.c_proj.w"][l], params["mlp.c_proj.b"][l])  # (B, T, C)
-        x = F.layer_norm(x, (C,), params["ln_f.w"], params["ln_f.b"], 1e-5)  # (B, T, C)
-        return F.linear(x, params["wte"])  # (B, T, Vp) lm head tied to wte
+    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows."""
+    with autocast(cfg, idx.device):
+        return F.linear(transformer(params, idx, cfg), params["wte"])              # (B,T,Vp)
 
 
 def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B, T) in fp32 over the first V logits only (the padded rows of wte never
-    compete). logsumexp minus the target's logit: compiled, this reads the bf16 logits once and never
-    stores an fp32 copy or a log-softmax of them."""
-    logits = forward(params, x, cfg)[..., :cfg.vocab_size].float()  # (B, T, V)
-    target = torch.gather(logits, -1, y[..., None])[..., 0]  # (B, T)
-    return torch.logsumexp(logits, dim=-1) - target  # (B, T)
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
+    logits only. logsumexp minus the target's logit: compiled, this reads the bf16 logits once and
+    stores neither an fp32 copy nor a log-softmax of them."""
+    logits = forward(params, x, cfg)[..., :cfg.vocab_size].float()                # (B,T,V)
+    target_logit = torch.gather(logits, -1, y[..., None])[..., 0]                 # (B,T)
+    return torch.logsumexp(logits, dim=-1) - target_logit                          # (B,T)
 
 
 def loss_fn(params, x, y, cfg):
-    """Mean token loss of one micro-batch (fp32 scalar): the function that gets differentiated."""
+    """Mean token loss of one batch, fp32."""
     return token_losses(params, x, y, cfg).mean()
 
 
 def grads_and_loss(params, x, y, cfg):
-    """({name: gradient}, loss) of one micro-batch; reverse mode through torch.func, so the parameters
+    """({name: gradient}, loss) of one micro-batch by reverse mode through torch.func: the parameters
     stay plain tensors (no requires_grad, no .grad, no autograd graph kept between calls)."""
     return torch.func.grad_and_value(loss_fn)(params, x, y, cfg)
 
@@ -279,63 +309,69 @@ def grad_accum_steps(cfg, world):
     return cfg.total_batch_size // tokens
 
 
-BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
+
+
+def adam_scalars(step, cfg, device):
+    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
+    the compiled update as a device tensor, so a new lr never recompiles it."""
+    return torch.tensor([lr_at(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
+                        dtype=torch.float32, device=device)
 
 
 def global_norm(grads):
-    """L2 norm over all gradient tensors (0-d fp32), accumulated in fp64: torch's fp32 norm kernels on the
-    CPU are off by ~1e-5 relative on wte's 3M elements, which shows up in the clipping."""
-    norms = torch._foreach_norm(grads, dtype=torch.float64)  # len(grads) x ()
-    return torch.linalg.vector_norm(torch.stack(norms)).float()  # ()
+    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
+    fp64 (torch's fp32 norm on the CPU is off by ~1e-5 relative on wte's 3M elements)."""
+    norms = torch._foreach_norm([grads[k] for k in PARAM_NAMES], dtype=torch.float64)  # 16 x ()
+    return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
 
-def adamw_update(params, grads, m, v, lr, bc1, bc2, cfg):
-    """llm.c's AdamW, in place on the fp32 tensors of the dicts. lr and the bias corrections
-    bc1 = 1-b1^t, bc2 = 1-b2^t are 0-d device tensors, so the compiled update never recompiles."""
+def adamw_update(params, grads, m, v, scalars, cfg):
+    """llm.c's AdamW on every tensor, in place, with multi-tensor ops; weight decay only on DECAY_NAMES."""
+    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
     p, g, m, v = ([d[k] for k in PARAM_NAMES] for d in (params, grads, m, v))
-    torch._foreach_mul_(m, BETA1)
-    torch._foreach_add_(m, g, alpha=1 - BETA1)  # m = b1 m + (1-b1) g
-    torch._foreach_mul_(v, BETA2)
-    torch._foreach_addcmul_(v, g, g, value=1 - BETA2)  # v = b2 v + (1-b2) g^2
-    denom = torch._foreach_sqrt(torch._foreach_div(v, bc2))  # sqrt(vhat)
-    torch._foreach_add_(denom, EPS)
-    update = torch._foreach_div(torch._foreach_div(m, bc1), denom)  # mhat / (sqrt(vhat) + eps)
+    torch._foreach_mul_(m, ADAM_BETA1)
+    torch._foreach_add_(m, g, alpha=1.0 - ADAM_BETA1)                             # m = b1 m + (1-b1) g
+    torch._foreach_mul_(v, ADAM_BETA2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - ADAM_BETA2)                       # v = b2 v + (1-b2) g^2
+    denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
+    torch._foreach_add_(denom, ADAM_EPS)
+    update = torch._foreach_div(torch._foreach_div(m, bias1), denom)              # mhat/(sqrt(vhat)+eps)
     decay = [i for i, k in enumerate(PARAM_NAMES) if k in DECAY_NAMES]
     torch._foreach_add_([update[i] for i in decay], [p[i] for i in decay], alpha=cfg.weight_decay)
     torch._foreach_mul_(update, lr)
-    torch._foreach_sub_(p, update)  # p = p - lr (mhat / (sqrt(vhat) + eps) + wd p)
+    torch._foreach_sub_(p, update)                                                 # p -= lr (... + wd p)
 
 
-def optimizer_step(params, grads, m, v, lr, bc1, bc2, grad_scale, cfg):
-    """Scales the summed gradients by grad_scale (to their mean), clips them by global norm and applies
-    AdamW; returns the norm before clipping (0-d tensor). One graph when compiled."""
+def clip_and_update(params, grads, m, v, scalars, grad_scale, cfg):
+    """The optimizer's half of a step (one graph when compiled): the summed gradients times grad_scale
+    (their mean), clipped to cfg.grad_clip, then AdamW. Returns the norm before clipping."""
     g = [grads[k] for k in PARAM_NAMES]
     torch._foreach_mul_(g, grad_scale)
-    norm = global_norm(g)  # ()
+    norm = global_norm(grads)                                                      # ()
     if cfg.grad_clip > 0:
         torch._foreach_mul_(g, torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0))
-    adamw_update(params, grads, m, v, lr, bc1, bc2, cfg)
+    adamw_update(params, grads, m, v, scalars, cfg)
     return norm
 
 
-def train_step(params, m, v, xs, ys, step, cfg, grad_fn, update_fn, world):
-    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): gradients summed over the
-    A micro-batches and all-reduced once over the processes, then their mean clipped and applied.
-    Returns (train loss, grad norm) as 0-d device tensors: nothing here waits for the device."""
-    scalar = lambda s: torch.tensor(s, dtype=torch.float32, device=xs.device)  # noqa: E731
-    hyper = [scalar(lr_at(step - 1, cfg)), scalar(1 - BETA1 ** step), scalar(1 - BETA2 ** step),
-             scalar(1 / (len(xs) * world))]  # made first: the device is idle between steps
-    grads, loss = grad_fn(params, xs[0], ys[0], cfg)
-    for x, y in zip(xs[1:], ys[1:]):
-        g, micro_loss = grad_fn(params, x, y, cfg)
-        torch._foreach_add_([grads[k] for k in PARAM_NAMES], [g[k] for k in PARAM_NAMES])
-        loss = loss + micro_loss  # ()
+def train_step(params, m, v, x, y, scalars, cfg, grad_fn, update_fn, world):
+    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
+    losses (summed over micro-batches in fp32, all-reduced once over the processes, then scaled to the
+    mean), clipped, AdamW; grad_fn / update_fn are grads_and_loss / clip_and_update, compiled or not.
+    Returns (loss, grad_norm before clipping) as 0-d device tensors: nothing here waits for the device."""
+    A = x.shape[0]
+    grads, loss = grad_fn(params, x[0], y[0], cfg)
+    for i in range(1, A):
+        micro_grads, micro_loss = grad_fn(params, x[i], y[i], cfg)
+        torch._foreach_add_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
+        loss = loss + micro_loss                                                   # ()
     if world > 1:
         for k in PARAM_NAMES:
             dist.all_reduce(grads[k])
         dist.all_reduce(loss)
-    norm = update_fn(params, grads, m, v, *hyper, cfg)  # ()
-    return loss * hyper[3], norm
+    norm = update_fn(params, grads, m, v, scalars, 1.0 / (A * world), cfg)        # ()
+    return loss / (A * world), norm
 
 
 # -----------------------------------------------------------------------------
@@ -429,17 +465,17 @@ class DataLoader:
         return x, y
 
 
-def device_batches(loader, n, device):
-    """The loader's next n micro-batches as int64 tensors xs, ys (n, B, T) on `device`, copied from
-    pinned memory without blocking, so the host runs ahead of a GPU that is still busy."""
-    xs, ys = zip(*(loader.next_batch() for _ in range(n)))
-    out = []
-    for arr in (np.stack(xs), np.stack(ys)):  # (n, B, T) each
-        t = torch.from_numpy(arr.astype(np.int64))  # (n, B, T)
-        if device.type == "cuda":
-            t = t.pin_memory()
-        out.append(t.to(device, non_blocking=True))  # (n, B, T)
-    return out
+def step_batches(loader, grad_accum):
+    """The next optimizer step's micro-batches, stacked: x, y (A,B,T) int32."""
+    xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
+    return np.stack(xs), np.stack(ys)
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
+    host can queue the step while the GPU is still busy."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 # -----------------------------------------------------------------------------
@@ -567,63 +603,67 @@ def to_numpy(tensors):
 
 
 def to_device(arrays, device):
-    """{name: fp32 tensor on device} from a dict of numpy arrays."""
-    return {k: torch.from_numpy(np.asarray(a, np.float32)).to(device) for k, a in arrays.items()}
+    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
+    optimizer updates them in place."""
+    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
 
 
 # -----------------------------------------------------------------------------
 # Evaluation
 
-def evaluate_val(params, loader, cfg, losses_fn, world):
-    """Mean loss over the first cfg.val_steps batches of the validation shards (the loader restarts each
-    time, as llm.c's does), averaged over the processes, each reading its own rank's batches."""
+HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
+
+
+def evaluate_val(eval_loss, params, loader, cfg, device, world):
+    """Mean loss over the first cfg.val_steps batches of the val shards (the loader restarts each time),
+    averaged over the processes, each reading its rank's rows as llm.c's loader does."""
     loader.reset()
-    total = torch.zeros((), device=params["wte"].device)  # ()
+    total = torch.zeros((), device=device)                                         # ()
     for _ in range(cfg.val_steps):
-        xs, ys = device_batches(loader, 1, total.device)  # (1, B, T) each
-        total += losses_fn(params, xs[0], ys[0], cfg).mean()
+        x, y = loader.next_batch()                                                 # (B,T) each
+        total += eval_loss(params, put_batch(x, device), put_batch(y, device), cfg)
     if world > 1:
         dist.all_reduce(total)
     return total.item() / (cfg.val_steps * world)
 
 
-def evaluate_hellaswag(params, cfg, losses_fn):
-    """(acc, acc_norm) through hellaswag.evaluate. Rows are zero-padded to seq_len so that a compiled
-    model sees one shape; a longer row keeps only its last seq_len+1 tokens, cutting the context's start
-    (its losses come back as 0 there, where the ending mask ignores them)."""
-    device, S = params["wte"].device, cfg.seq_len
-
-    def loss_rows(tokens):  # (4, T) int64 -> (4, T-1) losses of tokens[:, 1:]
-        n = tokens.shape[1] - 1
-        cut = max(0, n - S)
-        x = np.zeros((len(tokens), S), np.int64)  # (4, S)
-        y = np.zeros((len(tokens), S), np.int64)  # (4, S)
-        x[:, :n - cut], y[:, :n - cut] = tokens[:, cut:-1], tokens[:, cut + 1:]
-        with torch.no_grad():
-            losses = losses_fn(params, torch.from_numpy(x).to(device), torch.from_numpy(y).to(device),
-                               cfg)  # (4, S)
-        return np.concatenate([np.zeros((len(tokens), cut), np.float32),
-                               losses[:, :n - cut].cpu().numpy()], axis=1)  # (4, T-1)
-
-    return hellaswag.evaluate(loss_rows, limit=cfg.hellaswag_limit)
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):                                                        # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
+        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
 
 
-def generate(params, cfg, step, n_samples=4, n_tokens=32):
-    """n_samples continuations of EOT by top-k 40 sampling, decoded with tiktoken's gpt2. The randomness
-    comes from (seed, step) only. Eager: a compiled model would recompile for every length."""
+def generate(params, generator, cfg):
+    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
+    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
+    mask makes the not-yet-sampled zeros to the right irrelevant. Eager: 32 small forwards are quicker
+    than compiling one."""
     device = params["wte"].device
-    seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
-    gen = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.full((n_samples, 1), EOT, dtype=torch.int64, device=device)  # (n, 1)
-    with torch.no_grad():
-        for _ in range(n_tokens):
-            logits = forward(params, idx[:, -cfg.block_size:], cfg)  # (n, t, Vp)
-            logits = logits[:, -1, :cfg.vocab_size].float()  # (n, V)
-            top, top_idx = torch.topk(logits, 40, dim=-1)  # (n, 40), (n, 40)
-            pick = torch.multinomial(torch.softmax(top, dim=-1), 1, generator=gen)  # (n, 1)
-            idx = torch.cat([idx, torch.gather(top_idx, -1, pick)], dim=1)  # (n, t+1)
-    enc = tiktoken.get_encoding("gpt2")
-    return [enc.decode(row[1:]) for row in idx.tolist()]
+    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
+    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
+    tokens[:, 0] = EOT
+    for t in range(T - 1):                                                         # token t+1 from 0..t
+        with autocast(cfg, device):
+            h = transformer(params, tokens, cfg)[:, t]                             # (S,C)
+            logits = F.linear(h, params["wte"][:VOCAB_SIZE]).float()              # (S,V)
+        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)                   # (S,K) each
+        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S,1)
+        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
+    return tokens
 
 
 # -----------------------------------------------------------------------------
@@ -666,24 +706,40 @@ def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb
             f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
 
 
+def peak_memory_gb(device):
+    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
+    keeps no statistics."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
 # -----------------------------------------------------------------------------
 # Main
 
+PROFILE_STEPS = 3
+
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
 def setup_device(cfg):
-    """(rank, world, device): under torchrun one process per GPU (nccl) or per CPU share (gloo), else one
-    process on the GPU if there is one. Sets the matmul precision that cfg.dtype promises."""
+    """(rank, world, device): under torchrun one process per GPU (nccl) or per share of the CPU cores
+    (gloo), else one process on the GPU if there is one. Sets the matmul precision cfg.dtype promises."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        if world > 1:  # processes on one machine share its cores instead of oversubscribing them
+        if world > 1:  # processes on one machine split its cores instead of oversubscribing them
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    # fp32 means fp32: TF32 matmuls would break parity with the other trainers
+        # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(hours=1))
+        atexit.register(dist.destroy_process_group)
+    # fp32 means fp32: cuBLAS and cuDNN would otherwise run fp32 matmuls on a GPU as TF32
     tf32 = cfg.dtype == "bf16"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -691,138 +747,156 @@ def setup_device(cfg):
     return rank, world, device
 
 
+@contextlib.contextmanager
+def out_of_memory_is_an_error(cfg):
+    """Running out of device memory (at compile or run time) is a bad --batch-size: one line, no trace."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        die(f"out of device memory at --batch-size {cfg.batch_size} (try a smaller one): "
+            f"{str(e).splitlines()[0][:200]}")
+
+
 def main(argv=None):
     cfg, explicit = parse_args(argv)
     rank, world, device = setup_device(cfg)
     master = rank == 0
     say = print if master else (lambda *args, **kwargs: None)
-    train_files, val_files = find_shards(cfg)
-    grad_accum = grad_accum_steps(cfg, world)
 
-    # parameters and optimizer state: a checkpoint, an llm.c model file, or GPT-2's init from the seed
-    start = 0
+    # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
+    step, loader_state, m, v = 0, (0, 0), None, None
     if cfg.resume:
         header, params, m, v, state = load_checkpoint(cfg.resume, cfg)
         apply_model_header(cfg, header, explicit)
-        start, cfg.seed = state["step"], state["seed"]
+        cfg.seed, step, loader_state = state["seed"], state["step"], (state["shard"], state["position"])
+    elif cfg.init_from:
+        header, params = read_model_file(cfg.init_from)
+        apply_model_header(cfg, header, explicit)
     else:
-        if cfg.init_from:
-            header, params = read_model_file(cfg.init_from)
-            apply_model_header(cfg, header, explicit)
-        elif cfg.eval_only:
-            die("--eval-only needs --init-from or --resume")
-        else:
-            params = init_params_numpy(cfg)
+        params = init_params_numpy(cfg)
+    if m is None:
         m = {k: np.zeros_like(p) for k, p in params.items()}
         v = {k: np.zeros_like(p) for k, p in params.items()}
-    params, m, v = to_device(params, device), to_device(m, device), to_device(v, device)
+    if cfg.eval_only and not (cfg.resume or cfg.init_from):
+        die("--eval-only needs weights: give --init-from or --resume")
 
-    train_loader = DataLoader(train_files, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed)
-    if cfg.resume:
+    # data: each process reads its own B rows of every micro-batch, as llm.c's per-rank loaders do
+    grad_accum = grad_accum_steps(cfg, world)
+    B, T = cfg.batch_size, cfg.seq_len
+    train_files, val_files = find_shards(cfg)
+    train_loader = None if cfg.eval_only else DataLoader(train_files, B, T, rank, world, seed=cfg.seed)
+    val_loader = DataLoader(val_files, B, T, rank, world) if val_files else None
+    if train_loader is not None:
         n_shards = len(train_files) if train_files else 1
-        if state["shard"] >= n_shards:
-            die(f"--resume: the checkpoint is at shard {state['shard']}, --data has {n_shards}")
-        train_loader.set_state(state["shard"], state["position"])
-        if train_loader.position + cfg.batch_size * cfg.seq_len + 1 > len(train_loader.tokens):
-            die(f"--resume: the checkpoint's position {state['position']} is past the end of shard "
-                f"{state['shard']} (other data than the checkpoint's run?)")
-    val_loader = DataLoader(val_files, cfg.batch_size, cfg.seq_len, rank, world) if val_files else None
+        shard, position = loader_state
+        if shard >= n_shards:
+            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
+        train_loader.set_state(shard, position)
+        if position + world * B * T + 1 > len(train_loader.tokens):
+            die(f"--resume: the checkpoint's position {position} is past the end of train shard {shard}")
+    encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    n_params = sum(t.numel() for k, t in params.items() if k != "wpe")
-    say(f"{FRAMEWORK}: GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.1f}M parameters "
-        f"(without wpe) | {device_name} x {world} | {cfg.dtype} | compile {int(cfg.compile)} | "
-        f"B {cfg.batch_size} x T {cfg.seq_len} x accum {grad_accum} x {world} = {cfg.total_batch_size} "
-        f"tokens/step")
-    losses_fn = torch.compile(token_losses, dynamic=False) if cfg.compile else token_losses
+    # devices: every process holds all of the fp32 parameters and optimizer state
+    params, m, v = to_device(params, device), to_device(m, device), to_device(v, device)
+    n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
+    device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+        f"wpe) | {world} x {device_kind} | {cfg.dtype} | compile: {'on' if cfg.compile else 'off'}")
+    say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
+        f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
 
-    if cfg.eval_only:
-        if val_loader:
-            val = evaluate_val(params, val_loader, cfg, losses_fn, world)
-            say(f"val loss {val:.6f}")
-            if master:
-                log_event(cfg.out_dir, step=start, val_loss=val)
-        acc, acc_norm = evaluate_hellaswag(params, cfg, losses_fn)
-        say(f"hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
-        if master:
-            log_event(cfg.out_dir, step=start, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
-        if world > 1:
-            dist.destroy_process_group()
-        return
+    with out_of_memory_is_an_error(cfg):
+        eval_loss = torch.compile(loss_fn, dynamic=False) if cfg.compile else loss_fn
+        row_losses = torch.compile(token_losses, dynamic=False) if cfg.compile else token_losses
 
-    grad_fn = torch.compile(grads_and_loss, fullgraph=True) if cfg.compile else grads_and_loss
-    update_fn = torch.compile(optimizer_step, fullgraph=True) if cfg.compile else optimizer_step
-    flops_per_token = model_flops_per_token(cfg, n_params)
-    peak = peak_flops(device_name, cfg.dtype) if device.type == "cuda" else None
-    # --profile: the steps after the first (which compiles and warms up), at most three
-    profiled = range(min(start + 2, cfg.steps), min(start + 5, cfg.steps + 1)) if cfg.profile else ()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities)
-    timed = []
-    if start >= cfg.steps:
-        say(f"nothing to do: the checkpoint is at step {start}, --steps is {cfg.steps}")
-    for step in range(start + 1, cfg.steps + 1):
-        if profiled and step == profiled[0]:
-            profiler.start()
-        t0 = time.perf_counter()
-        xs, ys = device_batches(train_loader, grad_accum, device)  # (A, B, T) each
-        loss, norm = train_step(params, m, v, xs, ys, step, cfg, grad_fn, update_fn, world)
-        loss, norm = loss.item(), norm.item()  # waits for the device, so dt covers the whole step
-        dt = time.perf_counter() - t0
-        lr = lr_at(step - 1, cfg)
-        tokens_per_s = cfg.total_batch_size / dt
-        mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
-        mem = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-        say(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
-        if master:
-            log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
-                      tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
-        if step == start + 1 and cfg.compile:
-            say(f"compiled train step in {dt:.1f} s (step {step}, left out of the average)")
-        else:
-            timed.append(dt)
-        if profiled and step == profiled[-1]:
-            profiler.stop()
-            if master:
-                trace = os.path.join(cfg.out_dir, f"trace_step{profiled[0]}-{step}.json")
+        def run_evals(params, step, val, swag):
+            if val and val_loader is not None:
+                val_loss = evaluate_val(eval_loss, params, val_loader, cfg, device, world)
+                say(f"step {step:5d} | val loss {val_loss:.6f}")
+                if master:
+                    log_event(cfg.out_dir, step=step, val_loss=val_loss)
+            if swag and master:
+                acc, acc_norm = evaluate_hellaswag(row_losses, params, cfg, device)
+                say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
+                log_event(cfg.out_dir, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
+
+        if cfg.eval_only:
+            if val_loader is None:
+                say("no validation shards: val loss skipped")
+            run_evals(params, step, True, True)
+            return
+        if step >= cfg.steps:
+            say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
+            return
+
+        # compiled on the first call, that is inside step 1: its time is reported as compile time
+        grad_fn = torch.compile(grads_and_loss, fullgraph=True) if cfg.compile else grads_and_loss
+        update_fn = torch.compile(clip_and_update, fullgraph=True) if cfg.compile else clip_and_update
+
+        flops_per_token = model_flops_per_token(cfg, n_params)
+        peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
+        first = step + 1
+        profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
+        profile_dir = os.path.join(cfg.out_dir, "profile")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+        times = {}
+        for step in range(first, cfg.steps + 1):
+            if cfg.profile and step == profile_steps[0]:
+                profiler.start()
+            t0 = time.perf_counter()
+            x, y = step_batches(train_loader, grad_accum)                          # (A,B,T) each
+            scalars = adam_scalars(step, cfg, device)                              # (3,)
+            loss, norm = train_step(params, m, v, put_batch(x, device), put_batch(y, device), scalars,
+                                    cfg, grad_fn, update_fn, world)
+            loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
+            dt = time.perf_counter() - t0
+            times[step] = dt
+            if cfg.compile and step == first:
+                say(f"compiled train step in {dt:.1f} s (compilation and step {step})")
+            if cfg.profile and step == profile_steps[-1]:
+                profiler.stop()
+                os.makedirs(profile_dir, exist_ok=True)
+                trace = os.path.join(profile_dir, f"trace_rank{rank}.json")
                 profiler.export_chrome_trace(trace)
+                ms = [1000 * times[s] for s in profile_steps]
                 sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
                 say(profiler.key_averages().table(sort_by=sort, row_limit=25))
-                say(f"profiled steps {profiled[0]}-{step}; Chrome trace (chrome://tracing, Perfetto): "
-                    f"{trace}")
-
-        due = lambda every: every > 0 and (step % every == 0 or step == cfg.steps)  # noqa: E731
-        if val_loader and due(cfg.val_every):
-            val = evaluate_val(params, val_loader, cfg, losses_fn, world)
-            say(f"step {step:5d} | val loss {val:.6f}")
+                say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {trace} "
+                    f"(Perfetto or chrome://tracing) | step time mean {np.mean(ms):.1f} ms, min "
+                    f"{min(ms):.1f} ms, max {max(ms):.1f} ms")
+            tokens_per_s = cfg.total_batch_size / dt
+            mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+            lr, mem = lr_at(step - 1, cfg), peak_memory_gb(device)
+            say(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
             if master:
-                log_event(cfg.out_dir, step=step, val_loss=val)
-        if due(cfg.hellaswag_every):
-            acc, acc_norm = evaluate_hellaswag(params, cfg, losses_fn)
-            say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
-            if master:
-                log_event(cfg.out_dir, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
-        if master and due(cfg.sample_every):
-            for i, text in enumerate(generate(params, cfg, step)):
-                say(f"sample {i}: {text!r}")
-        if master and due(cfg.ckpt_every):
-            path = save_checkpoint(cfg.out_dir, step, to_numpy(params), to_numpy(m), to_numpy(v),
-                                   train_loader.state(), cfg)
-            say(f"saved {path}")
+                log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
+                          tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+            run_evals(params, step, due(cfg.val_every, step, cfg.steps),
+                      due(cfg.hellaswag_every, step, cfg.steps))
+            if master and due(cfg.sample_every, step, cfg.steps):
+                seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
+                generator = torch.Generator(device=device).manual_seed(seed)
+                for i, row in enumerate(generate(params, generator, cfg).tolist()):
+                    text = encoder.decode(row[1:])
+                    say(f"sample {i}: {text!r}")
+            if master and due(cfg.ckpt_every, step, cfg.steps):
+                path = save_checkpoint(cfg.out_dir, step, to_numpy(params), to_numpy(m), to_numpy(v),
+                                       train_loader.state(), cfg)
+                say(f"saved {path}")
 
-    if timed:
-        dt = sum(timed) / len(timed)
-        mfu = flops_per_token * cfg.total_batch_size / dt / (peak * world) if peak else None
-        mem = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-        say(f"average of {len(timed)} steps: {1000 * dt:.1f} ms/step | "
-            f"{cfg.total_batch_size / dt:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
-            f"peak memory {'n/a' if mem is None else f'{mem:.1f} GB'}")
-    if world > 1:
-        dist.destroy_process_group()
+    # the first step carries the compilation and one-off start-up costs (allocations, cuBLAS plans)
+    later = [times[s] for s in times if s > first] or list(times.values())
+    dt = float(np.mean(later))
+    tokens_per_s = cfg.total_batch_size / dt
+    mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+    say(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
+        f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
+        f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
 
 
 if __name__ == "__main__":

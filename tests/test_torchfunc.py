@@ -1,0 +1,304 @@
+"""train_gpt2_torchfunc.py: GPT-2 as pure functions in PyTorch
+(tiny model L2 H4 C64 T64 on the CPU: model and gradients, the compiled step, a training run, resume,
+eval-only, HellaSwag padding, two torchrun processes, bad input)."""
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import hellaswag
+import llmc_reference
+import train_gpt2_torchfunc as tf
+from conftest import assert_clean_error, read_log, run_script, step_events, tiny_params, write_shard
+
+V = 50257
+B, T, TOTAL, STEPS = 4, 64, 512, 6  # two micro-batches per step
+FLAGS = ["--seq-len", T, "--batch-size", B, "--total-batch-size", TOTAL, "--lr", 3e-3, "--warmup", 2,
+         "--lr-decay-frac", 1.0, "--dtype", "fp32", "--val-steps", 2]
+STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",
+             "framework"}
+CPU = torch.device("cpu")
+REF_MODULES = {"ln_1": "ln_1", "c_attn": "c_attn", "attn.c_proj": "attn_proj", "ln_2": "ln_2",
+               "c_fc": "c_fc", "mlp.c_proj": "mlp_proj"}
+
+
+def tiny_cfg(dtype="fp32"):
+    return tf.Config(n_layer=2, n_head=4, n_embd=64, block_size=64, seq_len=T, batch_size=B, dtype=dtype)
+
+
+def shard_tokens(path):
+    return np.fromfile(path, dtype="<u2", offset=1024).astype(np.int64)
+
+
+def ref_parts(model, name):
+    """The tensors of tests/llmc_reference.py's float64 nn.Module GPT behind one of our stacked names:
+    one tensor, or one per layer."""
+    if name in ("wte", "wpe"):
+        return [getattr(model, name).weight]
+    if name.startswith("ln_f"):
+        return [model.ln_f.weight if name.endswith(".w") else model.ln_f.bias]
+    module, kind = name.rsplit(".", 1)
+    return [getattr(getattr(blk, REF_MODULES[module]), "weight" if kind == "w" else "bias")
+            for blk in model.h]
+
+
+def ref_entry(model, name, index):
+    """(tensor, index into it) of the reference parameter at our stacked `index`."""
+    parts = ref_parts(model, name)
+    return (parts[index[0]], index[1:]) if len(parts) > 1 else (parts[0], index)
+
+
+def test_model_and_gradients(tiny_model_file, tiny_shards):
+    """fp32: the model file reads back as written; loss and every gradient tensor equal the float64
+    nn.Module reference of tests/llmc_reference.py (loss rel 1e-6, gradients rel 1e-5); the largest
+    gradient coordinate of six tensors matches central finite differences of that reference (rel 1e-3);
+    padded vocab rows get no gradient; bf16 autocast stays within 0.02 of the fp32 loss, its gradients
+    are fp32 and point the same way (cosine > 0.99)."""
+    header, arrays = tf.read_model_file(str(tiny_model_file))
+    assert header == dict(block_size=64, vocab_size=V, n_layer=2, n_head=4, n_embd=64,
+                          padded_vocab_size=50304)
+    for name, expected in zip(tf.PARAM_NAMES, tiny_params(seed=0)):
+        np.testing.assert_array_equal(arrays[name], expected, err_msg=name)
+    tokens = shard_tokens(tiny_shards / "tiny_train_000001.bin")
+    x, y = torch.from_numpy(tokens[:64].reshape(2, 32)), torch.from_numpy(tokens[1:65].reshape(2, 32))
+    params = tf.to_device(arrays, CPU)
+    grads, loss = tf.grads_and_loss(params, x, y, tiny_cfg())
+    assert all(params[k].dtype == grads[k].dtype == torch.float32 for k in tf.PARAM_NAMES)
+    assert not grads["wte"][V:].any()
+
+    ref = llmc_reference.load_model_file(str(tiny_model_file))
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for k in tf.PARAM_NAMES:
+        expected = torch.stack([p.grad for p in ref_parts(ref, k)]).reshape(grads[k][:V].shape)
+        err = (grads[k][:V].double() - expected).norm() / expected.norm()
+        assert err < 1e-5, f"{k}: relative gradient error {err:.2e}"
+
+    eps = 1e-4  # float64 reference: truncation and rounding far below the fp32 gradients' own error
+    with torch.no_grad():
+        for k in ("wte", "wpe", "ln_1.w", "c_attn.w", "c_fc.b", "mlp.c_proj.w"):
+            i = np.unravel_index(int(grads[k].abs().argmax()), grads[k].shape)
+            t, j = ref_entry(ref, k, tuple(int(n) for n in i))
+            t[j] += eps
+            up = ref(x, y).item()
+            t[j] -= 2 * eps
+            down = ref(x, y).item()
+            t[j] += eps
+            assert grads[k][i].item() == pytest.approx((up - down) / (2 * eps), rel=1e-3, abs=1e-7), f"{k}{i}"
+
+    grads16, loss16 = tf.grads_and_loss(params, x, y, tiny_cfg("bf16"))
+    assert loss16.dtype == torch.float32 and loss16.item() == pytest.approx(loss.item(), abs=2e-2)
+    assert all(grads16[k].dtype == torch.float32 for k in tf.PARAM_NAMES)
+    flat = lambda g: torch.cat([g[k].flatten() for k in tf.PARAM_NAMES])  # noqa: E731
+    assert torch.nn.functional.cosine_similarity(flat(grads), flat(grads16), dim=0) > 0.99
+
+
+def test_compiled_step_matches_eager():
+    """torch.compile traces the gradient (torch.func inside) and the clip+AdamW update as one graph each
+    (fullgraph), never recompiles across micro-batches or steps (new lr, new bias corrections), and
+    gives the eager step's losses, norms and weights exactly. The backend is aot_eager: the same
+    Dynamo/AOTAutograd graphs the GPU runs, without Inductor's C++ compile time on a laptop."""
+    cfg = tiny_cfg()
+    cfg.seq_len = 32
+    start = tf.init_params_numpy(cfg)
+    results = []
+    for compiled in (False, True):
+        params = tf.to_device(start, CPU)
+        m = {k: torch.zeros_like(p) for k, p in params.items()}
+        v = {k: torch.zeros_like(p) for k, p in params.items()}
+        grad_fn, update_fn = tf.grads_and_loss, tf.clip_and_update
+        if compiled:
+            torch._dynamo.reset()
+            grad_fn = torch.compile(grad_fn, fullgraph=True, backend="aot_eager")
+            update_fn = torch.compile(update_fn, fullgraph=True, backend="aot_eager")
+        loader = tf.DataLoader(None, 2, cfg.seq_len, seed=cfg.seed)
+        out = []
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for step in (1, 2):
+                x, y = tf.step_batches(loader, 2)                                  # (2,2,32) each
+                loss, norm = tf.train_step(params, m, v, tf.put_batch(x, CPU), tf.put_batch(y, CPU),
+                                           tf.adam_scalars(step, cfg, CPU), cfg, grad_fn, update_fn, 1)
+                out.append((loss.item(), norm.item()))
+        results.append((out, params, m, v))
+    (eager, *state), (comp, *state_c) = results
+    assert comp == eager
+    for a, b in zip(state, state_c):
+        for k in tf.PARAM_NAMES:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir):
+    """One fp32 run of 6 steps with val (every 3), HellaSwag and samples (step 6), checkpoints at 3 and 6."""
+    out = tmp_path_factory.mktemp("torchfunc_run")
+    proc = run_script("train_gpt2_torchfunc.py", "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", STEPS, "--out-dir", out, "--ckpt-every", 3, "--val-every", 3,
+                      "--hellaswag-every", STEPS, "--sample-every", STEPS, *FLAGS,
+                      env={"HELLASWAG_DIR": str(hellaswag_dir)})
+    return out, proc.stdout
+
+
+def test_training_run(trained, tiny_shards, tiny_model_file):
+    """A 6-step run: step 1's loss equals the float64 reference on the first two micro-batches of the
+    train shard, the loss falls, val/HellaSwag/samples/checkpoints happen when due, log.jsonl holds only
+    SPEC keys, and each checkpoint's state.npz records the step and the data position."""
+    out, stdout = trained
+    events = step_events(out)
+    assert [e["step"] for e in events] == list(range(1, STEPS + 1))
+    assert all(set(e) == STEP_KEYS and e["framework"] == "torchfunc" for e in events)
+    assert all(e["mfu"] is None and e["peak_mem_gb"] is None and e["tokens_per_s"] > 0 for e in events)
+    assert events[0]["lr"] == pytest.approx(1.5e-3) and events[-1]["lr"] == pytest.approx(3e-3)
+
+    ref = llmc_reference.load_model_file(str(tiny_model_file))
+    tokens = torch.from_numpy(shard_tokens(tiny_shards / "tiny_train_000001.bin"))
+    with torch.no_grad():
+        first = np.mean([ref(tokens[s:s + B * T].view(B, T), tokens[s + 1:s + B * T + 1].view(B, T)).item()
+                         for s in (0, B * T)])
+    assert events[0]["train_loss"] == pytest.approx(first, rel=1e-6)
+    assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
+
+    log = read_log(out)
+    vals = [e for e in log if "val_loss" in e]
+    swag = [e for e in log if "hellaswag_acc" in e]
+    assert [e["step"] for e in vals] == [3, STEPS] and vals[1]["val_loss"] < vals[0]["val_loss"]
+    assert len(swag) == 1 and swag[0]["step"] == STEPS
+    assert all(round(10 * swag[0][k]) == pytest.approx(10 * swag[0][k]) for k in ("hellaswag_acc",
+                                                                                  "hellaswag_acc_norm"))
+    assert all(set(e) <= STEP_KEYS | {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"} for e in log)
+    assert "compile: off" in stdout and "mean over 5 step(s) after the first" in stdout
+    assert sum(line.startswith("sample ") for line in stdout.splitlines()) == 4
+
+    assert sorted(os.listdir(out)) == ["ckpt_0000003", "ckpt_0000006", "log.jsonl"]
+    for step in (3, STEPS):
+        ckpt = out / f"ckpt_{step:07d}"
+        assert sorted(os.listdir(ckpt)) == ["model.bin", "state.npz"]
+        with np.load(ckpt / "state.npz") as z:
+            assert int(z["step"]) == step and int(z["shard"]) == 0
+            assert int(z["position"]) == step * TOTAL and int(z["seed"]) == 1337
+            assert json.loads(str(z["config"]))["n_layer"] == 2
+            assert all(z[f"{p}.{k}"].shape == tf.param_shapes(tiny_cfg())[k] for p in "mv"
+                       for k in tf.PARAM_NAMES)
+    header, _ = tf.read_model_file(str(out / "ckpt_0000006" / "model.bin"))
+    assert header["n_layer"] == 2 and header["block_size"] == 64
+
+
+def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_dir):
+    """Resuming the step-3 checkpoint (--resume auto) for steps 4-6 prints the uninterrupted run's losses
+    and grad norms digit for digit and ends on byte-identical weights and AdamW state; --eval-only on the
+    step-6 checkpoint reproduces that run's val loss and HellaSwag scores and trains nothing."""
+    out, stdout = trained
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.symlink(out / "ckpt_0000003", resumed / "ckpt_0000003")
+    proc = run_script("train_gpt2_torchfunc.py", "--data", tiny_shards, "--resume", "auto",
+                      "--steps", STEPS, "--out-dir", resumed, "--ckpt-every", 3, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, *FLAGS)
+    step_lines = lambda s: [line.split(" | ")[:4] for line in s.splitlines()  # noqa: E731
+                            if line.startswith("step") and "/" in line.split("|")[0]]
+    assert step_lines(proc.stdout) == step_lines(stdout)[3:]
+    assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
+    final, again = out / "ckpt_0000006", resumed / "ckpt_0000006"
+    assert (final / "model.bin").read_bytes() == (again / "model.bin").read_bytes()
+    with np.load(final / "state.npz") as a, np.load(again / "state.npz") as b:
+        for key in a.files:
+            if key != "config":
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+    evaluated = tmp_path / "eval"
+    run_script("train_gpt2_torchfunc.py", "--data", tiny_shards, "--resume", final, "--eval-only",
+               "--out-dir", evaluated, *FLAGS, env={"HELLASWAG_DIR": str(hellaswag_dir)})
+    log = read_log(evaluated)
+    original = {k: e[k] for e in read_log(out) if e["step"] == STEPS
+                for k in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm") if k in e}
+    assert len(log) == 2 and all(e["step"] == STEPS for e in log)
+    assert {k: e[k] for e in log for k in original if k in e} == original
+
+
+def test_hellaswag_rows_padded_and_cropped(tiny_model_file, hellaswag_dir, monkeypatch):
+    """evaluate_hellaswag pads each example to a fixed width (one compiled shape) and crops rows longer
+    than the context: with the tiny model cut to a 32-token context, on the 10 real examples (5 padded,
+    5 cropped) it predicts exactly what scoring the unpadded rows, cropped to their last 33 tokens,
+    directly with token_losses predicts."""
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
+    encode = hellaswag.default_encode()
+    _, arrays = tf.read_model_file(str(tiny_model_file))
+    cfg = tiny_cfg()
+    cfg.block_size = cfg.seq_len = 32
+    params = tf.to_device({**arrays, "wpe": arrays["wpe"][:32]}, CPU)
+    correct = correct_norm = n = cropped = 0
+    for example in hellaswag.iterate_examples("val"):
+        tokens, mask, label = hellaswag.render_example(example, encode)
+        keep = tokens[:, -33:]
+        x, y = torch.from_numpy(keep[:, :-1]), torch.from_numpy(keep[:, 1:])      # (4, kept-1) each
+        with torch.no_grad():
+            losses = tf.token_losses(params, x, y, cfg).numpy()                  # (4, kept-1)
+        full = np.zeros((4, tokens.shape[1] - 1), np.float32)
+        full[:, tokens.shape[1] - keep.shape[1]:] = losses
+        pred, pred_norm = hellaswag.score(full, mask)
+        correct, correct_norm, n = correct + (pred == label), correct_norm + (pred_norm == label), n + 1
+        cropped += keep.shape[1] < tokens.shape[1]
+    assert n == 10 and cropped == 5
+    assert tf.evaluate_hellaswag(tf.token_losses, params, cfg, CPU) == (correct / n, correct_norm / n)
+
+
+def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path):
+    """torchrun with 2 CPU processes (gloo; rank-strided rows, one micro-batch each, the same global
+    batch) gives the one-process losses and grad norms (rel 1e-5: only the order of the sums differs);
+    only rank 0 writes; --profile writes a Chrome trace and prints the op table."""
+    out = tmp_path / "two"
+    proc = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      "train_gpt2_torchfunc.py", "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 3, "--out-dir", out, "--ckpt-every", 3, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, "--profile", *FLAGS)
+    assert "2 x cpu" in proc.stdout and "1 micro-batches" in proc.stdout
+    assert "profile: steps 2-3" in proc.stdout and "Self CPU" in proc.stdout
+    assert glob.glob(str(out / "profile" / "trace_rank*.json"))
+    assert proc.stdout.count("step     1/3") == 1
+    one = step_events(trained[0])[:3]
+    two = step_events(out)
+    assert len(two) == 3
+    for a, b in zip(one, two):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    with np.load(out / "ckpt_0000003" / "state.npz") as z:
+        assert int(z["position"]) == 3 * TOTAL
+
+
+def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
+    """Bad shards (wrong magic, truncated), a model file that contradicts the flags, bad flags and
+    impossible batch settings end with a one-line error naming the problem."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_shard(bad / "x_train_000001.bin", np.arange(5000) % V)
+    raw = bytearray((bad / "x_train_000001.bin").read_bytes())
+    raw[:4] = np.int32(12345).tobytes()
+    (bad / "magic_train_000001.bin").write_bytes(bytes(raw))
+    (bad / "short_train_000001.bin").write_bytes((bad / "x_train_000001.bin").read_bytes()[:3000])
+    (bad / "model.bin").write_bytes(tiny_model_file.read_bytes()[:-4])
+    base = ["--out-dir", str(tmp_path / "out"), "--seq-len", "64", "--batch-size", "4",
+            "--total-batch-size", "512"]
+    cases = [
+        (["--data", str(bad / "magic_*.bin")], "magic 12345"),
+        (["--data", str(bad / "short_*.bin")], "truncated"),
+        (["--data", str(tiny_shards), "--init-from", str(tiny_model_file), "--n-layer", "3"],
+         "--n-layer 3 does not match"),
+        (["--data", str(tiny_shards), "--init-from", str(bad / "model.bin")], "its header implies"),
+        (["--data", str(tiny_shards), "--dtype", "fp16"], "--dtype"),
+        (["--data", str(tiny_shards), "--compile", "2"], "--compile"),
+        (["--data", str(tiny_shards), "--total-batch-size", "500"], "not a multiple"),
+        (["--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
+        (["--data", str(tiny_shards), "--resume", str(bad)], "not a checkpoint directory"),
+        (["--data", str(tmp_path / "nothing")], "no such directory"),
+    ]
+    for args, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            tf.main(base + ["--n-layer", "2", "--n-head", "4", "--n-embd", "64"] + args)
+        assert str(e.value).startswith("error: ") and needle in str(e.value), (args, str(e.value))
+    assert not (tmp_path / "out").exists()
+    proc = run_script("train_gpt2_torchfunc.py", "--data", bad / "magic_*.bin", "--model", "d12",
+                      "--n-layer", 1, *base, check=False)
+    assert_clean_error(proc, "magic")
