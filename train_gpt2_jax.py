@@ -674,7 +674,7 @@ def load_checkpoint(path, cfg):
 # Evaluation
 
 HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 tokens: a width every attention kernel takes
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 
 
 def evaluate_val(loss_jit, params, loader, cfg, put):
