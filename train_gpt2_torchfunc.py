@@ -231,7 +231,9 @@ def attention(qkv, cfg):
     """Causal self-attention: qkv (B,T,3C) -> (B,T,C). SDPA picks flash attention on a GPU in bf16."""
     B, T, C3 = qkv.shape
     H, D = cfg.n_head, C3 // (3 * cfg.n_head)
-    q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)                       # 3 x (B,H,T,D)
+    # unbind, not indexing: its gradient is one stack, where three indexings would each write a
+    # zero-padded (3,B,H,T,D) gradient to be summed
+    q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)             # 3 x (B,H,T,D)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                    # (B,H,T,D)
     return y.transpose(1, 2).reshape(B, T, H * D)                                  # (B,T,C)
 
@@ -256,8 +258,11 @@ def transformer(params, idx, cfg):
     """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f (fp32; call under autocast(cfg))."""
     T = idx.shape[1]
     x = params["wte"][idx] + params["wpe"][:T]                                     # (B,T,C)
+    # per-layer views by unbind: the gradient of each stacked tensor is then one stack of its L layer
+    # gradients, where indexing it L times would sum L zero-padded copies of the whole (L, ...) tensor
+    layers = {k: params[k].unbind(0) for k in LAYER_NAMES}                        # L x (...) each
     for layer in range(cfg.n_layer):
-        x = block(x, {k: params[k][layer] for k in LAYER_NAMES}, cfg)             # (B,T,C)
+        x = block(x, {k: layers[k][layer] for k in LAYER_NAMES}, cfg)             # (B,T,C)
     return F.layer_norm(x, (cfg.n_embd,), params["ln_f.w"], params["ln_f.b"], 1e-5)  # (B,T,C)
 
 
@@ -269,10 +274,13 @@ def forward(params, idx, cfg):
 
 def token_losses(params, x, y, cfg):
     """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
-    logits only. logsumexp minus the target's logit: compiled, this reads the bf16 logits once and
-    stores neither an fp32 copy nor a log-softmax of them."""
+    logits only: logsumexp minus the target's logit. Compiled, the forward is one pass over the bf16
+    logits and the backward one pointwise kernel writing dlogits = g (softmax - onehot) in bf16: no fp32
+    copy of the logits is stored. The target's logit is a masked sum rather than a gather, whose
+    gradient would be a scatter into a zero-filled fp32 (B,T,V) buffer."""
     logits = forward(params, x, cfg)[..., :cfg.vocab_size].float()                # (B,T,V)
-    target_logit = torch.gather(logits, -1, y[..., None])[..., 0]                 # (B,T)
+    vocab = torch.arange(cfg.vocab_size, device=x.device)                          # (V,)
+    target_logit = torch.where(vocab == y[..., None], logits, 0.0).sum(dim=-1)    # (B,T)
     return torch.logsumexp(logits, dim=-1) - target_logit                          # (B,T)
 
 
