@@ -49,11 +49,12 @@ def shard_tokens(path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir):
-    """One fp32 run of 6 steps with val (every 3), HellaSwag and samples (step 6), checkpoints at 3 and 6."""
+    """One fp32 run of 6 steps with val (every 3), HellaSwag (4 examples) and samples (step 6), checkpoints
+    at 3 and 6."""
     out = tmp_path_factory.mktemp("triton_torch_run")
     proc = run_script("train_gpt2_triton.py", "torch", "--data", tiny_shards, "--init-from", tiny_model_file,
                       "--steps", STEPS, "--out-dir", out, "--ckpt-every", 3, "--val-every", 3,
-                      "--hellaswag-every", STEPS, "--sample-every", STEPS, *FLAGS,
+                      "--hellaswag-every", STEPS, "--hellaswag-limit", 4, "--sample-every", STEPS, *FLAGS,
                       env={"HELLASWAG_DIR": str(hellaswag_dir), **ONE_THREAD})
     return out, proc.stdout
 
@@ -214,7 +215,7 @@ def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_di
     evaluated = tmp_path / "eval"
     monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
     tg.main(["torch", "--data", str(tiny_shards), "--resume", str(final), "--eval-only", "--out-dir",
-             str(evaluated), *map(str, FLAGS)])
+             str(evaluated), "--hellaswag-limit", "4", *map(str, FLAGS)])
     log = read_log(evaluated)
     original = {k: e[k] for e in read_log(out) if e["step"] == STEPS
                 for k in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm") if k in e}
