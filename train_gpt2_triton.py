@@ -322,10 +322,17 @@ def torch_encoder_forward(idx, wte, wpe):
 
 
 def torch_encoder_backward(dx, idx, dwte, dwpe):
-    """The rows of wte that the forward gathered get their gradient scattered back (a token that appears
-    twice gets both); wpe's gradient is dx summed over the batch."""
+    """Each row of wte the forward gathered gets back the sum of its rows of dx (a token seen twice gets
+    both); wpe's gradient is dx summed over the batch. Not index_add_ of all N rows, whose atomic adds on a
+    GPU sum a repeated token in a different order every run: sorted by token, each token's rows form one
+    run, summed as a difference of fp64 prefix sums, and each wte row is added to once. Same bits every run."""
     B, T, C = dx.shape
-    dwte.index_add_(0, idx.reshape(-1), dx.reshape(B * T, C).to(dwte.dtype))  # (Vp, C) += rows of (N, C)
+    tokens, order = idx.reshape(-1).sort(stable=True)  # (N,) each
+    last = torch.ones_like(tokens, dtype=torch.bool)  # (N,) the last row of each token's run
+    last[:-1] = tokens[1:] != tokens[:-1]
+    ends = dx.reshape(B * T, C)[order].double().cumsum(0)[last]  # (U, C) prefix sums at the runs' ends
+    sums = torch.diff(ends, dim=0, prepend=torch.zeros_like(ends[:1]))  # (U, C) one sum per token
+    dwte.index_add_(0, tokens[last], sums.to(dwte.dtype))  # (Vp, C) += U distinct rows
     dwpe[:T] += dx.sum(0, dtype=dwpe.dtype)  # (T, C)
 
 
