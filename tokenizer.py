@@ -585,21 +585,24 @@ class BPETokenizer:
     def encode(self, text, allowed_special=()):
         """Token ids of text. Special tokens in allowed_special ("all" or a set of names) become their ids;
         any other special token in the text raises ValueError (tiktoken's default)."""
-        allowed = set(self.special_tokens) if allowed_special == "all" else set(allowed_special)
-        unknown = allowed - set(self.special_tokens)
-        if unknown:
-            raise ValueError(f"allowed_special names unknown special tokens: {sorted(unknown)}")
-        disallowed = set(self.special_tokens) - allowed
-        if disallowed and (m := special_splitter(disallowed).search(text)):
-            raise ValueError(f"text contains the special token {m.group()!r}, which is not allowed: pass "
-                             f"allowed_special={{{m.group()!r}}} (or 'all') to encode it as a special "
-                             f"token, or use encode_ordinary to encode it as text")
-        if not allowed:
+        specials = self.special_tokens
+        allowed = set(specials) if allowed_special == "all" else set(allowed_special)
+        if not allowed <= specials.keys():
+            raise ValueError(f"allowed_special names unknown special tokens: "
+                             f"{sorted(allowed - specials.keys())}")
+        present = [s for s in specials if s in text]  # a substring test per special: cheap for short texts
+        if not present:
             return self.encode_ordinary(text)
+        banned = [s for s in present if s not in allowed]
+        if banned:
+            first = min(banned, key=text.find)
+            raise ValueError(f"text contains the special token {first!r}, which is not allowed: pass "
+                             f"allowed_special={{{first!r}}} (or 'all') to encode it as a special "
+                             f"token, or use encode_ordinary to encode it as text")
         out, start = [], 0
-        for m in special_splitter(allowed).finditer(text):
+        for m in special_splitter(present).finditer(text):
             out += self.encode_ordinary(text[start:m.start()])
-            out.append(self.special_tokens[m.group()])
+            out.append(specials[m.group()])
             start = m.end()
         out += self.encode_ordinary(text[start:])
         return out
