@@ -325,7 +325,8 @@ def torch_encoder_backward(dx, idx, dwte, dwpe):
     """Each row of wte the forward gathered gets back the sum of its rows of dx (a token seen twice gets
     both); wpe's gradient is dx summed over the batch. Not index_add_ of all N rows, whose atomic adds on a
     GPU sum a repeated token in a different order every run: sorted by token, each token's rows form one
-    run, summed as a difference of fp64 prefix sums, and each wte row is added to once. Same bits every run."""
+    run, summed as a difference of fp64 prefix sums, and each wte row is added to once: the same bits on
+    every run."""
     B, T, C = dx.shape
     tokens, order = idx.reshape(-1).sort(stable=True)  # (N,) each
     last = torch.ones_like(tokens, dtype=torch.bool)  # (N,) the last row of each token's run

@@ -163,7 +163,9 @@ def test_training_run(trained, tiny_shards, tiny_model_file):
     events = step_events(out)
     assert [e["step"] for e in events] == list(range(1, STEPS + 1))
     assert all(set(e) == STEP_KEYS and e["framework"] == "triton-torch" for e in events)
-    assert all(e["mfu"] is None and e["peak_mem_gb"] is None and e["tokens_per_s"] > 0 for e in events)
+    on_gpu = torch.cuda.is_available()  # peak memory (and MFU on a known GPU) only there
+    assert all((e["peak_mem_gb"] is not None) == on_gpu and e["tokens_per_s"] > 0 for e in events)
+    assert on_gpu or all(e["mfu"] is None for e in events)
     assert events[0]["lr"] == pytest.approx(1.5e-3) and events[-1]["lr"] == pytest.approx(3e-3)
 
     header, params = tg.read_model_file(str(tiny_model_file))
@@ -230,7 +232,7 @@ def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path
     proc = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 2,
                       "train_gpt2_triton.py", "torch", "--data", tiny_shards, "--init-from", tiny_model_file,
                       "--steps", 3, "--out-dir", out, "--ckpt-every", 0, "--val-every", 0,
-                      "--hellaswag-every", 0, "--sample-every", 0, *FLAGS)
+                      "--hellaswag-every", 0, "--sample-every", 0, *FLAGS, env={"CUDA_VISIBLE_DEVICES": ""})
     assert "2 x cpu" in proc.stdout and "x 1 micro-batches" in proc.stdout
     one, two = step_events(trained[0])[:3], step_events(out)
     assert len(two) == 3
