@@ -216,6 +216,25 @@ def test_trained_shakespeare_round_trip(trained, shakespeare):
     assert trained.encode("a<|endoftext|>b", allowed_special="all")[1] == 4095
 
 
+def test_trained_vocab_encodes_as_tiktoken(trained, shakespeare):
+    """A trained vocabulary handed to tiktoken's engine encodes as ours: text, random strings, specials."""
+    import tiktoken
+    ref = tiktoken.Encoding(name="trained", pat_str=tokenizer.GPT2_SPLIT_PATTERN,
+                            mergeable_ranks={b: i for i, b in enumerate(trained.tokens)},
+                            special_tokens=trained.special_tokens)
+    for text in [shakespeare[:200000]] + TRICKY + random_strings(seed=5, n=100):
+        assert trained.encode_ordinary(text) == ref.encode_ordinary(text), repr(text[:80])
+    multi = BPETokenizer.train(shakespeare[:50000], 600, special_tokens=("<pad>", "<s>", "</s>"))
+    ref = tiktoken.Encoding(name="multi", pat_str=tokenizer.GPT2_SPLIT_PATTERN,
+                            mergeable_ranks={b: i for i, b in enumerate(multi.tokens)},
+                            special_tokens=multi.special_tokens)
+    text = "<s>Hello there</s><pad><pad> <s>again</s>"
+    assert multi.encode(text, allowed_special="all") == ref.encode(text, allowed_special="all")
+    assert multi.encode(text, allowed_special={"<s>", "</s>", "<pad>"})[-1] == multi.special_tokens["</s>"]
+    with pytest.raises(ValueError, match="'</s>'"):
+        multi.encode(text, allowed_special={"<s>", "<pad>"})
+
+
 def test_training_inputs_and_chunking(tmp_path, shakespeare):
     """Chunk cuts keep pre-tokens; files (plain, .gz) train as their text; specials not learned."""
     text = "\n".join(TRICKY) + shakespeare[:3000] + "\n\n  x\n\ty  \n z" * 20
