@@ -1591,7 +1591,7 @@ def bench_cases(cfg, ops, device):
         cases += [
             ("matmul_forward", f"{label} {rows}x{K}x{M}",
              lambda xm=xm, wm=wm, bm=bm: ops.matmul_forward(xm, wm, bm),
-             "F.linear (cuBLAS)", lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm), (xm, wm, bm)),
+             "F.linear", lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm), (xm, wm, bm)),
             ("matmul_backward", f"{label} {rows}x{K}x{M}",
              lambda dym=dym, xm=xm, wm=wm, dwm=dwm, dbm=dbm: ops.matmul_backward(dym, xm, wm, dwm, dbm),
              "2 x torch.mm (+ sum)", lambda dym=dym, xm=xm, wm=wm, bias=bias: (
