@@ -280,10 +280,12 @@ def compute_dtype(cfg):
 
 
 def cast_params(params, cfg):
-    """The compute-dtype copy of the fp32 masters (LayerNorm weights stay fp32: its statistics are fp32).
-    The cast happens inside the jitted step, so gradients come back to the fp32 masters."""
+    """The compute-dtype copy of the fp32 masters. The cast happens inside the jitted step, so gradients
+    come back to the fp32 masters. Kept fp32: LayerNorm's weights (its statistics are fp32) and the
+    embedding matrix, whose rows are gathered in fp32 (so its scatter-add gradient is summed in fp32) and
+    cast for the output projection where it is used."""
     dt = compute_dtype(cfg)
-    return {k: p if ".ln" in k else p.astype(dt) for k, p in params.items()}
+    return {k: jnp.asarray(p, jnp.float32 if ".ln" in k or k == "emb" else dt) for k, p in params.items()}
 
 
 def sinusoids(T, D):
@@ -334,8 +336,8 @@ def attend(q, k, v, mask, n_head):
 def embed(p, ids, pe, cfg, key):
     """Token embeddings of ids (B,T) scaled by sqrt(d_model) plus their positions' sinusoids pe (T,D),
     then dropout."""
-    x = p["emb"][ids] * math.sqrt(cfg.d_model)                                     # (B,T,D)
-    return dropout(x + pe.astype(x.dtype), cfg.dropout, key)                       # (B,T,D)
+    x = (p["emb"][ids] * math.sqrt(cfg.d_model) + pe).astype(compute_dtype(cfg))  # (B,T,D)
+    return dropout(x, cfg.dropout, key)                                            # (B,T,D)
 
 
 def layer_keys(key, n_layer, n_sub):
@@ -365,7 +367,7 @@ def encode(p, src, cfg, key):
         return layernorm(x + dropout(h, cfg.dropout, k1), lp["ln2.w"], lp["ln2.b"]), None  # (B,S,D)
 
     layers = {n: p[f"enc.{n}"] for n in ENC_NAMES}                                 # (L, ...) each
-    x, _ = jax.lax.scan(layer, x, (layers, keys))                                # (B,S,D)
+    x, _ = jax.lax.scan(layer, x, (layers, keys))                                  # (B,S,D)
     return x, mask
 
 
@@ -409,7 +411,8 @@ def decoder(p, x, mem_k, mem_v, src_mask, self_mask, cfg, key, cache=None, t=Non
 
 def output_logits(p, x):
     """Pre-softmax projection tied to the embedding matrix: (B,T,D) -> fp32 logits (B,T,V)."""
-    return jnp.einsum("btd,vd->btv", x, p["emb"], preferred_element_type=jnp.float32)  # (B,T,V)
+    emb = p["emb"].astype(x.dtype)                                                 # (V,D)
+    return jnp.einsum("btd,vd->btv", x, emb, preferred_element_type=jnp.float32)   # (B,T,V)
 
 
 def forward(params, src, tgt_in, cfg, key=None):
@@ -925,7 +928,7 @@ def apply_checkpoint_config(cfg, saved, explicit, check_data):
         if value != getattr(saved, k):
             die(f"--{k.replace('_', '-')} {value} disagrees with the checkpoint ({getattr(saved, k)})")
     if check_data:
-        for k in ("dataset", "src", "tgt", "bpe_vocab"):
+        for k in ("dataset", "src", "tgt"):
             if getattr(cfg, k) != getattr(saved, k):
                 die(f"--{k.replace('_', '-')} {getattr(cfg, k)}: the checkpoint was trained with "
                     f"{getattr(saved, k)}")
@@ -1177,7 +1180,7 @@ def main(argv=None):
     if cfg.resume:
         ckpt_path = resolve_checkpoint(cfg.resume, cfg.out_dir)
         params, m, v, info, saved = load_checkpoint(ckpt_path)
-        cfg = apply_checkpoint_config(cfg, saved, explicit, check_data=not cfg.translate)
+        cfg = apply_checkpoint_config(cfg, saved, explicit, check_data=not (cfg.translate or cfg.eval_only))
         tok_path = os.path.join(ckpt_path, TOKENIZER_FILE)
         tok = load_tokenizer(tok_path)
         if tok.vocab_size != cfg.vocab_size:
@@ -1213,7 +1216,8 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
     n_params = sum(p.size for p in params.values())
     print(f"Transformer {cfg.model}: {cfg.n_layer}+{cfg.n_layer} layers, {cfg.n_head} heads, d_model "
           f"{cfg.d_model}, d_ff {cfg.d_ff}, dropout {cfg.dropout}, {n_params / 1e6:.2f}M parameters | "
-          f"{cfg.dataset} {cfg.src}->{cfg.tgt}, joint BPE {cfg.vocab_size} | {device.device_kind} | {cfg.dtype}")
+          f"{cfg.dataset} {cfg.src}->{cfg.tgt}, joint BPE {cfg.vocab_size} | {device.device_kind} | "
+          f"{cfg.dtype}")
 
     eval_fn = jax.jit(partial(loss_sums, cfg=cfg))
     search = jax.jit(partial(translate_batch, cfg=cfg, greedy=cfg.decode == "greedy"))
@@ -1245,7 +1249,8 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
             return params, "no checkpoint to average"
         weights, used = averaged_params(path, cfg.average)
         names = ", ".join(os.path.basename(p)[5:].lstrip("0") or "0" for p in used)
-        return weights, f"weights of {len(used)} checkpoint{'s' * (len(used) > 1)} averaged: steps {names}"
+        return weights, (f"{len(used)} checkpoints averaged: steps {names}" if len(used) > 1
+                         else f"checkpoint of step {names}")
 
     if cfg.eval_only:
         weights, note = final_weights(info["step"])
