@@ -53,9 +53,10 @@ MODEL_PRESETS = {  # name: (n_layer per stack, n_head, d_model, d_ff, dropout)
     "big": (6, 16, 1024, 4096, 0.3),  # the paper's big model (dropout 0.3 for En-De)
 }
 RECIPES = {  # name: training defaults that go with the model (any flag overrides them)
-    # fairseq's recipe for it: lr 5e-3 after 2000 warmup steps, 4096-token batches, 8000 updates
     "tiny": dict(batch_tokens=1024, warmup=100, lr=2e-3, steps=200, ckpt_every=50, val_every=50),
-    "small": dict(batch_tokens=4096, warmup=2000, lr=5e-3, steps=8000, ckpt_every=200, val_every=500),
+    # Wu et al.'s fairseq recipe: peak lr 5e-3 after 2000 warmup steps, 8000 updates of 4096-token batches
+    # (of sorted lengths, so nearly all real tokens: 5120 padded tokens in length buckets hold as many)
+    "small": dict(batch_tokens=5120, warmup=2000, lr=5e-3, steps=8000, ckpt_every=200, val_every=500),
     # the paper: 25,000 source + 25,000 target tokens, 4000 warmup steps, lr from d_model; 100k / 300k steps
     "base": dict(batch_tokens=25000, warmup=4000, lr=0.0, steps=100000, ckpt_every=1000, val_every=1000),
     "big": dict(batch_tokens=25000, warmup=4000, lr=0.0, steps=300000, ckpt_every=1000, val_every=1000),
@@ -102,7 +103,7 @@ class Config:
     base_url: str = ""     # default: the dataset's public mirror (DATASETS)
     bpe_vocab: int = 10000
     max_len: int = 256     # training pairs longer than this (BPE tokens + EOS) on either side are skipped
-    batch_tokens: int = 4096  # padded source (and target) tokens per optimizer step
+    batch_tokens: int = 5120  # padded source (and target) tokens per optimizer step
     micro_tokens: int = 0     # padded tokens per micro-batch; 0 = batch_tokens (no accumulation)
     # optimization
     steps: int = 8000
@@ -130,7 +131,7 @@ class Config:
     translate: str = ""
 
 
-MODEL_FIELDS = ("n_layer", "n_head", "d_model", "d_ff")
+MODEL_FIELDS = ("n_layer", "n_head", "d_model", "d_ff")  # with vocab_size: the parameters' shapes
 
 
 def die(msg):
@@ -139,93 +140,74 @@ def die(msg):
 
 
 def parse_args(argv=None):
-    """(cfg, explicit model flags). Defaults come in layers: the dataset picks the model preset (small for
-    Multi30k, base for WMT14), the preset its sizes and training recipe, and any flag given wins."""
-    d = Config()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """(cfg, given): given holds the flags on the command line; cfg layers them over the defaults of the
+    model preset's training recipe, of the preset (the dataset's: small for Multi30k, base for WMT14), of
+    the dataset, and of Config."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
-    p.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS))
-    p.add_argument("--src", default=d.src, choices=LANGS)
-    p.add_argument("--tgt", default=d.tgt, choices=LANGS)
-    p.add_argument("--data-dir", default=None, help="raw files (downloaded there if missing); default "
-                   "data/<dataset>. The BPE and the encoded data are cached there too (in --out-dir "
-                   "when the directory is read-only)")
-    p.add_argument("--base-url", default=None, help="download mirror (default: the dataset's)")
-    p.add_argument("--bpe-vocab", type=int, default=None, help="joint BPE size (10000 / 37000)")
-    p.add_argument("--model", default=None, choices=list(MODEL_PRESETS), help="default: the dataset's")
-    p.add_argument("--n-layer", type=int, default=None)
-    p.add_argument("--n-head", type=int, default=None)
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--d-ff", type=int, default=None)
-    p.add_argument("--dropout", type=float, default=None)
-    p.add_argument("--max-len", type=int, default=d.max_len)
-    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per side per step")
-    p.add_argument("--micro-tokens", type=int, default=d.micro_tokens, help="per micro-batch (0: all)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None, help="peak lr; 0 = d_model^-0.5 * warmup^-0.5")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping (the paper)")
-    p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
-    p.add_argument("--out-dir", default=d.out_dir)
-    p.add_argument("--ckpt-every", type=int, default=None)
-    p.add_argument("--val-every", type=int, default=None)
-    p.add_argument("--average", type=int, default=d.average, help="final eval: average the newest N ckpts")
-    p.add_argument("--bleu-split", default=d.bleu_split, choices=["test", "val", "none"])
-    p.add_argument("--decode", default=d.decode, choices=["beam", "greedy"])
-    p.add_argument("--beam", type=int, default=d.beam)
-    p.add_argument("--alpha", type=float, default=d.alpha, help="length penalty ((5+len)/6)^alpha")
-    p.add_argument("--decode-batch", type=int, default=d.decode_batch, help="sentences per decode call")
+    p.add_argument("--dataset", choices=sorted(DATASETS), help="default multi30k")
+    p.add_argument("--src", choices=LANGS, help="source language (default en)")
+    p.add_argument("--tgt", choices=LANGS, help="target language (default de)")
+    p.add_argument("--data-dir", help="raw files (downloaded there if missing; default data/<dataset>); "
+                   "the BPE and the encoded data are cached there too (in --out-dir if it is read-only)")
+    p.add_argument("--base-url", help="download mirror (default: the dataset's)")
+    p.add_argument("--bpe-vocab", type=int, help="joint BPE size (default 10000 Multi30k, 37000 WMT14)")
+    p.add_argument("--model", choices=list(MODEL_PRESETS), help="preset: sizes and training recipe")
+    for flag in ("--n-layer", "--n-head", "--d-model", "--d-ff", "--max-len", "--batch-tokens",
+                 "--micro-tokens", "--steps", "--warmup", "--seed", "--ckpt-every", "--val-every",
+                 "--average", "--beam", "--decode-batch"):
+        p.add_argument(flag, type=int)
+    for flag in ("--dropout", "--lr", "--label-smoothing", "--grad-clip", "--alpha"):
+        p.add_argument(flag, type=float)
+    p.add_argument("--dtype", choices=["bf16", "fp32"])
+    p.add_argument("--resume", help="checkpoint dir, or 'auto' (newest in --out-dir): its settings are "
+                   "the defaults, model sizes and vocabulary fixed")
+    p.add_argument("--out-dir")
+    p.add_argument("--bleu-split", choices=["test", "val", "none"])
+    p.add_argument("--decode", choices=["beam", "greedy"])
     p.add_argument("--eval-only", action="store_true", help="val loss and BLEU of --resume, then exit")
-    p.add_argument("--translate", default=d.translate, help="print the translation of this text (--resume)")
-    a = p.parse_args(argv)
+    p.add_argument("--translate", help="print the translation of this text (needs --resume)")
+    given = vars(p.parse_args(argv))
 
-    ds = DATASETS[a.dataset]
-    model = a.model or ds["model"]
+    dataset = given.get("dataset", Config.dataset)
+    model = given.get("model", DATASETS[dataset]["model"])
     n_layer, n_head, d_model, d_ff, dropout = MODEL_PRESETS[model]
-    given = {"n_layer": a.n_layer, "n_head": a.n_head, "d_model": a.d_model, "d_ff": a.d_ff}
-    explicit = {k: v for k, v in given.items() if v is not None}
-    dims = dict(n_layer=n_layer, n_head=n_head, d_model=d_model, d_ff=d_ff, **explicit)
-    recipe = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in RECIPES[model].items()}
-    cfg = Config(model=model, **dims, dropout=dropout if a.dropout is None else a.dropout,
-                 dataset=a.dataset, src=a.src, tgt=a.tgt, data_dir=a.data_dir or f"data/{a.dataset}",
-                 base_url=a.base_url or ds["url"], bpe_vocab=a.bpe_vocab or ds["bpe_vocab"],
-                 max_len=a.max_len, micro_tokens=a.micro_tokens, label_smoothing=a.label_smoothing,
-                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, resume=a.resume, out_dir=a.out_dir,
-                 average=a.average, bleu_split=a.bleu_split, decode=a.decode, beam=a.beam, alpha=a.alpha,
-                 decode_batch=a.decode_batch, eval_only=a.eval_only, translate=a.translate, **recipe)
+    cfg = Config(model=model, n_layer=n_layer, n_head=n_head, d_model=d_model, d_ff=d_ff, dropout=dropout,
+                 data_dir=f"data/{dataset}", base_url=DATASETS[dataset]["url"],
+                 bpe_vocab=DATASETS[dataset]["bpe_vocab"], **RECIPES[model])
+    return check_config(replace(cfg, **given)), given
 
+
+def check_config(cfg):
+    """cfg after checking it (a one-line error naming the flag), with --micro-tokens 0 resolved."""
     for flag in ("n_layer", "n_head", "d_model", "d_ff", "steps", "batch_tokens", "warmup", "beam",
                  "decode_batch", "average"):
         if getattr(cfg, flag) <= 0:
-            p.error(f"--{flag.replace('_', '-')} must be positive")
+            die(f"--{flag.replace('_', '-')} must be positive")
     for flag in ("micro_tokens", "ckpt_every", "val_every"):
         if getattr(cfg, flag) < 0:
-            p.error(f"--{flag.replace('_', '-')} must be >= 0")
+            die(f"--{flag.replace('_', '-')} must be >= 0")
     if cfg.d_model % cfg.n_head or cfg.d_model % 2:
-        p.error(f"--d-model {cfg.d_model} must be even and divisible by --n-head {cfg.n_head}")
+        die(f"--d-model {cfg.d_model} must be even and divisible by --n-head {cfg.n_head}")
     if cfg.src == cfg.tgt:
-        p.error(f"--src and --tgt are both {cfg.src}: choose two different languages")
+        die(f"--src and --tgt are both {cfg.src}: choose two different languages")
     if not 0 <= cfg.dropout < 1 or not 0 <= cfg.label_smoothing < 1:
-        p.error("--dropout and --label-smoothing must be in [0, 1)")
+        die("--dropout and --label-smoothing must be in [0, 1)")
     if cfg.lr < 0 or cfg.grad_clip < 0 or cfg.alpha < 0:
-        p.error("--lr, --grad-clip and --alpha must be >= 0")
+        die("--lr, --grad-clip and --alpha must be >= 0")
     if cfg.max_len < 2:
-        p.error("--max-len must be at least 2")
+        die("--max-len must be at least 2")
     if cfg.bpe_vocab <= 256 + len(SPECIALS):
-        p.error(f"--bpe-vocab must exceed {256 + len(SPECIALS)} (256 byte tokens + {len(SPECIALS)} specials)")
-    if cfg.micro_tokens == 0:
-        cfg.micro_tokens = cfg.batch_tokens
-    if cfg.batch_tokens % cfg.micro_tokens:
-        p.error(f"--batch-tokens {cfg.batch_tokens} is not a multiple of --micro-tokens {cfg.micro_tokens}")
-    if cfg.micro_tokens < bucket_size(cfg.max_len):
-        p.error(f"--micro-tokens {cfg.micro_tokens} cannot hold one pair of the longest bucket "
-                f"({bucket_size(cfg.max_len)} tokens): raise it or lower --max-len")
+        die(f"--bpe-vocab must exceed {256 + len(SPECIALS)} (256 byte tokens + {len(SPECIALS)} specials)")
+    micro = cfg.micro_tokens or cfg.batch_tokens
+    if cfg.batch_tokens % micro:
+        die(f"--batch-tokens {cfg.batch_tokens} is not a multiple of --micro-tokens {micro}")
+    if micro < bucket_size(cfg.max_len):
+        die(f"--micro-tokens {micro} cannot hold one pair of the longest bucket ({bucket_size(cfg.max_len)} "
+            f"tokens): raise it or lower --max-len")
     if (cfg.translate or cfg.eval_only) and not cfg.resume:
-        p.error("--translate and --eval-only need a checkpoint: give --resume DIR (or auto)")
-    return cfg, explicit
+        die("--translate and --eval-only need a checkpoint: give --resume DIR (or auto)")
+    return replace(cfg, micro_tokens=micro)
 
 
 # -----------------------------------------------------------------------------
@@ -524,6 +506,7 @@ DOWNLOAD_RETRIES = 5
 DOWNLOAD_BACKOFF_S = 1.0
 DOWNLOAD_TIMEOUT_S = 60
 CHUNK_BYTES = 1 << 16  # a dropped connection loses at most the chunk in flight
+ENCODE_CHUNK = 100_000  # lines
 
 
 class RetryableError(Exception):
@@ -710,10 +693,14 @@ def encode_lines(tok, tok_path, lines, path):
                     return z["ids"], z["offsets"]
         except (OSError, ValueError, KeyError, EOFError):
             pass  # unreadable cache: encode again and overwrite it
-    seqs = [tok.encode_ordinary(line) for line in lines]
-    offsets = np.zeros(len(seqs) + 1, np.int64)                                    # (n+1,)
-    offsets[1:] = np.cumsum([len(s) for s in seqs])
-    ids = np.fromiter((i for s in seqs for i in s), np.int32, count=int(offsets[-1]))  # (total,)
+    chunks, lens = [], []
+    for start in range(0, len(lines), ENCODE_CHUNK):  # a chunk at a time: ids as Python ints are large
+        seqs = [tok.encode_ordinary(line) for line in lines[start:start + ENCODE_CHUNK]]
+        lens += [len(s) for s in seqs]
+        chunks.append(np.fromiter((i for s in seqs for i in s), np.int32, count=sum(map(len, seqs))))
+    ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)             # (total,)
+    offsets = np.zeros(len(lens) + 1, np.int64)                                    # (n+1,)
+    offsets[1:] = np.cumsum(lens)
     with open(path + ".tmp", "wb") as f:
         np.savez(f, ids=ids, offsets=offsets, key=np.array(key))
     os.replace(path + ".tmp", path)
@@ -921,20 +908,16 @@ def load_checkpoint(path):
     return params, m, v, info, saved
 
 
-def apply_checkpoint_config(cfg, saved, explicit, check_data):
-    """cfg with the checkpoint's model sizes, dropout, vocabulary and seed. A model flag given on the
-    command line that disagrees is an error; so is another dataset or language pair when check_data."""
-    for k, value in explicit.items():
-        if value != getattr(saved, k):
-            die(f"--{k.replace('_', '-')} {value} disagrees with the checkpoint ({getattr(saved, k)})")
-    if check_data:
-        for k in ("dataset", "src", "tgt"):
-            if getattr(cfg, k) != getattr(saved, k):
-                die(f"--{k.replace('_', '-')} {getattr(cfg, k)}: the checkpoint was trained with "
-                    f"{getattr(saved, k)}")
-    keep = MODEL_FIELDS + ("model", "dropout", "vocab_size", "pad_id", "bos_id", "eos_id", "seed",
-                           "dataset", "src", "tgt", "bpe_vocab")
-    return replace(cfg, **{k: getattr(saved, k) for k in keep})
+def resume_config(saved, given):
+    """The checkpoint's settings with the flags given on this command line over them (so a resumed run
+    continues as it was started unless told otherwise). Its model, vocabulary and language pair stay:
+    a flag that disagrees with them is an error."""
+    fixed = MODEL_FIELDS + ("model", "dataset", "src", "tgt", "bpe_vocab")
+    for k in fixed:
+        if k in given and given[k] != getattr(saved, k):
+            die(f"--{k.replace('_', '-')} {given[k]} disagrees with the checkpoint ({getattr(saved, k)})")
+    this_run = dict(resume="", eval_only=False, translate="")  # what this command does, not the saved run
+    return check_config(replace(saved, **{**this_run, **given}))
 
 
 def averaged_params(path, n):
@@ -1171,7 +1154,7 @@ def load_tokenizer(path):
 
 
 def main(argv=None):
-    cfg, explicit = parse_args(argv)
+    cfg, given = parse_args(argv)
     device = jax.devices()[0]
 
     # weights and optimizer state: a checkpoint (with its own tokenizer), or fresh from the seed below
@@ -1180,7 +1163,7 @@ def main(argv=None):
     if cfg.resume:
         ckpt_path = resolve_checkpoint(cfg.resume, cfg.out_dir)
         params, m, v, info, saved = load_checkpoint(ckpt_path)
-        cfg = apply_checkpoint_config(cfg, saved, explicit, check_data=not (cfg.translate or cfg.eval_only))
+        cfg = resume_config(saved, given)
         tok_path = os.path.join(ckpt_path, TOKENIZER_FILE)
         tok = load_tokenizer(tok_path)
         if tok.vocab_size != cfg.vocab_size:
