@@ -1259,9 +1259,10 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
     compiled = compile_train_steps(step_jit, params, m, v, batches, cfg)
     print(f"compiled the train step for {len(compiled)} bucket shapes in {time.perf_counter() - t0:.1f} s")
 
-    step, times = info["step"], []
+    step, times, counts, loop_start = info["step"], [], [], time.perf_counter()
     for step in range(info["step"] + 1, cfg.steps + 1):
         T, src, tgt_in, tgt_out = batches.next()                                   # (A,R,T) each
+        # tokens/s counts the real (non-padding) source and target tokens
         tokens = int(np.count_nonzero(src != cfg.pad_id) + np.count_nonzero(tgt_out != cfg.pad_id))
         t0 = time.perf_counter()
         params, m, v, loss, norm = compiled[T](params, m, v, src, tgt_in, tgt_out, np.int32(step),
@@ -1271,6 +1272,7 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
         if not math.isfinite(loss):
             die(f"step {step}: the loss is {loss} (try a lower --lr or --dtype fp32)")
         times.append(dt)
+        counts.append(tokens)
         lr, mem = lr_at(step, cfg), peak_memory_gb(device)
         print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens / dt, mem))
         log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
@@ -1279,10 +1281,11 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
             run_val(step, params)
         if due(cfg.ckpt_every, step, cfg.steps):
             print(f"saved {save_checkpoint(cfg.out_dir, step, params, m, v, batches.state(), cfg, tok_path)}")
-    if times:
-        later = times[1:] or times
-        print(f"trained {len(times)} steps: mean {1000 * np.mean(later):.1f} ms per step"
-              f"{' after the first' if len(times) > 1 else ''}")
+    if times:  # the first step can carry one-off start-up costs: left out of the means when it can be
+        k = 1 if len(times) > 1 else 0
+        print(f"trained {len(times)} steps in {time.perf_counter() - loop_start:.1f} s (evaluations and "
+              f"checkpoints included) | mean step{' after the first' * k}: "
+              f"{1000 * np.mean(times[k:]):.1f} ms, {sum(counts[k:]) / sum(times[k:]):,.0f} tok/s")
     weights, note = final_weights(step)
     run_bleu(step, weights, note)
 
