@@ -114,10 +114,19 @@ def test_translate_prints_the_translation(trained, data_dir, jax_env):
     sources = first_lines(data_dir / "test_2016_flickr.en.gz", SUBSET["test_2016_flickr"])
     # the longest sentence: alone it is padded to the length its batch had in the BLEU run
     longest = max(range(len(sources)), key=lambda i: len(tok.encode_ordinary(sources[i])))
-    proc = run_script(SCRIPT, "--translate", sources[longest], "--resume", out / LAST, "--average", "1",
-                      "--dtype", "fp32", "--decode", "greedy", env=jax_env)
+    proc = run_script(SCRIPT, "--translate", sources[longest], "--resume", out / LAST, env=jax_env)
     with open(out / "hyp_test.txt", encoding="utf-8") as f:
         assert proc.stdout == f.read().split("\n")[longest] + "\n"
+
+
+def test_eval_only_repeats_the_final_evaluation(trained, jax_env, tmp_path):
+    """--eval-only on the last checkpoint prints the val loss and BLEU that the training run logged."""
+    out, _ = trained
+    run_script(SCRIPT, "--eval-only", "--resume", out / LAST, "--out-dir", tmp_path, env=jax_env)
+    logged = [e for e in read_log(out) if e["step"] == STEPS and ("val_loss" in e or "bleu" in e)]
+    again = read_log(tmp_path)
+    assert again == logged and len(again) == 2
+    assert (tmp_path / "hyp_test.txt").read_text() == (out / "hyp_test.txt").read_text()
 
 
 def load_trained(out):
