@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
@@ -215,6 +216,26 @@ def test_beam_search_finds_the_best_hypothesis():
     # only EOS may follow max_lens tokens: with a limit of 1, A C EOS is out of reach
     tokens, _ = aiayn.beam_search(step, {}, jnp.array([1]), 8, 2, 3.0, BOS, EOS)
     assert list(np.asarray(tokens)[0, :2]) == [B, EOS]
+
+
+def test_accumulated_micro_batches_give_the_whole_batch_step():
+    """An optimizer step over 2 micro-batches of 8 rows equals one over the same 16 rows at once."""
+    import jax
+    # Adam's eps at 1: the first update is about lr * gradient, not lr * sign(gradient), so it compares
+    cfg = replace(aiayn.parse_args(["--model", "tiny", "--n-layer", "1", "--dtype", "fp32"])[0],
+                  vocab_size=50, pad_id=47, bos_id=48, eos_id=49, dropout=0.0, adam_eps=1.0)
+    params = aiayn.init_params_numpy(cfg)
+    zeros = {k: np.zeros_like(p) for k, p in params.items()}
+    rng = np.random.default_rng(0)
+    src, tgt_in, tgt_out = (rng.integers(0, 47, (16, 8)).astype(np.int32) for _ in range(3))
+    tgt_out[:5, 6:] = cfg.pad_id  # micro-batches with different token counts
+    step = jax.jit(partial(aiayn.train_step, step=1, scalars=aiayn.adam_scalars(1, cfg), cfg=cfg))
+    whole = step(params, zeros, zeros, src[None], tgt_in[None], tgt_out[None])
+    split = step(params, zeros, zeros, src.reshape(2, 8, 8), tgt_in.reshape(2, 8, 8), tgt_out.reshape(2, 8, 8))
+    assert float(split[3]) == pytest.approx(float(whole[3]), rel=1e-6)  # loss
+    assert float(split[4]) == pytest.approx(float(whole[4]), rel=1e-5)  # gradient norm
+    for k in aiayn.PARAM_NAMES:
+        np.testing.assert_allclose(split[0][k] - params[k], whole[0][k] - params[k], rtol=1e-4, atol=1e-12)
 
 
 def test_label_smoothed_loss_matches_a_direct_computation():
