@@ -270,9 +270,12 @@ def _gelu_tanh(hf):
 
 @jax.custom_vjp
 def gelu(h):
-    """GPT-2's tanh-approximate GELU, evaluated in fp32."""
-    hf = h.astype(jnp.float32)                                                     # (..., 4C)
-    return (0.5 * hf * (1.0 + _gelu_tanh(hf))).astype(h.dtype)
+    """GPT-2's tanh-approximate GELU. Written in h's own dtype and in exactly the form XLA's GPU matmul
+    rewriter recognizes, so that on a GPU it runs inside the c_fc matmul as cuBLASLt's GELU epilogue
+    (computed in fp32 there, pre-activation kept as a second output for the backward) instead of as a
+    separate pass over the (N,4C) activations. Elsewhere XLA evaluates it in fp32 (excess precision);
+    in bf16 its constants are then bf16-rounded (sqrt(2/pi) 0.13% low)."""
+    return h * (0.5 * (1.0 + jnp.tanh(GELU_SCALE * (h + 0.044715 * (h * (h * h))))))  # (..., 4C)
 
 
 def _gelu_fwd(h):
@@ -280,7 +283,9 @@ def _gelu_fwd(h):
 
 
 def _gelu_bwd(h, dy):
-    hf = h.astype(jnp.float32)                                                     # (..., 4C)
+    # the barrier keeps XLA from sharing tanh with the forward, which it would do by writing that fp32
+    # (N,4C) tensor out in the forward and reading it back here: recomputing from bf16 h moves less
+    hf = jax.lax.optimization_barrier(h).astype(jnp.float32)                       # (..., 4C)
     t = _gelu_tanh(hf)                                                             # (..., 4C)
     slope = 0.5 * (1.0 + t) + 0.5 * hf * (1.0 - t * t) * GELU_SCALE * (1.0 + 3 * 0.044715 * hf * hf)
     return ((dy.astype(jnp.float32) * slope).astype(h.dtype),)
@@ -289,10 +294,21 @@ def _gelu_bwd(h, dy):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def _masked_logits(logits):
-    """fp32 logits with the padded columns (>= V) at -inf, so they get zero probability."""
-    col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)      # (..., Vp)
-    return jnp.where(col < VOCAB_SIZE, logits.astype(jnp.float32), -jnp.inf)      # (..., Vp)
+def _lse_combine(a, b):
+    """Merges two partial logsumexps held as (running max, sum of exp(x - max)): one exp per merge."""
+    (ma, sa), (mb, sb) = a, b
+    e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
+    return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
+
+
+def logsumexp_one_pass(x):
+    """fp32 logsumexp over the last axis in ONE read of x (an online softmax as a variadic reduction),
+    where max-then-sum would read the (N, V) logits twice."""
+    xf = x.astype(jnp.float32)                                                     # (..., V)
+    lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
+    m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
+                          _lse_combine, (x.ndim - 1,))                             # (...,) each
+    return m + jnp.log(s)                                                          # (...,)
 
 
 @jax.custom_vjp
@@ -303,18 +319,18 @@ def cross_entropy(logits, targets):
 
 
 def _cross_entropy_fwd(logits, targets):
-    lf = _masked_logits(logits)                                                    # (..., Vp)
-    lse = jax.nn.logsumexp(lf, axis=-1)                                            # (...,)
-    target_logit = jnp.take_along_axis(lf, targets[..., None], axis=-1)[..., 0]    # (...,)
-    return lse - target_logit, (logits, targets, lse)
+    lse = logsumexp_one_pass(logits[..., :VOCAB_SIZE])                             # (...,)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (...,)
+    return lse - target_logit.astype(jnp.float32), (logits, targets, lse)
 
 
 def _cross_entropy_bwd(res, g):
     logits, targets, lse = res
-    probs = jnp.exp(_masked_logits(logits) - lse[..., None])                       # (..., Vp)
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)      # (..., Vp)
+    probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])                  # (..., Vp)
     dlogits = (probs - (col == targets[..., None])) * g[..., None]                 # (..., Vp)
-    return dlogits.astype(logits.dtype), None
+    # the padded columns get no gradient (their probability is zero: they are outside the softmax)
+    return jnp.where(col < VOCAB_SIZE, dlogits, 0.0).astype(logits.dtype), None
 
 
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
@@ -341,8 +357,12 @@ def block(x, lp, cfg):
     C = x.shape[-1]
     h = layernorm(x, lp["ln_1.w"], lp["ln_1.b"])                                  # (B,T,C)
     # q, k, v from c_attn's three row blocks: three contiguous outputs for the attention kernel, where
-    # slicing one (B,T,3C) product would cost a copy of each (and a concatenation in the backward)
-    q, k, v = (linear(h, lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
+    # slicing one (B,T,3C) product would cost a copy of each (and a concatenation in the backward). The
+    # barrier hides that the three inputs are one tensor: XLA would otherwise merge two of the matmuls
+    # into one, then spend a pass over both outputs adding the biases and splitting them apart (and a
+    # concatenation of their gradients), where separate matmuls add the bias in cuBLAS's epilogue.
+    hs = jax.lax.optimization_barrier((h, h, h))                                   # 3 x (B,T,C)
+    q, k, v = (linear(hs[i], lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
                for i in range(3))                                                  # (B,T,C) each
     x = x + linear(attention(q, k, v, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
     h = layernorm(x, lp["ln_2.w"], lp["ln_2.b"])                                  # (B,T,C)
@@ -351,12 +371,16 @@ def block(x, lp, cfg):
 
 
 def transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype. params are the
-    fp32 masters: each tensor is cast here, so its gradient comes back in fp32."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype. Tensors that are
+    not in the compute dtype yet (fp32 masters) are cast here."""
     dt = compute_dtype(cfg)
     T = idx.shape[1]
-    # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32
-    x = (jnp.take(params["wte"], idx, axis=0) + params["wpe"][:T]).astype(dt)     # (B,T,C)
+    # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32.
+    # wpe is gathered by position too, not broadcast over B: adding a broadcast (T,C) table leads XLA's
+    # GPU layout assignment to store the whole residual stream batch-minor, (T,C,B) in memory, which
+    # then costs a transpose before and after every LayerNorm and matmul.
+    pos = jnp.broadcast_to(jnp.arange(T), idx.shape)                                # (B,T)
+    x = (jnp.take(params["wte"], idx, axis=0) + jnp.take(params["wpe"], pos, axis=0)).astype(dt)  # (B,T,C)
     layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
     if cfg.scan_layers:  # one compiled block whatever the depth; activations pass through (L, ...) stacks
         x, _ = jax.lax.scan(lambda x, lp: (block(x, lp, cfg), None), x, layers)  # (B,T,C)
@@ -439,10 +463,14 @@ def train_step(params, m, v, x, y, scalars, cfg):
     micro-batch losses (each micro-batch's gradient scaled by 1/A and summed in fp32), clipped to
     cfg.grad_clip, then AdamW. Returns (params, m, v, loss, grad_norm before clipping)."""
     A = x.shape[0]
+    # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
+    # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch
+    dt = compute_dtype(cfg)
+    weights = {k: p if k in ("wte", "wpe") else p.astype(dt) for k, p in params.items()}
 
     def micro_step(acc, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch[0], batch[1], cfg) / A)(params)
-        return {k: acc[k] + grads[k] for k in PARAM_NAMES}, loss
+        loss, grads = jax.value_and_grad(lambda w: loss_fn(w, batch[0], batch[1], cfg) / A)(weights)
+        return {k: acc[k] + grads[k].astype(jnp.float32) for k in PARAM_NAMES}, loss
 
     zeros = {k: jnp.zeros_like(p) for k, p in params.items()}
     grads, losses = jax.lax.scan(micro_step, zeros, (x, y))                       # fp32 dict, (A,)
