@@ -966,6 +966,10 @@ def main(argv=None):
             print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
             log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                       tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+            # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses no training
+            if due(cfg.ckpt_every, step, cfg.steps):
+                path = save_checkpoint(cfg.out_dir, step, params, m, v, train_loader.state(), cfg)
+                print(f"saved {path}")
             run_evals(params, step, due(cfg.val_every, step, cfg.steps),
                       due(cfg.hellaswag_every, step, cfg.steps))
             if due(cfg.sample_every, step, cfg.steps):
@@ -973,9 +977,6 @@ def main(argv=None):
                 for i, row in enumerate(np.asarray(generate_jit(params, key))):
                     text = encoder.decode([int(t) for t in row[1:]])
                     print(f"sample {i}: {text!r}")
-            if due(cfg.ckpt_every, step, cfg.steps):
-                path = save_checkpoint(cfg.out_dir, step, params, m, v, train_loader.state(), cfg)
-                print(f"saved {path}")
 
     # the first step can carry one-off start-up costs (allocations, cuDNN plans): averaged separately
     later = [times[s] for s in times if s > first] or list(times.values())

@@ -192,6 +192,21 @@ def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_di
     assert {k: e[k] for e in log for k in original if k in e} == original
 
 
+def test_checkpoint_survives_failed_eval(tiny_shards, tiny_model_file, tmp_path, cache):
+    """At a step where a checkpoint and HellaSwag are both due, a HellaSwag that fails (a corrupt cached
+    file) ends the run with a one-line error after the step's checkpoint has been written."""
+    bad = tmp_path / "hellaswag"
+    bad.mkdir()
+    (bad / "hellaswag_val.jsonl").write_text("{not json\n")
+    out = tmp_path / "run"
+    proc = run_script("train_gpt2_jax.py", "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 2, "--out-dir", out, "--ckpt-every", 2, "--val-every", 0,
+                      "--hellaswag-every", 2, "--sample-every", 0, *FLAGS, check=False,
+                      env={"HELLASWAG_DIR": str(bad), **cache})
+    assert_clean_error(proc, "not valid JSON")
+    assert sorted(os.listdir(out / "ckpt_0000002")) == ["model.bin", "state.npz"]
+
+
 def test_two_devices_match_one(trained, tiny_shards, tiny_model_file, tmp_path, cache):
     """Two CPU devices (batch 2 each, same global batch), with the layers run as a lax.scan, give the
     one-device unrolled run's losses and grad norms (rel 1e-5: the order of the cross-device sums
