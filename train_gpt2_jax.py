@@ -242,8 +242,14 @@ def layernorm(x, w, b):
 
 def _layernorm_fwd(x, w, b):
     xf = x.astype(jnp.float32)                                                     # (..., C)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)                                    # (..., 1)
-    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + 1e-5)  # (..., 1)
+    # both statistics from one read of x: sums of d and d^2 for d = x - (the row's first element), a
+    # shift that keeps E[d^2] - E[d]^2 free of cancellation however far the row sits from zero
+    d = xf - xf[..., :1]                                                           # (..., C)
+    d_mean = jnp.mean(d, axis=-1, keepdims=True)                                   # (..., 1)
+    var = jnp.maximum(jnp.mean(jnp.square(d), axis=-1, keepdims=True) - jnp.square(d_mean), 0.0)  # (..., 1)
+    # the barrier makes XLA keep mean and rstd for the backward instead of recomputing them there,
+    # which would have it write dy * xhat out in fp32 for the dw reduction to read back
+    mean, rstd = jax.lax.optimization_barrier((xf[..., :1] + d_mean, jax.lax.rsqrt(var + 1e-5)))  # (..., 1) each
     y = (xf - mean) * rstd * w.astype(jnp.float32) + b.astype(jnp.float32)         # (..., C)
     return y.astype(x.dtype), (x, w, mean, rstd)
 
@@ -989,4 +995,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # cuBLAS for every GPU matmul (NVIDIA's JAX containers set this too). On the H100 every matmul
+    # here ran in cuBLAS anyway, yet with Triton matmuls enabled the biases were added in separate
+    # passes; with them disabled XLA folds bias and GELU into cuBLASLt epilogues (seen in the H100
+    # HLO compiled offline). Set before JAX starts its backend; an XLA_FLAGS naming it is left alone.
+    if "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
     main()
