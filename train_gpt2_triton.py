@@ -17,6 +17,7 @@ kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are th
 Chrome trace in --out-dir) and exits; --bench-ops times each op against the torch op it replaces.
 """
 import argparse
+import contextlib
 import datetime
 import glob
 import json
@@ -31,6 +32,8 @@ import tiktoken
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import hellaswag
 
@@ -312,8 +315,9 @@ HEAD_ROWS = 4096  # rows per lm-head chunk: only (HEAD_ROWS, Vp) logits ever exi
 
 
 def _acc(dtype):
-    """The dtype that statistics and accumulations use for compute dtype `dtype`: fp32, or fp64 for fp64."""
-    return torch.promote_types(dtype, torch.float32)
+    """The dtype that statistics and accumulations use for compute dtype `dtype`: fp32, or fp64 for fp64
+    (a plain comparison: torch.promote_types would be a dispatched op inside the training step)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def torch_encoder_forward(idx, wte, wpe):
@@ -487,6 +491,11 @@ def torch_crossentropy_forward_backward(logits, targets, V, dloss):
     return losses
 
 
+def torch_copy_into(dst, src):
+    """dst = src (as many elements, both contiguous)."""
+    dst.view(-1).copy_(src.view(-1))  # (n,)
+
+
 def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
     """The tied lm head and the loss, forward and backward at once, `rows` rows at a time: logits = h wte^T;
     the cross-entropy overwrites them with dlogits; then dh = dlogits wte and dwte += dlogits^T h. Returns
@@ -497,10 +506,10 @@ def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS)
     for r0 in range(0, N, rows):
         hc = h[r0:r0 + rows]  # (n, C)
         logits = ops.matmul_forward(hc, w["wte"], None)  # (n, Vp)
-        losses[r0:r0 + rows] = ops.crossentropy_forward_backward(logits, targets[r0:r0 + rows],
-                                                                 cfg.vocab_size, dloss)  # (n,)
+        ops.copy_into(losses[r0:r0 + rows], ops.crossentropy_forward_backward(
+            logits, targets[r0:r0 + rows], cfg.vocab_size, dloss))  # (n,)
         if grads is not None:
-            dh[r0:r0 + rows] = ops.matmul_backward(logits, hc, w["wte"], grads["wte"], None)  # (n, C)
+            ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w["wte"], grads["wte"], None))
         del logits  # freed before the next chunk allocates its own
     return losses, dh
 
@@ -580,6 +589,21 @@ def torch_global_norm(grads):
     return torch.stack([g.square().sum() for g in grads]).sum().sqrt()  # ()
 
 
+def torch_zero_fill(x):
+    x.zero_()
+
+
+def torch_clip_by_norm(g, norm, max_norm):
+    """g *= max_norm / (norm + 1e-6) where that is below 1 (torch.nn.utils.clip_grad_norm_), computed on the
+    device in fp32, so the step never waits for the norm to reach the host."""
+    g.mul_((max_norm / (norm + 1e-6)).clamp_(max=1.0))  # all gradients, flat
+
+
+def torch_sum_into(acc, x, scale):
+    """acc += scale * sum(x)."""
+    acc += x.sum() * scale
+
+
 def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
     """llm.c's AdamW in place on lists of fp32 tensors, the gradients first scaled by grad_scale (the
     clipping coefficient): m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
@@ -604,38 +628,1245 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): each one's forward and
     hand-written backward add into the fp32 gradients, scaled so that they sum to the gradient of the mean
     token loss over all A x world micro-batches; one all-reduce over the processes; clipping by global norm;
-    AdamW. No autograd anywhere: grad mode is off and no tensor requires grad. Returns (train loss, grad
-    norm before clipping) as floats."""
-    w, grads = state["wts"], state["grads"]
-    for g in grads.values():
-        g.zero_()
+    AdamW. No autograd anywhere: grad mode is off and no tensor requires grad. Everything runs through `ops`
+    (the loss sum, the zeroing and clipping of the gradients too), and the clipping coefficient is computed
+    on the device: the host waits once, at the end, to read the loss and the norm. Returns (train loss,
+    grad norm before clipping) as floats."""
+    w, grads, flat = state["wts"], state["grads"], state["grad_buffer"]
+    ops.zero_fill(flat)
     dloss = 1.0 / (xs[0].numel() * len(xs) * world)
-    loss = torch.zeros((), dtype=torch.float32, device=xs.device)  # ()
+    loss = torch.empty((), dtype=torch.float32, device=xs.device)  # () the mean token loss
+    ops.zero_fill(loss)
     for x, y in zip(xs, ys):
-        loss += forward_backward(w, grads, x, y, cfg, ops, dloss).sum()
-    g = [grads[k] for k in PARAM_NAMES]
+        ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), dloss)
     if world > 1:
-        for t in g:
-            dist.all_reduce(t)
+        dist.all_reduce(flat)
         dist.all_reduce(loss)
-    norm = ops.global_norm(g).item()
-    clip = cfg.grad_clip / (norm + 1e-6)
-    scale = clip if cfg.grad_clip > 0 and clip < 1 else 1.0
+    g = [grads[k] for k in PARAM_NAMES]
+    norm = ops.global_norm(g)  # ()
+    if cfg.grad_clip > 0:
+        ops.clip_by_norm(flat, norm, cfg.grad_clip)
     copies = [w[k] for k in PARAM_NAMES] if cfg.dtype == "bf16" else None
     ops.adamw_update([state["params"][k] for k in PARAM_NAMES], g, [state["m"][k] for k in PARAM_NAMES],
                      [state["v"][k] for k in PARAM_NAMES], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
-                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in PARAM_NAMES], step, scale)
-    return loss.item() * dloss, norm
+                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in PARAM_NAMES], step, 1.0)
+    return loss.item(), norm.item()  # the step's one wait for the device
+
+
+GRAD_ALIGN = 16  # each gradient starts 64 bytes into the flat buffer: aligned vector loads in the kernels
 
 
 def make_state(params, m, v, cfg, device):
-    """The training state from numpy dicts: fp32 master weights, AdamW moments and gradient buffers, and
-    `wts`, the weights the model computes with (bf16 copies, or the fp32 masters themselves)."""
+    """The training state from numpy dicts: fp32 master weights, AdamW moments, the fp32 gradients (views of
+    one flat buffer, `grad_buffer`, that one kernel zeroes or clips and one all-reduce sums), and `wts`,
+    the weights the model computes with (bf16 copies, or the fp32 masters themselves)."""
     state = {name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))}
-    state["grads"] = {k: torch.zeros_like(t) for k, t in state["params"].items()}
+    starts, size = {}, 0
+    for k in PARAM_NAMES:
+        starts[k] = size
+        size += -(-state["params"][k].numel() // GRAD_ALIGN) * GRAD_ALIGN
+    state["grad_buffer"] = torch.zeros(size, dtype=torch.float32, device=device)  # (P,) padded
+    state["grads"] = {k: state["grad_buffer"][starts[k]:starts[k] + t.numel()].view(t.shape)
+                      for k, t in state["params"].items()}
     state["wts"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
                     else state["params"])
     return state
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels
+#
+# Backend `triton`: the op interface filled in by our own kernels. Two blocks, each a kernel file pasted
+# as it is developed and benchmarked on its own: first the memory-bound ops (embedding, LayerNorm, GELU,
+# cross-entropy, global norm, AdamW), then the two that hold the FLOPs (matmul with fused epilogues, causal
+# flash attention). Then the training step's own four small kernels (zeroing and clipping the gradients,
+# summing the loss, copying a chunk's rows into place), so that no torch op computes anything in backend
+# triton's step: torch only allocates memory and makes views. Without a GPU, TRITON_INTERPRET=1 (set
+# before triton is imported) runs every kernel in Triton's interpreter: slow, and fp32 only (its bf16 dots
+# are wrong).
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# ---- kernels: triton_ops_norm ----
+# -----------------------------------------------------------------------------
+# Triton kernels: embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
+#
+# Conventions. N = B*T rows, C channels, `dt` the compute dtype (bf16 or fp32). Inputs are loaded in their
+# own dtype, all arithmetic is fp32, each result is rounded once when stored. Every load and store is
+# masked, so any shape works; the block sizes below only decide speed. Row offsets are int64 (N*Vp
+# passes 2**31 at B*T = 43k), offsets inside a block stay int32.
+#
+# Determinism: every kernel here gives bit-identical results run to run (torch's index_add_, behind
+# backend torch's embedding backward, does not on the GPU). No kernel uses atomics: the embedding backward
+# sorts the rows by token (a stable rank sort by N^2 integer compares) and sums each token's rows in a
+# fixed order; LayerNorm's dgamma/dbeta, the wpe gradient and the global norm reduce partitions that
+# depend on the shapes only, in a fixed order.
+#
+# Block sizes were chosen for the H100 by reasoning, not measurement (132 SMs, 64k registers and at most
+# 64 warps per SM; a memory-bound kernel wants roughly 20-30 KB in flight per SM to cover HBM latency):
+# each is a named constant so one benchmark run (wip/check_triton_ops_norm.py --bench) can retune them.
+
+ROW_TILE = 4096         # elements per program in the row kernels: 4 rows of a 1024-wide block at C=768,
+ROW_WARPS = 8           # ... 16 per thread, two 16-byte bf16 vectors per tensor per thread
+LN_BWD_PROGRAMS = 512   # LayerNorm backward partitions: about 4 programs per SM (two resident at a time)
+LN_REDUCE_BLOCK_P = 64  # the dgamma/dbeta reduce: a (64 partials, 64 channels) tile per step
+LN_REDUCE_BLOCK_C = 64
+ELEM_BLOCK = 4096       # GELU: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
+ELEM_WARPS = 8
+CE_BLOCK_V = 4096       # cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps
+CE_WARPS = 8
+ENC_SORT_BLOCK_N = 32   # embedding sort: (32 rows, 256 rows) compare tiles, 512 programs at N = 16k,
+ENC_SORT_BLOCK_M = 256  # ... 64 pairs per thread with 4 warps (must be a multiple of ENC_SORT_BLOCK_N)
+ENC_SORT_WARPS = 4
+ENC_ROWS = 32           # embedding wte reduce: a token's rows are summed 32 at a time ...
+ENC_BLOCK_C = 256       # ... over 256 channels per program
+ENC_WPE_BLOCK_T = 4     # wpe reduce: (4 positions, 256 channels) per program, looping over the batch
+MT_CHUNK = 16384        # multi-tensor kernels: elements per program (8 blocks of MT_BLOCK)
+MT_BLOCK = 2048
+MT_WARPS = 8
+NORM_FINISH_BLOCK = 1024
+
+
+def _row_blocks(C):
+    """(BLOCK_C, BLOCK_ROWS) for a kernel that keeps whole rows of C channels in one tile."""
+    block_c = triton.next_power_of_2(C)
+    return block_c, max(1, ROW_TILE // block_c)
+
+
+# --- Embedding: x[b, t] = wte[idx[b, t]] + wpe[t] ---------------------------------------------------------
+
+@triton.jit
+def _encoder_forward_kernel(idx_ptr, wte_ptr, wpe_ptr, out_ptr, N, T, C,
+                            BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local rows
+    cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
+    row_mask = rows < N - row0
+    mask = row_mask[:, None] & (cols < C)[None, :]                                  # (R, BC)
+    tok = tl.load(idx_ptr + row0 + rows, mask=row_mask, other=0)                    # (R,) int64
+    pos = (row0 + rows) % T                                                         # (R,) int64
+    e = tl.load(wte_ptr + tok[:, None] * C + cols[None, :], mask=mask, other=0.0)   # (R, BC) dt
+    p = tl.load(wpe_ptr + pos[:, None] * C + cols[None, :], mask=mask, other=0.0)   # (R, BC) dt
+    x = e.to(tl.float32) + p.to(tl.float32)                                         # (R, BC) fp32
+    tl.store(out_ptr + row0 * C + rows[:, None] * C + cols[None, :], x.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def encoder_forward(idx, wte, wpe):
+    """idx (B,T) int64, wte (Vp,C) dt, wpe (maxT,C) dt -> x (B,T,C) dt."""
+    B, T = idx.shape
+    C = wte.shape[1]
+    x = torch.empty((B, T, C), dtype=wte.dtype, device=wte.device)                  # (B, T, C) dt
+    block_c, block_rows = _row_blocks(C)
+    grid = (triton.cdiv(B * T, block_rows),)
+    _encoder_forward_kernel[grid](idx, wte, wpe, x, B * T, T, C, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
+                                  num_warps=ROW_WARPS)
+    return x
+
+
+# The token gradient dwte[v] += sum of dx over the rows whose token is v must not race when a token repeats.
+# Instead of atomics: (1) a stable rank sort of the rows by token: the slot of row n is the number of rows m
+# whose (token, m) sorts before (token_n, n), found by comparing against every row. That is N^2 pairs at
+# 2-3 integer operations each, 2.7e8 pairs at N = 16k: some 40-60 us at the H100's ~14 Tops/s of int32
+# (an estimate; --bench measures it), growing 4x when N doubles. (2) One program per sorted slot that
+# starts a run of equal tokens sums the run's rows ENC_ROWS at a time, in row order, and adds the sum into
+# its wte row, which no other program touches.
+
+@triton.jit
+def _encoder_sort_kernel(idx_ptr, order_ptr, sorted_tok_ptr, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    # slot[n] = #{m: token_m < token_n} + #{m < n: token_m == token_n}. The m-blocks below the one holding
+    # our rows count token_m <= token_n, those above token_m < token_n; only the block holding our rows
+    # compares positions (BLOCK_M is a multiple of BLOCK_N, so our rows lie in one m-block).
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)                                                  # (BN,) our rows
+    n_mask = n < N
+    # masked lanes hold 2**31 - 1, above every token, so they never sort before a real row
+    tok_n = tl.load(idx_ptr + n, mask=n_mask, other=2147483647).to(tl.int32)         # (BN,)
+    tok_nc = tok_n[:, None]                                                         # (BN, 1)
+    m = tl.arange(0, BLOCK_M)                                                       # (BM,)
+    slot = tl.zeros((BLOCK_N,), dtype=tl.int32)                                     # (BN,)
+    m_own = (n0 // BLOCK_M) * BLOCK_M
+    for m0 in range(0, m_own, BLOCK_M):
+        tok_m = tl.load(idx_ptr + m0 + m).to(tl.int32)                              # (BM,) a full block
+        slot += tl.sum((tok_m[None, :] <= tok_nc).to(tl.int32), axis=1)
+    tok_m = tl.load(idx_ptr + m_own + m, mask=m < N - m_own, other=2147483647).to(tl.int32)  # (BM,)
+    tie_before = (tok_m[None, :] == tok_nc) & ((m_own + m)[None, :] < n[:, None])   # (BN, BM)
+    slot += tl.sum(((tok_m[None, :] < tok_nc) | tie_before).to(tl.int32), axis=1)
+    for m0 in range(m_own + BLOCK_M, N, BLOCK_M):
+        tok_m = tl.load(idx_ptr + m0 + m, mask=m < N - m0, other=2147483647).to(tl.int32)  # (BM,)
+        slot += tl.sum((tok_m[None, :] < tok_nc).to(tl.int32), axis=1)
+    tl.store(order_ptr + slot, n, mask=n_mask)
+    tl.store(sorted_tok_ptr + slot, tok_n, mask=n_mask)
+
+
+@triton.jit
+def _encoder_wte_backward_kernel(dx_ptr, order_ptr, sorted_tok_ptr, dwte_ptr, N, C,
+                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    # program (p, c-block): if sorted slot p starts a run of equal tokens, sum the run's dx rows in sorted
+    # (= row) order, ROWS at a time until a block leaves the run, and add the sum to that token's dwte row
+    p = tl.program_id(0)
+    tok = tl.load(sorted_tok_ptr + p)                                               # scalar int32
+    prev = tl.load(sorted_tok_ptr + p - 1, mask=p > 0, other=-1)
+    if prev != tok:
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                   # (BC,)
+        col_mask = cols < C
+        r = tl.arange(0, ROWS)                                                      # (RW,)
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)                                # (BC,)
+        s0 = p
+        more = p < N                                                                # true, as a tensor
+        while more:
+            in_run = tl.load(sorted_tok_ptr + s0 + r, mask=r < N - s0, other=-1) == tok  # (RW,) a prefix
+            rows = tl.load(order_ptr + s0 + r, mask=in_run, other=0).to(tl.int64)   # (RW,) source rows
+            g = tl.load(dx_ptr + rows[:, None] * C + cols[None, :],
+                        mask=in_run[:, None] & col_mask[None, :], other=0.0)        # (RW, BC) dt
+            acc += tl.sum(g.to(tl.float32), axis=0)
+            # on while the block was all in the run; bounded by N whatever the tokens hold
+            more = (tl.sum(in_run.to(tl.int32), axis=0) == ROWS) & (s0 + ROWS < N)
+            s0 += ROWS
+        dst = dwte_ptr + tok.to(tl.int64) * C + cols                                # (BC,) fp32 row
+        tl.store(dst, tl.load(dst, mask=col_mask, other=0.0) + acc, mask=col_mask)
+
+
+@triton.jit
+def _encoder_wpe_backward_kernel(dx_ptr, dwpe_ptr, B, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dwpe[t] += sum over b of dx[b, t], the batch summed in order by the one program owning (t, c)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                          # (BT,)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
+    mask = (t < T)[:, None] & (cols < C)[None, :]                                   # (BT, BC)
+    offs = t[:, None] * C + cols[None, :]                                           # (BT, BC) int32
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for _ in range(B):
+        acc += tl.load(dx_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dx_ptr += T * C
+    tl.store(dwpe_ptr + offs, tl.load(dwpe_ptr + offs, mask=mask, other=0.0) + acc, mask=mask)
+
+
+def encoder_backward(dx, idx, dwte, dwpe):
+    """dx (B,T,C) dt, idx (B,T) int64; dwte (Vp,C) fp32 += token gradients, dwpe (maxT,C) fp32 +=."""
+    B, T, C = dx.shape
+    N = B * T
+    order = torch.empty(N, dtype=torch.int32, device=dx.device)       # (N,) rows sorted by (token, row)
+    sorted_tok = torch.empty(N, dtype=torch.int32, device=dx.device)  # (N,) their tokens
+    _encoder_sort_kernel[(triton.cdiv(N, ENC_SORT_BLOCK_N),)](
+        idx, order, sorted_tok, N, BLOCK_N=ENC_SORT_BLOCK_N, BLOCK_M=ENC_SORT_BLOCK_M,
+        num_warps=ENC_SORT_WARPS)
+    n_cblocks = triton.cdiv(C, ENC_BLOCK_C)
+    _encoder_wte_backward_kernel[(N, n_cblocks)](dx, order, sorted_tok, dwte, N, C, ROWS=ENC_ROWS,
+                                                  BLOCK_C=ENC_BLOCK_C)
+    _encoder_wpe_backward_kernel[(triton.cdiv(T, ENC_WPE_BLOCK_T), n_cblocks)](
+        dx, dwpe, B, T, C, BLOCK_T=ENC_WPE_BLOCK_T, BLOCK_C=ENC_BLOCK_C)
+
+
+# --- LayerNorm, optionally fused with the residual add before it ------------------------------------------
+
+@triton.jit
+def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_ptr, rstd_ptr, N, C, eps,
+                              HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local rows
+    cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
+    row_mask = rows < N - row0
+    col_mask = cols < C
+    mask = row_mask[:, None] & col_mask[None, :]                                    # (R, BC)
+    base = row0 * C                                                                 # int64 scalar
+    offs = rows[:, None] * C + cols[None, :]                                        # (R, BC) int32
+    x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)                          # (R, BC) dt
+    if HAS_RESIDUAL:
+        # the sum is rounded to dt before the statistics: the backward recomputes from the stored x
+        h = tl.load(h_ptr + base + offs, mask=mask, other=0.0)                      # (R, BC) dt
+        x = (x.to(tl.float32) + h.to(tl.float32)).to(xsum_ptr.dtype.element_ty)
+        tl.store(xsum_ptr + base + offs, x, mask=mask)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=1) / C                                                    # (R,) fp32
+    # padded lanes are zeroed so that they stay out of the variance (C = 768 in a 1024-wide block)
+    xc = tl.where(mask, x - mean[:, None], 0.0)                                     # (R, BC)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / C + eps)                              # (R,) fp32
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)              # (BC,)
+    b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)              # (BC,)
+    y = xc * rstd[:, None] * w[None, :] + b[None, :]                                # (R, BC) fp32
+    tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row0 + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + row0 + rows, rstd, mask=row_mask)
+
+
+def _layernorm_forward(x, h, w, b):
+    """LayerNorm over the last axis of x, or of x + h when h is given: (x + h or None, y, mean, rstd)."""
+    C = x.shape[-1]
+    N = x.numel() // C
+    xsum = torch.empty_like(x) if h is not None else None                           # (..., C) dt
+    y = torch.empty_like(x)                                                         # (..., C) dt
+    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)          # (...,) fp32
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)          # (...,) fp32
+    block_c, block_rows = _row_blocks(C)
+    _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
+        x, h if h is not None else x, w, b, xsum if h is not None else y, y, mean, rstd, N, C, LN_EPS,
+        HAS_RESIDUAL=h is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
+    return xsum, y, mean, rstd
+
+
+def layernorm_forward(x, w, b):
+    """x (N,C) dt, w (C) dt, b (C) dt -> (y (N,C) dt, mean (N) fp32, rstd (N) fp32)."""
+    _, y, mean, rstd = _layernorm_forward(x, None, w, b)
+    return y, mean, rstd
+
+
+def residual_layernorm_forward(res, h, w, b):
+    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, LayerNorm(x) (N,C) dt, mean (N), rstd (N))."""
+    return _layernorm_forward(res, h, w, b)
+
+
+@triton.jit
+def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, partial_ptr,
+                               N, C, rows_per_program, HAS_DRES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                               BLOCK_C: tl.constexpr):
+    # dx for a contiguous range of rows, plus this range's partial dgamma/dbeta: partial[0, pid] and
+    # partial[1, pid], summed over the programs by _layernorm_param_grad_kernel (no atomics on the weights)
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,)
+    cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
+    col_mask = cols < C
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)              # (BC,)
+    dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)                      # (R, BC)
+    db_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)                      # (R, BC)
+    first = pid.to(tl.int64) * rows_per_program
+    for r0 in range(0, rows_per_program, BLOCK_ROWS):
+        row0 = first + r0
+        row_mask = rows < N - row0
+        mask = row_mask[:, None] & col_mask[None, :]                                # (R, BC)
+        base = row0 * C                                                             # int64 scalar
+        offs = rows[:, None] * C + cols[None, :]                                    # (R, BC) int32
+        dy = tl.load(dy_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)    # (R, BC)
+        x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)      # (R, BC)
+        mean = tl.load(mean_ptr + row0 + rows, mask=row_mask, other=0.0)            # (R,)
+        rstd = tl.load(rstd_ptr + row0 + rows, mask=row_mask, other=0.0)            # (R,)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)             # (R, BC)
+        g = dy * w[None, :]                                                         # (R, BC) dL/dxhat
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); masked lanes hold g = xhat = 0
+        g_mean = tl.sum(g, axis=1) / C                                              # (R,)
+        gx_mean = tl.sum(g * xhat, axis=1) / C                                      # (R,)
+        dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]        # (R, BC)
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + base + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+        db_acc += dy
+    P = tl.num_programs(0)
+    tl.store(partial_ptr + pid * C + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    tl.store(partial_ptr + (P + pid) * C + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, BLOCK_P: tl.constexpr,
+                                 BLOCK_C: tl.constexpr):
+    # dw[c] += sum over programs of partial[0, :, c] (db from partial[1]), in a fixed order
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
+    col_mask = cols < C
+    parts = tl.arange(0, BLOCK_P)                                                   # (BP,)
+    dw_acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)                         # (BP, BC)
+    db_acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)                         # (BP, BC)
+    for p0 in range(0, P, BLOCK_P):
+        mask = (parts < P - p0)[:, None] & col_mask[None, :]                        # (BP, BC)
+        offs = (p0 + parts)[:, None] * C + cols[None, :]                            # (BP, BC)
+        dw_acc += tl.load(partial_ptr + offs, mask=mask, other=0.0)
+        db_acc += tl.load(partial_ptr + P * C + offs, mask=mask, other=0.0)
+    dw = tl.load(dw_ptr + cols, mask=col_mask, other=0.0) + tl.sum(dw_acc, axis=0)  # (BC,)
+    db = tl.load(db_ptr + cols, mask=col_mask, other=0.0) + tl.sum(db_acc, axis=0)  # (BC,)
+    tl.store(dw_ptr + cols, dw, mask=col_mask)
+    tl.store(db_ptr + cols, db, mask=col_mask)
+
+
+def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
+    """dy, x (N,C) dt; w (C); mean, rstd (N) fp32; dw, db (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt
+    (dx includes dres: the residual stream's gradient flowing through the fused add)."""
+    C = x.shape[-1]
+    N = x.numel() // C
+    dx = torch.empty_like(x)                                                        # (..., C) dt
+    block_c, block_rows = _row_blocks(C)
+    # whole row tiles per program; the count, and with it the summation order, depends on N only
+    rows_per_program = block_rows * triton.cdiv(N, block_rows * LN_BWD_PROGRAMS)
+    P = triton.cdiv(N, rows_per_program)
+    partial = torch.empty((2, P, C), dtype=torch.float32, device=x.device)          # (2, P, C) fp32
+    _layernorm_backward_kernel[(P,)](dy, x, w, mean, rstd, dres if dres is not None else dy, dx, partial,
+                                     N, C, rows_per_program, HAS_DRES=dres is not None, BLOCK_ROWS=block_rows,
+                                     BLOCK_C=block_c, num_warps=ROW_WARPS)
+    _layernorm_param_grad_kernel[(triton.cdiv(C, LN_REDUCE_BLOCK_C),)](
+        partial, dw, db, P, C, BLOCK_P=LN_REDUCE_BLOCK_P, BLOCK_C=LN_REDUCE_BLOCK_C)
+    return dx
+
+
+# --- tanh-GELU: gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) ------------------------------
+# (the bias add before it is fused into the matmul epilogue, wip/triton_ops_mm.py)
+
+@triton.jit
+def _gelu_parts(x):
+    # (1 + tanh(u), 1 - tanh(u)^2) at u = sqrt(2/pi) (x + 0.044715 x^3), both from e = exp(-2|u|) in (0, 1]:
+    # 1 + tanh = 2/(1+e) for u >= 0 and 2e/(1+e) below, 1 - tanh^2 = 4e/(1+e)^2. Nothing overflows, and
+    # neither cancels where tanh is near -1 or 1 (there, 1 - tanh(u) rounded in fp32 would carry an error
+    # of 6e-8 that the backward multiplies by x * du/dx, some 100 at |x| = 10)
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)                             # sqrt(2/pi) = 0.797...
+    e = tl.exp(-2.0 * tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    return tl.where(u >= 0.0, 2.0 * r, 2.0 * e * r), 4.0 * e * r * r
+
+
+@triton.jit
+def _gelu_forward_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    one_plus_tanh, _ = _gelu_parts(x)
+    tl.store(y_ptr + start + offs, (0.5 * x * one_plus_tanh).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    dy = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)        # (BL,)
+    one_plus_tanh, sech2 = _gelu_parts(x)
+    # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
+    du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    grad = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                               # (BL,)
+    tl.store(dx_ptr + start + offs, (dy * grad).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_forward(pre):
+    """pre (N,M) dt -> gelu(pre) (N,M) dt, tanh approximation."""
+    y = torch.empty_like(pre)                                                       # (N, M) dt
+    n = pre.numel()
+    _gelu_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return y
+
+
+def gelu_backward(dy, pre):
+    """dy (N,M), pre (N,M) dt -> dpre (N,M) dt."""
+    dpre = torch.empty_like(pre)                                                    # (N, M) dt
+    n = pre.numel()
+    _gelu_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, BLOCK=ELEM_BLOCK,
+                                                         num_warps=ELEM_WARPS)
+    return dpre
+
+
+# --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
+
+@triton.jit
+def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, BLOCK_V: tl.constexpr):
+    # one row: pass 1 streams the V real logits with an online logsumexp (a running max and a sum rescaled
+    # when the max grows, one exp per logit); pass 2 overwrites the row with dloss * (softmax - onehot),
+    # and zeros in the padded columns V..Vp-1. Nothing but the row's two scalars is kept in fp32.
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * Vp
+    cols = tl.arange(0, BLOCK_V)                                                    # (BV,)
+    target = tl.load(targets_ptr + row)                                             # scalar int64
+    target_logit = tl.load(logits_ptr + target).to(tl.float32)                      # read before pass 2
+    run_max = tl.full((), float("-inf"), tl.float32)                                # scalar fp32
+    run_sum = tl.full((), 0.0, tl.float32)                                          # scalar fp32
+    # loads are masked at Vp (a multiple of 16 at 50304, so 16-byte vector loads) and the padded columns
+    # are dropped after loading
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols                                                               # (BV,)
+        x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)         # (BV,)
+        x = tl.where(c < V, x, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))   # finite: every block holds a real logit
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        run_max = new_max
+    lse = run_max + tl.log(run_sum)                                                 # scalar fp32
+    for v0 in range(0, Vp, BLOCK_V):
+        c = v0 + cols                                                               # (BV,)
+        x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)          # (BV,)
+        grad = tl.exp(x - lse) - (c == target).to(tl.float32)                       # (BV,)
+        grad = tl.where(c < V, grad * dloss, 0.0)
+        tl.store(logits_ptr + c, grad.to(logits_ptr.dtype.element_ty), mask=c < Vp)
+    tl.store(losses_ptr + row, lse - target_logit)
+
+
+def crossentropy_forward_backward(logits, targets, V, dloss):
+    """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32; OVERWRITES logits with
+    dlogits = dloss * (softmax(logits[:, :V]) - onehot), and 0 in the padded columns V..Vp-1."""
+    Vp = logits.shape[-1]
+    N = logits.numel() // Vp
+    losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
+    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, BLOCK_V=CE_BLOCK_V, num_warps=CE_WARPS)
+    return losses
+
+
+# --- Global gradient norm and AdamW over all parameters: multi-tensor kernels ----------------------------
+# One launch covers every tensor: a small int64 table holds, per tensor, its element count, the index of
+# its first MT_CHUNK-element chunk, its data pointers and its weight decay; program i finds the tensor that
+# owns chunk i by counting the first-chunk entries <= i. Pointers read from a table carry no alignment
+# information, so the wrapper checks alignment and the kernels restate it (ALIGNED) to keep 16-byte loads.
+
+TABLE_NUMEL, TABLE_FIRST_CHUNK, TABLE_PTRS = 0, 1, 2   # table columns; pointers follow, then the floats
+
+
+def _tensor_table(pointer_lists, floats=()):
+    """(table (n_tensors, 2 + len(pointer_lists) + len(floats)) int64 on the device, chunks, aligned).
+    pointer_lists: lists of tensors (None entries or a None list give a null pointer); the first list
+    sets each row's element count. floats: lists of Python floats, stored as float64 bit patterns."""
+    lead = pointer_lists[0]
+    rows, first, aligned = [], 0, True
+    for i, t in enumerate(lead):
+        ptrs = [0 if lst is None or lst[i] is None else lst[i].data_ptr() for lst in pointer_lists]
+        aligned = aligned and t.numel() % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+        rows.append([t.numel(), first] + ptrs)
+        first += triton.cdiv(t.numel(), MT_CHUNK)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(len(lead), 2 + len(pointer_lists))
+    if floats:
+        bits = torch.tensor(list(zip(*floats)), dtype=torch.float64).reshape(len(lead), len(floats))
+        table = torch.cat([table, bits.view(torch.int64)], dim=1)
+    return table.to(lead[0].device), first, aligned
+
+
+def _check_tensors(name, tensors, dtypes, like):
+    """The kernels reach these tensors through raw pointers, so shapes and dtypes are checked here."""
+    for t, ref in zip(tensors, like):
+        if t.dtype not in dtypes or not t.is_contiguous() or t.shape != ref.shape or t.device != ref.device:
+            raise ValueError(f"{name}: expected contiguous {dtypes} tensors shaped like the parameters, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+@triton.jit
+def _owner_row(table_ptr, n_tensors, NCOL: tl.constexpr, BLOCK_T: tl.constexpr):
+    # the table row of the tensor that owns this program's chunk: the last row whose first chunk <= pid
+    # (sizes and offsets are loaded by the caller: hints set on values returned from a jit function are
+    # dropped when triton 3.6 inlines it)
+    t = tl.arange(0, BLOCK_T)                                                       # (BT,)
+    firsts = tl.load(table_ptr + t * NCOL + 1, mask=t < n_tensors, other=2147483647)  # (BT,) int64
+    owner = tl.sum((firsts <= tl.program_id(0)).to(tl.int32), axis=0) - 1
+    return table_ptr + owner * NCOL
+
+
+@triton.jit
+def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.constexpr,
+                                CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    row = _owner_row(table_ptr, n_tensors, 3, BLOCK_T)  # numel, first chunk, grad pointer
+    numel = tl.load(row)
+    start = (tl.program_id(0) - tl.load(row + 1)) * CHUNK                           # int64 scalar
+    g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    g_ptr += start
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        g = tl.load(g_ptr + i0 + offs, mask=offs < size - i0, other=0.0)           # (BL,) fp32
+        acc += g * g
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _global_norm_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in range(0, n, BLOCK):
+        acc += tl.load(partial_ptr + i0 + offs, mask=offs < n - i0, other=0.0)
+    tl.store(out_ptr, tl.sqrt_rn(tl.sum(acc, axis=0)))
+
+
+def global_norm(grads):
+    """grads: list of fp32 tensors -> 0-d fp32 tensor, the L2 norm of all of them (deterministic: fixed
+    chunks summed in a fixed order)."""
+    _check_tensors("global_norm grads", grads, (torch.float32,), grads)
+    table, chunks, aligned = _tensor_table([grads])
+    partial = torch.empty(chunks, dtype=torch.float32, device=grads[0].device)      # (chunks,) fp32
+    out = torch.empty((), dtype=torch.float32, device=grads[0].device)              # () fp32
+    _global_norm_partial_kernel[(chunks,)](table, len(grads), partial, ALIGNED=aligned, CHUNK=MT_CHUNK,
+                                           BLOCK=MT_BLOCK, BLOCK_T=triton.next_power_of_2(len(grads)),
+                                           num_warps=MT_WARPS)
+    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK)
+    return out
+
+
+@triton.jit
+def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, grad_scale,
+                  HAS_COPY: tl.constexpr, COPY_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, param, grad, m, v, copy pointers, weight decay (float64 bits)
+    row = _owner_row(table_ptr, n_tensors, 8, BLOCK_T)
+    numel = tl.load(row)
+    start = (tl.program_id(0) - tl.load(row + 1)) * CHUNK                           # int64 scalar
+    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    wd = tl.load(row + 7).to(tl.float64, bitcast=True).to(tl.float32)
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    if HAS_COPY:
+        if COPY_BF16:
+            c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.bfloat16))
+        else:
+            c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float16))
+        if ALIGNED:
+            c_ptr = tl.multiple_of(c_ptr, 16)
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        p = tl.load(p_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        g = tl.load(g_ptr + o + offs, mask=mask, other=0.0) * grad_scale            # (BL,) fp32
+        m = beta1 * tl.load(m_ptr + o + offs, mask=mask, other=0.0) + (1.0 - beta1) * g
+        v = beta2 * tl.load(v_ptr + o + offs, mask=mask, other=0.0) + (1.0 - beta2) * g * g
+        # llm.c's update with IEEE sqrt and division, so that it matches backend torch's
+        # p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p)
+        mhat = tl.div_rn(m, bias1)
+        vhat = tl.div_rn(v, bias2)
+        p = p - lr * (tl.div_rn(mhat, tl.sqrt_rn(vhat) + eps) + wd * p)
+        tl.store(m_ptr + o + offs, m, mask=mask)
+        tl.store(v_ptr + o + offs, v, mask=mask)
+        tl.store(p_ptr + o + offs, p, mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
+    """One AdamW step (wip/CONTRACT.md "AdamW", step t = `step`, 1-based) over lists of fp32 params, grads,
+    m, v, with grads scaled by grad_scale first; `copies` (bf16/fp16 tensors, or None) get the updated
+    params rounded to their dtype. One launch for all tensors."""
+    _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,),
+                   params * 4)
+    copy_bf16 = True
+    if copies is not None:
+        _check_tensors("adamw_update copies", copies, (torch.bfloat16, torch.float16), params)
+        copy_bf16 = copies[0].dtype == torch.bfloat16
+        if any(c.dtype != copies[0].dtype for c in copies):
+            raise ValueError("adamw_update copies: all copies must have one dtype")
+    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays])
+    _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step,
+                             1.0 - beta2 ** step, grad_scale, HAS_COPY=copies is not None,
+                             COPY_BF16=copy_bf16, ALIGNED=aligned, CHUNK=MT_CHUNK, BLOCK=MT_BLOCK,
+                             BLOCK_T=triton.next_power_of_2(len(params)), num_warps=MT_WARPS)
+# ---- end kernels: triton_ops_norm ----
+
+# ---- kernels: triton_ops_mm ----
+# -----------------------------------------------------------------------------
+# Triton kernels: shared helpers
+
+# Kernels spell their constants out (log2(e) = 1.4426950408889634, ln(2) = 0.6931471805599453,
+# sqrt(2/pi) = 0.7978845608028654): compiled Triton reads no plain Python global inside a kernel.
+# Every tl.dot says input_precision="ieee": fp32 operands then multiply in true fp32 (the trainers' fp32
+# mode promises no TF32, whose 10-bit mantissa costs ~1e-3 relative error); 16-bit operands go to the
+# tensor cores whatever the setting, with fp32 accumulation.
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Maps a linear program id to the (row, column) tile of an (M,N) output so that GROUP_M consecutive
+    row tiles sweep the columns together: programs running at the same time share the same A rows and B
+    columns, which then come from L2 instead of HBM."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M  # (not tl.cdiv: each jit call costs ~1 ms in the interpreter)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)  # the last group may be short
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: matmul with fused epilogues (forward, dX) and dW with the bias gradient
+
+def _matmul_configs(interpret=INTERPRET):
+    """H100 configurations: big tiles keep the tensor cores fed from shared memory (128x256 and 256x128
+    reach the highest FLOP/s when there are enough tiles, 128x128 and 64-wide tiles fill the 132 SMs on
+    the smaller GPT-2 shapes); 3-4 stages of cp.async prefetch hide HBM latency within the 227 KB of
+    shared memory (128x256x64 bf16 is 48 KB a stage). BLOCK_K 64 for 16-bit inputs; fp32 inputs run on
+    the FMA units (ieee) and use BLOCK_K 32 so their stages still fit: _prune_matmul_configs picks the
+    set by input width. The interpreter's set: 32 or wide blocks per dimension, see _interpreter_config."""
+    if interpret:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4})
+                for bm in (32, 512) for bn in (32, 512) for bk in (32, 256)]
+    cfg = lambda bm, bn, bk, stages, warps: triton.Config(  # noqa: E731
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
+    return [cfg(128, 256, 64, 3, 8), cfg(256, 128, 64, 3, 8), cfg(128, 128, 64, 4, 8),
+            cfg(128, 128, 64, 4, 4), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4),
+            cfg(128, 128, 32, 3, 8), cfg(64, 128, 32, 3, 4), cfg(64, 64, 32, 3, 4)]
+
+
+def _prune_matmul_configs(configs, named_args, **kwargs):
+    """16-bit inputs get the BLOCK_K 64 (tensor core) configs, fp32 inputs the BLOCK_K 32 ones."""
+    block_k = 32 if named_args["a_ptr"].element_size() == 4 else 64
+    return [c for c in configs if c.kwargs["BLOCK_K"] == block_k] or configs
+
+
+def _interpreter_config(configs, named_args, **kwargs):
+    """The interpreter's one config for a shape (a single survivor is run without benchmarking). Its cost
+    is Python overhead per program and per loop step, not arithmetic: a dimension over 256 gets a wide
+    block (the lm head's 50304 columns take 99 programs, not 1572), smaller ones 32 so that the small
+    test shapes still run several tiles, partial tiles and several K steps."""
+    want = {"BLOCK_M": 32 if named_args["M"] <= 256 else 512, "BLOCK_N": 32 if named_args["N"] <= 256 else 512,
+            "BLOCK_K": 32 if named_args["K"] <= 256 else 256}
+    return [c for c in configs if all(c.kwargs[k] == v for k, v in want.items())]
+
+
+MATMUL_CONFIGS = _matmul_configs()
+MATMUL_PRUNE = {"early_config_prune": _interpreter_config if INTERPRET else _prune_matmul_configs}
+
+
+@triton.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "K", "stride_ak", "stride_bk", "HAS_BIAS", "GELU"],
+                 prune_configs_by=MATMUL_PRUNE)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  HAS_BIAS: tl.constexpr, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then tanh-GELU, pre-activation stored to pre (M,N)].
+    Any strides: the forward reads w (out,in) as b = w.T, the input gradient reads w as it is."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) output columns
+    offs_k = tl.arange(0, BLOCK_K)  # (BK,)
+    # rows/columns past the edge wrap around to valid ones, so the loads in the loop need no M/N mask;
+    # the wrapped results are dropped by the masked store
+    rows = (offs_m % M).to(tl.int64)  # (BM,) int64: N*Vp logits pass 2**31 elements at batch 48
+    cols = (offs_n % N).to(tl.int64)  # (BN,)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)  # (BM, BK)
+            b = tl.load(b_ptrs)  # (BK, BN)
+        else:  # zeros past K add nothing to the dot
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k, other=0.0)  # (BM, BK)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k, other=0.0)  # (BK, BN)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]  # (BM, BN)
+    c_offs = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn  # (BM, BN)
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
+    if GELU:
+        tl.store(pre_ptr + c_offs, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
+        # 0.5 * (1 + tanh(u)) = sigmoid(2u) = 1 / (1 + 2^(-2 log2(e) u)): one exp2, no NaN at either tail
+        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)  # (BM, BN)
+        acc = acc / (1.0 + tl.exp2(-2.8853900817779268 * u))  # (BM, BN)
+    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "K", "SPLIT_K", "HAS_BIAS"],
+                 restore_value=["c_ptr", "db_ptr"], prune_configs_by=MATMUL_PRUNE)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def matmul_dw_kernel(a_ptr, b_ptr, c_ptr, db_ptr, M, N, K, SPLIT_K,
+                     stride_am, stride_ak, stride_bk, stride_bn,
+                     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight gradient dw (M,N) = dy.T (M,K) @ x (K,N) over the K = B*T rows, and the bias gradient
+    db (M) = the column sums of dy, which the programs of tile column 0 add up from the dy tiles they load
+    anyway. Split-K: program (tile, s) covers rows [s*chunk, (s+1)*chunk). ACCUMULATE (SPLIT_K == 1): adds
+    into the fp32 dw and db; otherwise writes its partial sums to the fp32 workspaces c (SPLIT_K,M,N) and
+    db (SPLIT_K,M), which matmul_dw_reduce_kernel adds in a fixed order (deterministic, unlike atomics)."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_s = tl.program_id(1)
+    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: only K's edge
+    # is ever masked
+    k_lo = pid_s * chunk
+    k_hi = tl.minimum(k_lo + chunk, K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output features
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) input features
+    offs_k = k_lo + tl.arange(0, BLOCK_K)  # (BK,) rows of dy and x
+    rows = (offs_m % M).to(tl.int64)  # (BM,) wrapped as in matmul_kernel
+    cols = (offs_n % N).to(tl.int64)  # (BN,)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak  # (BM, BK)
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+    db_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)  # (BM, BK)
+            b = tl.load(b_ptrs)  # (BK, BN)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - (k - k_lo), other=0.0)  # (BM, BK)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - (k - k_lo), other=0.0)  # (BK, BN)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
+        if HAS_BIAS:
+            if pid_n == 0:  # one tile column is enough: db depends on the output feature only
+                db_acc += tl.sum(a.to(tl.float32), axis=1)  # (BM,)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_offs = pid_s.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # (BM, BN)
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
+    if ACCUMULATE:
+        acc += tl.load(c_ptr + c_offs, mask=c_mask, other=0.0)  # (BM, BN) the fp32 gradient so far
+    tl.store(c_ptr + c_offs, acc, mask=c_mask)
+    if HAS_BIAS:
+        if pid_n == 0:
+            if ACCUMULATE:
+                db_acc += tl.load(db_ptr + offs_m, mask=offs_m < M, other=0.0)  # (BM,)
+            tl.store(db_ptr + pid_s * M + offs_m, db_acc, mask=offs_m < M)
+
+
+@triton.jit
+def matmul_dw_reduce_kernel(ws_ptr, ws_db_ptr, dw_ptr, db_ptr, MN, M, SPLIT_K,
+                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """dw (MN flat) += sum over s of ws (SPLIT_K, MN), in order s = 0, 1, ...; same for db (M)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat dw elements
+    mask = offs < MN
+    acc = tl.load(dw_ptr + offs, mask=mask, other=0.0)  # (BLOCK,) fp32
+    for s in range(0, SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(dw_ptr + offs, acc, mask=mask)
+    if HAS_BIAS:
+        if pid * BLOCK < M:
+            db_mask = offs < M
+            db = tl.load(db_ptr + offs, mask=db_mask, other=0.0)  # (BLOCK,) fp32
+            for s in range(0, SPLIT_K):
+                db += tl.load(ws_db_ptr + s * M + offs, mask=db_mask, other=0.0)
+            tl.store(db_ptr + offs, db, mask=db_mask)
+
+
+DW_REDUCE_BLOCK = 1024  # elementwise: 1024 fp32 a program, 4 per thread with 8 warps
+
+
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _dw_split_k(M, N, K, device):
+    """How many row chunks the weight gradient splits into. dW has few output tiles (768x768: 36 tiles of
+    128x128 for 132 SMs) and a long reduction (K = B*T rows), so one program per tile leaves most SMs idle.
+    Picks s in 1..8 minimising (waves of s*tiles programs) / s, the time in units of one whole tile, plus
+    the cost of writing and re-reading s partial sums: 8*s*M*N bytes at ~3 TB/s against 2*M*N*K flops at
+    ~600 TFLOP/s is 800*s/K of the ideal matmul time (H100 bf16)."""
+    sms = _num_sms(device)
+    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+    cost = lambda s: math.ceil(tiles * s / sms) / s + (s > 1) * 800 * s / K * tiles / sms  # noqa: E731
+    return min(range(1, 9), key=cost)
+
+
+def _matmul(a, b, bias=None, gelu=False):
+    """c (M,N) = a (M,K) @ b (K,N) [+ bias] [GELU]; returns (c, pre-activation or None)."""
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)  # (M,N)
+    pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if gelu else None  # (M,N)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    # unused pointers (no bias, no GELU) get c: never read nor written, since the flags compile them out
+    matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, M, N, K,
+                        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+                        HAS_BIAS=bias is not None, GELU=gelu)
+    return c, pre
+
+
+def _matmul_dw(dy, x, dw, db, split_k):
+    """dw (M,N) += dy.T @ x and db (M) += dy.sum(0), fp32; dy (K,M), x (K,N); split_k row chunks."""
+    K, M = dy.shape
+    N = x.shape[1]
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
+    # a missing db lends its pointer argument to a 1-element stand-in, never touched with HAS_BIAS off
+    # (a None would not survive the autotuner's restore_value copies on older Triton)
+    stand_in = dw.new_empty(1)  # (1,)
+    if split_k == 1:
+        matmul_dw_kernel[grid](dy, x, dw, stand_in if db is None else db, M, N, K, 1,
+                               dy.stride(1), dy.stride(0), x.stride(0), x.stride(1),
+                               HAS_BIAS=db is not None, ACCUMULATE=True)
+        return
+    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=dy.device)  # (S,M,N) partial dw
+    ws_db = stand_in if db is None else torch.empty((split_k, M), dtype=torch.float32, device=dy.device)  # (S,M)
+    matmul_dw_kernel[grid](dy, x, ws, ws_db, M, N, K, split_k, dy.stride(1), dy.stride(0), x.stride(0),
+                           x.stride(1), HAS_BIAS=db is not None, ACCUMULATE=False)
+    matmul_dw_reduce_kernel[(triton.cdiv(M * N, DW_REDUCE_BLOCK),)](
+        ws, ws_db, dw, stand_in if db is None else db, M * N, M, split_k, HAS_BIAS=db is not None,
+        BLOCK=DW_REDUCE_BLOCK, num_warps=8)
+
+
+def matmul_forward(x, w, b):
+    """y (N,M) = x (N,K) @ w (M,K).T + b (M) (b may be None: the tied lm head)."""
+    return _matmul(x, w.t(), b)[0]
+
+
+def matmul_gelu_forward(x, w, b):
+    """(gelu_tanh(pre), pre), pre (N,M) = x @ w.T + b: the MLP's first layer, keeping pre for backward."""
+    return _matmul(x, w.t(), b, gelu=True)
+
+
+def matmul_backward(dy, x, w, dw, db):
+    """dx (N,K) = dy (N,M) @ w (M,K); dw (M,K) += dy.T @ x and db (M) += dy.sum(0), both fp32."""
+    dx = _matmul(dy, w)[0]  # (N,K)
+    _matmul_dw(dy, x, dw, db, _dw_split_k(w.shape[0], w.shape[1], dy.shape[0], dy.device))
+    return dx
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: causal flash attention
+# Rows of qkv (B,T,3C) hold q, k, v side by side and head h is the D-wide slice h*D of each: the kernels
+# read them in place through strides. Softmax runs in base 2 with the scale folded in (qk_scale =
+# log2(e)/sqrt(D)); lse is saved in natural log. No (T,T) tensor exists: scores live in registers.
+
+def _attention_configs(kernel, interpret=INTERPRET):
+    """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq". H100, D=64, 16-bit: the
+    forward and dQ own 64-128 queries and stream 32-128 keys past them, dK/dV the reverse; 128-row
+    owners amortise the loads of the streamed blocks, 4-8 warps hold the (BM,BN) scores in registers, 3
+    stages prefetch the next blocks. fp32 runs its dots on the FMA units, whose tiles live in registers:
+    smaller tiles that compile without spills (checked with ptxas for sm_90), 2 stages. The owned block is
+    a multiple of the streamed one, so the diagonal splits into whole sub-blocks (static_assert in the
+    kernels). _prune_attention_configs tells the sets apart by their stage count."""
+    if interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv" else {"BLOCK_M": 32, "BLOCK_N": 16})]
+    sizes16 = {"fwd": [(128, 64, 4), (128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)],
+               "dkdv": [(64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)],
+               "dq": [(128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)]}[kernel]
+    sizes32 = {"fwd": [(64, 32, 8), (32, 32, 4), (64, 16, 4)], "dkdv": [(16, 32, 4)],
+               "dq": [(64, 32, 8), (32, 32, 4), (64, 16, 4)]}[kernel]
+    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w) for bm, bn, w in sizes16]
+            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w) for bm, bn, w in sizes32])
+
+
+def _prune_attention_configs(configs, named_args, **kwargs):
+    """16-bit inputs get the 3-stage (tensor core) configs, fp32 inputs the 2-stage (FMA) ones."""
+    stages = 2 if named_args["qkv_ptr"].element_size() == 4 else 3
+    return [c for c in configs if c.num_stages == stages] or configs
+
+
+ATTENTION_PRUNE = {"early_config_prune": _prune_attention_configs}
+
+
+@triton.jit
+def _load_rows(base, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_T: tl.constexpr):
+    """The (len(offs_t), BLOCK_D) tile of rows offs_t of one head; rows >= T (when CHECK_T) and padded
+    head-dim columns read as 0, which makes every product they enter vanish."""
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
+    if CHECK_T:
+        x = tl.load(ptrs, mask=(offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(base, x, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DIAGONAL: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi): rescales the running output acc (BM,BD), sum l_i and
+    max m_i (BM,) by exp2(m_old - m_new) whenever the max grows. DIAGONAL blocks straddle the causal
+    boundary (and maybe T): they mask scores of keys after the query and load keys with a row check."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
+        k = _load_rows(k_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BM, BN) fp32 unscaled scores
+        if DIAGONAL:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))  # (BM, BN)
+        # the scale goes onto the row max and into one fused multiply-add per score
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # (BM,) log2 units
+        p = tl.exp2(s * qk_scale - m_new[:, None])  # (BM, BN)
+        alpha = tl.exp2(m_i - m_new)  # (BM,)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # (BM,)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")  # (BM, BD) fp32
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_attention_configs("fwd"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.jit
+def attn_fwd_kernel(qkv_ptr, out_ptr, lse_ptr, T, H, C, qk_scale, stride_qkv_b, stride_qkv_t, stride_out_b,
+                    stride_out_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch, head). Keys strictly before the block need no mask;
+    the BLOCK_M diagonal keys are masked; keys after the block are never visited (causal skip).
+    Program ids run the longest (last) query blocks first so the short ones fill the tail."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = pid_bh // H
+    h = pid_bh % H
+    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
+    q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    # a finite start: a row whose first keys are all masked keeps m = -1e30 and p = exp2(-inf) = 0, no NaN
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # (BM,) running max (log2 units)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,) running sum of exp2(s - m)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD) running p @ v
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, q_base + C, q_base + 2 * C, offs_m, 0, start_m, T,
+                                   stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, q_base + C, q_base + 2 * C, offs_m, start_m,
+                                   tl.minimum(start_m + BLOCK_M, T), T, stride_qkv_t, qk_scale, HEAD_DIM,
+                                   BLOCK_D, BLOCK_M, BLOCK_N, True)
+    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM
+    _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, HEAD_DIM, BLOCK_D)
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # (BM,) natural-log logsumexp of the scaled scores
+    tl.store(lse_ptr + pid_bh * T + offs_m, lse, mask=offs_m < T)
+
+
+@triton.jit
+def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b,
+                          stride_dout_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
+    """delta (B,H,T) = rowsum(dout * out) per head: the softmax backward's sum_j p_j dp_j, computed once
+    here instead of in every key block of the backward kernels."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    o = _load_rows(out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM, offs_m, stride_out_t, T,
+                   HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
+                    HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BM,)
+    tl.store(delta_ptr + pid_bh * T + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_qkv_t,
+                      stride_do_t, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+    """dK, dV of one key block (BN,BD) over the query blocks [lo, hi), in transposed form (keys x queries)
+    so the sums over queries are dots: P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T * (dP^T - delta),
+    dK += dS^T Q. Queries past T read q = dO = lse = delta = 0 and so add exactly 0."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
+        q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+        do = _load_rows(do_base, offs_m, stride_do_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+        lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,) log2 units
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
+        zeros = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        s_t = tl.dot(k, tl.trans(q), zeros, input_precision="ieee") * qk_scale  # (BN, BM)
+        p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM) the forward's probabilities
+        if DIAGONAL:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)  # (BN, BM)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")  # (BN, BD)
+        dp_t = tl.dot(v, tl.trans(do), zeros, input_precision="ieee")  # (BN, BM)
+        ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")  # (BN, BD) (scale applied once at the end)
+    return dk, dv
+
+
+@triton.autotune(configs=_attention_configs("dkdv"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.jit
+def attn_bwd_dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C, sm_scale, qk_scale,
+                         stride_qkv_b, stride_qkv_t, stride_dout_b, stride_dout_t,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """One program: BLOCK_N keys of one (batch, head), their dK and dV written once (no atomics). Only
+    queries at or after the block see it: the BLOCK_N diagonal queries with the causal mask, the rest
+    without. Program ids already run the longest (first) key blocks first."""
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)
+    pid_bh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    b = pid_bh // H
+    h = pid_bh % H
+    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
+    k = _load_rows(q_base + C, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    v = _load_rows(q_base + 2 * C, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
+    lse_row = lse_ptr + pid_bh * T
+    delta_row = delta_ptr + pid_bh * T
+    diag_hi = tl.minimum(start_n + BLOCK_N, T)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, start_n, diag_hi,
+                               T, stride_qkv_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, diag_hi, T, T,
+                               stride_qkv_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    dq_base = dqkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM  # dqkv has qkv's layout
+    _store_rows(dq_base + C, dk * sm_scale, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dq_base + 2 * C, dv, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_qkv_t, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DIAGONAL: tl.constexpr):
+    """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
+        k = _load_rows(k_base, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        s = tl.dot(q, tl.trans(k), zeros, input_precision="ieee") * qk_scale  # (BM, BN) log2 units
+        p = tl.exp2(s - lse2[:, None])  # (BM, BN)
+        if DIAGONAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)  # (BM, BN)
+        dp = tl.dot(do, tl.trans(v), zeros, input_precision="ieee")  # (BM, BN)
+        ds = p * (dp - delta[:, None])  # (BM, BN)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")  # (BM, BD)
+    return dq
+
+
+@triton.autotune(configs=_attention_configs("dq"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.jit
+def attn_bwd_dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C, sm_scale, qk_scale,
+                       stride_qkv_b, stride_qkv_t, stride_dout_b, stride_dout_t,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch, head), their dQ written once (recomputing P costs one
+    more dot than atomics in the dK/dV kernel, and keeps the result deterministic)."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = pid_bh // H
+    h = pid_bh % H
+    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
+    q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
+                    HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    lse2 = tl.load(lse_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,)
+    delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD)
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, q_base + C, q_base + 2 * C, offs_m, 0, start_m, T,
+                        stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, q_base + C, q_base + 2 * C, offs_m, start_m,
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D,
+                        BLOCK_M, BLOCK_N, True)
+    dq_base = dqkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    _store_rows(dq_base, dq * sm_scale, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
+
+
+ATTN_DELTA_BLOCK = 64  # rows a program in attn_bwd_delta_kernel: memory-bound, no tuning needed
+
+
+def _head_block(D):
+    return max(16, triton.next_power_of_2(D))  # tl.dot needs power-of-2 sides of at least 16
+
+
+def attention_forward(qkv, n_head):
+    """Causal self-attention of qkv (B,T,3C): out (B,T,C) and the row logsumexp lse (B,H,T) fp32."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    D = C // n_head
+    out = torch.empty((B, T, C), dtype=qkv.dtype, device=qkv.device)  # (B,T,C)
+    lse = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # (B,H,T)
+    grid = lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
+    attn_fwd_kernel[grid](qkv, out, lse, T, n_head, C, math.log2(math.e) / math.sqrt(D), qkv.stride(0),
+                          qkv.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=_head_block(D))
+    return out, lse
+
+
+def attention_backward(dout, qkv, out, lse, n_head):
+    """dqkv (B,T,3C) from dout (B,T,C), the forward's qkv, out and lse (B,H,T): three kernels (delta,
+    dK/dV, dQ), each output element written exactly once."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    D = C // n_head
+    BD = _head_block(D)
+    delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # (B,H,T)
+    attn_bwd_delta_kernel[(B * n_head, triton.cdiv(T, ATTN_DELTA_BLOCK))](
+        out, dout, delta, T, n_head, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
+    dqkv = torch.empty_like(qkv)  # (B,T,3C) every element written by one of the two kernels below
+    args = (qkv, dout, lse, delta, dqkv, T, n_head, C, 1.0 / math.sqrt(D), math.log2(math.e) / math.sqrt(D),
+            qkv.stride(0), qkv.stride(1), dout.stride(0), dout.stride(1))
+    attn_bwd_dkdv_kernel[lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_N"]))](
+        *args, HEAD_DIM=D, BLOCK_D=BD)
+    attn_bwd_dq_kernel[lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_M"]))](
+        *args, HEAD_DIM=D, BLOCK_D=BD)
+    return dqkv
+# ---- end kernels: triton_ops_mm ----
+
+# The training step's own kernels: with them, torch only allocates memory and makes views in backend
+# triton's step (the gradients are views of one flat fp32 buffer, so one launch zeroes or clips them all).
+
+STEP_BLOCK = 4096  # elements per program: 16 per thread with 8 warps
+STEP_WARPS = 8
+if INTERPRET:
+    # the interpreter's cost is Python overhead per program and per loop step, not per element: the
+    # elementwise and multi-tensor kernels (block sizes above, and the norm block's) get wide blocks there
+    STEP_BLOCK = MT_CHUNK = MT_BLOCK = CE_BLOCK_V = 1 << 16
+SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
+
+
+@triton.jit
+def _zero_fill_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    tl.store(x_ptr + start + offs, tl.zeros((BLOCK,), dtype=x_ptr.dtype.element_ty), mask=offs < n - start)
+
+
+@triton.jit
+def _clip_by_norm_kernel(g_ptr, norm_ptr, n, max_norm, BLOCK: tl.constexpr):
+    # torch.nn.utils.clip_grad_norm_'s rule, read from the norm on the device (no host round trip): scale by
+    # max_norm / (norm + 1e-6) when that is below 1; otherwise every program returns at once
+    coef = tl.div_rn(max_norm, tl.load(norm_ptr) + 1e-6)                            # scalar fp32
+    if coef < 1.0:
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offs = tl.arange(0, BLOCK)                                                  # (BL,)
+        mask = offs < n - start
+        g = tl.load(g_ptr + start + offs, mask=mask, other=0.0)                     # (BL,) fp32
+        tl.store(g_ptr + start + offs, g * coef, mask=mask)
+
+
+@triton.jit
+def _sum_into_kernel(x_ptr, n, acc_ptr, scale, BLOCK: tl.constexpr):
+    # acc += scale * sum(x), one program, blocks in order: the same bits on every run
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)                                    # (BL,)
+    for i0 in range(0, n, BLOCK):
+        total += tl.load(x_ptr + i0 + offs, mask=offs < n - i0, other=0.0).to(tl.float32)
+    tl.store(acc_ptr, tl.load(acc_ptr) + scale * tl.sum(total, axis=0))
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(src_ptr + start + offs, mask=mask)                                  # (BL,)
+    tl.store(dst_ptr + start + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _flat_check(name, *tensors):
+    """The step kernels index raw memory: contiguous tensors on one device only."""
+    for t in tensors:
+        if not t.is_contiguous() or t.device != tensors[0].device:
+            raise ValueError(f"{name}: expected contiguous tensors on one device, got {tuple(t.shape)} with "
+                             f"strides {t.stride()} on {t.device}")
+
+
+def zero_fill(x):
+    """x (any shape, contiguous) = 0."""
+    _flat_check("zero_fill", x)
+    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK,
+                                                             num_warps=STEP_WARPS)
+
+
+def clip_by_norm(g, norm, max_norm):
+    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if that is below 1; norm () fp32."""
+    _flat_check("clip_by_norm", g, norm)
+    _clip_by_norm_kernel[(triton.cdiv(g.numel(), STEP_BLOCK),)](g, norm, g.numel(), max_norm, BLOCK=STEP_BLOCK,
+                                                                num_warps=STEP_WARPS)
+
+
+def sum_into(acc, x, scale):
+    """acc () fp32 += scale * sum(x), x (n) fp32."""
+    _flat_check("sum_into", acc, x)
+    _sum_into_kernel[(1,)](x, x.numel(), acc, scale, BLOCK=SUM_BLOCK, num_warps=STEP_WARPS)
+
+
+def copy_into(dst, src):
+    """dst = src, both contiguous with as many elements (src's values rounded to dst's dtype)."""
+    _flat_check("copy_into", dst, src)
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy_into: {src.numel()} elements into {dst.numel()}")
+    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK,
+                                                          num_warps=STEP_WARPS)
 
 
 # -----------------------------------------------------------------------------
@@ -651,15 +1882,29 @@ TORCH_OPS = SimpleNamespace(
     attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
     crossentropy_forward_backward=torch_crossentropy_forward_backward,
     global_norm=torch_global_norm, adamw_update=torch_adamw_update,
+    zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
+    copy_into=torch_copy_into,
 )
-BACKENDS = {"torch": TORCH_OPS}
+TRITON_OPS = SimpleNamespace(
+    encoder_forward=encoder_forward, encoder_backward=encoder_backward,
+    layernorm_forward=layernorm_forward, residual_layernorm_forward=residual_layernorm_forward,
+    layernorm_backward=layernorm_backward,
+    matmul_forward=matmul_forward, matmul_gelu_forward=matmul_gelu_forward, matmul_backward=matmul_backward,
+    gelu_forward=gelu_forward, gelu_backward=gelu_backward,
+    attention_forward=attention_forward, attention_backward=attention_backward,
+    crossentropy_forward_backward=crossentropy_forward_backward,
+    global_norm=global_norm, adamw_update=adamw_update,
+    zero_fill=zero_fill, clip_by_norm=clip_by_norm, sum_into=sum_into, copy_into=copy_into,
+)
+BACKENDS = {"torch": TORCH_OPS, "triton": TRITON_OPS}
 
 
 def backend_ops(name):
-    """The op namespace of backend `name`."""
-    if name not in BACKENDS:
-        die(f"backend {name} is not built yet: its Triton kernels (issues 7 and 8) are not in this file; "
-            f"use backend torch")
+    """The op namespace of backend `name`. Backend triton's kernels need a CUDA GPU, or Triton's CPU
+    interpreter (TRITON_INTERPRET=1)."""
+    if name == "triton" and not INTERPRET and not torch.cuda.is_available():
+        die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
+            "TRITON_INTERPRET=1 (slow, fp32 only)")
     return BACKENDS[name]
 
 
@@ -1010,6 +2255,8 @@ def peak_memory_gb(device):
 # dtype under test first), so the error measured is the tested run's alone.
 
 TEST_SHAPES = [(1, 1, 8, 1), (2, 7, 12, 3), (3, 33, 40, 5), (1, 130, 64, 1)]  # (B, T, C, H)
+if INTERPRET:  # the interpreter is slow: fewer heads, and T past its 32-row blocks twice instead of 4 times
+    TEST_SHAPES = [(1, 1, 8, 1), (2, 7, 12, 3), (2, 33, 40, 5), (1, 67, 64, 1)]
 TEST_TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max relative error
 TEST_SEED = 1234
 
@@ -1130,6 +2377,25 @@ def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, 
             copies[i].copy_(p)
 
 
+def autograd_zero_fill(x):
+    x.copy_(torch.zeros_like(x))
+
+
+def autograd_clip_by_norm(g, norm, max_norm):
+    """torch.nn.utils.clip_grads_with_norm_, on a parameter whose .grad is g."""
+    p = _leaf(torch.zeros_like(g))
+    p.grad = g
+    torch.nn.utils.clip_grads_with_norm_([p], max_norm, norm, foreach=False)
+
+
+def autograd_sum_into(acc, x, scale):
+    acc.copy_(acc + torch.sum(x) * scale)
+
+
+def autograd_copy_into(dst, src):
+    dst.copy_(src.reshape(dst.shape))
+
+
 AUTOGRAD_OPS = SimpleNamespace(
     encoder_forward=autograd_encoder_forward, encoder_backward=autograd_encoder_backward,
     layernorm_forward=autograd_layernorm_forward,
@@ -1141,6 +2407,8 @@ AUTOGRAD_OPS = SimpleNamespace(
     attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
     crossentropy_forward_backward=autograd_crossentropy_forward_backward,
     global_norm=autograd_global_norm, adamw_update=autograd_adamw_update,
+    zero_fill=autograd_zero_fill, clip_by_norm=autograd_clip_by_norm, sum_into=autograd_sum_into,
+    copy_into=autograd_copy_into,
 )
 
 
@@ -1257,12 +2525,28 @@ def case_adamw(ops, r, B, T, C, H):
     return out
 
 
+def case_step_ops(ops, r, B, T, C, H):
+    """The training step's own ops: zeroing, clipping (a norm above the limit, and one below it: no change),
+    the loss sum, and the copy of an lm-head chunk's rows into the middle of a buffer."""
+    zeroed = r.rand(B, T, C)  # (B, T, C)
+    ops.zero_fill(zeroed)
+    clipped, kept = r.rand(B * T * C + 5, acc=True), r.rand(B * T * C + 5, acc=True)  # flat gradients
+    ops.clip_by_norm(clipped, r.rand(positive=True, shift=3.0, acc=True), 1.0)
+    ops.clip_by_norm(kept, r.rand(positive=True, acc=True), 50.0)
+    acc = r.rand(acc=True)  # () a running loss
+    ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 1.0 / (B * T))
+    ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 0.5)
+    copied = r.rand(B * T + 2, C)  # (N+2, C)
+    ops.copy_into(copied[1:B * T + 1], r.rand(B * T, C))
+    return dict(zeroed=zeroed, clipped=clipped, kept=kept, acc=acc, copied=copied)
+
+
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
             ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
             ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
             ("gelu fwd+bwd", case_gelu), ("attention fwd+bwd", case_attention),
             ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
-            ("adamw_update x3", case_adamw)]
+            ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
 
 
 def test_config():
@@ -1355,7 +2639,8 @@ def run_self_test(cfg):
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
     else:
         ref_ops, ref_model = TORCH_OPS, lambda r, c: case_model("torch", r, c)
-        dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+        # bf16 on a GPU only: the interpreter multiplies bf16 wrongly
+        dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" and not INTERPRET else [])
     ref_name = "torch.autograd" if cfg.backend == "torch" else "backend torch"
     print(f"--test: backend {cfg.backend} against {ref_name} (run in fp64) on {device}")
     f64 = torch.float64
@@ -1433,6 +2718,12 @@ def op_work(name, args, kwargs, out):
     if name == "adamw_update":  # p, m, v read and written; g read; the copies written
         params, grads, ms, vs, copies = args[:5]
         return 0, 2 * _nbytes(*params, *ms, *vs) + _nbytes(*grads, *(copies or ()))
+    if name == "zero_fill":
+        return 0, _nbytes(args[0])
+    if name in ("clip_by_norm", "copy_into"):  # read and written (clip_by_norm: when it clips)
+        return 0, 2 * _nbytes(args[0 if name == "clip_by_norm" else 1])
+    if name == "sum_into":
+        return 0, _nbytes(args[1])
     return 0, _nbytes(*args, *outs)  # layernorm, residual + layernorm and gelu: inputs read, outputs written
 
 
@@ -1449,19 +2740,137 @@ def _elapsed_ms(t0, t1):
     return t0.elapsed_time(t1) if isinstance(t0, torch.cuda.Event) else 1000 * (t1 - t0)
 
 
-def timed_ops(ops, device, calls):
+def timed_ops(ops, device, calls, active=None):
     """ops with every function timed and labelled for the profiler's trace: each call appends
-    (name, start, end, flops, bytes) to `calls`."""
+    [name, start, end, flops, bytes] to `calls`; while it runs, `active` (a list) ends with
+    (name, its index in calls)."""
     def wrap(name, fn):
         def call(*args, **kwargs):
+            record = [name, None, None, 0, 0]
+            calls.append(record)
+            if active is not None:
+                active.append((name, len(calls) - 1))
             with torch.profiler.record_function(name):
-                t0 = _clock(device)
+                record[1] = _clock(device)
                 out = fn(*args, **kwargs)
-                t1 = _clock(device)
-            calls.append((name, t0, t1, *op_work(name, args, kwargs, out)))
+                record[2] = _clock(device)
+            if active is not None:
+                active.pop()
+            record[3:] = op_work(name, args, kwargs, out)
             return out
         return call
     return SimpleNamespace(**{name: wrap(name, fn) for name, fn in vars(ops).items()})
+
+
+def _dot_kernel_flops(name, a):
+    """Matmul FLOPs a launch of one of our tl.dot kernels performs, from its arguments (None for the
+    others): 2MNK for the matmuls; for the causal attention the (B, H, T, T) half-matrices it multiplies
+    (2 dots forward, 4 in the dK/dV kernel and 3 in the dQ kernel, which recompute the scores)."""
+    if name in ("matmul_kernel", "matmul_dw_kernel"):
+        return 2 * a["M"] * a["N"] * a["K"]
+    dots = {"attn_fwd_kernel": 2, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}.get(name)
+    if dots is None:
+        return None
+    B, T, C3 = a["qkv_ptr"].shape
+    return dots * B * T * T * (C3 // 3)
+
+
+def kernel_work(name, a):
+    """(flops, bytes) of one kernel launch with bound arguments `a`: the FLOPs of our tl.dot kernels; for
+    the memory-bound ones every distinct tensor they are passed, once (a lower bound for a buffer read and
+    written; the embedding backward counts only the dwte rows it updates). kernel_table replaces the
+    bytes by its op's when the kernel is all of its op, or reads the op's tensors through a pointer table."""
+    flops = _dot_kernel_flops(name, a)
+    if flops is not None:
+        return flops, 0
+    tensors = {t.data_ptr(): t for t in a.values() if isinstance(t, torch.Tensor)}
+    if name == "_encoder_wte_backward_kernel":
+        dwte = tensors.pop(a["dwte_ptr"].data_ptr())
+        return 0, _nbytes(*tensors.values()) + 2 * a["dx_ptr"].numel() * dwte.element_size()
+    return 0, _nbytes(*tensors.values())
+
+
+def launched_kernels():
+    """{name: kernel} of the Triton kernels defined in this file (the launchable jit, autotune and
+    heuristics objects; jit helpers are never launched)."""
+    return {name: k for name, k in globals().items() if isinstance(k, triton.runtime.KernelInterface)}
+
+
+@contextlib.contextmanager
+def timed_kernels(device, launches, active):
+    """Inside, every launch of one of this file's Triton kernels is timed on the device and labelled
+    `kernel <name>` in the profiler's trace: each appends [op index, kernel, start, end, flops, bytes] to
+    `launches`, op index being that of the innermost op running (see timed_ops), or None."""
+    kernels = launched_kernels()
+
+    def wrap(name, kernel, run):
+        def timed_run(*args, **kwargs):
+            with torch.profiler.record_function(f"kernel {name}"):
+                t0 = _clock(device)
+                out = run(*args, **kwargs)
+                t1 = _clock(device)
+            work = kernel_work(name, dict(zip(kernel.arg_names, args), **kwargs))
+            launches.append([active[-1][1] if active else None, name, t0, t1, *work])
+            return out
+        return timed_run
+    for name, kernel in kernels.items():
+        kernel.run = wrap(name, kernel, kernel.run)  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        for kernel in kernels.values():
+            del kernel.run
+
+
+def kernel_table(calls, launches):
+    """{(op, kernel): [launches, ms, flops, bytes]} over the profiled step: each kernel under the op that
+    launched it, so the forward's and the backward's uses of a kernel stay apart. A memory-bound kernel
+    that is all of its op, or the global norm's (which reads the gradients through a pointer table), is
+    credited with the op's bytes."""
+    per_call = {}
+    for launch in launches:
+        per_call.setdefault(launch[0], []).append(launch)
+    table = {}
+    for i, group in per_call.items():
+        op = calls[i][0] if i is not None else "(step)"
+        for _, name, t0, t1, flops, nbytes in group:
+            if i is not None and not flops and calls[i][4] and (
+                    len(group) == 1 or name == "_global_norm_partial_kernel"):
+                nbytes = calls[i][4]
+            row = table.setdefault((op, name), [0, 0.0, 0, 0])
+            row[0] += 1
+            row[1] += _elapsed_ms(t0, t1)
+            row[2] += flops
+            row[3] += nbytes
+    return table
+
+
+ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                  "aten::lift_fresh", "aten::detach_", "aten::detach"}
+VIEW_OPS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
+            "aten::select", "aten::as_strided", "aten::t", "aten::transpose", "aten::permute", "aten::unbind",
+            "aten::narrow", "aten::split", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::alias",
+            "aten::to"}  # aten::to is a view when nothing changes; a real conversion calls aten::_to_copy
+HOST_READ_OPS = {"aten::item", "aten::_local_scalar_dense"}
+
+
+def torch_ops_census(events, op_names):
+    """{(aten op, the op of the interface it ran in, or "(step)"): count} over the profiled events, leaving
+    out those inside our kernels' launches (a launch runs no torch op on a GPU; Triton's CPU interpreter
+    copies the arguments to the host and back inside it). Nested aten ops count too: a wrapper such as
+    aten::reshape shows what it really did (aten::view, or a copy)."""
+    counts = {}
+    for e in events:
+        if not e.name.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        parent, op, inside = e.cpu_parent, "(step)", False
+        while parent is not None and not inside:
+            inside = parent.name.startswith("kernel ")
+            op = parent.name if op == "(step)" and parent.name in op_names else op
+            parent = parent.cpu_parent
+        if not inside:
+            counts[e.name, op] = counts.get((e.name, op), 0) + 1
+    return counts
 
 
 def kept_bytes(w, x, cfg, ops):
@@ -1485,24 +2894,35 @@ def kept_bytes(w, x, cfg, ops):
     return kept
 
 
+def _rate(flops, nbytes, ms):
+    """Achieved TFLOP/s or GB/s, in the two columns of the profile's tables."""
+    if flops:
+        return f"{flops / ms / 1e9:8.2f} {'':>8}"
+    return f"{'':>8} {nbytes / ms / 1e6:8.1f}" if nbytes else f"{'':>8} {'':>8}"
+
+
 @torch.no_grad()
 def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, master):
-    """--profile: step 1 compiles and warms up; step 2 runs with every op timed and under torch.profiler.
-    Rank 0 prints per op: calls, time, share of the step, achieved TFLOP/s or GB/s, and the bytes its
-    outputs keep alive for the backward; and writes the Chrome trace to the out dir."""
+    """--profile: step 1 compiles and autotunes; step 2 runs under torch.profiler with every op and every
+    launch of our Triton kernels timed. Rank 0 prints per op and per kernel (under the op that launched
+    it, so forward and backward stay apart): calls, time, share of the step, achieved TFLOP/s or GB/s, and
+    per op the bytes its outputs keep for the backward; the torch ops the step ran besides allocation and
+    views (none computes anything in backend triton); on a GPU, all device work that is not one of our
+    kernels; the steady-state peak memory; and writes the Chrome trace to the out dir."""
     x, y = step_batches(loader, grad_accum)  # (A, B, T) each
     train_step(state, put_batch(x, device), put_batch(y, device), 1, cfg, ops, world)
     x, y = step_batches(loader, grad_accum)  # (A, B, T) each
     xs, ys = put_batch(x, device), put_batch(y, device)
     kept = kept_bytes(state["wts"], xs[0], cfg, ops)
-    calls = []
+    calls, launches, active = [], [], []
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.reset_peak_memory_stats(device)
-    with torch.profiler.profile(activities=activities) as prof:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)  # step 1's autotuning copies do not count
+    with torch.profiler.profile(activities=activities) as prof, timed_kernels(device, launches, active):
         t0 = time.perf_counter()
-        train_step(state, xs, ys, 2, cfg, timed_ops(ops, device, calls), world)  # .item() syncs
+        train_step(state, xs, ys, 2, cfg, timed_ops(ops, device, calls, active), world)  # .item() syncs
         step_ms = 1000 * (time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -1520,15 +2940,41 @@ def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, m
     print(f"{'op':<30} {'calls':>5} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'GB/s':>8} "
           f"{'kept MB':>8}")
     for name, (n, ms, flops, nbytes) in sorted(table.items(), key=lambda kv: -kv[1][1]):
-        rate = (f"{flops / ms / 1e9:8.2f} {'':>8}" if flops else f"{'':>8} {nbytes / ms / 1e6:8.1f}")
         mb = f"{kept[name] / 1e6:8.2f}" if name in kept else f"{'':>8}"
-        print(f"{name:<30} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {rate} {mb}")
+        print(f"{name:<30} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)} {mb}")
     in_ops = sum(row[1] for row in table.values())
     print(f"{'(outside the ops)':<30} {'':>5} {step_ms - in_ops:9.3f} {100 * (1 - in_ops / step_ms):7.1f}")
     print(f"{'step':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
+    kernels = kernel_table(calls, launches)
+    if kernels:
+        print(f"\nper kernel, under the op that launched it ({len(launches)} launches):")
+        print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'GB/s':>8}")
+        for (op, name), (n, ms, flops, nbytes) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+            print(f"{op + ' / ' + name:<62} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} "
+                  f"{_rate(flops, nbytes, ms)}")
+        in_kernels = sum(row[1] for row in kernels.values())
+        print(f"{'(outside the kernels: launches, Python, allocation)':<62} {'':>5} {step_ms - in_kernels:9.3f} "
+              f"{100 * (1 - in_kernels / step_ms):7.1f}")
+    census = torch_ops_census(prof.events(), set(vars(ops)))
+    count = lambda names: sum(n for (aten, _), n in census.items() if aten in names)  # noqa: E731
+    others = sorted((op, aten, n) for (aten, op), n in census.items()
+                    if aten not in ALLOCATION_OPS | VIEW_OPS | HOST_READ_OPS)
+    print(f"torch ops in the step outside our kernels: {count(ALLOCATION_OPS)} allocating, {count(VIEW_OPS)} "
+          f"making views, {count({'aten::item'})} reading a result on the host (aten::item); any other: "
+          + (", ".join(f"{aten} x{n} in {op}" for op, aten, n in others) if others else "none"))
+    if device.type == "cuda":
+        ours = tuple(launched_kernels())
+        foreign = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(ours):
+                row = foreign.setdefault(e.name, [0, 0.0])
+                row[0] += 1
+                row[1] += (e.time_range.end - e.time_range.start) / 1000
+        print("GPU work in the step besides our kernels: " + (", ".join(
+            f"{name} x{n} {ms:.3f} ms" for name, (n, ms) in foreign.items()) if foreign else "none"))
     print(f"kept for the backward: {sum(kept.values()) / 1e6:.2f} MB per micro-batch of {cfg.batch_size} "
           f"sequences | peak memory "
-          f"{'n/a' if device.type != 'cuda' else f'{peak_memory_gb(device):.2f} GB'}")
+          f"{'n/a' if device.type != 'cuda' else f'{peak_memory_gb(device):.2f} GB (step 2 alone)'}")
     os.makedirs(cfg.out_dir, exist_ok=True)
     trace = os.path.join(cfg.out_dir, f"trace_{framework}.json")
     prof.export_chrome_trace(trace)
@@ -1571,7 +3017,7 @@ def bench_cases(cfg, ops, device):
         ("encoder_forward", f"{B}x{T}x{C}", lambda: ops.encoder_forward(idx, wte, wpe),
          "F.embedding + add", lambda: F.embedding(idx, wte) + wpe[:T], (idx, wte, wpe)),
         ("encoder_backward", f"{B}x{T}x{C}", lambda: ops.encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
-         "index_add_ + sum", lambda: torch_encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
+         "sort + cumsum + index_add_", lambda: torch_encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
          (dy.view(B, T, C), idx, dwte, dwpe)),
         ("layernorm_forward", f"{N}x{C}", lambda: ops.layernorm_forward(x, w, b),
          "torch.native_layer_norm", lambda: torch.native_layer_norm(x, (C,), w, b, LN_EPS), (x, w, b)),
@@ -1648,6 +3094,19 @@ def bench_cases(cfg, ops, device):
         ("adamw_update", f"{len(params)} tensors", lambda: ops.adamw_update(*adamw_args),
          f"torch AdamW ({'fused' if device.type == 'cuda' else 'for-loop'})", adamw.step, adamw_args),
     ]
+    flat = rand(sum(p.numel() for p in params), dtype=torch.float32)  # (P,) all gradients
+    norm = torch.full((), 1.001, device=device)  # () clips by 0.999: the values barely move over the reps
+    losses, loss = rand(R, dtype=torch.float32), torch.zeros((), device=device)  # (R,), ()
+    rows, chunk = rand(N, C), rand(R, C)  # (N, C), (R, C) an lm-head chunk's dh into its rows
+    cases += [
+        ("zero_fill", f"{flat.numel()} grads", lambda: ops.zero_fill(flat), "Tensor.zero_", flat.zero_, (flat,)),
+        ("clip_by_norm", f"{flat.numel()} grads", lambda: ops.clip_by_norm(flat, norm, 1.0),
+         "mul_ by the clamped coefficient", lambda: torch_clip_by_norm(flat, norm, 1.0), (flat, norm, 1.0)),
+        ("sum_into", f"{R} losses", lambda: ops.sum_into(loss, losses, 1.0 / R), "Tensor.sum + add_",
+         lambda: torch_sum_into(loss, losses, 1.0 / R), (loss, losses, 1.0 / R)),
+        ("copy_into", f"{R}x{C} rows", lambda: ops.copy_into(rows[:R], chunk), "Tensor.copy_",
+         lambda: rows[:R].copy_(chunk), (rows[:R], chunk)),
+    ]
     return cases
 
 
@@ -1721,6 +3180,9 @@ def main(argv=None):
         run_self_test(cfg)
         return
     ops = backend_ops(cfg.backend)
+    if cfg.backend == "triton" and INTERPRET and cfg.dtype == "bf16":
+        die("backend triton under TRITON_INTERPRET=1 runs fp32 only (the interpreter's bf16 dots are wrong): "
+            "add --dtype fp32, or run on a GPU")
     framework = f"{FRAMEWORK}-{cfg.backend}"
     rank, world, device = setup_device(cfg)
     if cfg.bench_ops:
@@ -1809,9 +3271,6 @@ def main(argv=None):
         loss, norm = train_step(state, put_batch(x, device), put_batch(y, device), step, cfg, ops, world)
         dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
         times[step] = dt
-        if step == first and cfg.backend == "triton":
-            say(f"compiled the kernels in {dt:.1f} s (compilation, autotuning and step {step}, left out of "
-                f"the mean)")
         tokens_per_s = cfg.total_batch_size / dt
         mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
         lr, mem = lr_at(step - 1, cfg), peak_memory_gb(device)
@@ -1819,6 +3278,12 @@ def main(argv=None):
         if master:
             log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr,
                       dt_ms=1000 * dt, tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+        if step == first:
+            say(f"first step: {dt:.1f} s with its one-off costs (kernel compilation and autotuning, whose "
+                f"copies of the buffers it tunes count in its memory), left out of the mean; peak memory is "
+                f"reset after it, so later steps show the steady state")
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
         run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
         if master and due(cfg.sample_every, step, cfg.steps):
             seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
@@ -1841,7 +3306,7 @@ def main(argv=None):
         say(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
             f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, mfu "
             f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory "
-            f"{'n/a' if mem is None else f'{mem:.2f} GB'}")
+            f"{'n/a' if mem is None else f'{mem:.2f} GB'}{' (steady state)' if len(times) > 1 else ''}")
     if world > 1:
         dist.destroy_process_group()
 
