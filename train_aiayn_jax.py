@@ -985,7 +985,9 @@ def beam_search(step_fn, state, max_lens, t_max, beam, alpha, bos_id, eos_id):
         only_eos = (t >= max_lens)[:, None, None] & (jnp.arange(V) != eos_id)     # (n,1,V)
         logp = jnp.where(only_eos, -jnp.inf, logp.reshape(n, K, V))                # (n,K,V)
         cand = (alive[:, :, None] + logp).reshape(n, K * V)                        # (n,K*V)
-        top, idx = jax.lax.top_k(cand, 2 * K)                                      # (n,2K) each
+        # (the barriers keep XLA from fusing top_k into its consumers, which on a CPU recomputes it for
+        # every element they write: 100x slower)
+        top, idx = jax.lax.optimization_barrier(jax.lax.top_k(cand, 2 * K))       # (n,2K) each
         origin, token = idx // V, idx % V                                          # (n,2K) each
         ext = jnp.take_along_axis(seqs, origin[:, :, None], axis=1)                # (n,2K,t_max)
         ext = ext.at[:, :, t].set(token)                                           # (n,2K,t_max)
@@ -998,14 +1000,16 @@ def beam_search(step_fn, state, max_lens, t_max, beam, alpha, bos_id, eos_id):
         which = jnp.argmax(hit, axis=1)                                            # (n,K)
         score = top[:, :K] / length_penalty(t + 1.0, alpha)                        # (n,K)
         done_scores = jnp.where(filled, jnp.take_along_axis(score, which, axis=1), done_scores)  # (n,K)
-        done_seqs = jnp.where(filled[:, :, None],
-                              jnp.take_along_axis(ext[:, :K], which[:, :, None], axis=1), done_seqs)
+        done_seqs = jnp.where(filled[:, :, None], jnp.take_along_axis(ext[:, :K], which[:, :, None], axis=1),
+                              done_seqs)                                           # (n,K,t_max)
         n_done = jnp.minimum(n_done + jnp.sum(new, axis=1), K)                     # (n,)
         # alive: the K best extensions that did not end
-        alive, pick = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, top), K)          # (n,K) each
+        alive, pick = jax.lax.optimization_barrier(
+            jax.lax.top_k(jnp.where(is_eos, -jnp.inf, top), K))                    # (n,K) each
         seqs = jnp.take_along_axis(ext, pick[:, :, None], axis=1)                  # (n,K,t_max)
-        rows = (jnp.arange(n)[:, None] * K + jnp.take_along_axis(origin, pick, axis=1)).reshape(n * K)
-        state = jax.tree.map(lambda a: jnp.take(a, rows, axis=1), state)
+        beam_of = jnp.take_along_axis(origin, pick, axis=1)                        # (n,K)
+        rows = (jnp.arange(n)[:, None] * K + beam_of).reshape(n * K)               # (n*K,)
+        state = jax.tree.map(lambda a: jnp.take(a, rows, axis=1), state)           # rows follow their beams
         return t + 1, state, seqs, alive, done_seqs, done_scores, n_done
 
     carry = (jnp.int32(0), state, seqs, alive, done_seqs, done_scores, n_done)

@@ -44,11 +44,20 @@ def data_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(autouse=True)
+def on_cpu():
+    """Every test here runs JAX on the CPU, GPU or not: the checks compare runs bit for bit, and GPU
+    reductions (the embedding gradient's scatter-add) need not repeat exactly."""
+    import jax
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @pytest.fixture(scope="module")
 def jax_env(tmp_path_factory):
-    """A persistent XLA compilation cache shared by this module's runs (the resumed run compiles the
-    same train step as the first one)."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+    """The scripts' environment: the CPU (as on_cpu), and a persistent XLA compilation cache shared by
+    this module's runs (the resumed run compiles the same train step as the first one)."""
+    return {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
@@ -317,14 +326,15 @@ def test_wmt14_parquet_split(http_server, tmp_path):
         aiayn.read_split(cfg, "val")
 
 
-def test_bad_input_gets_a_one_line_error(data_dir, tmp_path):
+def test_bad_input_gets_a_one_line_error(data_dir, jax_env, tmp_path):
     """A bad flag, a corrupt data file, a non-checkpoint --resume: a one-line error each, no traceback."""
-    assert_clean_error(run_script(SCRIPT, "--beam", "0", check=False), "--beam")
+    assert_clean_error(run_script(SCRIPT, "--beam", "0", check=False, env=jax_env), "--beam")
     broken = tmp_path / "broken"
     shutil.copytree(data_dir, broken)
     raw = (broken / "val.de.gz").read_bytes()
     (broken / "val.de.gz").write_bytes(raw[:len(raw) // 2])
-    proc = run_script(SCRIPT, *TINY, "--data-dir", broken, "--out-dir", tmp_path / "out", check=False)
+    proc = run_script(SCRIPT, *TINY, "--data-dir", broken, "--out-dir", tmp_path / "out", check=False,
+                      env=jax_env)
     assert_clean_error(proc, "val.de.gz", "gzip")
     with pytest.raises(SystemExit, match="not a checkpoint directory"):
         aiayn.main(["--translate", "Hello.", "--resume", str(tmp_path)])
