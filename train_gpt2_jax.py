@@ -249,7 +249,8 @@ def _layernorm_fwd(x, w, b):
     var = jnp.maximum(jnp.mean(jnp.square(d), axis=-1, keepdims=True) - jnp.square(d_mean), 0.0)  # (..., 1)
     # the barrier makes XLA keep mean and rstd for the backward instead of recomputing them there,
     # which would have it write dy * xhat out in fp32 for the dw reduction to read back
-    mean, rstd = jax.lax.optimization_barrier((xf[..., :1] + d_mean, jax.lax.rsqrt(var + 1e-5)))  # (..., 1) each
+    mean, rstd = jax.lax.optimization_barrier(
+        (xf[..., :1] + d_mean, jax.lax.rsqrt(var + 1e-5)))                         # (..., 1) each
     y = (xf - mean) * rstd * w.astype(jnp.float32) + b.astype(jnp.float32)         # (..., C)
     return y.astype(x.dtype), (x, w, mean, rstd)
 
@@ -999,6 +1000,7 @@ if __name__ == "__main__":
     # here ran in cuBLAS anyway, yet with Triton matmuls enabled the biases were added in separate
     # passes; with them disabled XLA folds bias and GELU into cuBLASLt epilogues (seen in the H100
     # HLO compiled offline). Set before JAX starts its backend; an XLA_FLAGS naming it is left alone.
-    if "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_triton_gemm" not in xla_flags:
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_gpu_enable_triton_gemm=false".strip()
     main()
