@@ -220,9 +220,11 @@ def init_params_numpy(cfg):
     return params
 
 
-# The model is a pure function of the parameter dict. With --dtype bf16 it runs under autocast: matmuls
-# and attention in bf16 on bf16 copies of the fp32 masters (so gradients come back in fp32), LayerNorm,
-# the residual stream and the loss in fp32. Autodiff is torch.func's; torch.compile fuses the rest.
+# The model is a pure function of a dict of weights. With --dtype bf16 those are bf16 copies of the fp32
+# masters (made once per step by the optimizer, as train_gpt2_jax.py and llm.c do), except the embedding
+# tables, which stay fp32 so that their scatter-add gradients are summed in fp32; the residual stream is
+# bf16, and autocast runs LayerNorm in fp32 and casts what enters a matmul or the attention to bf16. The
+# loss and its softmax are fp32. Autodiff is torch.func's; torch.compile fuses the rest.
 
 LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along L
 
@@ -254,10 +256,16 @@ def autocast(cfg, device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
 
 
+def compute_dtype(cfg):
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
 def transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f (fp32; call under autocast(cfg))."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f (call under autocast(cfg): fp32 out of
+    its LayerNorm). The residual stream is in the compute dtype."""
     T = idx.shape[1]
-    x = params["wte"][idx] + params["wpe"][:T]                                     # (B,T,C)
+    # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32
+    x = (params["wte"][idx] + params["wpe"][:T]).to(compute_dtype(cfg))            # (B,T,C)
     # per-layer views by unbind: the gradient of each stacked tensor is then one stack of its L layer
     # gradients, where indexing it L times would sum L zero-padded copies of the whole (L, ...) tensor
     layers = {k: params[k].unbind(0) for k in LAYER_NAMES}                        # L x (...) each
@@ -272,16 +280,39 @@ def forward(params, idx, cfg):
         return F.linear(transformer(params, idx, cfg), params["wte"])              # (B,T,Vp)
 
 
+class CrossEntropy(torch.autograd.Function):
+    """Per-token loss (...,) in fp32 of logits (..., Vp) over the first V columns only, and the
+    logsumexp it used. The backward is llm.c's fused classifier: dlogits = g * (softmax - onehot),
+    formed in one pass over the logits and written once in their dtype; autodiff of the forward would
+    instead scatter the target's gradient into a zero-filled (..., V) fp32 buffer."""
+
+    @staticmethod
+    def forward(logits, targets):
+        xf = logits[..., :VOCAB_SIZE].float()                                     # (..., V)
+        # max, then sum of exp(x - max): on a GPU Inductor merges the two into one online pass
+        m = xf.amax(dim=-1, keepdim=True)                                         # (..., 1)
+        lse = (m + (xf - m).exp().sum(dim=-1, keepdim=True).log())[..., 0]       # (...,)
+        target_logit = logits.gather(-1, targets[..., None])[..., 0].float()     # (...,)
+        return lse - target_logit, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, g, _):
+        logits, targets, lse = ctx.saved_tensors
+        col = torch.arange(logits.shape[-1], device=logits.device)                # (Vp,)
+        probs = (logits.float() - lse[..., None]).exp()                           # (..., Vp)
+        dlogits = torch.where(col == targets[..., None], probs - 1.0, probs) * g[..., None]  # (..., Vp)
+        # the padded columns get no gradient (their probability is zero: they are outside the softmax)
+        return torch.where(col < VOCAB_SIZE, dlogits, 0.0).to(logits.dtype), None
+
+
 def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
-    logits only: logsumexp minus the target's logit. Compiled, the forward is one pass over the bf16
-    logits and the backward one pointwise kernel writing dlogits = g (softmax - onehot) in bf16: no fp32
-    copy of the logits is stored. The target's logit is a masked sum rather than a gather, whose
-    gradient would be a scatter into a zero-filled fp32 (B,T,V) buffer."""
-    logits = forward(params, x, cfg)[..., :cfg.vocab_size].float()                # (B,T,V)
-    vocab = torch.arange(cfg.vocab_size, device=x.device)                          # (V,)
-    target_logit = torch.where(vocab == y[..., None], logits, 0.0).sum(dim=-1)    # (B,T)
-    return torch.logsumexp(logits, dim=-1) - target_logit                          # (B,T)
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T)."""
+    return CrossEntropy.apply(forward(params, x, cfg), y)[0]                      # (B,T)
 
 
 def loss_fn(params, x, y, cfg):
@@ -289,10 +320,11 @@ def loss_fn(params, x, y, cfg):
     return token_losses(params, x, y, cfg).mean()
 
 
-def grads_and_loss(params, x, y, cfg):
-    """({name: gradient}, loss) of one micro-batch by reverse mode through torch.func: the parameters
-    stay plain tensors (no requires_grad, no .grad, no autograd graph kept between calls)."""
-    return torch.func.grad_and_value(loss_fn)(params, x, y, cfg)
+def grads_and_loss(weights, x, y, scale, cfg):
+    """({name: gradient}, loss) of scale x the mean loss of one micro-batch, by reverse mode through
+    torch.func: the weights stay plain tensors (no requires_grad, no .grad, no autograd graph kept
+    between calls), and each gradient comes back in its weight's dtype."""
+    return torch.func.grad_and_value(lambda w: loss_fn(w, x, y, cfg) * scale)(weights)
 
 
 # -----------------------------------------------------------------------------
@@ -327,17 +359,43 @@ def adam_scalars(step, cfg, device):
                         dtype=torch.float32, device=device)
 
 
+EMBEDDINGS = ("wte", "wpe")  # gathered from in fp32 by the model: no compute-dtype copies
+
+
+def compute_copies(params, cfg):
+    """{name: bf16 copy} of every master but the embedding tables with --dtype bf16; None in fp32."""
+    if cfg.dtype == "fp32":
+        return None
+    return {k: p.to(torch.bfloat16) for k, p in params.items() if k not in EMBEDDINGS}
+
+
+def model_weights(params, copies):
+    """The tensors the model computes with: the masters, replaced by their copies where there are any."""
+    return params if copies is None else {**params, **copies}
+
+
 def global_norm(grads):
     """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
-    fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements."""
+    fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements.
+    Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs."""
     norms = torch._foreach_norm([grads[k] for k in PARAM_NAMES], dtype=torch.float64)  # 16 x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
 
-def adamw_update(params, grads, m, v, scalars, cfg):
-    """llm.c's AdamW on every tensor, in place, with multi-tensor ops; weight decay only on DECAY_NAMES."""
+def clip_coefficient(norm, cfg):
+    """min(1, grad_clip / (norm + 1e-6)) as a device tensor (1 when clipping is off): no host sync."""
+    if cfg.grad_clip > 0:
+        return torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)                 # ()
+    return torch.ones_like(norm)                                                   # ()
+
+
+def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
+    """llm.c's AdamW on every tensor, in place, with multi-tensor ops, on the gradients times coef (the
+    clipping); weight decay only on DECAY_NAMES. Refreshes the compute-dtype copies from the new
+    masters (compiled, in the same pass over the weights). The gradients are left as they are."""
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
     p, g, m, v = ([d[k] for k in PARAM_NAMES] for d in (params, grads, m, v))
+    g = torch._foreach_mul(g, coef)
     torch._foreach_mul_(m, ADAM_BETA1)
     torch._foreach_add_(m, g, alpha=1.0 - ADAM_BETA1)                             # m = b1 m + (1-b1) g
     torch._foreach_mul_(v, ADAM_BETA2)
@@ -349,37 +407,32 @@ def adamw_update(params, grads, m, v, scalars, cfg):
     torch._foreach_add_([update[i] for i in decay], [p[i] for i in decay], alpha=cfg.weight_decay)
     torch._foreach_mul_(update, lr)
     torch._foreach_sub_(p, update)                                                 # p -= lr (... + wd p)
+    if copies is not None:
+        torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
 
-def clip_and_update(params, grads, m, v, scalars, grad_scale, cfg):
-    """The optimizer's half of a step (one graph when compiled): the summed gradients times grad_scale
-    (their mean), clipped to cfg.grad_clip, then AdamW. Returns the norm before clipping."""
-    g = [grads[k] for k in PARAM_NAMES]
-    torch._foreach_mul_(g, grad_scale)
-    norm = global_norm(grads)                                                      # ()
-    if cfg.grad_clip > 0:
-        torch._foreach_mul_(g, torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0))
-    adamw_update(params, grads, m, v, scalars, cfg)
-    return norm
-
-
-def train_step(params, m, v, x, y, scalars, cfg, grad_fn, update_fn, world):
+def train_step(params, copies, m, v, x, y, scalars, cfg, grad_fn, update_fn, world):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
-    losses (summed over micro-batches in fp32, all-reduced once over the processes, then scaled to the
-    mean), clipped, AdamW; grad_fn / update_fn are grads_and_loss / clip_and_update, compiled or not.
-    Returns (loss, grad_norm before clipping) as 0-d device tensors: nothing here waits for the device."""
+    losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
+    processes by one all-reduce), clipped, AdamW; grad_fn / update_fn are grads_and_loss / adamw_update,
+    compiled or not. Returns (loss, grad_norm before clipping) as 0-d device tensors: nothing here waits
+    for the device."""
     A = x.shape[0]
-    grads, loss = grad_fn(params, x[0], y[0], cfg)
+    weights = model_weights(params, copies)
+    scale = 1.0 / (A * world)
+    grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
+    grads = {k: g.float() for k, g in grads.items()}  # fp32 sums: a copy of each bf16 gradient
     for i in range(1, A):
-        micro_grads, micro_loss = grad_fn(params, x[i], y[i], cfg)
+        micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
         torch._foreach_add_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
         loss = loss + micro_loss                                                   # ()
     if world > 1:
         for k in PARAM_NAMES:
             dist.all_reduce(grads[k])
         dist.all_reduce(loss)
-    norm = update_fn(params, grads, m, v, scalars, 1.0 / (A * world), cfg)        # ()
-    return loss / (A * world), norm
+    norm = global_norm(grads)                                                      # ()
+    update_fn(params, grads, m, v, scalars, clip_coefficient(norm, cfg), copies, cfg)
+    return loss, norm
 
 
 # -----------------------------------------------------------------------------
@@ -808,6 +861,7 @@ def main(argv=None):
 
     # devices: every process holds all of the fp32 parameters and optimizer state
     params, m, v = to_device(params, device), to_device(m, device), to_device(v, device)
+    copies = compute_copies(params, cfg)  # refreshed by every update from then on
     n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
@@ -819,21 +873,22 @@ def main(argv=None):
         eval_loss = torch.compile(loss_fn, dynamic=False) if cfg.compile else loss_fn
         row_losses = torch.compile(token_losses, dynamic=False) if cfg.compile else token_losses
 
-        def run_evals(params, step, val, swag):
+        def run_evals(step, val, swag):
+            weights = model_weights(params, copies)
             if val and val_loader is not None:
-                val_loss = evaluate_val(eval_loss, params, val_loader, cfg, device, world)
+                val_loss = evaluate_val(eval_loss, weights, val_loader, cfg, device, world)
                 say(f"step {step:5d} | val loss {val_loss:.6f}")
                 if master:
                     log_event(cfg.out_dir, step=step, val_loss=val_loss)
             if swag and master:
-                acc, acc_norm = evaluate_hellaswag(row_losses, params, cfg, device)
+                acc, acc_norm = evaluate_hellaswag(row_losses, weights, cfg, device)
                 say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
                 log_event(cfg.out_dir, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
 
         if cfg.eval_only:
             if val_loader is None:
                 say("no validation shards: val loss skipped")
-            run_evals(params, step, True, True)
+            run_evals(step, True, True)
             return
         if step >= cfg.steps:
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
@@ -841,7 +896,7 @@ def main(argv=None):
 
         # compiled on the first call, that is inside step 1: its time is reported as compile time
         grad_fn = torch.compile(grads_and_loss, fullgraph=True) if cfg.compile else grads_and_loss
-        update_fn = torch.compile(clip_and_update, fullgraph=True) if cfg.compile else clip_and_update
+        update_fn = torch.compile(adamw_update, fullgraph=True) if cfg.compile else adamw_update
 
         flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
@@ -859,8 +914,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             x, y = step_batches(train_loader, grad_accum)                          # (A,B,T) each
             scalars = adam_scalars(step, cfg, device)                              # (3,)
-            loss, norm = train_step(params, m, v, put_batch(x, device), put_batch(y, device), scalars,
-                                    cfg, grad_fn, update_fn, world)
+            loss, norm = train_step(params, copies, m, v, put_batch(x, device), put_batch(y, device),
+                                    scalars, cfg, grad_fn, update_fn, world)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             dt = time.perf_counter() - t0
             times[step] = dt
@@ -884,18 +939,18 @@ def main(argv=None):
             if master:
                 log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                           tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
-            run_evals(params, step, due(cfg.val_every, step, cfg.steps),
-                      due(cfg.hellaswag_every, step, cfg.steps))
-            if master and due(cfg.sample_every, step, cfg.steps):
-                seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
-                generator = torch.Generator(device=device).manual_seed(seed)
-                for i, row in enumerate(generate(params, generator, cfg).tolist()):
-                    text = encoder.decode(row[1:])
-                    say(f"sample {i}: {text!r}")
+            # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses nothing
             if master and due(cfg.ckpt_every, step, cfg.steps):
                 path = save_checkpoint(cfg.out_dir, step, to_numpy(params), to_numpy(m), to_numpy(v),
                                        train_loader.state(), cfg)
                 say(f"saved {path}")
+            run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
+            if master and due(cfg.sample_every, step, cfg.steps):
+                seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
+                generator = torch.Generator(device=device).manual_seed(seed)
+                for i, row in enumerate(generate(model_weights(params, copies), generator, cfg).tolist()):
+                    text = encoder.decode(row[1:])
+                    say(f"sample {i}: {text!r}")
 
     # the first step carries the compilation and one-off start-up costs (allocations, cuBLAS plans)
     later = [times[s] for s in times if s > first] or list(times.values())
