@@ -674,6 +674,7 @@ def build_tokenizer(cfg, train_src, train_tgt):
 
 
 def set_vocab(cfg, tok):
+    """cfg with the tokenizer's size and the ids of its special tokens."""
     pad, bos, eos = (tok.special_tokens[s] for s in SPECIALS)
     return replace(cfg, vocab_size=tok.vocab_size, pad_id=pad, bos_id=bos, eos_id=eos)
 
