@@ -697,40 +697,51 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # passes 2**31 at B*T = 43k), offsets inside a block stay int32.
 #
 # Determinism: every kernel here gives bit-identical results run to run (torch's index_add_, behind
-# backend torch's embedding backward, does not on the GPU). No kernel uses atomics: the embedding backward
-# sorts the rows by token (a stable rank sort by N^2 integer compares) and sums each token's rows in a
-# fixed order; LayerNorm's dgamma/dbeta, the wpe gradient and the global norm reduce partitions that
-# depend on the shapes only, in a fixed order.
+# backend torch's embedding backward, does not on the GPU), and every partition of a reduction depends on
+# the shapes only, never on the device. No floating-point atomics: the embedding backward sorts the rows by
+# token (a stable rank sort by N^2 integer compares) and sums each token's rows in a fixed order;
+# LayerNorm's dgamma/dbeta, the wpe gradient and the global norm reduce fixed partitions in a fixed order.
 #
-# Block sizes were chosen for the H100 by reasoning, not measurement (132 SMs, 64k registers and at most
-# 64 warps per SM; a memory-bound kernel wants roughly 20-30 KB in flight per SM to cover HBM latency):
-# each is a named constant so one benchmark run (wip/check_triton_ops_norm.py --bench) can retune them.
+# Memory-bound loops are software-pipelined: tl.range(..., num_stages=S) has Triton issue the loads of the
+# next S-1 iterations into shared memory (cp.async) while the current one is computed, which keeps enough
+# bytes in flight per SM (HBM latency ~1 us x ~23 GB/s per SM on the H100 wants ~25-50 KB) without more
+# resident programs than the registers allow. Block sizes were chosen for the H100 by reasoning (132 SMs,
+# 64k registers, 228 KB shared memory and at most 64 warps per SM), each a named constant that
+# wip/check_triton_ops_norm.py --bench --sweep can retune.
 
 ROW_TILE = 4096         # elements per program in the row kernels: 4 rows of a 1024-wide block at C=768,
 ROW_WARPS = 8           # ... 16 per thread, two 16-byte bf16 vectors per tensor per thread
-LN_BWD_PROGRAMS = 512   # LayerNorm backward partitions: about 4 programs per SM (two resident at a time)
-LN_REDUCE_BLOCK_P = 64  # the dgamma/dbeta reduce: a (64 partials, 64 channels) tile per step
-LN_REDUCE_BLOCK_C = 64
+LN_BWD_PROGRAMS = 256   # LayerNorm backward: 256 programs (~2 per SM), each looping over N/256 rows,
+LN_BWD_TILE = 2048      # ... 2 rows of a 1024-wide block per step: 16 elements per thread with 4 warps,
+LN_BWD_WARPS = 4        # ... 126 registers (up to 4 programs per SM: all 256 are resident at once) ...
+LN_BWD_STAGES = 3       # ... and 2 steps (2 x 12 KB of dy, x, dres) loading while one is computed
+LN_REDUCE_BLOCK_P = 256  # the dgamma/dbeta reduce: all (<= 256) partials of 16 channels at once, 48
+LN_REDUCE_BLOCK_C = 16   # ... programs at C = 768 reading the 1.5 MB of partials from L2
 ELEM_BLOCK = 4096       # GELU: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
 ELEM_WARPS = 8
 CE_BLOCK_V = 4096       # cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps
 CE_WARPS = 8
-ENC_SORT_BLOCK_N = 32   # embedding sort: (32 rows, 256 rows) compare tiles, 512 programs at N = 16k,
-ENC_SORT_BLOCK_M = 256  # ... 64 pairs per thread with 4 warps (must be a multiple of ENC_SORT_BLOCK_N)
-ENC_SORT_WARPS = 4
-ENC_ROWS = 32           # embedding wte reduce: a token's rows are summed 32 at a time ...
-ENC_BLOCK_C = 256       # ... over 256 channels per program
-ENC_WPE_BLOCK_T = 4     # wpe reduce: (4 positions, 256 channels) per program, looping over the batch
+ENC_SORT_BLOCK_N = 16   # embedding sort: (16 rows, 256 rows) compare tiles, 512 programs at N = 8k, 32
+ENC_SORT_BLOCK_M = 256  # ... counts per thread with 4 warps (a multiple of ENC_SORT_BLOCK_N)
+ENC_SORT_STAGES = 3
+ENC_SLOTS = 16          # embedding wte reduce: 16 sorted rows per program (tl.dot needs >= 16) ...
+ENC_BLOCK_C = 256       # ... over 256 channels, 1536 programs at N = 8k, C = 768, 8 warps: 74
+ENC_WARPS = 8           # ... registers (152 with 4 warps)
+ENC_CARRY_TILES = 16    # runs longer than a tile: the partial sums of 16 following tiles per step
+ENC_WPE_BLOCK_T = 8     # wpe reduce: (8 positions, 256 channels) per program, pipelined over the batch
+ENC_WPE_STAGES = 3
 MT_CHUNK = 16384        # multi-tensor kernels: elements per program (8 blocks of MT_BLOCK)
 MT_BLOCK = 2048
 MT_WARPS = 8
-NORM_FINISH_BLOCK = 1024
+NORM_STAGES = 3         # global norm: 2 blocks (16 KB) in flight per program
+NORM_FINISH_BLOCK = 8192  # the norm's partials in one step (7.6k chunks at d12)
+NORM_FINISH_WARPS = 8
 
 
-def _row_blocks(C):
-    """(BLOCK_C, BLOCK_ROWS) for a kernel that keeps whole rows of C channels in one tile."""
+def _row_blocks(C, tile=ROW_TILE):
+    """(BLOCK_C, BLOCK_ROWS) for a kernel that keeps whole rows of C channels in a tile of `tile` elements."""
     block_c = triton.next_power_of_2(C)
-    return block_c, max(1, ROW_TILE // block_c)
+    return block_c, max(1, tile // block_c)
 
 
 # --- Embedding: x[b, t] = wte[idx[b, t]] + wpe[t] ---------------------------------------------------------
@@ -764,19 +775,27 @@ def encoder_forward(idx, wte, wpe):
     return x
 
 
-# The token gradient dwte[v] += sum of dx over the rows whose token is v must not race when a token repeats.
-# Instead of atomics: (1) a stable rank sort of the rows by token: the slot of row n is the number of rows m
-# whose (token, m) sorts before (token_n, n), found by comparing against every row. That is N^2 pairs at
-# 2-3 integer operations each, 2.7e8 pairs at N = 16k: some 40-60 us at the H100's ~14 Tops/s of int32
-# (an estimate; --bench measures it), growing 4x when N doubles. (2) One program per sorted slot that
-# starts a run of equal tokens sums the run's rows ENC_ROWS at a time, in row order, and adds the sum into
-# its wte row, which no other program touches.
+# The token gradient dwte[v] += sum of dx over the rows whose token is v must not race when a token repeats,
+# and must be summed in the same order on every run (exact resume). Three steps, no floating-point atomics:
+# (1) a stable rank sort of the rows by token: the slot of row n is the number of rows m whose (token, m)
+# sorts before (token_n, n), counted by comparing against every row: N^2 pairs, ~3 integer instructions
+# each (7e7 pairs at N = 8k: ~8 us of the H100's integer issue rate, 4x per doubling of N; a counting
+# sort would scale better but costs four more launches, more than this at the d12 batch sizes).
+# (2) Programs over ENC_SLOTS sorted slots: in sorted order a token's rows are one contiguous run, so a
+# tile sums the pieces of all runs inside it at once as one small matrix product, same (S, S) @ dx rows
+# (S, BC) with same[i, j] = (token_i == token_j): 0/1 weights in fp32 and a fixed summation order (an inf
+# or NaN in dx reaches the other tokens of its tile through 0 * inf; that step is lost to overflow either
+# way). A run that lies inside the tile is added into its wte row (no other program holds that token);
+# the piece of a run that crosses a tile boundary goes to a carry buffer instead. (3) The tile where a
+# crossing run starts adds its piece and the following tiles' pieces, in tile order, into the wte row.
 
 @triton.jit
-def _encoder_sort_kernel(idx_ptr, order_ptr, sorted_tok_ptr, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _encoder_sort_kernel(idx_ptr, order_ptr, sorted_tok_ptr, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         STAGES: tl.constexpr):
     # slot[n] = #{m: token_m < token_n} + #{m < n: token_m == token_n}. The m-blocks below the one holding
     # our rows count token_m <= token_n, those above token_m < token_n; only the block holding our rows
-    # compares positions (BLOCK_M is a multiple of BLOCK_N, so our rows lie in one m-block).
+    # compares positions (BLOCK_M is a multiple of BLOCK_N, so our rows lie in one m-block). Counts are
+    # kept per (n, m) lane and reduced once at the end, so the loops are compares and adds only.
     n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)                                                  # (BN,) our rows
     n_mask = n < N
@@ -784,58 +803,99 @@ def _encoder_sort_kernel(idx_ptr, order_ptr, sorted_tok_ptr, N, BLOCK_N: tl.cons
     tok_n = tl.load(idx_ptr + n, mask=n_mask, other=2147483647).to(tl.int32)         # (BN,)
     tok_nc = tok_n[:, None]                                                         # (BN, 1)
     m = tl.arange(0, BLOCK_M)                                                       # (BM,)
-    slot = tl.zeros((BLOCK_N,), dtype=tl.int32)                                     # (BN,)
+    count = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)                            # (BN, BM)
     m_own = (n0 // BLOCK_M) * BLOCK_M
-    for m0 in range(0, m_own, BLOCK_M):
+    for m0 in tl.range(0, m_own, BLOCK_M, num_stages=STAGES):
         tok_m = tl.load(idx_ptr + m0 + m).to(tl.int32)                              # (BM,) a full block
-        slot += tl.sum((tok_m[None, :] <= tok_nc).to(tl.int32), axis=1)
+        count += (tok_m[None, :] <= tok_nc).to(tl.int32)
     tok_m = tl.load(idx_ptr + m_own + m, mask=m < N - m_own, other=2147483647).to(tl.int32)  # (BM,)
     tie_before = (tok_m[None, :] == tok_nc) & ((m_own + m)[None, :] < n[:, None])   # (BN, BM)
-    slot += tl.sum(((tok_m[None, :] < tok_nc) | tie_before).to(tl.int32), axis=1)
-    for m0 in range(m_own + BLOCK_M, N, BLOCK_M):
+    count += ((tok_m[None, :] < tok_nc) | tie_before).to(tl.int32)
+    for m0 in tl.range(m_own + BLOCK_M, N, BLOCK_M, num_stages=STAGES):
         tok_m = tl.load(idx_ptr + m0 + m, mask=m < N - m0, other=2147483647).to(tl.int32)  # (BM,)
-        slot += tl.sum((tok_m[None, :] < tok_nc).to(tl.int32), axis=1)
+        count += (tok_m[None, :] < tok_nc).to(tl.int32)
+    slot = tl.sum(count, axis=1)                                                    # (BN,) int32
     tl.store(order_ptr + slot, n, mask=n_mask)
     tl.store(sorted_tok_ptr + slot, tok_n, mask=n_mask)
 
 
 @triton.jit
-def _encoder_wte_backward_kernel(dx_ptr, order_ptr, sorted_tok_ptr, dwte_ptr, N, C,
-                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    # program (p, c-block): if sorted slot p starts a run of equal tokens, sum the run's dx rows in sorted
-    # (= row) order, ROWS at a time until a block leaves the run, and add the sum to that token's dwte row
-    p = tl.program_id(0)
-    tok = tl.load(sorted_tok_ptr + p)                                               # scalar int32
-    prev = tl.load(sorted_tok_ptr + p - 1, mask=p > 0, other=-1)
-    if prev != tok:
+def _encoder_wte_backward_kernel(dx_ptr, order_ptr, sorted_tok_ptr, dwte_ptr, carry_ptr, N, C,
+                                 SLOTS: tl.constexpr, BLOCK_C: tl.constexpr):
+    # program (tile, c-block): sorted slots s0 .. s0+SLOTS-1, channels of one c-block
+    tile = tl.program_id(0)
+    s0 = tile * SLOTS
+    i = tl.arange(0, SLOTS)                                                         # (S,)
+    valid = i < N - s0
+    # tokens of the tile and of its neighbours; -1 past either end matches no token
+    tok = tl.load(sorted_tok_ptr + s0 + i, mask=valid, other=-1)                    # (S,) int32
+    prev = tl.load(sorted_tok_ptr + s0 + i - 1, mask=valid & (s0 + i > 0), other=-1)  # (S,) int32
+    before = tl.load(sorted_tok_ptr + s0 - 1, mask=s0 > 0, other=-1)                # scalar: slot s0-1
+    after = tl.load(sorted_tok_ptr + s0 + SLOTS, mask=s0 + SLOTS < N, other=-1)     # scalar: slot s0+S
+    rows = tl.load(order_ptr + s0 + i, mask=valid, other=0).to(tl.int64)            # (S,) source rows
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
+    col_mask = cols < C
+    g = tl.load(dx_ptr + rows[:, None] * C + cols[None, :], mask=valid[:, None] & col_mask[None, :],
+                other=0.0).to(tl.float32)                                           # (S, BC)
+    first = valid & ((tok != prev) | (i == 0))          # the first slot of each piece in the tile
+    inside = first & (tok != before) & (tok != after)   # ... of a run that lies inside the tile
+    dst = dwte_ptr + tok.to(tl.int64)[:, None] * C + cols[None, :]                  # (S, BC) fp32 rows
+    dst_mask = inside[:, None] & col_mask[None, :]
+    old = tl.load(dst, mask=dst_mask, other=0.0)                                    # (S, BC) fp32
+    same = (tok[:, None] == tok[None, :]).to(tl.float32)                            # (S, S) 0/1
+    piece = tl.dot(same, g, input_precision="ieee")     # (S, BC): every slot gets its piece's sum
+    tl.store(dst, old + piece, mask=dst_mask)
+    # carries: row 0 takes the first piece when it continues a run from the tile before, row 1 the last
+    # piece when it starts a run that goes on into the next tile (a run spanning the tile is a row-0 piece)
+    head = first & (tok == before)
+    tail = first & (tok == after) & (tok != before)
+    carry = carry_ptr + (tile.to(tl.int64) * 2 + tail.to(tl.int64))[:, None] * C + cols[None, :]  # (S, BC)
+    tl.store(carry, piece, mask=(head | tail)[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _encoder_carry_kernel(carry_ptr, sorted_tok_ptr, dwte_ptr, N, C, SLOTS: tl.constexpr,
+                          TILES: tl.constexpr, BLOCK_C: tl.constexpr):
+    # program (tile, c-block): if a run starts in this tile and goes on into the next, add its piece
+    # (carry row 1) and the row-0 pieces of the tiles it covers, in tile order, to the token's wte row
+    tile = tl.program_id(0)
+    s0 = tile * SLOTS
+    last_slot = tl.minimum(s0 + SLOTS, N) - 1
+    tok = tl.load(sorted_tok_ptr + last_slot)                                       # scalar int32
+    first_tok = tl.load(sorted_tok_ptr + s0)
+    before = tl.load(sorted_tok_ptr + s0 - 1, mask=s0 > 0, other=-1)
+    after = tl.load(sorted_tok_ptr + s0 + SLOTS, mask=s0 + SLOTS < N, other=-1)
+    # the last piece goes on past the tile and does not itself continue a run from before the tile
+    if (tok == after) & ((first_tok != tok) | (before != tok)):
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                   # (BC,)
         col_mask = cols < C
-        r = tl.arange(0, ROWS)                                                      # (RW,)
-        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)                                # (BC,)
-        s0 = p
-        more = p < N                                                                # true, as a tensor
+        acc = tl.load(carry_ptr + (tile.to(tl.int64) * 2 + 1) * C + cols, mask=col_mask, other=0.0)  # (BC,)
+        k = tl.arange(0, TILES)                                                     # (TB,)
+        t0 = tile + 1
+        more = t0 * SLOTS < N                                                       # true, as a tensor
         while more:
-            in_run = tl.load(sorted_tok_ptr + s0 + r, mask=r < N - s0, other=-1) == tok  # (RW,) a prefix
-            rows = tl.load(order_ptr + s0 + r, mask=in_run, other=0).to(tl.int64)   # (RW,) source rows
-            g = tl.load(dx_ptr + rows[:, None] * C + cols[None, :],
-                        mask=in_run[:, None] & col_mask[None, :], other=0.0)        # (RW, BC) dt
-            acc += tl.sum(g.to(tl.float32), axis=0)
-            # on while the block was all in the run; bounded by N whatever the tokens hold
-            more = (tl.sum(in_run.to(tl.int32), axis=0) == ROWS) & (s0 + ROWS < N)
-            s0 += ROWS
+            t = t0 + k                                                              # (TB,) later tiles
+            # a later tile continues the run when its first slot holds the token (a prefix of k: sorted)
+            cont = tl.load(sorted_tok_ptr + t * SLOTS, mask=t * SLOTS < N, other=-1) == tok
+            part = tl.load(carry_ptr + (t.to(tl.int64) * 2)[:, None] * C + cols[None, :],
+                           mask=cont[:, None] & col_mask[None, :], other=0.0)      # (TB, BC) fp32
+            acc += tl.sum(part, axis=0)
+            more = (tl.sum(cont.to(tl.int32), axis=0) == TILES) & ((t0 + TILES) * SLOTS < N)
+            t0 += TILES
         dst = dwte_ptr + tok.to(tl.int64) * C + cols                                # (BC,) fp32 row
         tl.store(dst, tl.load(dst, mask=col_mask, other=0.0) + acc, mask=col_mask)
 
 
 @triton.jit
-def _encoder_wpe_backward_kernel(dx_ptr, dwpe_ptr, B, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _encoder_wpe_backward_kernel(dx_ptr, dwpe_ptr, B, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 STAGES: tl.constexpr):
     # dwpe[t] += sum over b of dx[b, t], the batch summed in order by the one program owning (t, c)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                          # (BT,)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
     mask = (t < T)[:, None] & (cols < C)[None, :]                                   # (BT, BC)
     offs = t[:, None] * C + cols[None, :]                                           # (BT, BC) int32
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for _ in range(B):
+    for _ in tl.range(0, B, num_stages=STAGES):
         acc += tl.load(dx_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dx_ptr += T * C
     tl.store(dwpe_ptr + offs, tl.load(dwpe_ptr + offs, mask=mask, other=0.0) + acc, mask=mask)
@@ -847,14 +907,18 @@ def encoder_backward(dx, idx, dwte, dwpe):
     N = B * T
     order = torch.empty(N, dtype=torch.int32, device=dx.device)       # (N,) rows sorted by (token, row)
     sorted_tok = torch.empty(N, dtype=torch.int32, device=dx.device)  # (N,) their tokens
+    tiles = triton.cdiv(N, ENC_SLOTS)
+    carry = torch.empty((tiles, 2, C), dtype=torch.float32, device=dx.device)  # (tiles, 2, C) run pieces
     _encoder_sort_kernel[(triton.cdiv(N, ENC_SORT_BLOCK_N),)](
-        idx, order, sorted_tok, N, BLOCK_N=ENC_SORT_BLOCK_N, BLOCK_M=ENC_SORT_BLOCK_M,
-        num_warps=ENC_SORT_WARPS)
+        idx, order, sorted_tok, N, BLOCK_N=ENC_SORT_BLOCK_N, BLOCK_M=ENC_SORT_BLOCK_M, STAGES=ENC_SORT_STAGES)
     n_cblocks = triton.cdiv(C, ENC_BLOCK_C)
-    _encoder_wte_backward_kernel[(N, n_cblocks)](dx, order, sorted_tok, dwte, N, C, ROWS=ENC_ROWS,
-                                                  BLOCK_C=ENC_BLOCK_C)
+    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dwte, carry, N, C,
+                                                     SLOTS=ENC_SLOTS, BLOCK_C=ENC_BLOCK_C,
+                                                     num_warps=ENC_WARPS)
+    _encoder_carry_kernel[(tiles, n_cblocks)](carry, sorted_tok, dwte, N, C, SLOTS=ENC_SLOTS,
+                                              TILES=ENC_CARRY_TILES, BLOCK_C=ENC_BLOCK_C)
     _encoder_wpe_backward_kernel[(triton.cdiv(T, ENC_WPE_BLOCK_T), n_cblocks)](
-        dx, dwpe, B, T, C, BLOCK_T=ENC_WPE_BLOCK_T, BLOCK_C=ENC_BLOCK_C)
+        dx, dwpe, B, T, C, BLOCK_T=ENC_WPE_BLOCK_T, BLOCK_C=ENC_BLOCK_C, STAGES=ENC_WPE_STAGES)
 
 
 # --- LayerNorm, optionally fused with the residual add before it ------------------------------------------
@@ -918,9 +982,10 @@ def residual_layernorm_forward(res, h, w, b):
 @triton.jit
 def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, partial_ptr,
                                N, C, rows_per_program, HAS_DRES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                               BLOCK_C: tl.constexpr):
+                               BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     # dx for a contiguous range of rows, plus this range's partial dgamma/dbeta: partial[0, pid] and
-    # partial[1, pid], summed over the programs by _layernorm_param_grad_kernel (no atomics on the weights)
+    # partial[1, pid], summed over the programs by _layernorm_param_grad_kernel (no atomics on the weights).
+    # The row loop is pipelined: the tiles of the next STAGES-1 steps load while this one is computed.
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,)
     cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
@@ -929,7 +994,7 @@ def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_pt
     dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)                      # (R, BC)
     db_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)                      # (R, BC)
     first = pid.to(tl.int64) * rows_per_program
-    for r0 in range(0, rows_per_program, BLOCK_ROWS):
+    for r0 in tl.range(0, rows_per_program, BLOCK_ROWS, num_stages=STAGES):
         row0 = first + r0
         row_mask = rows < N - row0
         mask = row_mask[:, None] & col_mask[None, :]                                # (R, BC)
@@ -939,12 +1004,14 @@ def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_pt
         x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)      # (R, BC)
         mean = tl.load(mean_ptr + row0 + rows, mask=row_mask, other=0.0)            # (R,)
         rstd = tl.load(rstd_ptr + row0 + rows, mask=row_mask, other=0.0)            # (R,)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)             # (R, BC)
+        # padded lanes load dy = w = 0, so g, g * xhat and dy * xhat are 0 there whatever xhat holds
+        xhat = (x - mean[:, None]) * rstd[:, None]                                  # (R, BC)
         g = dy * w[None, :]                                                         # (R, BC) dL/dxhat
-        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); masked lanes hold g = xhat = 0
-        g_mean = tl.sum(g, axis=1) / C                                              # (R,)
-        gx_mean = tl.sum(g * xhat, axis=1) / C                                      # (R,)
-        dx = (g - g_mean[:, None] - xhat * gx_mean[:, None]) * rstd[:, None]        # (R, BC)
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = g * rstd - (xhat * c1 + c2), with the row
+        # scalars folded first: two fused multiply-adds per element instead of four operations
+        c2 = tl.sum(g, axis=1) / C * rstd                                           # (R,) rstd mean(g)
+        c1 = tl.sum(g * xhat, axis=1) / C * rstd                                    # (R,) rstd mean(g xhat)
+        dx = g * rstd[:, None] - (xhat * c1[:, None] + c2[:, None])                 # (R, BC)
         if HAS_DRES:
             dx += tl.load(dres_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + base + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -981,14 +1048,15 @@ def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     C = x.shape[-1]
     N = x.numel() // C
     dx = torch.empty_like(x)                                                        # (..., C) dt
-    block_c, block_rows = _row_blocks(C)
-    # whole row tiles per program; the count, and with it the summation order, depends on N only
+    block_c, block_rows = _row_blocks(C, LN_BWD_TILE)
+    # whole row tiles per program; the count P <= LN_BWD_PROGRAMS, and with it the summation order,
+    # depends on N only
     rows_per_program = block_rows * triton.cdiv(N, block_rows * LN_BWD_PROGRAMS)
     P = triton.cdiv(N, rows_per_program)
     partial = torch.empty((2, P, C), dtype=torch.float32, device=x.device)          # (2, P, C) fp32
     _layernorm_backward_kernel[(P,)](dy, x, w, mean, rstd, dres if dres is not None else dy, dx, partial,
                                      N, C, rows_per_program, HAS_DRES=dres is not None, BLOCK_ROWS=block_rows,
-                                     BLOCK_C=block_c, num_warps=ROW_WARPS)
+                                     BLOCK_C=block_c, STAGES=LN_BWD_STAGES, num_warps=LN_BWD_WARPS)
     _layernorm_param_grad_kernel[(triton.cdiv(C, LN_REDUCE_BLOCK_C),)](
         partial, dw, db, P, C, BLOCK_P=LN_REDUCE_BLOCK_P, BLOCK_C=LN_REDUCE_BLOCK_C)
     return dx
@@ -1141,7 +1209,8 @@ def _owner_row(table_ptr, n_tensors, NCOL: tl.constexpr, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.constexpr,
-                                CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+                                CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+                                STAGES: tl.constexpr):
     row = _owner_row(table_ptr, n_tensors, 3, BLOCK_T)  # numel, first chunk, grad pointer
     numel = tl.load(row)
     start = (tl.program_id(0) - tl.load(row + 1)) * CHUNK                           # int64 scalar
@@ -1153,7 +1222,7 @@ def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.c
     size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
-    for i0 in range(0, size, BLOCK):
+    for i0 in tl.range(0, size, BLOCK, num_stages=STAGES):
         g = tl.load(g_ptr + i0 + offs, mask=offs < size - i0, other=0.0)           # (BL,) fp32
         acc += g * g
     tl.store(partial_ptr + tl.program_id(0), tl.sum(acc, axis=0))
@@ -1177,8 +1246,9 @@ def global_norm(grads):
     out = torch.empty((), dtype=torch.float32, device=grads[0].device)              # () fp32
     _global_norm_partial_kernel[(chunks,)](table, len(grads), partial, ALIGNED=aligned, CHUNK=MT_CHUNK,
                                            BLOCK=MT_BLOCK, BLOCK_T=triton.next_power_of_2(len(grads)),
-                                           num_warps=MT_WARPS)
-    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK)
+                                           STAGES=NORM_STAGES, num_warps=MT_WARPS)
+    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK,
+                                     num_warps=NORM_FINISH_WARPS)
     return out
 
 
