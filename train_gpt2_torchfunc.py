@@ -229,23 +229,26 @@ def init_params_numpy(cfg):
 LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along L
 
 
-def attention(qkv, cfg):
-    """Causal self-attention: qkv (B,T,3C) -> (B,T,C). SDPA picks flash attention on a GPU in bf16."""
-    B, T, C3 = qkv.shape
-    H, D = cfg.n_head, C3 // (3 * cfg.n_head)
-    # unbind, not indexing: its gradient is one stack, where three indexings would each write a
-    # zero-padded (3,B,H,T,D) gradient to be summed
-    q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)             # 3 x (B,H,T,D)
+def attention(q, k, v, cfg):
+    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C); heads are D-wide slices of C. SDPA picks
+    cuDNN's or flash attention on a GPU in bf16."""
+    B, T, C = q.shape
+    H, D = cfg.n_head, C // cfg.n_head
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))           # (B,H,T,D) each
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                    # (B,H,T,D)
-    return y.transpose(1, 2).reshape(B, T, H * D)                                  # (B,T,C)
+    return y.transpose(1, 2).reshape(B, T, C)                                      # (B,T,C)
 
 
 def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's slice of the stacked weights."""
     C = cfg.n_embd
     h = F.layer_norm(x, (C,), lp["ln_1.w"], lp["ln_1.b"], 1e-5)                   # (B,T,C)
-    qkv = F.linear(h, lp["c_attn.w"], lp["c_attn.b"])                             # (B,T,3C)
-    x = x + F.linear(attention(qkv, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
+    # q, k, v from c_attn's three row blocks: three contiguous outputs whose gradients feed the
+    # matmuls as they are, where slicing one (B,T,3C) product would cost a copy of the attention's
+    # three gradients into one (B,T,3C) tensor in every layer's backward
+    q, k, v = (F.linear(h, lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
+               for i in range(3))                                                  # (B,T,C) each
+    x = x + F.linear(attention(q, k, v, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
     h = F.layer_norm(x, (C,), lp["ln_2.w"], lp["ln_2.b"], 1e-5)                   # (B,T,C)
     h = F.gelu(F.linear(h, lp["c_fc.w"], lp["c_fc.b"]), approximate="tanh")       # (B,T,4C)
     return x + F.linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                # (B,T,C)
@@ -320,11 +323,15 @@ def loss_fn(params, x, y, cfg):
     return token_losses(params, x, y, cfg).mean()
 
 
+def scaled_loss(weights, x, y, scale, cfg):
+    return loss_fn(weights, x, y, cfg) * scale
+
+
 def grads_and_loss(weights, x, y, scale, cfg):
     """({name: gradient}, loss) of scale x the mean loss of one micro-batch, by reverse mode through
     torch.func: the weights stay plain tensors (no requires_grad, no .grad, no autograd graph kept
     between calls), and each gradient comes back in its weight's dtype."""
-    return torch.func.grad_and_value(lambda w: loss_fn(w, x, y, cfg) * scale)(weights)
+    return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
 
 
 # -----------------------------------------------------------------------------
