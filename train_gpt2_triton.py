@@ -7,13 +7,16 @@ BACKEND picks who implements the ops, behind one interface: `torch` (plain torch
 kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
+    python train_gpt2_triton.py triton --test              # every kernel against backend torch
     python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
         --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
     python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
-    python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 16384 --profile
+    python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 65536 --profile
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
 
---profile runs two steps (the first compiles and warms up), times every op of the second (table, and a
+Backend triton needs a CUDA GPU; without one, TRITON_INTERPRET=1 runs its kernels in Triton's CPU
+interpreter (slow, fp32 only: give --dtype fp32). --profile runs two steps (the first compiles and
+autotunes), times every op and every kernel launch of the second (tables, the torch ops it ran, and a
 Chrome trace in --out-dir) and exits; --bench-ops times each op against the torch op it replaces.
 """
 import argparse
@@ -305,7 +308,9 @@ def loss_fn(params, x, y, cfg):
 # is derived by hand and written with plain torch ops. The interface (shared with backend `triton`):
 # N = B*T rows, `dt` the compute dtype; weight gradients are fp32 buffers that backwards ADD into (+=),
 # so micro-batches accumulate and the tied wte collects both its uses. Statistics, softmax and losses are
-# computed in fp32 (fp64 when everything is fp64, as in --test).
+# computed in fp32 (fp64 when everything is fp64, as in --test). Besides the model's ops, four small ones
+# that the training step needs: copy_into (an lm-head chunk's rows into place), zero_fill, clip_by_norm
+# and sum_into (the loss), so that backend triton's step runs no torch compute op at all.
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -2698,6 +2703,25 @@ def compare(got, want):
     return err, (err / scale if scale > 0 else err)
 
 
+@contextlib.contextmanager
+def first_configs(active=True):
+    """Inside (when active), every autotuned kernel runs the first configuration its pruning keeps for the
+    arguments, without timing the others."""
+    tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
+    prunes = [k.early_config_prune for k in tuners]
+
+    def first(prune):
+        return lambda configs, named_args, **kwargs: (
+            prune(configs, named_args, **kwargs) if prune else configs)[:1]
+    for k, prune in zip(tuners, prunes):
+        k.early_config_prune = first(prune)
+    try:
+        yield
+    finally:
+        for k, prune in zip(tuners, prunes):
+            k.early_config_prune = prune
+
+
 def run_self_test(cfg):
     """--test: prints a table (check, dtype, max abs error, max relative error, tolerance, result, worst
     output) and exits non-zero if any check fails."""
@@ -2712,10 +2736,13 @@ def run_self_test(cfg):
         # bf16 on a GPU only: the interpreter multiplies bf16 wrongly
         dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" and not INTERPRET else [])
     ref_name = "torch.autograd" if cfg.backend == "torch" else "backend torch"
-    print(f"--test: backend {cfg.backend} against {ref_name} (run in fp64) on {device}")
+    # compiled kernels would autotune (compile and time every configuration) at each test shape: minutes
+    pinned = cfg.backend == "triton" and not INTERPRET
+    print(f"--test: backend {cfg.backend} against {ref_name} (run in fp64) on {device}"
+          + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
     f64 = torch.float64
     rows = []
-    with torch.no_grad():
+    with torch.no_grad(), first_configs(pinned):
         for dt in dtypes:
             for name, case in OP_CASES:
                 results = []

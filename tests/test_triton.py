@@ -421,7 +421,8 @@ def test_triton_profile_tables(tmp_path, capsys, monkeypatch, one_thread):
     """--profile with backend triton: per op and per kernel (under the op that launched it: the matmul's
     forward and backward uses apart) a row with time and share of the step, every kernel the step launched
     in the table, the torch op census (only allocation, views and host reads besides the pointer table's
-    aten::cat), and a Chrome trace that labels each kernel launch."""
+    aten::cat), and a Chrome trace that labels each kernel launch; --bench-ops times every op of backend
+    triton against the torch op it replaces."""
     cfg = small_cfg(out_dir=str(tmp_path), backend="triton", batch_size=1, total_batch_size=16)
     loader = small_shard(tmp_path, cfg)
     params = tg.init_params_numpy(cfg)
@@ -444,6 +445,14 @@ def test_triton_profile_tables(tmp_path, capsys, monkeypatch, one_thread):
     with open(tmp_path / "trace_triton-triton.json") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {f"kernel {k}" for k in kernels} <= names and "matmul_backward" in names
+
+    monkeypatch.setattr(tg, "BENCH_WARMUP", 1)
+    monkeypatch.setattr(tg, "BENCH_REPS", 1)
+    monkeypatch.setattr(tg, "COPY_BYTES", 1 << 16)
+    tg.bench_ops(cfg, tg.TRITON_OPS, DEVICE)
+    out = capsys.readouterr().out
+    benched = {line.split()[0] for line in out.splitlines() if " | " in line and line.endswith("x")}
+    assert benched == set(vars(tg.TRITON_OPS)) - {"attention_backward"} | {"attention_forward+backward"}
 
 
 def test_triton_clean_errors(tmp_path, tiny_shards, one_thread):
