@@ -3079,18 +3079,19 @@ def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, m
 
 
 def time_ms(fn, device):
-    """Median milliseconds of fn() over BENCH_REPS calls, after BENCH_WARMUP calls (which also compile)."""
+    """Median milliseconds of fn(): on a GPU by triton.testing.do_bench (as wip/check_triton_ops_*.py: 25 ms
+    of warm-up, then 100 ms of calls, each after the L2 cache is flushed, so no op reads its inputs from a
+    warm cache); elsewhere over BENCH_REPS calls after BENCH_WARMUP (which also compile)."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     for _ in range(BENCH_WARMUP):
         fn()
     times = []
     for _ in range(BENCH_REPS):
-        t0 = _clock(device)
+        t0 = time.perf_counter()
         fn()
-        t1 = _clock(device)
-        times.append((t0, t1))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return float(np.median([_elapsed_ms(t0, t1) for t0, t1 in times]))
+        times.append(1000 * (time.perf_counter() - t0))
+    return float(np.median(times))
 
 
 def bench_cases(cfg, ops, device):
@@ -3207,7 +3208,7 @@ def bench_cases(cfg, ops, device):
     return cases
 
 
-COPY_BYTES = 1 << 28  # the copy that measures memory bandwidth: 256 MiB, far beyond any cache
+COPY_BYTES = 1 << 30  # the copy that measures memory bandwidth: 1 GiB, far beyond any cache
 
 
 def copy_bandwidth_gbs(device):
@@ -3220,12 +3221,13 @@ def copy_bandwidth_gbs(device):
 @torch.no_grad()
 def bench_ops(cfg, ops, device):
     """--bench-ops: each op of the backend at the model's shapes against the PyTorch op it replaces:
-    milliseconds and achieved TFLOP/s or GB/s of both, and the device's copy bandwidth for scale."""
+    milliseconds and achieved TFLOP/s or GB/s of both (GB/s also as a share of the device's measured copy
+    bandwidth, the ceiling of a memory-bound op), and the speed-up over the PyTorch op."""
     copy_gbs = copy_bandwidth_gbs(device)
     print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
-    print(f"{'op':<30} {'shape':<26} {'ms':>8} {'rate':>12} | {'PyTorch op':<28} {'ms':>8} {'rate':>12} "
-          f"{'speed-up':>8}")
+    print(f"{'op':<30} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
+          f"{'rate':>12} {'speed-up':>8}")
     for name, shape, ours, torch_label, theirs, args in bench_cases(cfg, ops, device):
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
@@ -3236,7 +3238,8 @@ def bench_ops(cfg, ops, device):
 
         def unit(ms):
             return f"{flops / ms / 1e9:7.2f} TF/s" if flops else f"{nbytes / ms / 1e6:7.0f} GB/s"
-        print(f"{name:<30} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} | {torch_label:<28} "
+        share = "" if flops else f"{100 * nbytes / ours_ms / 1e6 / copy_gbs:5.0f}%"
+        print(f"{name:<30} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} {share:>6} | {torch_label:<28} "
               f"{theirs_ms:8.3f} {unit(theirs_ms):>12} {theirs_ms / ours_ms:7.2f}x")
 
 
