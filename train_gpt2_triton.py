@@ -2888,8 +2888,8 @@ def kernel_work(name, a):
 
 
 def launched_kernels():
-    """{name: kernel} of the Triton kernels defined in this file (the launchable jit, autotune and
-    heuristics objects; jit helpers are never launched)."""
+    """{name: kernel} of every Triton jit, autotune or heuristics object of this file (the jit helpers that
+    kernels call inside are among them, and are never launched themselves)."""
     return {name: k for name, k in globals().items() if isinstance(k, triton.runtime.KernelInterface)}
 
 
