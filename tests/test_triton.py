@@ -385,7 +385,7 @@ def step_torch_ops(monkeypatch, ops):
         return call
     monkeypatch.setattr(GridExecutor, "__call__", labelled("excluded", GridExecutor.__call__))
     monkeypatch.setattr(tg, "_tensor_table", labelled("excluded", tg._tensor_table))
-    cfg = small_cfg()
+    cfg = small_cfg(batch_size=5)  # 40 rows: more than one interpreter block, so dW splits over the rows
     params = tg.init_params_numpy(cfg)
     state = tg.make_state(params, {k: np.zeros_like(p) for k, p in params.items()},
                           {k: np.zeros_like(p) for k, p in params.items()}, cfg, DEVICE)
