@@ -1349,24 +1349,42 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return pid_m, pid_n
 
 
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 # -----------------------------------------------------------------------------
 # Triton kernels: matmul with fused epilogues (forward, dX) and dW with the bias gradient
+# H100 facts the configurations rely on: a 128x256 (or 256x128) tile is the largest whose fp32
+# accumulator fits in 8 warps' registers, and the one that asks least of L2 per flop; a 128x128 tile with 3
+# stages (96 KB of shared memory, at most 128 registers a thread at 8 warps or 255 at 4) leaves room for
+# two programs on an SM, so that one's prologue and epilogue (bias, GELU, the stores) run under the other's
+# main loop: what the K=768 layers need, whose main loop is only 12 steps of 64. One measured run (cuBLAS
+# 0.9x at long K, 0.5-0.75x at K=768 with one program an SM and the epilogue exposed) set these choices.
 
-def _matmul_configs(interpret=INTERPRET):
-    """H100 configurations: big tiles keep the tensor cores fed from shared memory (128x256 and 256x128
-    reach the highest FLOP/s when there are enough tiles, 128x128 and 64-wide tiles fill the 132 SMs on
-    the smaller GPT-2 shapes); 3-4 stages of cp.async prefetch hide HBM latency within the 227 KB of
-    shared memory (128x256x64 bf16 is 48 KB a stage). BLOCK_K 64 for 16-bit inputs; fp32 inputs run on
-    the FMA units (ieee) and use BLOCK_K 32 so their stages still fit: _prune_matmul_configs picks the
-    set by input width. The interpreter's set: 32 or wide blocks per dimension, see _interpreter_config."""
+def _matmul_configs(kernel, interpret=INTERPRET):
+    """H100 configurations of kernel "mm" (forward and dX) or "dw". 16-bit inputs: BLOCK_K 64, tiles of
+    128x256 / 256x128 (one program an SM, 3 stages: 144 KB) and 128x128 with 3 stages (two programs an
+    SM); dW runs long K loops on few tiles: the big tiles and a 4-stage 128x128, each with every split
+    count 1..8 (_prune_dw_configs keeps the two its cost model ranks best). fp32 inputs run on the FMA
+    units (ieee) and use BLOCK_K 32 so that their stages fit: the prune functions pick the set by input
+    width. The interpreter's set: 32 or wide blocks per dimension (see _interpreter_config), dW split in
+    1 or 2."""
     if interpret:
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4})
-                for bm in (32, 512) for bn in (32, 512) for bk in (32, 256)]
-    cfg = lambda bm, bn, bk, stages, warps: triton.Config(  # noqa: E731
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
-    return [cfg(128, 256, 64, 3, 8), cfg(256, 128, 64, 3, 8), cfg(128, 128, 64, 4, 8),
-            cfg(128, 128, 64, 4, 4), cfg(128, 64, 64, 4, 4), cfg(64, 128, 64, 4, 4),
-            cfg(128, 128, 32, 3, 8), cfg(64, 128, 32, 3, 4), cfg(64, 64, 32, 3, 4)]
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
+                               **({"SPLIT_K": s} if kernel == "dw" else {})})
+                for bm in (32, 512) for bn in (32, 512) for bk in (32, 256)
+                for s in ((1, 2) if kernel == "dw" else (1,))]
+    cfg = lambda bm, bn, bk, stages, warps, maxnreg=None, **kw: triton.Config(  # noqa: E731
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, **kw}, num_stages=stages, num_warps=warps,
+        maxnreg=maxnreg)
+    if kernel == "dw":
+        return [cfg(bm, bn, bk, stages, warps, SPLIT_K=s) for bm, bn, bk, stages, warps in
+                ((128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 3, 8),
+                 (64, 128, 32, 3, 4)) for s in range(1, 9)]
+    # (128 registers a thread: what two 8-warp programs on an SM may use; Triton 3.9 needs 109-126 here)
+    return [cfg(128, 256, 64, 3, 8), cfg(256, 128, 64, 3, 8), cfg(128, 128, 64, 3, 8, maxnreg=128),
+            cfg(128, 128, 64, 3, 4), cfg(128, 128, 32, 3, 8), cfg(64, 128, 32, 3, 4), cfg(64, 64, 32, 3, 4)]
 
 
 def _prune_matmul_configs(configs, named_args, **kwargs):
@@ -1385,24 +1403,95 @@ def _interpreter_config(configs, named_args, **kwargs):
     return [c for c in configs if all(c.kwargs[k] == v for k, v in want.items())]
 
 
-MATMUL_CONFIGS = _matmul_configs()
+DW_WORKSPACE_BYTES = 64 << 20  # split-K partial sums: at most 64 MiB (qkv's 7 splits at B*T = 16k take 50)
+
+
+def _dw_workspace(M, N, cfg):
+    """Elements of the fp32 partial sums of dw (tiles, SPLIT_K, BM, BN) and db (tiles, SPLIT_K, BM), and
+    the tile count, of one dW config."""
+    bm, bn, split = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["SPLIT_K"]
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    return tiles * split * bm * bn, tiles * split * bm, tiles
+
+
+def _dw_cost(M, N, K, sms, cfg):
+    """Modelled time of dW under one config, in 128x256x64 main-loop steps (~0.85 us at ~650 TFLOP/s):
+    waves of SPLIT_K*tiles programs times the steps of one row chunk, plus, when split, the partial sums
+    on the critical path: a program stores its fp32 tile and the tile's last program reads all SPLIT_K of
+    them back, ~1.5 steps each for a 128x256 tile at an SM's share of L2 bandwidth. It only ranks split
+    counts for one tile shape; the autotuner measures the rest."""
+    bm, bn, bk, split = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    steps = triton.cdiv(triton.cdiv(K, split), bk)
+    area = bm * bn / (128 * 256)
+    return area * (math.ceil(tiles * split / sms) * steps * bk / 64 + (split > 1) * 1.5 * (split + 1))
+
+
+def _prune_dw_configs(configs, named_args, **kwargs):
+    """The dW configs for this input width whose partial sums fit in DW_WORKSPACE_BYTES, and of each tile
+    shape the two split counts _dw_cost ranks best for this (M, N, K) on this GPU."""
+    M, N, K = named_args["M"], named_args["N"], named_args["K"]
+    sms = _num_sms(named_args["a_ptr"].device)
+    width = [c for c in _prune_matmul_configs(configs, named_args) if c.kwargs["SPLIT_K"] == 1
+             or _dw_workspace(M, N, c)[0] * 4 <= DW_WORKSPACE_BYTES]
+    kept = []
+    for tile in dict.fromkeys((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in width):
+        same = [c for c in width if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == tile]
+        kept += sorted(same, key=lambda c: _dw_cost(M, N, K, sms, c))[:2]
+    return kept
+
+
+def _interpreter_dw_config(configs, named_args, **kwargs):
+    """The interpreter's dW config: _interpreter_config's blocks, split in 2 once K passes one block of rows
+    (so the CPU tests run the split path and its reduction), else 1."""
+    blocks = _interpreter_config(configs, named_args)
+    split = 2 if named_args["K"] > blocks[0].kwargs["BLOCK_K"] else 1
+    return [c for c in blocks if c.kwargs["SPLIT_K"] == split]
+
+
+def _autotune_bench(kernel_call, quantiles):
+    """The autotuner's timing of one config: median of ~25 ms of runs (Triton's default spends ~125 ms),
+    so the first call at a new shape costs well under a second a config."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
 MATMUL_PRUNE = {"early_config_prune": _interpreter_config if INTERPRET else _prune_matmul_configs}
+DW_PRUNE = {"early_config_prune": _interpreter_dw_config if INTERPRET else _prune_dw_configs}
 
 
-@triton.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "K", "stride_ak", "stride_bk", "HAS_BIAS", "GELU"],
-                 prune_configs_by=MATMUL_PRUNE)
+@triton.jit
+def _gelu_tanh(x, FAST_TANH: tl.constexpr):
+    """tanh-GELU of fp32 x, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3). FAST_TANH (GPU,
+    16-bit output): the SFU's tanh.approx (relative error ~2^-11, under a bf16 or fp16 rounding), one
+    special-function op an element; the SFU does only 16 a clock an SM, which at fc's 25M elements (B*T =
+    8192) is ~7 us an op. Otherwise exact to fp32: 0.5 (1 + tanh(u)) = sigmoid(2u) = 1 / (1 + 2^(-2 log2(e)
+    u)), no NaN at either tail (an exp2 and a division: two SFU ops)."""
+    u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
+    if FAST_TANH:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        y = 0.5 * x * (1.0 + t)
+    else:
+        y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
+    return y
+
+
+@triton.autotune(configs=_matmul_configs("mm"), key=["M", "N", "K", "stride_ak", "stride_bk", "HAS_BIAS", "GELU"],
+                 prune_configs_by=MATMUL_PRUNE, do_bench=_autotune_bench)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                  HAS_BIAS: tl.constexpr, GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then tanh-GELU, pre-activation stored to pre (M,N)].
     Any strides: the forward reads w (out,in) as b = w.T, the input gradient reads w as it is."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) output columns
     offs_k = tl.arange(0, BLOCK_K)  # (BK,)
+    if HAS_BIAS:  # loaded before the loop, whose time then hides its latency (after it, it stalls the epilogue)
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)  # (BN,)
     # rows/columns past the edge wrap around to valid ones, so the loads in the loop need no M/N mask;
     # the wrapped results are dropped by the masked store
     rows = (offs_m % M).to(tl.int64)  # (BM,) int64: N*Vp logits pass 2**31 elements at batch 48
@@ -1421,36 +1510,27 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]  # (BM, BN)
+        acc += bias[None, :]  # (BM, BN)
     c_offs = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn  # (BM, BN)
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
     if GELU:
-        tl.store(pre_ptr + c_offs, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
-        # 0.5 * (1 + tanh(u)) = sigmoid(2u) = 1 / (1 + 2^(-2 log2(e) u)): one exp2, no NaN at either tail
-        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)  # (BM, BN)
-        acc = acc / (1.0 + tl.exp2(-2.8853900817779268 * u))  # (BM, BN)
-    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        # both outputs rounded first, so the fp32 accumulator is dead before the stores' layout changes
+        pre = acc.to(pre_ptr.dtype.element_ty)  # (BM, BN)
+        y = _gelu_tanh(acc, FAST_TANH).to(c_ptr.dtype.element_ty)  # (BM, BN)
+        tl.store(pre_ptr + c_offs, pre, mask=c_mask)
+        tl.store(c_ptr + c_offs, y, mask=c_mask)
+    else:
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@triton.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "K", "SPLIT_K", "HAS_BIAS"],
-                 restore_value=["c_ptr", "db_ptr"], prune_configs_by=MATMUL_PRUNE)
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def matmul_dw_kernel(a_ptr, b_ptr, c_ptr, db_ptr, M, N, K, SPLIT_K,
-                     stride_am, stride_ak, stride_bk, stride_bn,
-                     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight gradient dw (M,N) = dy.T (M,K) @ x (K,N) over the K = B*T rows, and the bias gradient
-    db (M) = the column sums of dy, which the programs of tile column 0 add up from the dy tiles they load
-    anyway. Split-K: program (tile, s) covers rows [s*chunk, (s+1)*chunk). ACCUMULATE (SPLIT_K == 1): adds
-    into the fp32 dw and db; otherwise writes its partial sums to the fp32 workspaces c (SPLIT_K,M,N) and
-    db (SPLIT_K,M), which matmul_dw_reduce_kernel adds in a fixed order (deterministic, unlike atomics)."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_s = tl.program_id(1)
-    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: only K's edge
-    # is ever masked
-    k_lo = pid_s * chunk
-    k_hi = tl.minimum(k_lo + chunk, K)
+def _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk, stride_bn,
+                WITH_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """One program's share of dW: acc (BM,BN) = a[rows, k_lo:k_hi] @ b[k_lo:k_hi, cols] in fp32, and with
+    WITH_DB the row sums of that a block (BM,), taken by the tensor cores as a @ e0 (e0 (BK,16): ones in
+    column 0, zeros elsewhere) from the tile already in shared memory: no extra loads, no reduction across
+    threads in the loop, and the zero columns add exactly nothing to the sum taken at the end."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output features
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) input features
     offs_k = k_lo + tl.arange(0, BLOCK_K)  # (BK,) rows of dy and x
@@ -1459,7 +1539,9 @@ def matmul_dw_kernel(a_ptr, b_ptr, c_ptr, db_ptr, M, N, K, SPLIT_K,
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak  # (BM, BK)
     b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
-    db_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,)
+    db_acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)  # (BM, 16) only column 0 is ever nonzero
+    e0 = (tl.arange(0, BLOCK_K)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)  # (BK, 16) column 0 true
+    e0 = e0.to(a_ptr.dtype.element_ty)  # (BK, 16) ones in column 0
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)  # (BM, BK)
@@ -1468,60 +1550,81 @@ def matmul_dw_kernel(a_ptr, b_ptr, c_ptr, db_ptr, M, N, K, SPLIT_K,
             a = tl.load(a_ptrs, mask=offs_k[None, :] < K - (k - k_lo), other=0.0)  # (BM, BK)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < K - (k - k_lo), other=0.0)  # (BK, BN)
         acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
-        if HAS_BIAS:
-            if pid_n == 0:  # one tile column is enough: db depends on the output feature only
-                db_acc += tl.sum(a.to(tl.float32), axis=1)  # (BM,)
+        if WITH_DB:
+            db_acc = tl.dot(a, e0, db_acc, input_precision="ieee")  # (BM, 16)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    c_offs = pid_s.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # (BM, BN)
-    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
-    if ACCUMULATE:
-        acc += tl.load(c_ptr + c_offs, mask=c_mask, other=0.0)  # (BM, BN) the fp32 gradient so far
-    tl.store(c_ptr + c_offs, acc, mask=c_mask)
-    if HAS_BIAS:
-        if pid_n == 0:
-            if ACCUMULATE:
-                db_acc += tl.load(db_ptr + offs_m, mask=offs_m < M, other=0.0)  # (BM,)
-            tl.store(db_ptr + pid_s * M + offs_m, db_acc, mask=offs_m < M)
+    return acc, tl.sum(db_acc, axis=1)
 
 
 @triton.jit
-def matmul_dw_reduce_kernel(ws_ptr, ws_db_ptr, dw_ptr, db_ptr, MN, M, SPLIT_K,
-                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """dw (MN flat) += sum over s of ws (SPLIT_K, MN), in order s = 0, 1, ...; same for db (M)."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat dw elements
-    mask = offs < MN
-    acc = tl.load(dw_ptr + offs, mask=mask, other=0.0)  # (BLOCK,) fp32
-    for s in range(0, SPLIT_K):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(dw_ptr + offs, acc, mask=mask)
+def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """dw[tile] += acc, and db[rows] += db from the programs of tile column 0: the fp32 gradients."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    dw_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # (BM, BN)
+    dw_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
+    tl.store(dw_ptr + dw_offs, acc + tl.load(dw_ptr + dw_offs, mask=dw_mask, other=0.0), mask=dw_mask)
     if HAS_BIAS:
-        if pid * BLOCK < M:
-            db_mask = offs < M
-            db = tl.load(db_ptr + offs, mask=db_mask, other=0.0)  # (BLOCK,) fp32
+        if pid_n == 0:
+            tl.store(db_ptr + offs_m, db + tl.load(db_ptr + offs_m, mask=offs_m < M, other=0.0), mask=offs_m < M)
+
+
+@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS"],
+                 reset_to_zero=["count_ptr"], restore_value=["dw_ptr", "db_ptr"], prune_configs_by=DW_PRUNE,
+                 do_bench=_autotune_bench)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr, M, N, K,
+                     stride_am, stride_ak, stride_bk, stride_bn, SPLIT_K,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight gradient dw (M,N) += dy.T (M,K) @ x (K,N) over the K = B*T rows, and the bias gradient
+    db (M) += the column sums of dy, computed by the programs of tile column 0. Split-K: the SPLIT_K
+    programs of a tile each sum a chunk of rows and store it to the fp32 workspace ws (tile, SPLIT_K, BM,
+    BN); the last of them to finish (an atomic counter a tile) adds the SPLIT_K partial sums in chunk order
+    and accumulates the result into dw. Their program ids are adjacent: they run in the same wave, and the
+    partial sums are read back soon after they are written, from L2. Deterministic: which program
+    finishes last changes who adds, never the order of the additions. SPLIT_K == 1 accumulates directly."""
+    tile = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: only K's edge
+    # is ever masked
+    k_lo = split * chunk
+    k_hi = tl.minimum(k_lo + chunk, K)
+    if HAS_BIAS:
+        if pid_n == 0:  # one tile column is enough: db depends on the output feature only
+            acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak,
+                                  stride_bk, stride_bn, True, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        else:
+            acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak,
+                                  stride_bk, stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    else:
+        acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk,
+                              stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if SPLIT_K == 1:
+        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
+    else:
+        # whole (BM, BN) partial tiles, contiguous: unmasked full-width stores and loads
+        part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (BM, BN)
+        ws_tile = ws_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N
+        ws_db_tile = ws_db_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M
+        tl.store(ws_tile + split * BLOCK_M * BLOCK_N + part, acc)
+        if HAS_BIAS:
+            tl.store(ws_db_tile + split * BLOCK_M + tl.arange(0, BLOCK_M), db)
+        # every thread's stores precede the counter's release (acq_rel atomic at GPU scope); the last
+        # arriver's acquire then sees all partial sums, read past L1 (.cg) which may hold none of them
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tile, 1) == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+            db = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,)
             for s in range(0, SPLIT_K):
-                db += tl.load(ws_db_ptr + s * M + offs, mask=db_mask, other=0.0)
-            tl.store(db_ptr + offs, db, mask=db_mask)
-
-
-DW_REDUCE_BLOCK = 1024  # elementwise: 1024 fp32 a program, 4 per thread with 8 warps
-
-
-def _num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _dw_split_k(M, N, K, device):
-    """How many row chunks the weight gradient splits into. dW has few output tiles (768x768: 36 tiles of
-    128x128 for 132 SMs) and a long reduction (K = B*T rows), so one program per tile leaves most SMs idle.
-    Picks s in 1..8 minimising (waves of s*tiles programs) / s, the time in units of one whole tile, plus
-    the cost of writing and re-reading s partial sums: 8*s*M*N bytes at ~3 TB/s against 2*M*N*K flops at
-    ~600 TFLOP/s is 800*s/K of the ideal matmul time (H100 bf16)."""
-    sms = _num_sms(device)
-    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
-    cost = lambda s: math.ceil(tiles * s / sms) / s + (s > 1) * 800 * s / K * tiles / sms  # noqa: E731
-    return min(range(1, 9), key=cost)
+                acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")
+                if HAS_BIAS:
+                    db += tl.load(ws_db_tile + s * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
+            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def _matmul(a, b, bias=None, gelu=False):
@@ -1534,30 +1637,35 @@ def _matmul(a, b, bias=None, gelu=False):
     # unused pointers (no bias, no GELU) get c: never read nor written, since the flags compile them out
     matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, M, N, K,
                         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                        HAS_BIAS=bias is not None, GELU=gelu)
+                        HAS_BIAS=bias is not None, GELU=gelu,
+                        FAST_TANH=gelu and not INTERPRET and a.dtype != torch.float32)
     return c, pre
 
 
-def _matmul_dw(dy, x, dw, db, split_k):
-    """dw (M,N) += dy.T @ x and db (M) += dy.sum(0), fp32; dy (K,M), x (K,N); split_k row chunks."""
+def _matmul_dw(dy, x, dw, db):
+    """dw (M,N) += dy.T @ x and db (M) += dy.sum(0), fp32; dy (K,M), x (K,N)."""
     K, M = dy.shape
     N = x.shape[1]
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)  # noqa: E731
-    # a missing db lends its pointer argument to a 1-element stand-in, never touched with HAS_BIAS off
-    # (a None would not survive the autotuner's restore_value copies on older Triton)
+    grid = lambda meta: (  # noqa: E731
+        triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * meta["SPLIT_K"],)
+    # the split-K buffers serve whichever config the autotuner will run: the largest need among the
+    # configs its pruning keeps (a single config is run as it is)
+    configs = matmul_dw_kernel.configs
+    if len(configs) > 1:
+        configs = DW_PRUNE["early_config_prune"](configs, {"a_ptr": dy, "M": M, "N": N, "K": K})
+    # a missing db, and the split-K buffers when no config splits, lend their pointer arguments to a
+    # 1-element stand-in that the kernel never touches (a None would not survive the autotuner's
+    # restore_value copies on older Triton)
     stand_in = dw.new_empty(1)  # (1,)
-    if split_k == 1:
-        matmul_dw_kernel[grid](dy, x, dw, stand_in if db is None else db, M, N, K, 1,
-                               dy.stride(1), dy.stride(0), x.stride(0), x.stride(1),
-                               HAS_BIAS=db is not None, ACCUMULATE=True)
-        return
-    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=dy.device)  # (S,M,N) partial dw
-    ws_db = stand_in if db is None else torch.empty((split_k, M), dtype=torch.float32, device=dy.device)  # (S,M)
-    matmul_dw_kernel[grid](dy, x, ws, ws_db, M, N, K, split_k, dy.stride(1), dy.stride(0), x.stride(0),
-                           x.stride(1), HAS_BIAS=db is not None, ACCUMULATE=False)
-    matmul_dw_reduce_kernel[(triton.cdiv(M * N, DW_REDUCE_BLOCK),)](
-        ws, ws_db, dw, stand_in if db is None else db, M * N, M, split_k, HAS_BIAS=db is not None,
-        BLOCK=DW_REDUCE_BLOCK, num_warps=8)
+    ws = ws_db = count = stand_in
+    if any(c.kwargs["SPLIT_K"] > 1 for c in configs):
+        sizes = [_dw_workspace(M, N, c) for c in configs]
+        ws = dw.new_empty(max(s[0] for s in sizes))  # (tiles, SPLIT_K, BM, BN) partial dw
+        ws_db = dw.new_empty(max(s[1] for s in sizes))  # (tiles, SPLIT_K, BM) partial db
+        count = torch.empty(max(s[2] for s in sizes), dtype=torch.int32, device=dw.device)  # (tiles,) arrivals
+        zero_fill(count)  # a Triton kernel (train_gpt2_triton.py): no torch op computes in the step
+    matmul_dw_kernel[grid](dy, x, dw, stand_in if db is None else db, ws, ws_db, count, M, N, K,
+                           dy.stride(1), dy.stride(0), x.stride(0), x.stride(1), HAS_BIAS=db is not None)
 
 
 def matmul_forward(x, w, b):
@@ -1573,7 +1681,7 @@ def matmul_gelu_forward(x, w, b):
 def matmul_backward(dy, x, w, dw, db):
     """dx (N,K) = dy (N,M) @ w (M,K); dw (M,K) += dy.T @ x and db (M) += dy.sum(0), both fp32."""
     dx = _matmul(dy, w)[0]  # (N,K)
-    _matmul_dw(dy, x, dw, db, _dw_split_k(w.shape[0], w.shape[1], dy.shape[0], dy.device))
+    _matmul_dw(dy, x, dw, db)
     return dx
 
 

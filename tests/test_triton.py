@@ -324,13 +324,12 @@ def small_shard(tmp_path, cfg, n=4096):
     return tg.DataLoader([str(path)], cfg.batch_size, cfg.seq_len)
 
 
-def test_triton_self_test_covers_every_kernel(capsys, monkeypatch, one_thread):
+def test_triton_self_test_covers_every_kernel(capsys, one_thread):
     """`triton --test`: every op of backend triton (forward and backward, the step's zero/clip/sum/copy)
     matches backend torch run in fp64 at 4 shapes with odd sizes (fp32 rel 1e-4; bf16 3e-2 on a GPU), and
-    so do the whole model's loss, logits and 16 gradients; the weight gradient runs split over the rows
-    (split-K, which the CPU never chooses) for odd row counts; and the run launched every Triton kernel
-    that the file launches anywhere."""
-    monkeypatch.setattr(tg, "_dw_split_k", lambda M, N, K, device: 1 + K % 2)
+    so do the whole model's loss, logits and 16 gradients (the interpreter splits the weight gradient
+    over the rows past 32 rows: the split-K path runs); and the run launched every Triton kernel that the
+    file launches anywhere."""
     launches = []
     with tg.timed_kernels(DEVICE, launches, []):
         tg.main(["triton", "--test"])
