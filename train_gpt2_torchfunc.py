@@ -16,6 +16,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import functools
 import glob
 import json
 import math
@@ -784,6 +785,14 @@ def peak_memory_gb(device):
 # Main
 
 PROFILE_STEPS = 3
+# Inductor options for every torch.compile here. Mix-order reduction (on by default on GPUs since torch
+# 2.10: a LayerNorm backward's row sums and its weight/bias column sums in one kernel, from 4096 rows up)
+# drops the write of a column sum whose output is a slice of a concatenated buffer: the generated code
+# rebinds the buffer's name to the reduced workspace instead of copying into the slice (pytorch/pytorch
+# issue 193061, pull request 193103; the torch 2.13 source still rebinds). Our per-layer LayerNorm and
+# bias gradients are such slices of their (L, ...) stacks: with it on, the fused ones are uninitialized
+# memory, as in the wrong, step-to-step drifting grad norms of the compiled d12 runs (H100, torch 2.11).
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 
 
 def due(every, step, steps):
@@ -877,8 +886,9 @@ def main(argv=None):
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
 
     with out_of_memory_is_an_error(cfg):
-        eval_loss = torch.compile(loss_fn, dynamic=False) if cfg.compile else loss_fn
-        row_losses = torch.compile(token_losses, dynamic=False) if cfg.compile else token_losses
+        compile_ = functools.partial(torch.compile, options=INDUCTOR_OPTIONS)
+        eval_loss = compile_(loss_fn, dynamic=False) if cfg.compile else loss_fn
+        row_losses = compile_(token_losses, dynamic=False) if cfg.compile else token_losses
 
         def run_evals(step, val, swag):
             weights = model_weights(params, copies)
@@ -902,8 +912,8 @@ def main(argv=None):
             return
 
         # compiled on the first call, that is inside step 1: its time is reported as compile time
-        grad_fn = torch.compile(grads_and_loss, fullgraph=True) if cfg.compile else grads_and_loss
-        update_fn = torch.compile(adamw_update, fullgraph=True) if cfg.compile else adamw_update
+        grad_fn = compile_(grads_and_loss, fullgraph=True) if cfg.compile else grads_and_loss
+        update_fn = compile_(adamw_update, fullgraph=True) if cfg.compile else adamw_update
 
         flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None

@@ -116,10 +116,12 @@ def train_steps(cfg, start, device, grad_backend=None, update_backend=None, step
     v = {k: torch.zeros_like(p) for k, p in params.items()}
     grad_fn, update_fn = tf.grads_and_loss, tf.adamw_update
     torch._dynamo.reset()
+    options = lambda backend: tf.INDUCTOR_OPTIONS if backend == "inductor" else None  # noqa: E731
     if grad_backend:
-        grad_fn = torch.compile(grad_fn, fullgraph=True, backend=grad_backend)
+        grad_fn = torch.compile(grad_fn, fullgraph=True, backend=grad_backend, options=options(grad_backend))
     if update_backend:
-        update_fn = torch.compile(update_fn, fullgraph=True, backend=update_backend)
+        update_fn = torch.compile(update_fn, fullgraph=True, backend=update_backend,
+                                  options=options(update_backend))
     loader = tf.DataLoader(None, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     out, first_grads = [], None
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -135,14 +137,17 @@ def train_steps(cfg, start, device, grad_backend=None, update_backend=None, step
 
 def assert_gradients_close(grads, reference, rtol):
     """Every gradient tensor within rtol of the reference's (relative L2 error), and no gradient in the
-    padded vocabulary rows: a wrong or unwritten tensor, not just a wrong total norm, fails."""
+    padded vocabulary rows: a wrong or unwritten tensor, not just a wrong total norm, fails, and the
+    message lists every tensor that is off."""
     assert not grads["wte"][V:].any()
+    bad = []
     for k in tf.PARAM_NAMES:
         assert grads[k].dtype == reference[k].dtype, k
         a, b = grads[k].double(), reference[k].double()
-        assert torch.isfinite(a).all(), k
         err = ((a - b).norm() / b.norm()).item()
-        assert err < rtol, f"{k}: relative gradient error {err:.2e} (norm {a.norm():.4g} vs {b.norm():.4g})"
+        if not err < rtol:  # NaN too
+            bad.append(f"{k}: relative error {err:.2e} (norm {a.norm():.4g}, expected {b.norm():.4g})")
+    assert not bad, "gradients off: " + "; ".join(bad)
 
 
 def test_compiled_step_matches_eager():
@@ -368,37 +373,36 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
 
 @pytest.mark.skipif(not has_cuda_gpu(), reason="the Inductor/flash-attention path needs an NVIDIA GPU")
 def test_compiled_step_on_gpu():
-    """On an NVIDIA GPU, Inductor-compiled steps against eager ones, with 64-wide heads: in fp32 the same
-    losses and grad norms (rel 1e-5 and 1e-4); in bf16, with 9 layers (more stacked layer gradients
-    than Inductor concatenates in one kernel, as in d12), every gradient tensor of a micro-batch within
-    5% of eager's (relative L2), grad norms within 1%, losses within 0.01 and within 0.02 of fp32's;
-    flash attention runs on our q/k/v layout."""
+    """On an NVIDIA GPU, Inductor-compiled steps (the trainer's options) against eager ones at d12's width
+    with 8,192 rows per micro-batch (where Inductor's LayerNorm-backward kernels differ from small
+    shapes'): in fp32 every gradient tensor within 1e-3 of eager's (relative L2) and the same losses and
+    grad norms (rel 1e-5 and 1e-4); in bf16 every gradient tensor within 5%, grad norms within 1%,
+    losses within 0.01 and within 0.02 of fp32's, the update's bf16 copies equal to the new masters
+    rounded; flash attention runs on our q/k/v layout."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     gpu = torch.device("cuda")
-    cfgs = {(dtype, n_layer): tf.Config(n_layer=n_layer, n_head=2, n_embd=128, block_size=T, seq_len=T,
-                                        batch_size=8, dtype=dtype)
-            for dtype, n_layer in (("fp32", 2), ("fp32", 9), ("bf16", 9))}
+    cfgs = {dtype: tf.Config(n_layer=3, n_head=12, n_embd=768, block_size=1024, seq_len=1024, batch_size=8,
+                             dtype=dtype) for dtype in ("fp32", "bf16")}
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # fp32 without TF32; the bf16 matmuls are unaffected
     try:
         runs = {}
-        for key, cfg in cfgs.items():
+        for dtype, cfg in cfgs.items():
             start = tf.init_params_numpy(cfg)
-            runs[key] = train_steps(cfg, start, gpu)
-            if key != ("fp32", 9):
-                runs[key + ("compiled",)] = train_steps(cfg, start, gpu, "inductor", "inductor")
-        _, _, params, _, _, copies = runs["bf16", 9, "compiled"]
+            runs[dtype] = train_steps(cfg, start, gpu)
+            runs[dtype, "compiled"] = train_steps(cfg, start, gpu, "inductor", "inductor")
+        _, _, params, _, _, copies = runs["bf16", "compiled"]
         assert all(torch.equal(copies[k], params[k].to(torch.bfloat16)) for k in copies)
-        assert not params["wte"][V:].any()
-        x = torch.zeros((2, T), dtype=torch.int64, device=gpu)                      # (2,T)
+        x = torch.zeros((2, 64), dtype=torch.int64, device=gpu)                     # (2,64)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            assert torch.isfinite(tf.loss_fn(tf.model_weights(params, copies), x, x, cfgs["bf16", 9]))
+            assert torch.isfinite(tf.loss_fn(tf.model_weights(params, copies), x, x, cfgs["bf16"]))
     finally:
         torch.set_float32_matmul_precision(precision)
-    for (loss, norm), (loss_c, norm_c) in zip(runs["fp32", 2][0], runs["fp32", 2, "compiled"][0]):
+    assert_gradients_close(runs["fp32", "compiled"][1], runs["fp32"][1], rtol=1e-3)
+    for (loss, norm), (loss_c, norm_c) in zip(runs["fp32"][0], runs["fp32", "compiled"][0]):
         assert loss_c == pytest.approx(loss, rel=1e-5) and norm_c == pytest.approx(norm, rel=1e-4)
-    assert_gradients_close(runs["bf16", 9, "compiled"][1], runs["bf16", 9][1], rtol=0.05)
-    for (loss, norm), (loss_c, norm_c), (loss32, _) in zip(runs["bf16", 9][0], runs["bf16", 9, "compiled"][0],
-                                                          runs["fp32", 9][0]):
+    assert_gradients_close(runs["bf16", "compiled"][1], runs["bf16"][1], rtol=0.05)
+    for (loss, norm), (loss_c, norm_c), (loss32, _) in zip(runs["bf16"][0], runs["bf16", "compiled"][0],
+                                                          runs["fp32"][0]):
         assert norm_c == pytest.approx(norm, rel=1e-2)
         assert loss_c == pytest.approx(loss, abs=1e-2) and loss == pytest.approx(loss32, abs=2e-2)
