@@ -249,7 +249,9 @@ def init_params_numpy(cfg):
 # backward recomputes them, one cheap elementwise pass each), and the logits: the lm head and the loss run
 # their forward and backward at once, HEAD_ROWS rows at a time, so at most (HEAD_ROWS, Vp) logits exist.
 # llm.c's train_gpt2.cu keeps 24 MiB per layer (16C wide), without cuDNN also the (T, T) probabilities,
-# and all (T, Vp) logits (98 MiB).
+# and all (T, Vp) logits (98 MiB). The whole d12 bf16 step at B=16 then needs about 5.8 GB (arithmetic, not
+# a measurement): fp32 masters, AdamW moments and gradients 2.0 GB, bf16 weights 0.25 GB, a micro-batch's
+# saved tensors 3.0 GB, one lm-head chunk of logits (HEAD_ROWS x Vp bf16) 0.4 GB.
 
 def model_forward(w, idx, cfg, ops, acts=None):
     """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
@@ -682,13 +684,15 @@ def make_state(params, m, v, cfg, device):
 # Triton kernels
 #
 # Backend `triton`: the op interface filled in by our own kernels. Two blocks, each a kernel file pasted
-# as it is developed and benchmarked on its own: first the memory-bound ops (embedding, LayerNorm, GELU,
-# cross-entropy, global norm, AdamW), then the two that hold the FLOPs (matmul with fused epilogues, causal
-# flash attention). Then the training step's own four small kernels (zeroing and clipping the gradients,
-# summing the loss, copying a chunk's rows into place), so that no torch op computes anything in backend
-# triton's step: torch only allocates memory and makes views. Without a GPU, TRITON_INTERPRET=1 (set
-# before triton is imported) runs every kernel in Triton's interpreter: slow, and fp32 only (its bf16 dots
-# are wrong).
+# as it is developed and benchmarked on its own (verbatim, but for one line: the matmul's split-K arrival
+# counters are zeroed by zero_fill below, not torch.zeros): first the memory-bound ops (embedding,
+# LayerNorm, GELU, cross-entropy, global norm, AdamW), then the two that hold the FLOPs (matmul with fused
+# epilogues, causal flash attention). Then the training step's own four small kernels (zeroing and
+# clipping the gradients, summing the loss, copying a chunk's rows into place), so that no torch op
+# computes anything on the device in backend triton's step: torch allocates memory, makes views, and
+# builds the multi-tensor kernels' small pointer tables on the host. Without a GPU, TRITON_INTERPRET=1
+# (set before triton is imported) runs every kernel in Triton's interpreter: slow, and fp32 only (its
+# bf16 dots are wrong).
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -1969,11 +1973,11 @@ def attention_backward(dout, qkv, out, lse, n_head):
 
 STEP_BLOCK = 4096  # elements per program: 16 per thread with 8 warps
 STEP_WARPS = 8
+SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
 if INTERPRET:
     # the interpreter's cost is Python overhead per program and per loop step, not per element: the
-    # elementwise and multi-tensor kernels (block sizes above, and the norm block's) get wide blocks there
+    # elementwise and multi-tensor kernels (this section's, and the norm block's) get wide blocks there
     STEP_BLOCK = MT_CHUNK = MT_BLOCK = CE_BLOCK_V = 1 << 16
-SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
 
 
 @triton.jit
