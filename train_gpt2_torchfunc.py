@@ -367,7 +367,7 @@ def adam_scalars(step, cfg, device):
                         dtype=torch.float32, device=device)
 
 
-EMBEDDINGS = ("wte", "wpe")  # gathered from in fp32 by the model: no compute-dtype copies
+EMBEDDINGS = ("wte", "wpe")  # no compute-dtype copies: gathered from in fp32 (the lm head casts wte)
 
 
 def compute_copies(params, cfg):
