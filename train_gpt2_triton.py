@@ -3496,6 +3496,11 @@ def main(argv=None):
                 f"reset after it, so later steps show the steady state")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+        # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses nothing
+        if master and due(cfg.ckpt_every, step, cfg.steps):
+            path = save_checkpoint(cfg.out_dir, step, to_numpy(state["params"]), to_numpy(state["m"]),
+                                   to_numpy(state["v"]), train_loader.state(), cfg)
+            say(f"saved {path}")
         run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
         if master and due(cfg.sample_every, step, cfg.steps):
             seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
@@ -3503,10 +3508,6 @@ def main(argv=None):
             for i, row in enumerate(generate(params, generator, cfg).tolist()):
                 text = encoder.decode(row[1:])
                 say(f"sample {i}: {text!r}")
-        if master and due(cfg.ckpt_every, step, cfg.steps):
-            path = save_checkpoint(cfg.out_dir, step, to_numpy(state["params"]), to_numpy(state["m"]),
-                                   to_numpy(state["v"]), train_loader.state(), cfg)
-            say(f"saved {path}")
 
     # the first step carries one-off costs (kernel compilation and autotuning, allocations, cuBLAS plans)
     later = [times[s] for s in times if s > first] or list(times.values())
