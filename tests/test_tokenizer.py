@@ -119,6 +119,24 @@ def test_gpt2_every_code_point_sample(gpt2, enc):
     assert gpt2.encode_ordinary(text) == enc.encode_ordinary(text)
 
 
+def test_word_cuts_keep_the_pre_tokens():
+    """cut_words cuts only where no pre-token crosses: the words' pre-tokens are the text's, on random
+    mixes of spaces, newlines, other whitespace, letters, digits and apostrophes; and every character the
+    regex calls whitespace is one that str.isspace (which the cuts test) calls whitespace."""
+    assert all(chr(c).isspace() for c in range(0x110000) if regex.match(r"\s", chr(c)))
+    split = regex.compile(tokenizer.GPT2_SPLIT_PATTERN).findall
+    alphabet = [" ", " ", " ", "\n", "\n", "\t", "\r", "\x0b", "\x1c", "\x85", "\xa0", "\u3000", "a", "Z",
+                "é", "字", "7", "٣", "'", "s", "ll", ",", "!", "🤖"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        words = tokenizer.cut_words(text)
+        assert "".join(words) == text
+        assert [p for w in words for p in split(w)] == split(text), repr(text)
+    assert tokenizer.cut_words("First Citizen:\nBefore we proceed,\n\nAll  hear\n me") == \
+        ["First", " Citizen:", "\nBefore", " we", " proceed,\n", "\nAll  hear\n me"]
+
+
 def test_special_tokens_like_tiktoken(gpt2, enc):
     """<|endoftext|> raises unless allowed, is 50256 when allowed, is text to encode_ordinary."""
     text = "one<|endoftext|>two <|endoftext|><|endoftext|>"
