@@ -21,7 +21,6 @@ import glob
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 

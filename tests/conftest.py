@@ -64,6 +64,53 @@ def step_events(out_dir):
     return [e for e in read_log(out_dir) if "train_loss" in e]
 
 
+# SPEC §5: the keys of a step's log.jsonl event (evaluations add val_loss, hellaswag_acc, hellaswag_acc_norm)
+STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",
+             "framework"}
+EVAL_KEYS = {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"}
+
+
+def assert_due_events(out, stdout, steps):
+    """A run of `steps` steps with --val-every 3, --ckpt-every 3 and HellaSwag and sampling at the end:
+    validation at step 3 and the last, its loss falling; one HellaSwag; 4 samples printed; log.jsonl with
+    SPEC keys only; the two checkpoints and the log in the out dir, nothing else."""
+    log = read_log(out)
+    vals = [e for e in log if "val_loss" in e]
+    swag = [e for e in log if "hellaswag_acc" in e]
+    assert [e["step"] for e in vals] == [3, steps] and vals[1]["val_loss"] < vals[0]["val_loss"]
+    assert len(swag) == 1 and swag[0]["step"] == steps
+    assert all(set(e) <= STEP_KEYS | EVAL_KEYS for e in log)
+    assert sum(line.startswith("sample ") for line in stdout.splitlines()) == 4
+    assert sorted(os.listdir(out)) == ["ckpt_0000003", f"ckpt_{steps:07d}", "log.jsonl"]
+
+
+def step_lines(stdout):
+    """The per-step lines a trainer printed, as their step, loss, grad norm and lr fields."""
+    return [line.split(" | ")[:4] for line in stdout.splitlines()
+            if line.startswith("step") and "/" in line.split("|")[0]]
+
+
+def assert_same_checkpoint(a, b):
+    """Two checkpoint dirs hold byte-identical weights and the same AdamW moments, step, data position
+    and RNG state (everything in state.npz but the config, which names the run's own paths)."""
+    assert (a / "model.bin").read_bytes() == (b / "model.bin").read_bytes()
+    with np.load(a / "state.npz") as x, np.load(b / "state.npz") as y:
+        assert x.files == y.files
+        for key in x.files:
+            if key != "config":
+                np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+def assert_eval_only_repeats(run_dir, eval_dir, step):
+    """An --eval-only run logged, at the checkpoint's step and nothing else, the val loss and HellaSwag
+    scores that the training run logged there."""
+    log = read_log(eval_dir)
+    original = {k: e[k] for e in read_log(run_dir) if e["step"] == step for k in EVAL_KEYS if k in e}
+    assert len(original) == 3, original
+    assert len(log) == 2 and all(e["step"] == step for e in log)
+    assert {k: e[k] for e in log for k in original if k in e} == original
+
+
 # -----------------------------------------------------------------------------
 # Token shards and model files, written here with plain numpy (independently of the trainers' code)
 
@@ -73,6 +120,17 @@ def write_shard(path, tokens):
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(np.asarray(tokens, dtype="<u2").tobytes())
+
+
+def write_bad_shards(folder):
+    """Creates folder with magic_train_000001.bin (magic 12345) and short_train_000001.bin (a good header
+    that promises 5,000 tokens, cut at 3,000 bytes) beside the good x_train_000001.bin; returns folder."""
+    folder.mkdir()
+    write_shard(folder / "x_train_000001.bin", np.arange(5000) % 50257)
+    good = (folder / "x_train_000001.bin").read_bytes()
+    (folder / "magic_train_000001.bin").write_bytes(np.int32(12345).tobytes() + good[4:])
+    (folder / "short_train_000001.bin").write_bytes(good[:3000])
+    return folder
 
 
 def write_model_file(path, params, block_size, n_layer, n_head, n_embd, vocab=50257, padded=50304):

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import train_gpt2_jax as tg
-from conftest import assert_clean_error, read_log, run_script, step_events, tiny_params, write_shard
+from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
+                      assert_same_checkpoint, read_log, run_script, step_events, step_lines, tiny_params,
+                      write_bad_shards)
 from test_parity import has_cuda_gpu
 
 V = 50257
 B, T, TOTAL, STEPS = 4, 64, 512, 6  # two micro-batches per step
 FLAGS = ["--seq-len", T, "--batch-size", B, "--total-batch-size", TOTAL, "--lr", 3e-3, "--warmup", 2,
          "--lr-decay-frac", 1.0, "--dtype", "fp32", "--val-steps", 2]
-STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",
-             "framework"}
 
 
 def tiny_cfg(dtype="fp32"):
@@ -137,18 +137,12 @@ def test_training_run(trained, tiny_shards, tiny_model_file):
     assert events[0]["train_loss"] == pytest.approx(first, rel=1e-5)
     assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
 
-    log = read_log(out)
-    vals = [e for e in log if "val_loss" in e]
-    swag = [e for e in log if "hellaswag_acc" in e]
-    assert [e["step"] for e in vals] == [3, STEPS] and vals[1]["val_loss"] < vals[0]["val_loss"]
-    assert len(swag) == 1 and swag[0]["step"] == STEPS
-    assert all(round(10 * swag[0][k]) == pytest.approx(10 * swag[0][k]) for k in ("hellaswag_acc",
-                                                                                  "hellaswag_acc_norm"))
-    assert all(set(e) <= STEP_KEYS | {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"} for e in log)
+    assert_due_events(out, stdout, STEPS)
+    swag = next(e for e in read_log(out) if "hellaswag_acc" in e)  # scored on the 10 examples
+    assert all(round(10 * swag[k]) == pytest.approx(10 * swag[k]) for k in ("hellaswag_acc",
+                                                                          "hellaswag_acc_norm"))
     assert "compiled train step in" in stdout
-    assert sum(line.startswith("sample ") for line in stdout.splitlines()) == 4
 
-    assert sorted(os.listdir(out)) == ["ckpt_0000003", "ckpt_0000006", "log.jsonl"]
     for step in (3, STEPS):
         ckpt = out / f"ckpt_{step:07d}"
         assert sorted(os.listdir(ckpt)) == ["model.bin", "state.npz"]
@@ -171,25 +165,15 @@ def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_di
     proc = run_script("train_gpt2_jax.py", "--data", tiny_shards, "--resume", out / "ckpt_0000003",
                       "--steps", STEPS, "--out-dir", resumed, "--ckpt-every", 3, "--val-every", 0,
                       "--hellaswag-every", 0, "--sample-every", 0, *FLAGS, env=cache)
-    step_lines = lambda s: [line.split(" | ")[:4] for line in s.splitlines()  # noqa: E731
-                            if line.startswith("step") and "/" in line.split("|")[0]]
     assert step_lines(proc.stdout) == step_lines(stdout)[3:]
     assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
-    final, again = out / "ckpt_0000006", resumed / "ckpt_0000006"
-    assert (final / "model.bin").read_bytes() == (again / "model.bin").read_bytes()
-    with np.load(final / "state.npz") as a, np.load(again / "state.npz") as b:
-        for key in a.files:
-            if key != "config":
-                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    final = out / "ckpt_0000006"
+    assert_same_checkpoint(final, resumed / "ckpt_0000006")
 
     evaluated = tmp_path / "eval"
     run_script("train_gpt2_jax.py", "--data", tiny_shards, "--resume", final, "--eval-only",
                "--out-dir", evaluated, *FLAGS, env={"HELLASWAG_DIR": str(hellaswag_dir), **cache})
-    log = read_log(evaluated)
-    original = {k: e[k] for e in read_log(out) if e["step"] == STEPS
-                for k in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm") if k in e}
-    assert len(log) == 2 and all(e["step"] == STEPS for e in log)
-    assert {k: e[k] for e in log for k in original if k in e} == original
+    assert_eval_only_repeats(out, evaluated, STEPS)
 
 
 def test_checkpoint_survives_failed_eval(tiny_shards, tiny_model_file, tmp_path, cache):
@@ -230,13 +214,7 @@ def test_two_devices_match_one(trained, tiny_shards, tiny_model_file, tmp_path, 
 def test_bad_input(tmp_path, tiny_shards, tiny_model_file, cache):
     """Bad shards (wrong magic, truncated), a model file that contradicts the flags, bad flags and
     impossible batch settings end with a one-line error naming the problem."""
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    write_shard(bad / "x_train_000001.bin", np.arange(5000) % V)
-    raw = bytearray((bad / "x_train_000001.bin").read_bytes())
-    raw[:4] = np.int32(12345).tobytes()
-    (bad / "magic_train_000001.bin").write_bytes(bytes(raw))
-    (bad / "short_train_000001.bin").write_bytes((bad / "x_train_000001.bin").read_bytes()[:3000])
+    bad = write_bad_shards(tmp_path / "bad")
     base = ["--out-dir", str(tmp_path / "out"), "--seq-len", "64", "--batch-size", "4",
             "--total-batch-size", "512"]
     cases = [

@@ -6,7 +6,6 @@ one): every kernel against backend torch, a training run against backend torch, 
 step, its --profile tables, clean errors)."""
 import json
 import math
-import os
 import re
 from types import SimpleNamespace
 
@@ -16,7 +15,8 @@ import torch
 
 import hellaswag
 import train_gpt2_triton as tg
-from conftest import assert_clean_error, read_log, run_script, step_events, write_shard
+from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
+                      assert_same_checkpoint, run_script, step_events, step_lines, write_bad_shards, write_shard)
 
 ON_GPU = torch.cuda.is_available() and not tg.INTERPRET  # backend triton compiled, bf16 checked too
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where backend triton's tests run
@@ -26,8 +26,6 @@ B, T, TOTAL, STEPS = 2, 32, 128, 6  # two micro-batches per step
 FLAGS = ["--seq-len", T, "--batch-size", B, "--total-batch-size", TOTAL, "--lr", 3e-3, "--warmup", 2,
          "--lr-decay-frac", 1.0, "--dtype", "fp32", "--val-steps", 2]
 TINY = ["--n-layer", 2, "--n-head", 4, "--n-embd", 64]
-STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",
-             "framework"}
 # these models are too small to gain from intra-op threads, and on a busy 2-core machine the threads of
 # concurrent runs slow each other down several times over
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -186,15 +184,8 @@ def test_training_run(trained, tiny_shards, tiny_model_file):
     assert events[0]["train_loss"] == pytest.approx(np.mean(losses), rel=1e-6)
     assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
 
-    log = read_log(out)
-    vals = [e for e in log if "val_loss" in e]
-    swag = [e for e in log if "hellaswag_acc" in e]
-    assert [e["step"] for e in vals] == [3, STEPS] and vals[1]["val_loss"] < vals[0]["val_loss"]
-    assert len(swag) == 1 and swag[0]["step"] == STEPS
-    assert all(set(e) <= STEP_KEYS | {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"} for e in log)
-    assert sum(line.startswith("sample ") for line in stdout.splitlines()) == 4
+    assert_due_events(out, stdout, STEPS)
 
-    assert sorted(os.listdir(out)) == ["ckpt_0000003", "ckpt_0000006", "log.jsonl"]
     with np.load(out / "ckpt_0000003" / "state.npz") as z:
         assert int(z["step"]) == 3 and int(z["shard"]) == 0 and int(z["position"]) == 3 * TOTAL
         assert json.loads(str(z["config"]))["backend"] == "torch"
@@ -210,25 +201,15 @@ def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_di
     tg.main(["torch", "--data", str(tiny_shards), "--resume", str(out / "ckpt_0000003"), "--steps",
              str(STEPS), "--out-dir", str(resumed), "--ckpt-every", "3", "--val-every", "0",
              "--hellaswag-every", "0", "--sample-every", "0", *map(str, FLAGS)])
-    step_lines = lambda s: [line.split(" | ")[:3] for line in s.splitlines()  # noqa: E731
-                            if line.startswith("step") and "/" in line.split("|")[0]]
     assert step_lines(capsys.readouterr().out) == step_lines(stdout)[3:]
-    final, again = out / "ckpt_0000006", resumed / "ckpt_0000006"
-    assert (final / "model.bin").read_bytes() == (again / "model.bin").read_bytes()
-    with np.load(final / "state.npz") as a, np.load(again / "state.npz") as b:
-        for key in a.files:
-            if key != "config":
-                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    final = out / "ckpt_0000006"
+    assert_same_checkpoint(final, resumed / "ckpt_0000006")
 
     evaluated = tmp_path / "eval"
     monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
     tg.main(["torch", "--data", str(tiny_shards), "--resume", str(final), "--eval-only", "--out-dir",
              str(evaluated), "--hellaswag-limit", "4", *map(str, FLAGS)])
-    log = read_log(evaluated)
-    original = {k: e[k] for e in read_log(out) if e["step"] == STEPS
-                for k in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm") if k in e}
-    assert len(log) == 2 and all(e["step"] == STEPS for e in log)
-    assert {k: e[k] for e in log for k in original if k in e} == original
+    assert_eval_only_repeats(out, evaluated, STEPS)
 
 
 def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path):
@@ -279,13 +260,7 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file, one_thread):
     """Bad shards (wrong magic, truncated), a model file that contradicts the flags or is cut short, a
     directory that is not a checkpoint, a missing or unknown backend, bad flags and impossible batch
     settings end with a one-line error naming the problem, and write nothing."""
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    write_shard(bad / "x_train_000001.bin", np.arange(5000) % V)
-    raw = bytearray((bad / "x_train_000001.bin").read_bytes())
-    raw[:4] = np.int32(12345).tobytes()
-    (bad / "magic_train_000001.bin").write_bytes(bytes(raw))
-    (bad / "short_train_000001.bin").write_bytes((bad / "x_train_000001.bin").read_bytes()[:3000])
+    bad = write_bad_shards(tmp_path / "bad")
     (bad / "cut.bin").write_bytes(tiny_model_file.read_bytes()[:5000])
     out = tmp_path / "out"
     base = ["--out-dir", str(out), *map(str, TINY + FLAGS)]
