@@ -77,7 +77,7 @@ def _announced_total(resp):
     return 0, (int(length) if length is not None and length.isdigit() else None)
 
 
-def _sha256_of(path):
+def sha256_of(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK_BYTES), b""):
@@ -149,7 +149,7 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
         os.remove(part)
         die(f"download of {url} is corrupt: {got} bytes, the server announced {total} (removed; run again)")
     if sha is not None:
-        digest = _sha256_of(part)
+        digest = sha256_of(part)
         if digest != sha:
             os.remove(part)
             die(f"download of {url} is corrupt: sha256 {digest}, expected {sha} (removed; run again)")

@@ -15,7 +15,6 @@ is read one row group at a time. A rerun continues after the last complete shard
 `<name>_prepro.json` next to the shards) instead of starting over.
 """
 import argparse
-import hashlib
 import itertools
 import json
 import multiprocessing as mp
@@ -28,8 +27,9 @@ from functools import lru_cache
 
 import numpy as np
 import requests
-import urllib3
 from tqdm import tqdm
+
+from hellaswag import download_file, sha256_of  # one copy of the resumable, checked download
 
 # -----------------------------------------------------------------------------
 # Config
@@ -55,10 +55,7 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 GPT2_EOT = 50256
 CHUNK_CHARS = 1 << 17   # text per tokenizer task: small enough to spread a small input over the workers
-DOWNLOAD_RETRIES = 5
-DOWNLOAD_BACKOFF_S = 1.0
 DOWNLOAD_TIMEOUT_S = 60
-CHUNK_BYTES = 1 << 20
 
 
 def die(msg):
@@ -103,114 +100,9 @@ def parse_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Download: streamed to <name>.part, resumed with an HTTP Range request after an interruption, retried
-# with exponential backoff, checked against the announced size (and sha256 where the server gives one),
-# renamed into place only when complete.
-
-class _Retryable(Exception):
-    """A failure worth another attempt: a dropped connection, a 5xx/429 answer, a short body."""
-
-
-def _announced_sha256(resp):
-    """The sha256 the server vouches for, or None. Hugging Face answers a request for an LFS file with
-    `X-Linked-Etag: "<sha256 of the file>"` (on the redirect, so look through the history too). A plain
-    ETag is not used: GitHub's and CDNs' ETags are opaque cache validators, not content hashes."""
-    for r in (*resp.history, resp):
-        value = r.headers.get("X-Linked-Etag", "")
-        value = value.removeprefix("W/").strip('"').lower()
-        if re.fullmatch(r"[0-9a-f]{64}", value):
-            return value
-    return None
-
-
-def _announced_total(resp):
-    """Full file size from Content-Range ("bytes a-b/total") or, for a 200, Content-Length."""
-    if resp.status_code == 206:
-        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
-        return (int(m.group(1)), int(m.group(3))) if m else (None, None)
-    length = resp.headers.get("Content-Length")
-    return 0, (int(length) if length is not None and length.isdigit() else None)
-
-
-def _sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_S, expected_size=None,
-                  expected_sha256=None):
-    """Downloads `url` to `path` (skipped when `path` exists: only complete files ever get that name).
-    expected_size / expected_sha256, when known in advance, are checked as well as what the server says."""
-    if os.path.exists(path):
-        return path
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    part = path + ".part"
-    total, sha = expected_size, expected_sha256
-    failures = 0
-    while True:
-        have = os.path.getsize(part) if os.path.exists(part) else 0
-        # identity: the bytes on disk must be the bytes the size, the range and the checksum refer to
-        headers = {"Accept-Encoding": "identity"}
-        if have:
-            headers["Range"] = f"bytes={have}-"
-        try:
-            with requests.get(url, headers=headers, stream=True, timeout=DOWNLOAD_TIMEOUT_S) as resp:
-                if resp.status_code == 416 and have:  # asked past the end: the part may hold it all
-                    m = re.fullmatch(r"bytes \*/(\d+)", resp.headers.get("Content-Range", ""))
-                    if m and int(m.group(1)) == have:
-                        total = total or have
-                        break
-                    os.remove(part)
-                    raise _Retryable("server refused to resume; starting over")
-                if resp.status_code == 429 or resp.status_code >= 500:
-                    raise _Retryable(f"HTTP {resp.status_code}")
-                if resp.status_code not in (200, 206):
-                    die(f"download of {url} failed: HTTP {resp.status_code}")
-                if resp.headers.get("Content-Encoding", "identity") != "identity":
-                    die(f"download of {url}: server sent {resp.headers['Content-Encoding']}-encoded data")
-                sha = sha or _announced_sha256(resp)
-                start, announced = _announced_total(resp)
-                if start is None or start > have:  # a range we did not ask for: start over
-                    if os.path.exists(part):
-                        os.remove(part)
-                    raise _Retryable(f"unexpected Content-Range {resp.headers.get('Content-Range')!r}")
-                if announced is not None:
-                    if total is not None and announced != total:
-                        die(f"download of {url}: server announces {announced} bytes, expected {total}")
-                    total = announced
-                have = start  # a 200 answers a range request with the whole file
-                with open(part, "r+b" if have else "wb") as f, tqdm(
-                        total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
-                        desc=os.path.basename(path), leave=False) as bar:
-                    f.seek(have)
-                    f.truncate()
-                    for chunk in resp.raw.stream(CHUNK_BYTES, decode_content=False):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-            got = os.path.getsize(part)
-            if total is not None and got < total:
-                raise _Retryable(f"connection closed after {got} of {total} bytes")
-            break
-        except (_Retryable, requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
-            failures += 1
-            if failures > retries:
-                die(f"download of {url} failed after {retries} retries: {e}")
-            time.sleep(backoff * 2 ** (failures - 1))
-    got = os.path.getsize(part)
-    if total is not None and got != total:
-        os.remove(part)
-        die(f"download of {url} is corrupt: {got} bytes, the server announced {total} (removed; run again)")
-    if sha is not None:
-        digest = _sha256_of(part)
-        if digest != sha:
-            os.remove(part)
-            die(f"download of {url} is corrupt: sha256 {digest}, expected {sha} (removed; run again)")
-    os.replace(part, path)
-    return path
-
+# Download: hellaswag.py's download_file (imported above) streams to <name>.part, resumes with an HTTP
+# Range request after an interruption, retries with backoff, checks the announced size and sha256, and
+# renames into place only when complete. Here: the Hub's file listing, and which files a dataset reads.
 
 def list_hub_folder(hf_url, repo, folder):
     """[(file name, size, sha256)] of the parquet files in a dataset folder, through the Hub's tree API;
@@ -499,7 +391,7 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
     if vocab > 1 << 16:
         die(f"tokenizer has {vocab:,} tokens; llm.c shards store uint16 ids (at most 65,536)")
     tok_id = "tiktoken gpt2" if tokenizer_path is None else \
-        f"{os.path.abspath(tokenizer_path)} (sha256 {_sha256_of(tokenizer_path)})"
+        f"{os.path.abspath(tokenizer_path)} (sha256 {sha256_of(tokenizer_path)})"
     settings = dict(sources=[s["identity"] for s in sources], shard_size=shard_size, tokenizer=tok_id)
     manifest_path = os.path.join(out_dir, f"{name}_prepro.json")
     manifest, index, done = resume_point(out_dir, name, manifest_path, settings, max_tokens)
