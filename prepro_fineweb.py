@@ -287,8 +287,9 @@ def tokenized_chunks(chunks, tokenizer_path, workers):
     would read the whole dataset ahead into memory). At the end of a source (None) it hands over every
     result before reading on, so a run that stops there never downloads the next file.
     Yields (number of documents, tokens, lengths)."""
-    with mp.Pool(workers) as pool:
-        pending = deque()
+    pool = mp.Pool(workers)
+    pending = deque()
+    try:
         for chunk in chunks:
             if chunk is None:
                 while pending:
@@ -299,6 +300,19 @@ def tokenized_chunks(chunks, tokenizer_path, workers):
                 yield _result(*pending.popleft())
         while pending:
             yield _result(*pending.popleft())
+    except KeyboardInterrupt:
+        pool.terminate()  # the workers got the interrupt too: what is in flight will never finish
+        raise
+    except BaseException:
+        # A caller that stopped early (--max-tokens) or a failed task leaves tasks in flight, and
+        # Pool.terminate() can then hang for good (its task handler stays blocked on the workers' queue
+        # lock; seen here in a loop of early stops), so let them finish and the workers exit as usual.
+        for _, async_result in pending:
+            async_result.wait()
+        raise
+    finally:
+        pool.close()
+        pool.join()
 
 
 def _result(ndocs, async_result):

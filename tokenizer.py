@@ -250,7 +250,7 @@ def utf8_safe(text):
 
 
 def cut_words(text):
-    """text cut into words, each a run of whole pre-tokens, so that pre-tokenizing the words one by one gives
+    r"""text cut into words, each a run of whole pre-tokens, so that pre-tokenizing the words one by one gives
     the pre-tokens of the text. Two kinds of cut, found with str.split alone:
     - before a "\n" that a non-space follows: that "\n" is a pre-token of its own whatever precedes it
       (`\s+`; the whitespace run before it is `\s+(?!\S)`);
