@@ -16,9 +16,9 @@ tok.decode(ids), tok.save(path), BPETokenizer.load(path).
 Ranks: a token's id is its rank. Encoding merges, at every step, the leftmost adjacent pair whose
 concatenated bytes form the lowest-id token (tiktoken's rule); for GPT-2's files this is the order of
 vocab.bpe. A trained vocabulary has ids 0..255 = the bytes, then the merges in the order they were learned,
-then the special tokens last (vocab_size counts them). Encoding caches the ids of each word and of each
-pre-token, so that only new words meet the regex and only new pre-tokens are merged; training keeps pair
-counts up to date merge by merge instead of recounting.
+then the special tokens last (vocab_size counts them). Encoding caches the ids of each pre-token (and of
+each word, for text beyond ASCII), so that only new ones are merged; training keeps pair counts up to date
+merge by merge instead of recounting.
 
 Saved file (plain text): the header line, "tokens N", "specials K", then one line per id: `262 " the"` (the
 token's bytes quoted: printable UTF-8 as is, \xNN for other bytes, \\ and \" escaped), and last
@@ -31,8 +31,10 @@ import hashlib
 import heapq
 import json
 import os
+import re
 import sys
 import time
+from itertools import repeat
 
 import numpy as np
 import regex
@@ -56,7 +58,7 @@ FILE_HEADER = "tokenizer.py byte-level BPE v1"
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 
 CACHE_LIMIT = 1 << 18     # words and pre-tokens remembered (~50 MB); past this the cache starts over
-WORD_CHARS = 64           # words (see cut_words) up to this long are cached whole
+CACHED_CHARS = 64         # words and pre-tokens up to this long are cached (longer ones rarely recur)
 CHUNK_CHARS = 1 << 22     # text is pre-tokenized this many characters at a time, cut at safe points
 LONG_PIECE = 24           # pre-tokens longer than this (in bytes) are merged with a heap, O(n log n)
 NO_MERGE = 1 << 62        # the rank of a pair that is not a token
@@ -67,6 +69,14 @@ NO_MERGE = 1 << 62        # the rank of a pair that is not a token
 SAFE_CUT = regex.compile(r"(?<=\p{L})(?= \p{L})|(?<=\S\n)(?=\S)")
 SAFE_CUT_LAST = regex.compile(r"(?r)" + SAFE_CUT.pattern)
 WHITESPACE = regex.compile(r"\s")
+
+# The units encode_ordinary looks up in its cache. An ASCII text is cut straight into its pre-tokens by the
+# standard library's re, twice as fast as the regex module: on ASCII, \p{L} is [A-Za-z], \p{N} is [0-9] and
+# \s (with re.ASCII) is the same six characters. Other text is cut into words: a whitespace run and the
+# non-space run after it. No pre-token holds a non-space followed by whitespace, so none crosses a cut.
+PRETOKENS_ASCII = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""",
+                             re.ASCII)
+WORDS = regex.compile(r"\s*\S+|\s+")
 
 
 def write_file(path, data):
@@ -85,14 +95,14 @@ def merge_short(ids, merges):
     takes the leftmost lowest-ranked pair (a C-speed min over the pair ranks) and re-ranks only the two
     pairs next to it. O(n^2), fastest for the short pieces that dominate text."""
     get = merges.get
-    ranks = [get(pair, NO_MERGE) for pair in zip(ids, ids[1:])]  # ranks[i]: rank of (ids[i], ids[i+1])
+    ranks = list(map(get, zip(ids, ids[1:]), repeat(NO_MERGE)))  # ranks[i]: rank of (ids[i], ids[i+1])
     while ranks:
         best = min(ranks)
         if best == NO_MERGE:
             break
         i = ranks.index(best)
-        ids[i:i + 2] = [best]
-        del ranks[i]
+        ids[i] = best
+        del ids[i + 1], ranks[i]
         if i > 0:
             ranks[i - 1] = get((ids[i - 1], best), NO_MERGE)
         if i < len(ranks):
@@ -247,34 +257,6 @@ def utf8_safe(text):
         return text
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
-def cut_words(text):
-    r"""text cut into words, each a run of whole pre-tokens, so that pre-tokenizing the words one by one gives
-    the pre-tokens of the text. Two kinds of cut, found with str.split alone:
-    - before a "\n" that a non-space follows: that "\n" is a pre-token of its own whatever precedes it
-      (`\s+`; the whitespace run before it is `\s+(?!\S)`);
-    - before a space between two non-spaces: the pre-token before it cannot take a space, and the space
-      starts the next one (" ?\p{L}+" or a sibling, whatever follows)."""
-    words, word = [], None
-    for line in text.split("\n"):  # text = "\n".join(lines)
-        parts = line.split(" ")  # line = " ".join(parts)
-        if word is None:
-            word = parts[0]
-        elif line and not line[0].isspace():
-            words.append(word)
-            word = "\n" + parts[0]
-        else:
-            word += "\n" + parts[0]
-        for k in range(1, len(parts)):
-            part = parts[k]
-            if part and word and not part[0].isspace() and not word[-1].isspace():
-                words.append(word)
-                word = " " + part
-            else:
-                word += " " + part
-    words.append(word)
-    return words
 
 
 def count_pretokens(chunks, special_tokens):
@@ -551,7 +533,7 @@ class BPETokenizer:
         specials_by_id = sorted(special_tokens, key=special_tokens.get)
         self.id_bytes = self.tokens + [s.encode("utf-8") for s in specials_by_id]  # decode's id -> bytes
         self.pattern = regex.compile(GPT2_SPLIT_PATTERN)
-        self.cache = {}  # word or pre-token -> its token ids: text repeats its words, so most lookups hit
+        self.cache = {}  # pre-token or word -> its token ids: text repeats its words, so most lookups hit
 
     # --- construction ---
 
@@ -596,35 +578,40 @@ class BPETokenizer:
         if whole is not None:
             return (whole,)
         if len(b) <= LONG_PIECE:
-            return tuple(merge_short([self.byte_ids[x] for x in b], self.merges))
-        return tuple(merge_long([self.byte_ids[x] for x in b], self.merges))
-
-    def remember(self, text, ids):
-        """Caches ids as the token ids of text (starting over when the cache is full); returns them."""
-        if len(self.cache) >= CACHE_LIMIT:
-            self.cache.clear()
-        self.cache[text] = ids
-        return ids
+            return merge_short(list(map(self.byte_ids.__getitem__, b)), self.merges)
+        return merge_long(list(map(self.byte_ids.__getitem__, b)), self.merges)
 
     def encode_word(self, word):
-        """Token ids of a word (see cut_words) from its pre-tokens' ids. Both are cached: words up to
-        WORD_CHARS long, and every pre-token (a word of its own when pre-tokenized alone)."""
-        pieces = self.pattern.findall(word)
-        if len(pieces) == 1:
-            return self.remember(word, self.encode_piece(word))
+        """Token ids of a word (see WORDS): the ids of its pre-tokens, each cached."""
         cache, out = self.cache, []
-        for piece in pieces:
+        for piece in self.pattern.findall(word):
             ids = cache.get(piece)
-            out += ids if ids is not None else self.remember(piece, self.encode_piece(piece))
-        return self.remember(word, tuple(out)) if len(word) <= WORD_CHARS else out
+            if ids is None:
+                ids = self.encode_piece(piece)
+                if len(piece) <= CACHED_CHARS:
+                    cache[piece] = ids
+            out += ids
+        return out
 
     def encode_ordinary(self, text):
-        """Token ids of text, special tokens treated as plain text: word by word (see cut_words), so that a
-        word seen before costs a dictionary lookup instead of a pass of the pre-tokenizer's regex."""
+        """Token ids of text, special tokens treated as plain text: unit by unit (the pre-tokens of ASCII
+        text, the words of other text), so that a unit seen before costs one dictionary lookup. The cache
+        starts over when a call finds it full."""
+        text = utf8_safe(text)
+        if text.isascii():
+            units, encode_unit = PRETOKENS_ASCII.findall(text), self.encode_piece
+        else:
+            units, encode_unit = WORDS.findall(text), self.encode_word
         cache, out = self.cache, []
-        for word in cut_words(utf8_safe(text)):
-            ids = cache.get(word)
-            out += ids if ids is not None else self.encode_word(word)
+        if len(cache) >= CACHE_LIMIT:
+            cache.clear()
+        for unit in units:
+            ids = cache.get(unit)
+            if ids is None:
+                ids = encode_unit(unit)
+                if len(unit) <= CACHED_CHARS:
+                    cache[unit] = ids
+            out += ids
         return out
 
     def encode(self, text, allowed_special=()):

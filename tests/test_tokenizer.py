@@ -119,22 +119,25 @@ def test_gpt2_every_code_point_sample(gpt2, enc):
     assert gpt2.encode_ordinary(text) == enc.encode_ordinary(text)
 
 
-def test_word_cuts_keep_the_pre_tokens():
-    """cut_words cuts only where no pre-token crosses: the words' pre-tokens are the text's, on random
-    mixes of spaces, newlines, other whitespace, letters, digits and apostrophes; and every character the
-    regex calls whitespace is one that str.isspace (which the cuts test) calls whitespace."""
-    assert all(chr(c).isspace() for c in range(0x110000) if regex.match(r"\s", chr(c)))
+def test_units_keep_the_pre_tokens():
+    """encode_ordinary's cache units: re's ASCII pattern gives exactly the GPT-2 pre-tokens of any ASCII
+    text (all 128 characters, heavy on whitespace, digits and contractions), and WORDS cuts any text only
+    where no pre-token crosses (random mixes of every kind of whitespace, letters, digits, apostrophes)."""
     split = regex.compile(tokenizer.GPT2_SPLIT_PATTERN).findall
-    alphabet = [" ", " ", " ", "\n", "\n", "\t", "\r", "\x0b", "\x1c", "\x85", "\xa0", "\u3000", "a", "Z",
-                "é", "字", "7", "٣", "'", "s", "ll", ",", "!", "🤖"]
     rng = random.Random(0)
+    ascii_alphabet = [chr(c) for c in range(128)] + [" ", " ", "\n", "\t", "'", "s", "ll", "7", "a", "Z"] * 8
+    for _ in range(3000):
+        text = "".join(rng.choice(ascii_alphabet) for _ in range(rng.randrange(1, 40)))
+        assert tokenizer.PRETOKENS_ASCII.findall(text) == split(text), repr(text)
+    alphabet = [" ", " ", " ", "\n", "\n", "\t", "\r", "\x0b", "\x1c", "\x85", "\xa0", "\u3000", "a", "Z",
+                "é", "字", "7", "٣", "²", "'", "s", "ll", ",", "!", "🤖"]
     for _ in range(3000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
-        words = tokenizer.cut_words(text)
+        words = tokenizer.WORDS.findall(text)
         assert "".join(words) == text
         assert [p for w in words for p in split(w)] == split(text), repr(text)
-    assert tokenizer.cut_words("First Citizen:\nBefore we proceed,\n\nAll  hear\n me") == \
-        ["First", " Citizen:", "\nBefore", " we", " proceed,\n", "\nAll  hear\n me"]
+    assert tokenizer.WORDS.findall("First Citizen:\nBefore we proceed,\n\nAll  hear\n me\n") == \
+        ["First", " Citizen:", "\nBefore", " we", " proceed,", "\n\nAll", "  hear", "\n me", "\n"]
 
 
 def test_special_tokens_like_tiktoken(gpt2, enc):
