@@ -581,30 +581,10 @@ class BPETokenizer:
             return merge_short(list(map(self.byte_ids.__getitem__, b)), self.merges)
         return merge_long(list(map(self.byte_ids.__getitem__, b)), self.merges)
 
-    def encode_word(self, word):
-        """Token ids of a word (see WORDS): the ids of its pre-tokens, each cached."""
+    def encode_units(self, units, encode_unit):
+        """Token ids of the units (pre-tokens or words) in order: each looked up in the cache, or encoded
+        with encode_unit and cached when it is at most CACHED_CHARS long."""
         cache, out = self.cache, []
-        for piece in self.pattern.findall(word):
-            ids = cache.get(piece)
-            if ids is None:
-                ids = self.encode_piece(piece)
-                if len(piece) <= CACHED_CHARS:
-                    cache[piece] = ids
-            out += ids
-        return out
-
-    def encode_ordinary(self, text):
-        """Token ids of text, special tokens treated as plain text: unit by unit (the pre-tokens of ASCII
-        text, the words of other text), so that a unit seen before costs one dictionary lookup. The cache
-        starts over when a call finds it full."""
-        text = utf8_safe(text)
-        if text.isascii():
-            units, encode_unit = PRETOKENS_ASCII.findall(text), self.encode_piece
-        else:
-            units, encode_unit = WORDS.findall(text), self.encode_word
-        cache, out = self.cache, []
-        if len(cache) >= CACHE_LIMIT:
-            cache.clear()
         for unit in units:
             ids = cache.get(unit)
             if ids is None:
@@ -613,6 +593,21 @@ class BPETokenizer:
                     cache[unit] = ids
             out += ids
         return out
+
+    def encode_word(self, word):
+        """Token ids of a word (see WORDS): its pre-tokens', each cached."""
+        return self.encode_units(self.pattern.findall(word), self.encode_piece)
+
+    def encode_ordinary(self, text):
+        """Token ids of text, special tokens treated as plain text: unit by unit (the pre-tokens of ASCII
+        text, the words of other text), so that a unit seen before costs one dictionary lookup. The cache
+        starts over when a call finds it full."""
+        text = utf8_safe(text)
+        if len(self.cache) >= CACHE_LIMIT:
+            self.cache.clear()
+        if text.isascii():
+            return self.encode_units(PRETOKENS_ASCII.findall(text), self.encode_piece)
+        return self.encode_units(WORDS.findall(text), self.encode_word)
 
     def encode(self, text, allowed_special=()):
         """Token ids of text. Special tokens in allowed_special ("all" or a set of names) become their ids;

@@ -16,7 +16,6 @@ import argparse
 import atexit
 import contextlib
 import datetime
-import functools
 import glob
 import json
 import math
@@ -885,9 +884,11 @@ def main(argv=None):
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
 
     with out_of_memory_is_an_error(cfg):
-        compile_ = functools.partial(torch.compile, options=INDUCTOR_OPTIONS)
-        eval_loss = compile_(loss_fn, dynamic=False) if cfg.compile else loss_fn
-        row_losses = compile_(token_losses, dynamic=False) if cfg.compile else token_losses
+        def compile_(fn, **kwargs):
+            return torch.compile(fn, options=INDUCTOR_OPTIONS, **kwargs) if cfg.compile else fn
+
+        eval_loss = compile_(loss_fn, dynamic=False)
+        row_losses = compile_(token_losses, dynamic=False)
 
         def run_evals(step, val, swag):
             weights = model_weights(params, copies)
@@ -911,8 +912,8 @@ def main(argv=None):
             return
 
         # compiled on the first call, that is inside step 1: its time is reported as compile time
-        grad_fn = compile_(grads_and_loss, fullgraph=True) if cfg.compile else grads_and_loss
-        update_fn = compile_(adamw_update, fullgraph=True) if cfg.compile else adamw_update
+        grad_fn = compile_(grads_and_loss, fullgraph=True)
+        update_fn = compile_(adamw_update, fullgraph=True)
 
         flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None

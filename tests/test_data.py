@@ -273,7 +273,7 @@ text = open(sys.argv[1], encoding="utf-8").read()
 docs = [text[i:i + 5000] for i in range(0, len(text), 5000)] * 3 + [None]
 prepro_fineweb.load_tokenizer(None)  # loaded before the workers fork, as prepare() does
 for _ in range(int(sys.argv[2])):
-    for _, tokens, _ in prepro_fineweb.tokenized_chunks(prepro_fineweb.iter_chunks(iter(docs)), None, 2):
+    for chunk in prepro_fineweb.tokenized_chunks(prepro_fineweb.iter_chunks(iter(docs)), None, 2):
         break  # as --max-tokens does, with tasks still in flight
 """
 
