@@ -20,6 +20,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 
@@ -97,7 +98,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
     p.add_argument("--data", default=d.data, help="shard dir, shard glob, or 'synthetic'")
-    p.add_argument("--val-data", default=d.val_data, help="validation shard glob (with a --data glob)")
+    p.add_argument("--val-data", default=d.val_data,
+                   help="validation shard glob (default: a --data DIR's *_val_*.bin; none with a --data glob)")
     p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="preset (default d12)")
     p.add_argument("--n-layer", type=int, default=None)
     p.add_argument("--n-head", type=int, default=None)
@@ -134,12 +136,14 @@ def parse_args(argv=None):
                  "sample_every"):
         if getattr(a, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
-    if not a.lr > 0:
-        p.error("--lr must be positive")
+    if not 0 < a.lr < math.inf:
+        p.error("--lr must be positive and finite")
     if not 0 <= a.lr_decay_frac <= 1:
         p.error("--lr-decay-frac must be in [0, 1]")
-    if a.weight_decay < 0 or a.grad_clip < 0:
-        p.error("--weight-decay and --grad-clip must be >= 0")
+    if not (0 <= a.weight_decay < math.inf and a.grad_clip >= 0):  # NaN fails these too
+        p.error("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= a.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        p.error("--seed must be in [0, 2**63)")
     n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
     explicit = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd))
                 if v is not None}
@@ -417,6 +421,9 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
 
+GRADIENT = "gradient"  # the profiler's name for one grad_fn call
+
+
 def train_step(params, copies, m, v, x, y, scalars, cfg, grad_fn, update_fn, world):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
     losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
@@ -426,10 +433,12 @@ def train_step(params, copies, m, v, x, y, scalars, cfg, grad_fn, update_fn, wor
     A = x.shape[0]
     weights = model_weights(params, copies)
     scale = 1.0 / (A * world)
-    grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
+    with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
+        grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
     grads = {k: g.float() for k, g in grads.items()}  # fp32 sums: a copy of each bf16 gradient
     for i in range(1, A):
-        micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
+        with torch.profiler.record_function(GRADIENT):
+            micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
         torch._foreach_add_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
         loss = loss + micro_loss                                                   # ()
     if world > 1:
@@ -468,29 +477,33 @@ def read_shard(path):
 
 
 def find_shards(cfg):
-    """(train files, val files) for --data DIR | GLOB (with --val-data GLOB); (None, None) if synthetic."""
+    """(train files, val files) for --data DIR | GLOB, and --val-data GLOB (which also overrides a DIR's val
+    shards); (None, None) if synthetic. --eval-only needs no train shards."""
     if cfg.data == "synthetic":
         return None, None
     if os.path.isdir(cfg.data):
         train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
         val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
-        if not train:
+        if not train and not cfg.eval_only:
             die(f"--data {cfg.data}: no *_train_*.bin shards in that directory "
                 "(run prepro_fineweb.py first, or use --data synthetic)")
     else:
-        train = sorted(glob.glob(cfg.data))
-        val = sorted(glob.glob(cfg.val_data)) if cfg.val_data else []
-        if not train:
+        train, val = sorted(glob.glob(cfg.data)), []
+        if not train and not cfg.eval_only:
             die(f"--data {cfg.data}: no such directory and no file matches that glob")
-        if cfg.val_data and not val:
+    if cfg.val_data:
+        val = sorted(glob.glob(cfg.val_data))
+        if not val:
             die(f"--val-data {cfg.val_data}: no file matches that glob")
     return train, val
 
 
 class DataLoader:
     """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
-    all ranks advance p by W*B*T, and the next shard (wrapping around) starts when fewer than W*B*T+1
-    tokens remain. files=None reads one in-memory shard of random tokens drawn from `seed`."""
+    all ranks advance p by W*B*T, and all move to the next shard (wrapping around) when fewer than W*B*T+1
+    tokens remain after p. (llm.c tests each rank's own position p + r*B*T, so near a shard's end its ranks
+    part ways; testing p keeps them together: W ranks of B rows read what one rank of W*B rows reads.)
+    files=None reads one in-memory shard of random tokens drawn from `seed`."""
 
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
@@ -513,17 +526,18 @@ class DataLoader:
         self.set_state(0, 0)
 
     def set_state(self, shard, position):
-        """Puts the loader at rank 0's `position` in `shard` (what state() returned)."""
+        """Puts the loader at p = `position` in `shard` (what state() returned)."""
         self._load(shard)
-        self.position = position + self.rank * self.B * self.T
+        self.position = position
 
     def state(self):
-        """(shard, rank 0's position): where the next batch starts, for checkpoints."""
-        return self.shard, self.position - self.rank * self.B * self.T
+        """(shard, p): where the next step's rank 0 batch starts, for checkpoints."""
+        return self.shard, self.position
 
     def next_batch(self):
         B, T = self.B, self.T
-        buf = np.asarray(self.tokens[self.position: self.position + B * T + 1], dtype=np.int32)
+        start = self.position + self.rank * B * T
+        buf = np.asarray(self.tokens[start: start + B * T + 1], dtype=np.int32)
         x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
         self.position += self.world * B * T
         if self.position + self.world * B * T + 1 > len(self.tokens):
@@ -551,16 +565,11 @@ def put_batch(x, device):
 MODEL_MAGIC = 20240326
 
 
-def _to_bf16_bits(x):
-    """fp32 -> bf16 bit patterns (uint16), rounding to nearest even, as torch does."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def write_model_file(path, params, cfg, dtype="fp32"):
-    """An llm.c model file (SPEC §2): 256-int32 header, then the tensors in PARAM_NAMES order."""
+def write_model_file(path, params, cfg):
+    """An llm.c model file (SPEC §2) in fp32 (version 3): 256-int32 header, then the tensors in PARAM_NAMES
+    order."""
     header = np.zeros(256, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, 3 if dtype == "fp32" else 5, cfg.block_size, cfg.vocab_size,
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
                   cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
     shapes = param_shapes(cfg)
     tmp = path + ".tmp"
@@ -569,7 +578,7 @@ def write_model_file(path, params, cfg, dtype="fp32"):
         for name in PARAM_NAMES:
             t = np.asarray(params[name], dtype=np.float32)
             assert t.shape == shapes[name], (name, t.shape, shapes[name])
-            f.write(t.astype("<f4").tobytes() if dtype == "fp32" else _to_bf16_bits(t).tobytes())
+            f.write(t.astype("<f4").tobytes())
     os.replace(tmp, path)
 
 
@@ -610,9 +619,12 @@ def read_model_file(path):
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     """<out_dir>/ckpt_<step>/{model.bin, state.npz} (SPEC §2), written under a temporary name, then renamed."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
-    tmp = final + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    write_model_file(os.path.join(tmp, "model.bin"), params, cfg, "fp32")
+    tmp, old = final + ".tmp", final + ".old"
+    for stale in (tmp, old):  # left by a run that died while saving this step
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+    os.makedirs(tmp)
+    write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
@@ -622,12 +634,9 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
         np.savez(f, **state)
     os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
     if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-        old = final + ".old"
         os.replace(final, old)
         os.replace(tmp, final)
-        for name in os.listdir(old):
-            os.remove(os.path.join(old, name))
-        os.rmdir(old)
+        shutil.rmtree(old)
     else:
         os.replace(tmp, final)
     return final
@@ -661,6 +670,9 @@ def load_checkpoint(path, cfg):
         if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
             die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
                 f"the model has {params[k].shape}")
+        if m[k].dtype != np.float32 or v[k].dtype != np.float32:
+            die(f"checkpoint {path}: optimizer state for {k} is {m[k].dtype}/{v[k].dtype}, "
+                "not float32")
     return header, params, m, v, state
 
 
@@ -738,7 +750,9 @@ def generate(params, generator, cfg):
 
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
     "H100 PCIe": (756e12, 378e12),
+    "H100 NVL": (835e12, 417.5e12),
     "H100": (989e12, 494.5e12),   # SXM
+    "H200 NVL": (835e12, 417.5e12),
     "H200": (989e12, 494.5e12),
     "A100": (312e12, 156e12),
     "L40S": (362e12, 183e12),
@@ -777,6 +791,42 @@ def peak_memory_gb(device):
     """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
     keeps no statistics."""
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def phase_table(profiler, steps, on_gpu, compiled, rows=8):
+    """The profiled steps' op time by phase, as text: ops that the autograd engine runs are the backward,
+    the other ops inside a grad_fn call the forward (compiled, forward and backward are one graph: one
+    phase), all else (gradient accumulation, all-reduce, norm, AdamW) the optimizer step. Each op's self
+    time (on a GPU, of the kernels it launched), summed over its calls, per step; the top `rows` per phase."""
+    forward = "forward+backward (compiled)" if compiled else "forward"
+    phases = [forward, "backward", "optimizer step"]
+    totals = {}  # (phase, op name) -> [calls, microseconds]
+    for e in profiler.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue  # a kernel's time counts for the op that launched it
+        phase, p = phases[2], e
+        while p is not None:  # the innermost mark above the op decides
+            if p.name.startswith("autograd::engine::evaluate_function"):
+                phase = phases[1]
+                break
+            if p.name == GRADIENT:
+                phase = forward
+                break
+            p = p.cpu_parent
+        t = totals.setdefault((phase, e.name), [0, 0.0])
+        t[0] += 1
+        t[1] += e.self_device_time_total if on_gpu else e.self_cpu_time_total
+    grand = sum(t for _, t in totals.values()) or 1.0
+    clock = "device" if on_gpu else "CPU"
+    lines = [f"{'phase':<28} {'op (self ' + clock + ' time)':<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
+    for phase in phases:
+        ops = sorted(((t, c, name) for (ph, name), (c, t) in totals.items() if ph == phase), reverse=True)
+        total = sum(t for t, _, _ in ops)
+        lines.append(f"{phase:<28} {'all':<50} {sum(c for _, c, _ in ops) // steps:>6} "
+                     f"{total / 1e3 / steps:>9.3f} {100 * total / grand:>5.1f}%")
+        lines += [f"{'':<28} {name[:50]:<50} {c // steps:>6} {t / 1e3 / steps:>9.3f} {100 * t / grand:>5.1f}%"
+                  for t, c, name in ops[:rows]]
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------
@@ -923,7 +973,7 @@ def main(argv=None):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(activities=activities)
+        profiler = torch.profiler.profile(activities=activities) if cfg.profile else None
         times = {}
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
@@ -946,6 +996,7 @@ def main(argv=None):
                 ms = [1000 * times[s] for s in profile_steps]
                 sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
                 say(profiler.key_averages().table(sort_by=sort, row_limit=25))
+                say(phase_table(profiler, len(profile_steps), device.type == "cuda", cfg.compile))
                 say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {trace} "
                     f"(Perfetto or chrome://tracing) | step time mean {np.mean(ms):.1f} ms, min "
                     f"{min(ms):.1f} ms, max {max(ms):.1f} ms")
@@ -969,12 +1020,15 @@ def main(argv=None):
                     text = encoder.decode(row[1:])
                     say(f"sample {i}: {text!r}")
 
-    # the first step carries the compilation and one-off start-up costs (allocations, cuBLAS plans)
-    later = [times[s] for s in times if s > first] or list(times.values())
-    dt = float(np.mean(later))
+    # the mean leaves out the first step (compilation, one-off start-up costs) and the profiled ones
+    kept = [s for s in times if s > first and not (cfg.profile and s in profile_steps)]
+    note = " after the first" + (", not profiled" if cfg.profile else "")
+    if not kept:
+        kept, note = list(times), ""
+    dt = float(np.mean([times[s] for s in kept]))
     tokens_per_s = cfg.total_batch_size / dt
     mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
-    say(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
+    say(f"mean over {len(kept)} step(s){note}: "
         f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
         f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
 

@@ -26,6 +26,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
@@ -115,7 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--bench-ops", action="store_true",
                    help="time every op against the PyTorch op it replaces at the model's shapes, exit")
     p.add_argument("--data", default=d.data, help="shard dir, shard glob, or 'synthetic'")
-    p.add_argument("--val-data", default=d.val_data, help="validation shard glob (with a --data glob)")
+    p.add_argument("--val-data", default=d.val_data,
+                   help="validation shard glob (default: a --data DIR's *_val_*.bin; none with a --data glob)")
     p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="preset (default d12)")
     p.add_argument("--n-layer", type=int, default=None)
     p.add_argument("--n-head", type=int, default=None)
@@ -150,12 +152,14 @@ def parse_args(argv=None):
                  "sample_every"):
         if getattr(a, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
-    if not a.lr > 0:
-        p.error("--lr must be positive")
+    if not 0 < a.lr < math.inf:
+        p.error("--lr must be positive and finite")
     if not 0 <= a.lr_decay_frac <= 1:
         p.error("--lr-decay-frac must be in [0, 1]")
-    if a.weight_decay < 0 or a.grad_clip < 0:
-        p.error("--weight-decay and --grad-clip must be >= 0")
+    if not (0 <= a.weight_decay < math.inf and a.grad_clip >= 0):  # NaN fails these too
+        p.error("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= a.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        p.error("--seed must be in [0, 2**63)")
     n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
     explicit = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd))
                 if v is not None}
@@ -602,7 +606,8 @@ def torch_zero_fill(x):
 
 def torch_clip_by_norm(g, norm, max_norm):
     """g *= max_norm / (norm + 1e-6) where that is below 1 (torch.nn.utils.clip_grad_norm_), computed on the
-    device in fp32, so the step never waits for the norm to reach the host."""
+    device in fp32, so the step never waits for the norm to reach the host. A NaN norm makes g NaN, as in
+    clip_grad_norm_ (clamp passes NaN on)."""
     g.mul_((max_norm / (norm + 1e-6)).clamp_(max=1.0))  # all gradients, flat
 
 
@@ -683,20 +688,19 @@ def make_state(params, m, v, cfg, device):
 # -----------------------------------------------------------------------------
 # Triton kernels
 #
-# Backend `triton`: the op interface filled in by our own kernels. Two blocks, each a kernel file pasted
-# as it is developed and benchmarked on its own (verbatim, but for one line: the matmul's split-K arrival
-# counters are zeroed by zero_fill below, not torch.zeros): first the memory-bound ops (embedding,
-# LayerNorm, GELU, cross-entropy, global norm, AdamW), then the two that hold the FLOPs (matmul with fused
-# epilogues, causal flash attention). Then the training step's own four small kernels (zeroing and
-# clipping the gradients, summing the loss, copying a chunk's rows into place), so that no torch op
-# computes anything on the device in backend triton's step: torch allocates memory, makes views, and
-# builds the multi-tensor kernels' small pointer tables on the host. Without a GPU, TRITON_INTERPRET=1
+# Backend `triton`: the op interface filled in by our own kernels, in three groups: first the memory-bound
+# ops (embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW), then the two that hold the FLOPs
+# (matmul with fused epilogues, causal flash attention), then the training step's own four small kernels
+# (zeroing and clipping the gradients, summing the loss, copying a chunk's rows into place), so that no
+# torch op computes anything on the device in backend triton's step: torch allocates memory, makes views,
+# and builds the multi-tensor kernels' small pointer tables on the host. Without a GPU, TRITON_INTERPRET=1
 # (set before triton is imported) runs every kernel in Triton's interpreter: slow, and fp32 only (its
-# bf16 dots are wrong).
+# bf16 dots are wrong). The interpreter's cost is Python overhead per program and per loop step, not per
+# element, so a few block sizes below take a wide value there (`... if INTERPRET else ...`); the tests
+# pass small ones explicitly where a loop over blocks must run more than once.
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# ---- kernels: triton_ops_norm ----
 # -----------------------------------------------------------------------------
 # Triton kernels: embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
 #
@@ -707,16 +711,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 #
 # Determinism: every kernel here gives bit-identical results run to run (torch's index_add_, behind
 # backend torch's embedding backward, does not on the GPU), and every partition of a reduction depends on
-# the shapes only, never on the device. No floating-point atomics: the embedding backward sorts the rows by
-# token (a stable rank sort by N^2 integer compares) and sums each token's rows in a fixed order;
-# LayerNorm's dgamma/dbeta, the wpe gradient and the global norm reduce fixed partitions in a fixed order.
+# the shapes and the block sizes below only, never on the device or on timing; none of these kernels is
+# autotuned. No floating-point atomics: the embedding backward sorts the rows by token (a stable rank sort
+# by N^2 integer compares) and sums each token's rows in a fixed order; LayerNorm's dgamma/dbeta, the wpe
+# gradient and the global norm reduce fixed partitions in a fixed order. (The autotuned matmul and
+# attention kernels below are deterministic for a fixed configuration; see "Determinism across
+# processes" there.)
 #
 # Memory-bound loops are software-pipelined: tl.range(..., num_stages=S) has Triton issue the loads of the
 # next S-1 iterations into shared memory (cp.async) while the current one is computed, which keeps enough
 # bytes in flight per SM (HBM latency ~1 us x ~23 GB/s per SM on the H100 wants ~25-50 KB) without more
 # resident programs than the registers allow. Block sizes were chosen for the H100 by reasoning (132 SMs,
-# 64k registers, 228 KB shared memory and at most 64 warps per SM), each a named constant that
-# wip/check_triton_ops_norm.py --bench --sweep can retune.
+# 64k registers, 228 KB shared memory and at most 64 warps per SM), each a named constant; `--bench-ops`
+# times every op against the PyTorch op it replaces and `--profile` every kernel of a step, to retune them.
 
 ROW_TILE = 4096         # elements per program in the row kernels: 4 rows of a 1024-wide block at C=768,
 ROW_WARPS = 8           # ... 16 per thread, two 16-byte bf16 vectors per tensor per thread
@@ -728,7 +735,9 @@ LN_REDUCE_BLOCK_P = 256  # the dgamma/dbeta reduce: all (<= 256) partials of 16 
 LN_REDUCE_BLOCK_C = 16   # ... programs at C = 768 reading the 1.5 MB of partials from L2
 ELEM_BLOCK = 4096       # GELU: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
 ELEM_WARPS = 8
-CE_BLOCK_V = 4096       # cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps
+# cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter takes a
+# row in one step (its cost is per loop step, not per element)
+CE_BLOCK_V = 1 << 16 if INTERPRET else 4096
 CE_WARPS = 8
 ENC_SORT_BLOCK_N = 16   # embedding sort: (16 rows, 256 rows) compare tiles, 512 programs at N = 8k, 32
 ENC_SORT_BLOCK_M = 256  # ... counts per thread with 4 warps (a multiple of ENC_SORT_BLOCK_N)
@@ -739,8 +748,10 @@ ENC_WARPS = 8           # ... registers (152 with 4 warps)
 ENC_CARRY_TILES = 16    # runs longer than a tile: the partial sums of 16 following tiles per step
 ENC_WPE_BLOCK_T = 8     # wpe reduce: (8 positions, 256 channels) per program, pipelined over the batch
 ENC_WPE_STAGES = 3
-MT_CHUNK = 16384        # multi-tensor kernels: elements per program (8 blocks of MT_BLOCK)
-MT_BLOCK = 2048
+# multi-tensor kernels: elements per program (8 blocks of MT_BLOCK); the interpreter runs a chunk of one
+# wide block, and fewer programs
+MT_CHUNK = 1 << 16 if INTERPRET else 16384
+MT_BLOCK = 1 << 16 if INTERPRET else 2048
 MT_WARPS = 8
 NORM_STAGES = 3         # global norm: 2 blocks (16 KB) in flight per program
 NORM_FINISH_BLOCK = 8192  # the norm's partials in one step (7.6k chunks at d12)
@@ -785,7 +796,8 @@ def encoder_forward(idx, wte, wpe):
 
 
 # The token gradient dwte[v] += sum of dx over the rows whose token is v must not race when a token repeats,
-# and must be summed in the same order on every run (exact resume). Three steps, no floating-point atomics:
+# and must be summed in the same order on every run (the same bits every run, so a resumed run repeats the
+# uninterrupted one). Three steps, no floating-point atomics:
 # (1) a stable rank sort of the rows by token: the slot of row n is the number of rows m whose (token, m)
 # sorts before (token_n, n), counted by comparing against every row: N^2 pairs, ~3 integer instructions
 # each (7e7 pairs at N = 8k: ~8 us of the H100's integer issue rate, 4x per doubling of N; a counting
@@ -1072,7 +1084,7 @@ def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
 
 
 # --- tanh-GELU: gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) ------------------------------
-# (the bias add before it is fused into the matmul epilogue, wip/triton_ops_mm.py)
+# (the bias add before it is fused into the matmul epilogue: matmul_gelu_forward)
 
 @triton.jit
 def _gelu_parts(x):
@@ -1160,13 +1172,14 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, BLOC
     tl.store(losses_ptr + row, lse - target_logit)
 
 
-def crossentropy_forward_backward(logits, targets, V, dloss):
+def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V):
     """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32; OVERWRITES logits with
-    dlogits = dloss * (softmax(logits[:, :V]) - onehot), and 0 in the padded columns V..Vp-1."""
+    dlogits = dloss * (softmax(logits[:, :V]) - onehot), and 0 in the padded columns V..Vp-1. block_v:
+    logits per loop step (a power of 2; the tests give a small one so that a row spans several)."""
     Vp = logits.shape[-1]
     N = logits.numel() // Vp
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
-    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, BLOCK_V=CE_BLOCK_V, num_warps=CE_WARPS)
+    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, BLOCK_V=block_v, num_warps=CE_WARPS)
     return losses
 
 
@@ -1179,17 +1192,18 @@ def crossentropy_forward_backward(logits, targets, V, dloss):
 TABLE_NUMEL, TABLE_FIRST_CHUNK, TABLE_PTRS = 0, 1, 2   # table columns; pointers follow, then the floats
 
 
-def _tensor_table(pointer_lists, floats=()):
+def _tensor_table(pointer_lists, floats=(), chunk=MT_CHUNK):
     """(table (n_tensors, 2 + len(pointer_lists) + len(floats)) int64 on the device, chunks, aligned).
     pointer_lists: lists of tensors (None entries or a None list give a null pointer); the first list
-    sets each row's element count. floats: lists of Python floats, stored as float64 bit patterns."""
+    sets each row's element count. floats: lists of Python floats, stored as float64 bit patterns.
+    chunk: elements per program."""
     lead = pointer_lists[0]
     rows, first, aligned = [], 0, True
     for i, t in enumerate(lead):
         ptrs = [0 if lst is None or lst[i] is None else lst[i].data_ptr() for lst in pointer_lists]
         aligned = aligned and t.numel() % 16 == 0 and all(p % 16 == 0 for p in ptrs)
         rows.append([t.numel(), first] + ptrs)
-        first += triton.cdiv(t.numel(), MT_CHUNK)
+        first += triton.cdiv(t.numel(), chunk)
     table = torch.tensor(rows, dtype=torch.int64).reshape(len(lead), 2 + len(pointer_lists))
     if floats:
         bits = torch.tensor(list(zip(*floats)), dtype=torch.float64).reshape(len(lead), len(floats))
@@ -1246,15 +1260,16 @@ def _global_norm_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr, tl.sqrt_rn(tl.sum(acc, axis=0)))
 
 
-def global_norm(grads):
+def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
     """grads: list of fp32 tensors -> 0-d fp32 tensor, the L2 norm of all of them (deterministic: fixed
-    chunks summed in a fixed order)."""
+    chunks summed in a fixed order). chunk, block: elements per program and per loop step (powers of 2,
+    block <= chunk; the tests give small ones so that a tensor spans several chunks of several blocks)."""
     _check_tensors("global_norm grads", grads, (torch.float32,), grads)
-    table, chunks, aligned = _tensor_table([grads])
+    table, chunks, aligned = _tensor_table([grads], chunk=chunk)
     partial = torch.empty(chunks, dtype=torch.float32, device=grads[0].device)      # (chunks,) fp32
     out = torch.empty((), dtype=torch.float32, device=grads[0].device)              # () fp32
-    _global_norm_partial_kernel[(chunks,)](table, len(grads), partial, ALIGNED=aligned, CHUNK=MT_CHUNK,
-                                           BLOCK=MT_BLOCK, BLOCK_T=triton.next_power_of_2(len(grads)),
+    _global_norm_partial_kernel[(chunks,)](table, len(grads), partial, ALIGNED=aligned, CHUNK=chunk,
+                                           BLOCK=block, BLOCK_T=triton.next_power_of_2(len(grads)),
                                            STAGES=NORM_STAGES, num_warps=MT_WARPS)
     _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK,
                                      num_warps=NORM_FINISH_WARPS)
@@ -1263,8 +1278,8 @@ def global_norm(grads):
 
 @triton.jit
 def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, grad_scale,
-                  HAS_COPY: tl.constexpr, COPY_BF16: tl.constexpr, ALIGNED: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+                  HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
     # table row: numel, first chunk, param, grad, m, v, copy pointers, weight decay (float64 bits)
     row = _owner_row(table_ptr, n_tensors, 8, BLOCK_T)
     numel = tl.load(row)
@@ -1281,10 +1296,7 @@ def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, gra
         v_ptr = tl.multiple_of(v_ptr, 16)
         numel = tl.multiple_of(numel, 16)
     if HAS_COPY:
-        if COPY_BF16:
-            c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.bfloat16))
-        else:
-            c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float16))
+        c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.bfloat16))
         if ALIGNED:
             c_ptr = tl.multiple_of(c_ptr, 16)
     size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
@@ -1308,26 +1320,22 @@ def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, gra
             tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
-    """One AdamW step (wip/CONTRACT.md "AdamW", step t = `step`, 1-based) over lists of fp32 params, grads,
-    m, v, with grads scaled by grad_scale first; `copies` (bf16/fp16 tensors, or None) get the updated
-    params rounded to their dtype. One launch for all tensors."""
+def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale,
+                 chunk=MT_CHUNK, block=MT_BLOCK):
+    """One AdamW step (llm.c's, as torch_adamw_update: step t = `step`, 1-based) over lists of fp32 params,
+    grads, m, v, with grads scaled by grad_scale first; `copies` (bf16 tensors, or None) get the updated
+    params rounded to bf16. One launch for all tensors; chunk and block as in global_norm."""
     _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,),
                    params * 4)
-    copy_bf16 = True
     if copies is not None:
-        _check_tensors("adamw_update copies", copies, (torch.bfloat16, torch.float16), params)
-        copy_bf16 = copies[0].dtype == torch.bfloat16
-        if any(c.dtype != copies[0].dtype for c in copies):
-            raise ValueError("adamw_update copies: all copies must have one dtype")
-    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays])
+        _check_tensors("adamw_update copies", copies, (torch.bfloat16,), params)
+    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays],
+                                           chunk=chunk)
     _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step,
-                             1.0 - beta2 ** step, grad_scale, HAS_COPY=copies is not None,
-                             COPY_BF16=copy_bf16, ALIGNED=aligned, CHUNK=MT_CHUNK, BLOCK=MT_BLOCK,
-                             BLOCK_T=triton.next_power_of_2(len(params)), num_warps=MT_WARPS)
-# ---- end kernels: triton_ops_norm ----
+                             1.0 - beta2 ** step, grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned,
+                             CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(len(params)),
+                             num_warps=MT_WARPS)
 
-# ---- kernels: triton_ops_mm ----
 # -----------------------------------------------------------------------------
 # Triton kernels: shared helpers
 
@@ -1336,6 +1344,22 @@ def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_de
 # Every tl.dot says input_precision="ieee": fp32 operands then multiply in true fp32 (the trainers' fp32
 # mode promises no TF32, whose 10-bit mantissa costs ~1e-3 relative error); 16-bit operands go to the
 # tensor cores whatever the setting, with fp32 accumulation.
+#
+# Determinism across processes. Each kernel below gives the same bits on every run for a fixed
+# configuration (no floating-point atomics; split-K partial sums are added in a fixed order). But on a GPU
+# the autotuner picks the configuration by timing the candidates, once per shape in each process, and
+# keeps its choice in that process only (Triton writes it to disk only with TRITON_CACHE_AUTOTUNING=1).
+# Timing noise can make another process, a resumed run or another rank of a torchrun, pick another
+# configuration; where that changes the order of a sum, the last bits of the result change: dW's SPLIT_K
+# (how the B*T rows are cut into partial sums; BLOCK_K is one per input width), and the attention's
+# streamed block (BLOCK_N keys per step in the forward's online softmax and in dQ, BLOCK_M queries per
+# step in dK/dV). The forward/dX matmul's configurations for one input width share BLOCK_K, so every
+# output element adds the same K blocks in the same order whatever the tile (inside a block the order is
+# the MMA instruction's; tiles have not been compared bit for bit). So on a GPU a resumed backend-triton
+# run matches the uninterrupted one to rounding, not bit for bit. In the interpreter every autotuned
+# kernel has exactly one configuration per shape (_interpreter_config, _interpreter_dw_config and the
+# single attention configs below), which the autotuner runs without timing: there the bits repeat in
+# every process.
 
 
 @triton.jit
@@ -1589,8 +1613,9 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
     programs of a tile each sum a chunk of rows and store it to the fp32 workspace ws (tile, SPLIT_K, BM,
     BN); the last of them to finish (an atomic counter a tile) adds the SPLIT_K partial sums in chunk order
     and accumulates the result into dw. Their program ids are adjacent: they run in the same wave, and the
-    partial sums are read back soon after they are written, from L2. Deterministic: which program
-    finishes last changes who adds, never the order of the additions. SPLIT_K == 1 accumulates directly."""
+    partial sums are read back soon after they are written, from L2. Deterministic for a given SPLIT_K:
+    which program finishes last changes who adds, never the order of the additions. SPLIT_K == 1
+    accumulates directly."""
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -1667,7 +1692,7 @@ def _matmul_dw(dy, x, dw, db):
         ws = dw.new_empty(max(s[0] for s in sizes))  # (tiles, SPLIT_K, BM, BN) partial dw
         ws_db = dw.new_empty(max(s[1] for s in sizes))  # (tiles, SPLIT_K, BM) partial db
         count = torch.empty(max(s[2] for s in sizes), dtype=torch.int32, device=dw.device)  # (tiles,) arrivals
-        zero_fill(count)  # a Triton kernel (train_gpt2_triton.py): no torch op computes in the step
+        zero_fill(count)  # our Triton kernel (below), not torch.zeros: no torch op computes in the step
     matmul_dw_kernel[grid](dy, x, dw, stand_in if db is None else db, ws, ws_db, count, M, N, K,
                            dy.stride(1), dy.stride(0), x.stride(0), x.stride(1), HAS_BIAS=db is not None)
 
@@ -1966,18 +1991,15 @@ def attention_backward(dout, qkv, out, lse, n_head):
     attn_bwd_dq_kernel[lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_M"]))](
         *args, HEAD_DIM=D, BLOCK_D=BD)
     return dqkv
-# ---- end kernels: triton_ops_mm ----
+
 
 # The training step's own kernels: with them, torch only allocates memory and makes views in backend
 # triton's step (the gradients are views of one flat fp32 buffer, so one launch zeroes or clips them all).
 
-STEP_BLOCK = 4096  # elements per program: 16 per thread with 8 warps
+# elements per program: 16 per thread with 8 warps; the interpreter takes wide blocks (fewer programs)
+STEP_BLOCK = 1 << 16 if INTERPRET else 4096
 STEP_WARPS = 8
 SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
-if INTERPRET:
-    # the interpreter's cost is Python overhead per program and per loop step, not per element: the
-    # elementwise and multi-tensor kernels (this section's, and the norm block's) get wide blocks there
-    STEP_BLOCK = MT_CHUNK = MT_BLOCK = CE_BLOCK_V = 1 << 16
 
 
 @triton.jit
@@ -1990,9 +2012,10 @@ def _zero_fill_kernel(x_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _clip_by_norm_kernel(g_ptr, norm_ptr, n, max_norm, BLOCK: tl.constexpr):
     # torch.nn.utils.clip_grad_norm_'s rule, read from the norm on the device (no host round trip): scale by
-    # max_norm / (norm + 1e-6) when that is below 1; otherwise every program returns at once
+    # max_norm / (norm + 1e-6) when that is below 1 or NaN (a NaN norm makes every gradient NaN, as torch's
+    # clamp passes NaN on); otherwise every program returns at once
     coef = tl.div_rn(max_norm, tl.load(norm_ptr) + 1e-6)                            # scalar fp32
-    if coef < 1.0:
+    if (coef < 1.0) | (coef != coef):
         start = tl.program_id(0).to(tl.int64) * BLOCK
         offs = tl.arange(0, BLOCK)                                                  # (BL,)
         mask = offs < n - start
@@ -2035,7 +2058,8 @@ def zero_fill(x):
 
 
 def clip_by_norm(g, norm, max_norm):
-    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if that is below 1; norm () fp32."""
+    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if that is below 1 (or NaN: a NaN norm
+    turns g into NaN, as torch_clip_by_norm does); norm () fp32."""
     _flat_check("clip_by_norm", g, norm)
     _clip_by_norm_kernel[(triton.cdiv(g.numel(), STEP_BLOCK),)](g, norm, g.numel(), max_norm, BLOCK=STEP_BLOCK,
                                                                 num_warps=STEP_WARPS)
@@ -2122,29 +2146,33 @@ def read_shard(path):
 
 
 def find_shards(cfg):
-    """(train files, val files) for --data DIR | GLOB (with --val-data GLOB); (None, None) if synthetic."""
+    """(train files, val files) for --data DIR | GLOB, and --val-data GLOB (which also overrides a DIR's val
+    shards); (None, None) if synthetic. --eval-only needs no train shards."""
     if cfg.data == "synthetic":
         return None, None
     if os.path.isdir(cfg.data):
         train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
         val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
-        if not train:
+        if not train and not cfg.eval_only:
             die(f"--data {cfg.data}: no *_train_*.bin shards in that directory "
                 "(run prepro_fineweb.py first, or use --data synthetic)")
     else:
-        train = sorted(glob.glob(cfg.data))
-        val = sorted(glob.glob(cfg.val_data)) if cfg.val_data else []
-        if not train:
+        train, val = sorted(glob.glob(cfg.data)), []
+        if not train and not cfg.eval_only:
             die(f"--data {cfg.data}: no such directory and no file matches that glob")
-        if cfg.val_data and not val:
+    if cfg.val_data:
+        val = sorted(glob.glob(cfg.val_data))
+        if not val:
             die(f"--val-data {cfg.val_data}: no file matches that glob")
     return train, val
 
 
 class DataLoader:
     """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
-    all ranks advance p by W*B*T, and the next shard (wrapping around) starts when fewer than W*B*T+1
-    tokens remain. files=None reads one in-memory shard of random tokens drawn from `seed`."""
+    all ranks advance p by W*B*T, and all move to the next shard (wrapping around) when fewer than W*B*T+1
+    tokens remain after p. (llm.c tests each rank's own position p + r*B*T, so near a shard's end its ranks
+    part ways; testing p keeps them together: W ranks of B rows read what one rank of W*B rows reads.)
+    files=None reads one in-memory shard of random tokens drawn from `seed`."""
 
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
@@ -2167,17 +2195,18 @@ class DataLoader:
         self.set_state(0, 0)
 
     def set_state(self, shard, position):
-        """Puts the loader at rank 0's `position` in `shard` (what state() returned)."""
+        """Puts the loader at p = `position` in `shard` (what state() returned)."""
         self._load(shard)
-        self.position = position + self.rank * self.B * self.T
+        self.position = position
 
     def state(self):
-        """(shard, rank 0's position): where the next batch starts, for checkpoints."""
-        return self.shard, self.position - self.rank * self.B * self.T
+        """(shard, p): where the next step's rank 0 batch starts, for checkpoints."""
+        return self.shard, self.position
 
     def next_batch(self):
         B, T = self.B, self.T
-        buf = np.asarray(self.tokens[self.position: self.position + B * T + 1], dtype=np.int32)
+        start = self.position + self.rank * B * T
+        buf = np.asarray(self.tokens[start: start + B * T + 1], dtype=np.int32)
         x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
         self.position += self.world * B * T
         if self.position + self.world * B * T + 1 > len(self.tokens):
@@ -2205,16 +2234,11 @@ def put_batch(x, device):
 MODEL_MAGIC = 20240326
 
 
-def _to_bf16_bits(x):
-    """fp32 -> bf16 bit patterns (uint16), rounding to nearest even, as torch does."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def write_model_file(path, params, cfg, dtype="fp32"):
-    """An llm.c model file (SPEC §2): 256-int32 header, then the tensors in PARAM_NAMES order."""
+def write_model_file(path, params, cfg):
+    """An llm.c model file (SPEC §2) in fp32 (version 3): 256-int32 header, then the tensors in PARAM_NAMES
+    order."""
     header = np.zeros(256, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, 3 if dtype == "fp32" else 5, cfg.block_size, cfg.vocab_size,
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
                   cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
     shapes = param_shapes(cfg)
     tmp = path + ".tmp"
@@ -2223,7 +2247,7 @@ def write_model_file(path, params, cfg, dtype="fp32"):
         for name in PARAM_NAMES:
             t = np.asarray(params[name], dtype=np.float32)
             assert t.shape == shapes[name], (name, t.shape, shapes[name])
-            f.write(t.astype("<f4").tobytes() if dtype == "fp32" else _to_bf16_bits(t).tobytes())
+            f.write(t.astype("<f4").tobytes())
     os.replace(tmp, path)
 
 
@@ -2264,9 +2288,12 @@ def read_model_file(path):
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     """<out_dir>/ckpt_<step>/{model.bin, state.npz} (SPEC §2), written under a temporary name, then renamed."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
-    tmp = final + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    write_model_file(os.path.join(tmp, "model.bin"), params, cfg, "fp32")
+    tmp, old = final + ".tmp", final + ".old"
+    for stale in (tmp, old):  # left by a run that died while saving this step
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+    os.makedirs(tmp)
+    write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
@@ -2276,12 +2303,9 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
         np.savez(f, **state)
     os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
     if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-        old = final + ".old"
         os.replace(final, old)
         os.replace(tmp, final)
-        for name in os.listdir(old):
-            os.remove(os.path.join(old, name))
-        os.rmdir(old)
+        shutil.rmtree(old)
     else:
         os.replace(tmp, final)
     return final
@@ -2315,6 +2339,9 @@ def load_checkpoint(path, cfg):
         if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
             die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
                 f"the model has {params[k].shape}")
+        if m[k].dtype != np.float32 or v[k].dtype != np.float32:
+            die(f"checkpoint {path}: optimizer state for {k} is {m[k].dtype}/{v[k].dtype}, "
+                "not float32")
     return header, params, m, v, state
 
 
@@ -2391,7 +2418,9 @@ def generate(params, generator, cfg):
 
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
     "H100 PCIe": (756e12, 378e12),
+    "H100 NVL": (835e12, 417.5e12),
     "H100": (989e12, 494.5e12),   # SXM
+    "H200 NVL": (835e12, 417.5e12),
     "H200": (989e12, 494.5e12),
     "A100": (312e12, 156e12),
     "L40S": (362e12, 183e12),
@@ -2441,9 +2470,10 @@ def peak_memory_gb(device):
 # backend torch. References run in fp64 on the very values the tested run sees (its inputs rounded to the
 # dtype under test first), so the error measured is the tested run's alone.
 
-TEST_SHAPES = [(1, 1, 8, 1), (2, 7, 12, 3), (3, 33, 40, 5), (1, 130, 64, 1)]  # (B, T, C, H)
-if INTERPRET:  # the interpreter is slow: fewer heads, and T past its 32-row blocks twice instead of 4 times
-    TEST_SHAPES = [(1, 1, 8, 1), (2, 7, 12, 3), (2, 33, 40, 5), (1, 67, 64, 1)]
+# (B, T, C, H); the interpreter is slow: there a smaller batch, and T past its 32-row blocks twice instead
+# of 4 times
+TEST_SHAPES = ([(1, 1, 8, 1), (2, 7, 12, 3), (2, 33, 40, 5), (1, 67, 64, 1)] if INTERPRET else
+               [(1, 1, 8, 1), (2, 7, 12, 3), (3, 33, 40, 5), (1, 130, 64, 1)])
 TEST_TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max relative error
 TEST_SEED = 1234
 
@@ -2836,10 +2866,18 @@ def first_configs(active=True):
 
 def run_self_test(cfg):
     """--test: prints a table (check, dtype, max abs error, max relative error, tolerance, result, worst
-    output) and exits non-zero if any check fails."""
+    output) and exits non-zero if any check fails. TF32 is off while it runs (fp32 references must be
+    fp32) and the caller's settings are restored after it (the tests call it in their own process)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        _run_self_test(cfg)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _run_self_test(cfg):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references must be fp32
-    torch.backends.cudnn.allow_tf32 = False
     ops = backend_ops(cfg.backend)
     if cfg.backend == "torch":
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
@@ -3191,9 +3229,9 @@ def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, m
 
 
 def time_ms(fn, device):
-    """Median milliseconds of fn(): on a GPU by triton.testing.do_bench (as wip/check_triton_ops_*.py: 25 ms
-    of warm-up, then 100 ms of calls, each after the L2 cache is flushed, so no op reads its inputs from a
-    warm cache); elsewhere over BENCH_REPS calls after BENCH_WARMUP (which also compile)."""
+    """Median milliseconds of fn(): on a GPU by triton.testing.do_bench (25 ms of warm-up, then 100 ms of
+    calls, each after the L2 cache is flushed, so no op reads its inputs from a warm cache); elsewhere over
+    BENCH_REPS calls after BENCH_WARMUP (which also compile)."""
     if device.type == "cuda":
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     for _ in range(BENCH_WARMUP):

@@ -133,13 +133,17 @@ def write_bad_shards(folder):
     return folder
 
 
-def write_model_file(path, params, block_size, n_layer, n_head, n_embd, vocab=50257, padded=50304):
+def write_model_file(path, params, block_size, n_layer, n_head, n_embd, vocab=50257, padded=50304,
+                     bf16=False):
+    """fp32 (version 3), or with bf16=True version 5: each fp32 value's top 16 bits (exact for values that
+    are bf16 numbers already)."""
     header = np.zeros(256, dtype="<i4")
-    header[:8] = [20240326, 3, block_size, vocab, n_layer, n_head, n_embd, padded]
+    header[:8] = [20240326, 5 if bf16 else 3, block_size, vocab, n_layer, n_head, n_embd, padded]
     with open(path, "wb") as f:
         f.write(header.tobytes())
         for t in params:
-            f.write(np.asarray(t, dtype="<f4").tobytes())
+            t = np.asarray(t, dtype="<f4")
+            f.write((t.view("<u4") >> 16).astype("<u2").tobytes() if bf16 else t.tobytes())
 
 
 def tiny_params(seed, block_size=64, n_layer=2, n_head=4, n_embd=64, padded=50304, vocab=50257):

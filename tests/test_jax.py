@@ -227,6 +227,10 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file, cache):
         (["--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
         (["--data", str(tiny_shards), "--attn", "cudnn", "--dtype", "fp32"], "--attn cudnn needs"),
         (["--data", str(tmp_path / "nothing")], "no such directory"),
+        (["--data", str(tiny_shards), "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
+        (["--data", str(tiny_shards), "--seed", "-1"], "--seed"),
+        (["--data", str(tiny_shards), "--grad-clip", "nan"], "--grad-clip"),
+        (["--data", str(tiny_shards), "--lr", "inf"], "--lr"),
     ]
     for args, needle in cases:
         with pytest.raises(SystemExit) as e:

@@ -299,7 +299,8 @@ def test_hellaswag_rows_padded_and_cropped(tiny_model_file, hellaswag_dir, monke
 def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path):
     """torchrun with 2 CPU processes (gloo; rank-strided rows, one micro-batch each, the same global
     batch) gives the one-process losses and grad norms (rel 1e-5: only the order of the sums differs);
-    only rank 0 writes; --profile writes a Chrome trace and prints the op table."""
+    only rank 0 writes; --profile writes a Chrome trace and prints the op table, and the ops split into
+    forward, backward and optimizer step."""
     out = tmp_path / "two"
     proc = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                       "train_gpt2_torchfunc.py", "--data", tiny_shards, "--init-from", tiny_model_file,
@@ -307,6 +308,16 @@ def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path
                       "--hellaswag-every", 0, "--sample-every", 0, "--profile", *FLAGS, env=ON_CPU)
     assert "2 x cpu" in proc.stdout and "1 micro-batches" in proc.stdout
     assert "profile: steps 2-3" in proc.stdout and "Self CPU" in proc.stdout
+    # the phase table (eager on the CPU): forward, backward and optimizer step, each with its top ops;
+    # the backward holds the weight-gradient matmuls, the optimizer step the norm
+    table = proc.stdout[proc.stdout.index("phase "):].splitlines()
+    phases = {line.split()[0]: float(line.split()[-1].rstrip("%")) for line in table
+              if line.split()[:1] in (["forward"], ["backward"], ["optimizer"]) and " all " in line}
+    assert set(phases) == {"forward", "backward", "optimizer"}, table[:5]
+    assert sum(phases.values()) == pytest.approx(100, abs=0.5) and min(phases.values()) > 0
+    start = {line.split()[0]: i for i, line in enumerate(table) if " all " in line}
+    assert any("aten::mm" in line for line in table[start["backward"]:start["optimizer"]])
+    assert any("linalg_vector_norm" in line for line in table[start["optimizer"]:start["optimizer"] + 9])
     assert glob.glob(str(out / "profile" / "trace_rank*.json"))
     assert proc.stdout.count("step     1/3") == 1
     one = step_events(trained[0])[:3]
@@ -338,6 +349,10 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
         (["--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
         (["--data", str(tiny_shards), "--resume", str(bad)], "not a checkpoint directory"),
         (["--data", str(tmp_path / "nothing")], "no such directory"),
+        (["--data", str(tiny_shards), "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
+        (["--data", str(tiny_shards), "--seed", "-1"], "--seed"),
+        (["--data", str(tiny_shards), "--grad-clip", "nan"], "--grad-clip"),
+        (["--data", str(tiny_shards), "--lr", "inf"], "--lr"),
     ]
     for args, needle in cases:
         with pytest.raises(SystemExit) as e:

@@ -2,8 +2,10 @@
 (backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
 forward keeps for the backward, a training run, exact resume, eval-only, two processes, --profile,
 --bench-ops, bad input; backend triton in Triton's interpreter without a GPU (compiled, and bf16 too, with
-one): every kernel against backend torch, a training run against backend torch, no torch compute op in a
-step, its --profile tables, clean errors)."""
+one): every kernel against backend torch, and with loops over several blocks (the embedding backward at
+768 rows with a 600-row run, cross-entropy and the multi-tensor kernels with small blocks), clipping by a
+NaN or inf norm in both backends, a training run against backend torch, no torch compute op in a step, its
+--profile tables, clean errors)."""
 import json
 import math
 import re
@@ -275,6 +277,10 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file, one_thread):
         (["torch", "--data", str(tiny_shards), "--total-batch-size", "100"], "not a multiple"),
         (["torch", "--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
         (["torch", "--data", str(tmp_path / "nothing")], "no such directory"),
+        (["torch", "--data", str(tiny_shards), "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
+        (["torch", "--data", str(tiny_shards), "--seed", "-1"], "--seed"),
+        (["torch", "--data", str(tiny_shards), "--grad-clip", "nan"], "--grad-clip"),
+        (["torch", "--data", str(tiny_shards), "--lr", "inf"], "--lr"),
         (["jax", "--data", str(tiny_shards)], "argument backend"),
         (["--data", str(tiny_shards)], "required: backend"),
     ]
@@ -399,7 +405,7 @@ def step_torch_ops(monkeypatch, ops):
 
 
 def test_no_torch_compute_op_in_a_triton_step(monkeypatch, one_thread):
-    """Issue 8's claim, under torch.profiler: a whole training step of backend triton (2 micro-batches,
+    """Under torch.profiler, a whole training step of backend triton (2 micro-batches,
     zeroing, loss sum, global norm, clipping, AdamW) runs no torch op but allocation, views and reading the
     loss and the norm on the host; the same probe finds backend torch's compute ops (so it can fail)."""
     ops = step_torch_ops(monkeypatch, tg.TRITON_OPS)
@@ -461,3 +467,106 @@ def test_triton_clean_errors(tmp_path, tiny_shards, one_thread):
     with pytest.raises(SystemExit) as e:
         tg.main(base + ["--dtype", "bf16"])
     assert "runs fp32 only" in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_triton_encoder_backward_at_real_sizes(one_thread):
+    """Backend triton's embedding backward at N = 768 rows (3 of the sort's 256-row key blocks: its loops
+    over the blocks below and above a program's own run) equals backend torch's exactly (torch.equal on
+    dwte and dwpe): dx and the gradients it adds into are multiples of 1/16 below 4 in magnitude, so every
+    sum is exact in fp32 whatever its order. (a) random tokens from 40, repeated ~19 times each, their runs
+    crossing tile boundaries; (b) one token over 600 rows (more than 16 tiles of ENC_SLOTS: the carry loop
+    takes 3 steps) whose run starts and ends inside a tile, with other tokens before and after it."""
+    gen = torch.Generator().manual_seed(7)
+    B, T, C = 4, 192, 8
+    N = B * T
+    tokens = torch.cat([torch.randint(0, 17, (21,), generator=gen), torch.full((600,), 17),
+                        torch.randint(18, 40, (N - 621,), generator=gen)])  # (N,) sorted: 17 from slot 21
+    assert 21 % tg.ENC_SLOTS and 621 % tg.ENC_SLOTS and 600 > (tg.ENC_CARRY_TILES + 2) * tg.ENC_SLOTS
+    assert N > 2 * tg.ENC_SORT_BLOCK_M
+    for idx in (torch.randint(0, 40, (B, T), generator=gen),
+                tokens[torch.randperm(N, generator=gen)].view(B, T)):  # (B, T) each
+        dx = torch.randint(-64, 64, (B, T, C), generator=gen) / 16.0  # (B, T, C)
+        dwte = torch.randint(-64, 64, (48, C), generator=gen) / 16.0  # (Vp, C) a backward adds into it
+        dwpe = torch.randint(-64, 64, (T + 3, C), generator=gen) / 16.0  # (maxT, C)
+        got = [t.to(DEVICE, copy=True) for t in (dwte, dwpe)]  # the same start, apart
+        tg.TORCH_OPS.encoder_backward(dx, idx, dwte, dwpe)
+        tg.TRITON_OPS.encoder_backward(dx.to(DEVICE), idx.to(DEVICE), *got)
+        assert torch.equal(got[0].cpu(), dwte) and torch.equal(got[1].cpu(), dwpe)
+
+
+def test_triton_crossentropy_over_several_blocks(one_thread):
+    """The cross-entropy kernel with block_v = 128 (the interpreter's default takes a whole row in one
+    block): V = 1000 spans 8 blocks, the last one partial, and Vp = 1040 adds a block of padded columns
+    only; padded logits (80) above every real one must stay out of the logsumexp. Rows whose max lies in
+    the first block, in the last (partial) one, rising block after block (a rescale of the running sum at
+    every block), and with a second, larger max in a later block. Losses and dlogits match backend torch
+    run in fp64 (max error relative to the largest value: 1e-6 and 1e-5)."""
+    gen = torch.Generator().manual_seed(3)
+    N, V, Vp = 6, 1000, 1040
+    logits = torch.randn(N, Vp, generator=gen) * 3  # (N, Vp)
+    logits[:, V:] = 80.0
+    logits[0, 5] += 25.0
+    logits[1, 990] += 25.0
+    logits[2] += torch.arange(Vp) * 0.05
+    logits[3, 130] += 25.0
+    logits[3, 700] += 30.0
+    targets = torch.randint(V, (N,), generator=gen)  # (N,)
+    targets[1], targets[3] = 990, 999
+    want_dlogits = logits.double()  # (N, Vp) overwritten with dlogits
+    want = tg.TORCH_OPS.crossentropy_forward_backward(want_dlogits, targets, V, 1.0 / N)  # (N,)
+    got_dlogits = logits.to(DEVICE, copy=True)  # (N, Vp) overwritten with dlogits
+    got = tg.crossentropy_forward_backward(got_dlogits, targets.to(DEVICE), V, 1.0 / N, block_v=128)
+    assert tg.compare(got, want)[1] <= 1e-6
+    assert tg.compare(got_dlogits, want_dlogits)[1] <= 1e-5
+    assert not got_dlogits[:, V:].any()
+
+
+def test_triton_multi_tensor_kernels_over_several_chunks(one_thread):
+    """The global norm and AdamW with chunk = 256 and block = 64 (the interpreter's defaults make every
+    test tensor one chunk of one block): tensors of 1000, 37, 2053 and 640 elements span up to 9 chunks of
+    4 blocks each, with partial last chunks and blocks. The norm matches backend torch in fp64 (rel 1e-6);
+    two AdamW steps (the second with a gradient scale) match backend torch in fp64 (rel 1e-6) on params, m
+    and v, and on a GPU the bf16 copies equal the params rounded to bf16."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1000, 37, 2053, 640]
+
+    def rand(scale=1.0):
+        return [torch.randn(n, generator=gen) * scale for n in sizes]
+
+    grads = rand()
+    want = tg.TORCH_OPS.global_norm([g.double() for g in grads])
+    assert tg.compare(tg.global_norm([g.to(DEVICE) for g in grads], chunk=256, block=64), want)[1] <= 1e-6
+    state = [rand(), rand(0.1), [v.abs() for v in rand(0.1)]]  # params, m, v
+    got = [[t.to(DEVICE) for t in ts] for ts in state]
+    want = [[t.double() for t in ts] for ts in state]
+    copies = [torch.empty(n, dtype=torch.bfloat16, device=DEVICE) for n in sizes] if ON_GPU else None
+    decays = [0.1, 0.0, 0.1, 0.0]
+    for step, grad_scale in ((1, 1.0), (2, 0.37)):
+        grads = rand()
+        tg.adamw_update(got[0], [g.to(DEVICE) for g in grads], got[1], got[2], copies, 0.01, tg.BETA1, tg.BETA2,
+                        tg.EPS, decays, step, grad_scale, chunk=256, block=64)
+        tg.TORCH_OPS.adamw_update(want[0], [g.double() for g in grads], want[1], want[2], None, 0.01, tg.BETA1,
+                                  tg.BETA2, tg.EPS, decays, step, grad_scale)
+    for g_list, w_list in zip(got, want):
+        assert all(tg.compare(g, w)[1] <= 1e-6 for g, w in zip(g_list, w_list))
+    if copies is not None:
+        assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copies, got[0]))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0 in the interpreter
+def test_clip_by_norm_passes_nan_and_inf_on(one_thread):
+    """A NaN in one gradient makes the global norm NaN, and clipping by it turns every gradient into NaN in
+    both backends, as torch.nn.utils.clip_grad_norm_ does (a clip that scales only when the coefficient is
+    below 1 would leave them as they are); an inf makes the norm inf and the coefficient 0: finite
+    gradients become 0, the inf NaN, in all three."""
+    for bad in (float("nan"), float("inf")):
+        g = torch.randn(3000, generator=torch.Generator().manual_seed(1))  # (n,) flat gradients
+        g[1234] = bad
+        p = torch.zeros_like(g, requires_grad=True)
+        p.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_([p], 1.0)
+        assert p.grad.isnan().any()
+        for ops, device in ((tg.TORCH_OPS, torch.device("cpu")), (tg.TRITON_OPS, DEVICE)):
+            flat = g.clone().to(device)  # (n,)
+            ops.clip_by_norm(flat, ops.global_norm([flat]), 1.0)
+            torch.testing.assert_close(flat.cpu(), p.grad, rtol=0, atol=0, equal_nan=True)
