@@ -817,15 +817,17 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
         t[0] += 1
         t[1] += e.self_device_time_total if on_gpu else e.self_cpu_time_total
     grand = sum(t for _, t in totals.values()) or 1.0
+
+    def line(phase, name, calls, us):
+        share = 100 * us / grand
+        return f"{phase:<28} {name[:50]:<50} {calls // steps:>6} {us / 1e3 / steps:>9.3f} {share:>5.1f}%"
+
     clock = "device" if on_gpu else "CPU"
     lines = [f"{'phase':<28} {'op (self ' + clock + ' time)':<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
     for phase in phases:
         ops = sorted(((t, c, name) for (ph, name), (c, t) in totals.items() if ph == phase), reverse=True)
-        total = sum(t for t, _, _ in ops)
-        lines.append(f"{phase:<28} {'all':<50} {sum(c for _, c, _ in ops) // steps:>6} "
-                     f"{total / 1e3 / steps:>9.3f} {100 * total / grand:>5.1f}%")
-        lines += [f"{'':<28} {name[:50]:<50} {c // steps:>6} {t / 1e3 / steps:>9.3f} {100 * t / grand:>5.1f}%"
-                  for t, c, name in ops[:rows]]
+        lines.append(line(phase, "all", sum(c for _, c, _ in ops), sum(t for t, _, _ in ops)))
+        lines += [line("", name, c, t) for t, c, name in ops[:rows]]
     return "\n".join(lines)
 
 
