@@ -1,9 +1,9 @@
 """HellaSwag for the GPT-2 trainers: download, render, score, evaluate, and export llm.c's eval file.
 
-Scoring is llm.c's / build-nanogpt's completion style (SPEC §6): each of the 4 candidate endings is
-appended to the context, the model's cross-entropy is summed over the ending tokens only, and the
-prediction is the ending with the lowest total loss (acc) or lowest mean per-token loss (acc_norm).
-OpenAI GPT-2 124M scores acc_norm 0.2955 on the 10,042 validation examples this way.
+Scoring is llm.c's / build-nanogpt's completion style (docs/FORMATS.md, HellaSwag scoring): each of the
+4 candidate endings is appended to the context, the model's cross-entropy is summed over the ending tokens
+only, and the prediction is the ending with the lowest total loss (acc) or lowest mean per-token loss
+(acc_norm). OpenAI GPT-2 124M scores acc_norm 0.2955 on the 10,042 validation examples this way.
 
     python hellaswag.py download --split val            # into data/hellaswag (or $HELLASWAG_DIR)
     python hellaswag.py show --limit 3                  # the rendered token rows and masks
@@ -221,7 +221,7 @@ def encode_example(example, encode):
 
 
 def render_example(example, encode):
-    """SPEC §6: row i = context tokens + ending i tokens, zero-padded to the longest row; mask is 1 on the
+    """Row i = context tokens + ending i tokens, zero-padded to the longest row; mask is 1 on the
     ending tokens only. Returns (tokens (4,T) int64, mask (4,T) int64, label int)."""
     ctx_tokens, ending_tokens, label = encode_example(example, encode)
     T = len(ctx_tokens) + max(len(e) for e in ending_tokens)

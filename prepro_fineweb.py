@@ -1,7 +1,8 @@
 """FineWeb(-Edu) to llm.c token shards: download the parquet files, tokenize in a process pool, write shards.
 
-Output (SPEC §2): `<name>_val_000000.bin`, `<name>_train_000001.bin`, ... in --out-dir; each a header of
-256 int32 (20240520, 1, token count) then uint16 GPT-2 tokens, every document preceded by EOT (50256).
+Output (docs/FORMATS.md, Token shards): `<name>_val_000000.bin`, `<name>_train_000001.bin`, ... in
+--out-dir; each a header of 256 int32 (20240520, 1, token count) then uint16 GPT-2 tokens, every document
+preceded by EOT (50256).
 Shard 0 is validation. Documents run on across shard boundaries, as in llm.c's dev/data/fineweb.py.
 
     python prepro_fineweb.py                                   # FineWeb-Edu sample-10BT, 100M-token shards
@@ -331,7 +332,7 @@ def shard_name(name, index):
 
 
 def write_shard(path, tokens):
-    """llm.c token shard (SPEC §2), written to a temporary name and renamed."""
+    """llm.c token shard (docs/FORMATS.md, Token shards), written to a temporary name and renamed."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = [SHARD_MAGIC, SHARD_VERSION, len(tokens)]
     tmp = path + ".tmp"

@@ -6,18 +6,30 @@
     pytest                                # the same tests under plain pytest
 
 Component tests live in tests/test_<component>.py, the cross-framework checks in tests/test_cross.py,
-the shared fixtures (offline data, tiny shards and model files, a local HTTP server) in tests/conftest.py.
+the shared fixtures (test data, tiny shards and model files, a local HTTP server) in tests/conftest.py.
 Without a CUDA GPU, Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set before triton is
 imported) and JAX and torch run on the CPU; with one, the compiled kernels are also checked in bf16. The
-offline data comes from ../shared (SPEC §7; SHARED_DIR overrides); missing data fails a test, never skips.
+test data is committed under tests/data (its README.md lists every file), so a bare clone runs every test
+offline; tiktoken reads GPT-2's files from there too, through a temporary cache.
 """
+import atexit
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-SHARED = os.path.abspath(os.environ.get("SHARED_DIR", os.path.join(REPO, "..", "shared")))
+DATA = os.path.join(REPO, "tests", "data")
+
+# tiktoken's "gpt2" encoding reads these two files through its cache, each under the sha1 of its URL
+# (tiktoken_ext/openai_public.py; tests/test_fixtures.py checks the URLs and pinned hashes against it)
+TIKTOKEN_GPT2_FILES = {
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe": "gpt2/vocab.bpe",
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json": "gpt2/encoder.json",
+}
+TIKTOKEN_CACHE_PREFIX = "gpt2-tests-tiktoken-"
 
 
 def has_cuda_gpu():
@@ -33,14 +45,25 @@ def has_cuda_gpu():
     return out.returncode == 0 and "GPU" in out.stdout
 
 
+def tiktoken_cache():
+    """A temporary tiktoken cache holding the committed GPT-2 files under the names tiktoken looks for,
+    removed when this process exits. tiktoken then never touches the network or a cache of the user's."""
+    cache = tempfile.mkdtemp(prefix=TIKTOKEN_CACHE_PREFIX)
+    atexit.register(shutil.rmtree, cache, True)
+    for url, rel in TIKTOKEN_GPT2_FILES.items():
+        shutil.copyfile(os.path.join(DATA, rel), os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()))
+    return cache
+
+
 def configure_environment():
     """Must run before triton is imported anywhere in the test process (and is inherited by the scripts
-    the tests start): the Triton interpreter without a GPU, tiktoken's offline cache, no JAX memory grab."""
+    the tests start): the Triton interpreter without a GPU, tiktoken's cache built from tests/data, no
+    JAX memory grab. Running it again (conftest imports this module) keeps the cache it made."""
     if "TRITON_INTERPRET" not in os.environ and not has_cuda_gpu():
         os.environ["TRITON_INTERPRET"] = "1"
-    cache = os.path.join(SHARED, "cache", "tiktoken")
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(cache):
-        os.environ["TIKTOKEN_CACHE_DIR"] = cache
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR", "")
+    if not (os.path.basename(cache).startswith(TIKTOKEN_CACHE_PREFIX) and os.path.isdir(cache)):
+        os.environ["TIKTOKEN_CACHE_DIR"] = tiktoken_cache()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 

@@ -760,7 +760,8 @@ def cmd_bench(args):
 
 
 def main(argv=None):
-    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")  # SPEC §7
+    # bench's defaults: the copies committed for the tests, so that it runs in any clone, offline
+    test_data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data")
     p = argparse.ArgumentParser(description="Byte-level BPE tokenizer, GPT-2-exact.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="learn a vocabulary from text files")
@@ -778,10 +779,10 @@ def main(argv=None):
     d.add_argument("--input", required=True, help="token shard (.bin)")
     d.add_argument("--out", help="text file to write (default: stdout)")
     b = sub.add_parser("bench", help="encode MB/s vs tiktoken, and time to train a vocabulary")
-    b.add_argument("--input", default=os.path.join(shared, "tinyshakespeare", "input.txt"),
-                   help="text to encode and train on (default: ../shared tinyshakespeare)")
-    b.add_argument("--gpt2-dir", default=os.path.join(shared, "gpt2"),
-                   help="folder with GPT-2's encoder.json and vocab.bpe")
+    b.add_argument("--input", default=os.path.join(test_data, "tinyshakespeare", "input.txt"),
+                   help="text to encode and train on (default: tinyshakespeare from tests/data)")
+    b.add_argument("--gpt2-dir", default=os.path.join(test_data, "gpt2"),
+                   help="folder with GPT-2's encoder.json and vocab.bpe (default: tests/data/gpt2)")
     b.add_argument("--vocab-size", type=int, default=8192)
     b.add_argument("--repeats", type=int, default=5, help="timed encodes of each kind; the best counts")
     args = p.parse_args(argv)

@@ -9,14 +9,14 @@ alpha 0.6, at most source length + 50 tokens) or greedy, both one jitted while-l
 final score averages the last --average checkpoints and is sacrebleu's cased BLEU on detokenized output.
 
     python train_aiayn_jax.py --model small                          # Multi30k En->De (downloads it)
-    python train_aiayn_jax.py --model small --data-dir ../shared/data/multi30k --src de --tgt en
+    python train_aiayn_jax.py --model small --src de --tgt en        # Multi30k De->En
     python train_aiayn_jax.py --dataset wmt14 --model base           # the paper's base run, newstest2014
     python train_aiayn_jax.py --eval-only --resume auto --average 5  # BLEU of the last 5 checkpoints
     python train_aiayn_jax.py --translate "A man is riding a bike." --resume out/aiayn_jax/ckpt_0008000
 
 Everything one step needs (each micro-batch's forward and backward, the Adam update) is one jitted
 function per bucket shape, compiled ahead of time, so a run compiles a handful of times, not per batch.
-log.jsonl holds the GPT-2 trainers' keys (../shared/SPEC.md §5) plus bleu.
+log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
 """
 import argparse
 import gzip
@@ -153,18 +153,45 @@ def parse_args(argv=None):
     p.add_argument("--base-url", help="download mirror (default: the dataset's)")
     p.add_argument("--bpe-vocab", type=int, help="joint BPE size (default 10000 Multi30k, 37000 WMT14)")
     p.add_argument("--model", choices=list(MODEL_PRESETS), help="preset: sizes and training recipe")
-    for flag in ("--n-layer", "--n-head", "--d-model", "--d-ff", "--max-len", "--batch-tokens",
-                 "--micro-tokens", "--steps", "--warmup", "--seed", "--ckpt-every", "--val-every",
-                 "--average", "--beam", "--decode-batch"):
-        p.add_argument(flag, type=int)
-    for flag in ("--dropout", "--lr", "--label-smoothing", "--grad-clip", "--alpha"):
-        p.add_argument(flag, type=float)
-    p.add_argument("--dtype", choices=["bf16", "fp32"])
+    p.add_argument("--n-layer", type=int, help="layers in each of the encoder and decoder stacks (preset)")
+    p.add_argument("--n-head", type=int, help="attention heads (preset)")
+    p.add_argument("--d-model", type=int, help="model width: embeddings and residual stream (preset)")
+    p.add_argument("--d-ff", type=int, help="width of the feed-forward layers' hidden layer (preset)")
+    p.add_argument("--dropout", type=float, help="dropout on embeddings and sub-layer outputs (preset)")
+    p.add_argument("--max-len", type=int, help=f"training pairs longer than this many BPE tokens + EOS on "
+                   f"either side are skipped (default {Config.max_len})")
+    p.add_argument("--batch-tokens", type=int, help="padded source (and target) tokens per optimizer step "
+                   "(the model's recipe)")
+    p.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch, accumulated up to "
+                   "--batch-tokens (default 0: one micro-batch per step)")
+    p.add_argument("--steps", type=int, help="optimizer steps (the model's recipe)")
+    p.add_argument("--lr", type=float, help="peak learning rate after the warmup; 0 = the paper's "
+                   "d_model^-0.5 x warmup^-0.5 (the model's recipe)")
+    p.add_argument("--warmup", type=int, help="linear warmup steps before the inverse-square-root decay "
+                   "(the model's recipe)")
+    p.add_argument("--label-smoothing", type=float, help=f"default {Config.label_smoothing}")
+    p.add_argument("--grad-clip", type=float, help="clip gradients to this global norm (default 0: never)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute precision; weights and Adam state "
+                   "stay fp32 (default bf16)")
+    p.add_argument("--seed", type=int, help=f"weights, dropout and batch order (default {Config.seed})")
     p.add_argument("--resume", help="checkpoint dir, or 'auto' (newest in --out-dir): its settings are "
                    "the defaults, model sizes and vocabulary fixed")
-    p.add_argument("--out-dir")
-    p.add_argument("--bleu-split", choices=["test", "val", "none"])
-    p.add_argument("--decode", choices=["beam", "greedy"])
+    p.add_argument("--out-dir", help=f"checkpoints, log.jsonl and hypotheses (default {Config.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints, 0 = never (the "
+                   "model's recipe)")
+    p.add_argument("--val-every", type=int, help="steps between validation losses, 0 = never (the "
+                   "model's recipe)")
+    p.add_argument("--average", type=int, help="the final BLEU uses the mean weights of the newest N "
+                   f"checkpoints (default {Config.average})")
+    p.add_argument("--bleu-split", choices=["test", "val", "none"], help="split scored with BLEU at the "
+                   "end (default test)")
+    p.add_argument("--decode", choices=["beam", "greedy"], help="search for BLEU and --translate "
+                   "(default beam)")
+    p.add_argument("--beam", type=int, help=f"beam width (default {Config.beam})")
+    p.add_argument("--alpha", type=float, help=f"GNMT length penalty exponent of the beam search "
+                   f"(default {Config.alpha})")
+    p.add_argument("--decode-batch", type=int, help=f"sentences decoded at a time (default "
+                   f"{Config.decode_batch})")
     p.add_argument("--eval-only", action="store_true", help="val loss and BLEU of --resume, then exit")
     p.add_argument("--translate", help="print the translation of this text (needs --resume)")
     given = vars(p.parse_args(argv))
@@ -1113,7 +1140,7 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
 # Logging
 
 def log_event(out_dir, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (SPEC §5 keys, plus bleu)."""
+    """Appends one JSON object to <out_dir>/log.jsonl (the GPT-2 trainers' keys, plus bleu)."""
     record["framework"] = FRAMEWORK
     with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")

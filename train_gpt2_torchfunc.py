@@ -4,7 +4,7 @@ The whole model is a pure function of a dict of tensors (llm.c's tensor names, p
 along a leading L axis, no nn.Module), gradients come from torch.func.grad_and_value, AdamW is written
 with multi-tensor torch._foreach_* ops (no torch.optim), and torch.compile compiles the gradient and the
 update (on by default with CUDA). Under torchrun: data parallel over processes with torch.distributed,
-gradients all-reduced once per step. Formats, flags and logs: ../shared/SPEC.md.
+gradients all-reduced once per step. Formats, flags and logs: docs/FORMATS.md.
 
     python train_gpt2_torchfunc.py --data data/fineweb_edu                   # GPT-2 124M, llm.c recipe
     python train_gpt2_torchfunc.py --data synthetic --steps 20 --batch-size 32 \\
@@ -208,7 +208,8 @@ def param_shapes(cfg):
 
 
 def init_params_numpy(cfg):
-    """GPT-2 init (SPEC §1) from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    """GPT-2 init (docs/FORMATS.md) from cfg.seed, in numpy so that every trainer starts from the same
+    weights."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -458,7 +459,8 @@ SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthet
 
 
 def read_shard(path):
-    """An llm.c token shard (SPEC §2) as a read-only uint16 memmap, after checking its header and size."""
+    """An llm.c token shard (docs/FORMATS.md) as a read-only uint16 memmap, after checking its header and
+    size."""
     if not os.path.isfile(path):
         die(f"shard {path} does not exist")
     size = os.path.getsize(path)
@@ -566,8 +568,8 @@ MODEL_MAGIC = 20240326
 
 
 def write_model_file(path, params, cfg):
-    """An llm.c model file (SPEC §2) in fp32 (version 3): 256-int32 header, then the tensors in PARAM_NAMES
-    order."""
+    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
+    PARAM_NAMES order."""
     header = np.zeros(256, dtype="<i4")
     header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
                   cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
@@ -617,7 +619,8 @@ def read_model_file(path):
 
 
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (SPEC §2), written under a temporary name, then renamed."""
+    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (docs/FORMATS.md), written to a temporary name, then
+    renamed."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
@@ -774,7 +777,7 @@ def peak_flops(device_name, dtype):
 
 
 def log_event(out_dir, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (SPEC §5 keys)."""
+    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md)."""
     record["framework"] = FRAMEWORK
     with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")

@@ -225,7 +225,8 @@ def param_shapes(cfg):
 
 
 def init_params_numpy(cfg):
-    """GPT-2 init (SPEC §1) from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    """GPT-2 init (docs/FORMATS.md) from cfg.seed, in numpy so that every trainer starts from the same
+    weights."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -2127,7 +2128,8 @@ SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthet
 
 
 def read_shard(path):
-    """An llm.c token shard (SPEC §2) as a read-only uint16 memmap, after checking its header and size."""
+    """An llm.c token shard (docs/FORMATS.md) as a read-only uint16 memmap, after checking its header and
+    size."""
     if not os.path.isfile(path):
         die(f"shard {path} does not exist")
     size = os.path.getsize(path)
@@ -2235,8 +2237,8 @@ MODEL_MAGIC = 20240326
 
 
 def write_model_file(path, params, cfg):
-    """An llm.c model file (SPEC §2) in fp32 (version 3): 256-int32 header, then the tensors in PARAM_NAMES
-    order."""
+    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
+    PARAM_NAMES order."""
     header = np.zeros(256, dtype="<i4")
     header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
                   cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
@@ -2286,7 +2288,8 @@ def read_model_file(path):
 
 
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (SPEC §2), written under a temporary name, then renamed."""
+    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (docs/FORMATS.md), written to a temporary name, then
+    renamed."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
@@ -2442,7 +2445,8 @@ def peak_flops(device_name, dtype):
 
 
 def log_event(out_dir, framework, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (SPEC §5 keys); framework is f"triton-{backend}"."""
+    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md); framework is
+    f"triton-{backend}"."""
     record["framework"] = framework
     with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")

@@ -1,5 +1,6 @@
-"""Fixtures shared by every test file: paths to the offline data, a runner for the scripts, tiny llm.c
-shards and model files built independently of the trainers, and a local HTTP server for download tests."""
+"""Fixtures shared by every test file: paths to the committed test data (tests/data), a runner for the
+scripts, tiny llm.c shards and model files built independently of the trainers, and a local HTTP server
+for download tests."""
 import http.server
 import json
 import math
@@ -15,19 +16,19 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from test_parity import SHARED, configure_environment  # noqa: E402  (sets TRITON_INTERPRET first)
+from test_parity import DATA, configure_environment  # noqa: E402  (sets TRITON_INTERPRET first)
 
 configure_environment()
 
 EOT = 50256
 
 
-def shared_file(rel):
-    """Path of `rel` under ../shared (e.g. "data/tinyshakespeare/input.txt"); a missing one fails the test
-    with a message naming it, never skips it."""
-    path = os.path.join(SHARED, rel)
+def data_file(rel):
+    """Path of `rel` under tests/data (e.g. "tinyshakespeare/input.txt"); a missing one fails the test with
+    a message naming it, never skips it."""
+    path = os.path.join(DATA, rel)
     if not os.path.exists(path):
-        pytest.fail(f"offline test data missing: {path} (SPEC §7; set SHARED_DIR to the shared folder)",
+        pytest.fail(f"test data missing: {path} (tests/data/README.md lists the committed files)",
                     pytrace=False)
     return path
 
@@ -64,7 +65,8 @@ def step_events(out_dir):
     return [e for e in read_log(out_dir) if "train_loss" in e]
 
 
-# SPEC §5: the keys of a step's log.jsonl event (evaluations add val_loss, hellaswag_acc, hellaswag_acc_norm)
+# the keys of a step's log.jsonl event (evaluations add val_loss, hellaswag_acc, hellaswag_acc_norm), as
+# docs/FORMATS.md ("What a run prints and logs") gives them
 STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",
              "framework"}
 EVAL_KEYS = {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"}
@@ -73,7 +75,7 @@ EVAL_KEYS = {"val_loss", "hellaswag_acc", "hellaswag_acc_norm"}
 def assert_due_events(out, stdout, steps):
     """A run of `steps` steps with --val-every 3, --ckpt-every 3 and HellaSwag and sampling at the end:
     validation at step 3 and the last, its loss falling; one HellaSwag; 4 samples printed; log.jsonl with
-    SPEC keys only; the two checkpoints and the log in the out dir, nothing else."""
+    the documented keys only; the two checkpoints and the log in the out dir, nothing else."""
     log = read_log(out)
     vals = [e for e in log if "val_loss" in e]
     swag = [e for e in log if "hellaswag_acc" in e]
@@ -147,7 +149,7 @@ def write_model_file(path, params, block_size, n_layer, n_head, n_embd, vocab=50
 
 
 def tiny_params(seed, block_size=64, n_layer=2, n_head=4, n_embd=64, padded=50304, vocab=50257):
-    """GPT-2 init (SPEC §1) of a tiny model, as the list of tensors in llm.c file order."""
+    """GPT-2 init (docs/FORMATS.md, The model) of a tiny model, as the list of tensors in llm.c file order."""
     rng = np.random.default_rng(seed)
     L, C = n_layer, n_embd
     normal = lambda shape, std: (rng.standard_normal(shape) * std).astype(np.float32)  # noqa: E731
@@ -168,7 +170,7 @@ def tiny_params(seed, block_size=64, n_layer=2, n_head=4, n_embd=64, padded=5030
 def shakespeare_tokens():
     """tinyshakespeare as GPT-2 tokens, one document per blank-line-separated passage, EOT before each."""
     import tiktoken
-    text = open(shared_file("data/tinyshakespeare/input.txt"), encoding="utf-8").read()
+    text = open(data_file("tinyshakespeare/input.txt"), encoding="utf-8").read()
     enc = tiktoken.get_encoding("gpt2")
     docs = [d for d in text.split("\n\n") if d]
     out = []
@@ -199,7 +201,7 @@ def tiny_model_file(tmp_path_factory):
 def hellaswag_dir(tmp_path_factory):
     """A HellaSwag cache dir holding the 10 real validation examples as hellaswag_val.jsonl."""
     d = tmp_path_factory.mktemp("hellaswag")
-    shutil.copy(shared_file("data/hellaswag/hellaswag_val_first10.jsonl"), d / "hellaswag_val.jsonl")
+    shutil.copy(data_file("hellaswag/hellaswag_val_first10.jsonl"), d / "hellaswag_val.jsonl")
     return d
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from conftest import assert_clean_error, read_log, run_script, shared_file, step_events
+from conftest import assert_clean_error, read_log, run_script, data_file, step_events
 
 import train_aiayn_jax as aiayn  # noqa: E402  (conftest puts the repository on sys.path)
 
@@ -38,7 +38,7 @@ def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("multi30k")
     for split, n in SUBSET.items():
         for lang in ("en", "de"):
-            lines = first_lines(shared_file(f"data/multi30k/{split}.{lang}.gz"), n)
+            lines = first_lines(data_file(f"multi30k/{split}.{lang}.gz"), n)
             with gzip.open(d / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
     return d
@@ -301,7 +301,7 @@ def test_download_resumes_and_retries(http_server, tmp_path, monkeypatch):
     monkeypatch.setattr(aiayn.time, "sleep", lambda s: None)
     root = tmp_path / "www"
     for lang in ("en", "de"):
-        shutil.copy(shared_file(f"data/multi30k/train.{lang}.gz"), root / f"train.{lang}.gz")
+        shutil.copy(data_file(f"multi30k/train.{lang}.gz"), root / f"train.{lang}.gz")
     http_server.cut_once["train.en.gz"] = 300_000
     http_server.fail_once["train.de.gz"] = 503
     cfg = aiayn.Config(data_dir=str(tmp_path / "data"), base_url=http_server.url)
@@ -348,3 +348,19 @@ def test_bad_input_gets_a_one_line_error(data_dir, jax_env, tmp_path):
         aiayn.main(["--translate", "Hello.", "--resume", str(tmp_path)])
     with pytest.raises(SystemExit, match="--micro-tokens 1000 cannot hold one pair of the longest bucket"):
         aiayn.parse_args(["--batch-tokens", "2000", "--micro-tokens", "1000", "--max-len", "1000"])
+
+
+def test_every_flag_has_a_help_line(monkeypatch):
+    """`--help` explains every flag: the parser that parse_args builds has a help text on each option."""
+    import argparse
+    parsers = []
+
+    def capture(parser, args=None, namespace=None):
+        parsers.append(parser)
+        raise SystemExit(0)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        aiayn.parse_args([])
+    options = [a for a in parsers[0]._actions if a.option_strings]
+    assert len(options) > 30
+    assert [a.option_strings[0] for a in options if not (a.help or "").strip()] == []

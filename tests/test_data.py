@@ -1,7 +1,7 @@
 """Data: prepro_fineweb.py and hellaswag.py (downloads, token shards, HellaSwag rendering, scoring, export).
 
 Everything runs offline: the download tests use the conftest's local HTTP server on 127.0.0.1, the
-HellaSwag tests the 10 real validation examples in ../shared, the shard tests a parquet file written here
+HellaSwag tests the 10 real validation examples in tests/data, the shard tests a parquet file written here
 from tinyshakespeare. Expected values are computed independently with tiktoken and numpy."""
 import hashlib
 import json
@@ -13,7 +13,7 @@ import pytest
 
 import hellaswag
 import prepro_fineweb
-from conftest import EOT, assert_clean_error, run_script, shared_file
+from conftest import EOT, assert_clean_error, run_script, data_file
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def enc():
 
 
 def real_examples():
-    with open(shared_file("data/hellaswag/hellaswag_val_first10.jsonl"), encoding="utf-8") as f:
+    with open(data_file("hellaswag/hellaswag_val_first10.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -134,7 +134,7 @@ def test_hellaswag_export_parses_back(hellaswag_dir, enc, tmp_path):
 def test_hellaswag_download_resumes(http_server, tmp_path):
     """A download cut off half way resumes with an HTTP Range request and gives the identical file; a
     second call finds it complete and sends no request."""
-    data = open(shared_file("data/hellaswag/hellaswag_val_first10.jsonl"), "rb").read()
+    data = open(data_file("hellaswag/hellaswag_val_first10.jsonl"), "rb").read()
     (tmp_path / "www" / "hellaswag_val.jsonl").write_bytes(data)
     http_server.cut_once["hellaswag_val.jsonl"] = len(data) // 2
     cache = tmp_path / "cache"
@@ -169,7 +169,7 @@ def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
     with a one-line error naming the problem (no traceback from the command line)."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    good = open(shared_file("data/hellaswag/hellaswag_val_first10.jsonl")).read()
+    good = open(data_file("hellaswag/hellaswag_val_first10.jsonl")).read()
     (cache / "hellaswag_val.jsonl").write_text(good[:len(good) // 2])
     proc = run_script("hellaswag.py", "show", "--limit", "10", "--cache-dir", cache, check=False)
     assert_clean_error(proc, "hellaswag_val.jsonl:", "not valid JSON")
@@ -195,7 +195,7 @@ def shakespeare_parquet(tmp_path_factory):
     conftest's shakespeare_tokens), 500 rows per row group, plus an unused column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    text = open(shared_file("data/tinyshakespeare/input.txt"), encoding="utf-8").read()
+    text = open(data_file("tinyshakespeare/input.txt"), encoding="utf-8").read()
     docs = [d for d in text.split("\n\n") if d]
     path = tmp_path_factory.mktemp("parquet") / "shakespeare.parquet"
     pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path, row_group_size=500)
@@ -203,7 +203,7 @@ def shakespeare_parquet(tmp_path_factory):
 
 
 def read_shards(out_dir, name):
-    """{file name: tokens} of the shards in out_dir in shard order, each header checked (SPEC §2)."""
+    """{file name: tokens} of the shards in out_dir in shard order, each header checked (docs/FORMATS.md)."""
     files = sorted((f for f in os.listdir(out_dir) if f.startswith(name) and f.endswith(".bin")),
                    key=lambda f: int(f[-10:-4]))
     shards = {}
@@ -283,7 +283,7 @@ def test_prepro_early_stop_never_hangs():
     Pool.terminate() there hung about once in 100 stops here, and once in CI for 600 s. 150 stops in a
     row must finish well within the time limit (about 10 s)."""
     try:
-        run_script("-c", EARLY_STOPS, shared_file("data/tinyshakespeare/input.txt"), 150, timeout=120)
+        run_script("-c", EARLY_STOPS, data_file("tinyshakespeare/input.txt"), 150, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("150 early stops of the tokenizer pool did not finish in 120 s: a pool hangs on exit",
                     pytrace=False)

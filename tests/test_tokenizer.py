@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import regex
 
-from conftest import EOT, assert_clean_error, run_script, shared_file
+from conftest import EOT, assert_clean_error, run_script, data_file
 import tokenizer
 from tokenizer import BPETokenizer
 
@@ -41,12 +41,12 @@ def enc():
 
 @pytest.fixture(scope="session")
 def gpt2():
-    return BPETokenizer.from_gpt2(shared_file("data/gpt2/encoder.json"), shared_file("data/gpt2/vocab.bpe"))
+    return BPETokenizer.from_gpt2(data_file("gpt2/encoder.json"), data_file("gpt2/vocab.bpe"))
 
 
 @pytest.fixture(scope="session")
 def shakespeare():
-    with open(shared_file("data/tinyshakespeare/input.txt"), encoding="utf-8") as f:
+    with open(data_file("tinyshakespeare/input.txt"), encoding="utf-8") as f:
         return f.read()
 
 
@@ -82,7 +82,7 @@ def test_gpt2_multi30k_exact(gpt2, enc):
     """Multi30k English and German (whole files, and val/test line by line) encode exactly as tiktoken."""
     for split in ("train", "val", "test_2016_flickr"):
         for lang in ("en", "de"):
-            with gzip.open(shared_file(f"data/multi30k/{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
+            with gzip.open(data_file(f"multi30k/{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
                 text = f.read()
             ids = gpt2.encode(text)
             assert ids == enc.encode(text), f"{split}.{lang}"
@@ -337,7 +337,7 @@ def test_malformed_tokenizer_file(tmp_path, trained, edit, needle):
 
 def test_malformed_gpt2_files(tmp_path):
     """encoder.json not JSON or disagreeing with vocab.bpe, no '#version' line: ValueError."""
-    enc_path, bpe_path = shared_file("data/gpt2/encoder.json"), shared_file("data/gpt2/vocab.bpe")
+    enc_path, bpe_path = data_file("gpt2/encoder.json"), data_file("gpt2/vocab.bpe")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a GPT-2 vocabulary"):
         BPETokenizer.from_gpt2(tmp_path / "bad.json", bpe_path)
@@ -354,7 +354,7 @@ def test_malformed_gpt2_files(tmp_path):
 def test_gpt2_download_and_cache(http_server, tmp_path, gpt2):
     """from_gpt2() downloads once (sha256-checked) then caches; broken downloads leave nothing."""
     for name in ("encoder.json", "vocab.bpe"):
-        shutil.copy(shared_file(f"data/gpt2/{name}"), os.path.join(http_server.root, name))
+        shutil.copy(data_file(f"gpt2/{name}"), os.path.join(http_server.root, name))
     cache = tmp_path / "cache"
     http_server.cut_once["vocab.bpe"] = 100000
     with pytest.raises(OSError, match="vocab.bpe"):
@@ -407,8 +407,8 @@ def cli_error(*args):
 
 def test_cli_train_encode_decode(tmp_path, capsys, enc, shakespeare):
     """CLI train writes a tokenizer, encode an llm.c shard (tiktoken's for gpt2), decode the text."""
-    src = shared_file("data/tinyshakespeare/input.txt")
-    gpt2_dir = os.path.dirname(shared_file("data/gpt2/vocab.bpe"))
+    src = data_file("tinyshakespeare/input.txt")
+    gpt2_dir = os.path.dirname(data_file("gpt2/vocab.bpe"))
     run_script("tokenizer.py", "encode", "--tokenizer", "gpt2", "--input", src, "--out", tmp_path / "g.bin",
                env={"GPT2_BPE_DIR": gpt2_dir})
     assert read_shard_tokens(tmp_path / "g.bin") == [EOT] + enc.encode_ordinary(shakespeare)
@@ -427,12 +427,13 @@ def test_cli_train_encode_decode(tmp_path, capsys, enc, shakespeare):
     assert (tmp_path / "s.txt").read_text(encoding="utf-8") == "<|endoftext|>" + shakespeare[:30000]
 
 
-def test_cli_bench(tmp_path, capsys, shakespeare):
-    """`bench` prints our encode MB/s next to tiktoken's (tokens identical) and the training time."""
+def test_cli_bench(tmp_path, capsys, monkeypatch, shakespeare):
+    """`bench` prints our encode MB/s next to tiktoken's (tokens identical) and the training time; its
+    default GPT-2 files are the ones in a clone (tests/data/gpt2), whatever the working directory."""
     small = tmp_path / "small.txt"
     small.write_text(shakespeare[:20000], encoding="utf-8")
-    cli("bench", "--input", small, "--vocab-size", "300", "--repeats", "1",
-        "--gpt2-dir", os.path.dirname(shared_file("data/gpt2/vocab.bpe")))
+    monkeypatch.chdir(tmp_path)
+    cli("bench", "--input", small, "--vocab-size", "300", "--repeats", "1")
     out = capsys.readouterr().out
     assert "identical to tiktoken: yes" in out and out.count("MB/s") == 3
     assert "train a 300-token vocabulary" in out
@@ -447,7 +448,7 @@ def test_cli_bad_input(tmp_path, monkeypatch):
     shard = tmp_path / "s.bin"
     np.concatenate([np.array([20240520, 1, 10] + [0] * 253, "<i4").view(np.uint8),
                     np.zeros(6, np.uint8)]).tofile(shard)
-    gpt2_dir = os.path.dirname(shared_file("data/gpt2/vocab.bpe"))
+    gpt2_dir = os.path.dirname(data_file("gpt2/vocab.bpe"))
     proc = run_script("tokenizer.py", "train", "--input", tmp_path / "missing.txt", "--vocab-size", "300",
                       "--out", tmp_path / "o", check=False)
     assert_clean_error(proc, "no such file", "missing.txt")

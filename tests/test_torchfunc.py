@@ -196,7 +196,7 @@ def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir):
 def test_training_run(trained, tiny_shards, tiny_model_file):
     """A 6-step run: step 1's loss equals the float64 reference on the first two micro-batches of the
     train shard, the loss falls, val/HellaSwag/samples/checkpoints happen when due, log.jsonl holds only
-    SPEC keys, and each checkpoint's state.npz records the step and the data position."""
+    documented keys, and each checkpoint's state.npz records the step and the data position."""
     out, stdout = trained
     events = step_events(out)
     assert [e["step"] for e in events] == list(range(1, STEPS + 1))

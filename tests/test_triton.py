@@ -164,7 +164,7 @@ def test_forward_keeps_ten_channels_per_layer():
 def test_training_run(trained, tiny_shards, tiny_model_file):
     """A 6-step run: step 1's loss equals the autograd reference model on the first two micro-batches of
     the train shard, the loss falls, val/HellaSwag/samples/checkpoints happen when due, and log.jsonl
-    holds only SPEC keys with framework triton-torch."""
+    holds only the documented keys with framework triton-torch."""
     out, stdout = trained
     events = step_events(out)
     assert [e["step"] for e in events] == list(range(1, STEPS + 1))
