@@ -1,0 +1,388 @@
+"""convert_hf.py: GPT-2 between llm.c model files and Hugging Face transformers.
+
+    python convert_hf.py to-hf out/gpt2_jax/ckpt_0018865/model.bin -o gpt2_hf   # a transformers directory
+    python convert_hf.py from-hf gpt2_hf -o model.bin           # a local transformers GPT-2 directory
+    python convert_hf.py from-hf gpt2 -o gpt2_124M.bin          # a hub name: gpt2, gpt2-medium, gpt2-xl, ...
+
+to-hf reads an llm.c model file (fp32 or bf16, docs/FORMATS.md, Model files) and writes a directory that
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load as they are:
+config.json, model.safetensors (fp32), and GPT-2's tokenizer (vocab.json and merges.txt, which are
+OpenAI's encoder.json and vocab.bpe under the names transformers looks for, and tokenizer_config.json).
+from-hf reads a transformers GPT-2 (a local directory, or a hub name downloaded with huggingface_hub) and
+writes an llm.c model file (version 3, fp32) that every trainer takes with --init-from.
+
+The two layouts hold the same numbers, arranged differently:
+- transformers' Conv1D keeps a weight as (in, out), the transpose of our (out, in);
+- its wte has V = 50257 rows, ours Vp = 50304: to-hf drops the padding rows, from-hf adds them as zeros;
+- it keeps one tensor per layer (transformer.h.<l>.attn.c_attn.weight), we stack the L layers;
+- its lm head is tied to wte (tie_word_embeddings), as ours is, so no lm_head tensor is written.
+Anything that is not GPT-2 as the trainers build it (another architecture, another vocabulary, another
+activation or LayerNorm eps, an untied head) is refused with a one-line error. Outputs are written under a
+temporary name beside the final one and renamed when complete, so the final name never holds a half-written
+file or directory, and a failed run leaves an earlier output as it was.
+"""
+import argparse
+import json
+import os
+import shutil
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+# -----------------------------------------------------------------------------
+# Constants
+
+MODEL_MAGIC = 20240326
+VOCAB_SIZE = 50257          # GPT-2's BPE; EOT = 50256 is the last token
+PADDED_VOCAB_SIZE = 50304   # rows of our wte (a multiple of 128); the padding rows are zero
+EOT = 50256
+LN_EPS = 1e-5
+# the tanh approximation of GELU, which the trainers compute, under transformers' two names for it
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+# Our per-layer tensors in file order, with transformers' name inside a block h.<l>. The 2-D ones are the
+# four Linear weights, which transformers' Conv1D stores transposed.
+LAYER_TENSORS = [
+    ("ln_1.w", "ln_1.weight"), ("ln_1.b", "ln_1.bias"),
+    ("c_attn.w", "attn.c_attn.weight"), ("c_attn.b", "attn.c_attn.bias"),
+    ("attn.c_proj.w", "attn.c_proj.weight"), ("attn.c_proj.b", "attn.c_proj.bias"),
+    ("ln_2.w", "ln_2.weight"), ("ln_2.b", "ln_2.bias"),
+    ("c_fc.w", "mlp.c_fc.weight"), ("c_fc.b", "mlp.c_fc.bias"),
+    ("mlp.c_proj.w", "mlp.c_proj.weight"), ("mlp.c_proj.b", "mlp.c_proj.bias"),
+]
+PARAM_NAMES = ["wte", "wpe", *(ours for ours, _ in LAYER_TENSORS), "ln_f.w", "ln_f.b"]
+
+# What to-hf writes into its directory; an existing directory holding nothing else may be replaced
+HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json")
+# Tensors a transformers GPT-2 may carry besides the weights: the causal-mask buffers of old
+# checkpoints (h.<l>.attn.bias, h.<l>.attn.masked_bias), and the lm head, when saved, a copy of wte
+BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
+FLOAT_DTYPES = ("F32", "F16", "F64", "BF16")
+
+
+def die(msg):
+    """Stops with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def param_shapes(T, L, C, Vp):
+    """Our tensors' shapes, in file order (docs/FORMATS.md, Model files)."""
+    per_layer = {"ln_1.w": (C,), "ln_1.b": (C,), "c_attn.w": (3 * C, C), "c_attn.b": (3 * C,),
+                 "attn.c_proj.w": (C, C), "attn.c_proj.b": (C,), "ln_2.w": (C,), "ln_2.b": (C,),
+                 "c_fc.w": (4 * C, C), "c_fc.b": (4 * C,), "mlp.c_proj.w": (C, 4 * C), "mlp.c_proj.b": (C,)}
+    return {"wte": (Vp, C), "wpe": (T, C), **{k: (L, *s) for k, s in per_layer.items()},
+            "ln_f.w": (C,), "ln_f.b": (C,)}
+
+
+# -----------------------------------------------------------------------------
+# llm.c model files: 256 int32 of header, then the tensors in PARAM_NAMES order, fp32 or bf16
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) of an llm.c model file. fp32 tensors are read-only views of a
+    memory map (a 1.5B model is not copied into memory at once); bf16 ones are widened to fp32."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    size = os.path.getsize(path)
+    if size < 1024:
+        die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    h = np.fromfile(path, dtype="<i4", count=256)
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(version=int(h[1]), max_t=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]),
+                  n_head=int(h[5]), n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file {path} has a vocabulary of {header['vocab_size']} tokens padded to "
+            f"{header['padded_vocab_size']}; GPT-2's is {VOCAB_SIZE}")
+    shapes = param_shapes(header["max_t"], header["n_layer"], header["n_embd"], header["padded_vocab_size"])
+    itemsize = 4 if header["version"] == 3 else 2
+    expected = 1024 + itemsize * sum(int(np.prod(s)) for s in shapes.values())
+    if size != expected:
+        die(f"model file {path} has {size:,} bytes, its header implies {expected:,}"
+            f"{' (truncated)' if size < expected else ''}")
+    data = np.memmap(path, dtype="<f4" if itemsize == 4 else "<u2", mode="r", offset=1024)
+    params, offset = {}, 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape))
+        t = data[offset:offset + n]
+        if itemsize == 2:  # a bf16 value is the top half of the fp32 one
+            t = (t.astype(np.uint32) << 16).view(np.float32)
+        params[name] = t.reshape(shape)
+        offset += n
+    return header, params
+
+
+def write_model_file(path, T, L, H, C, tensors):
+    """Writes an llm.c model file, version 3 (fp32), from `tensors`: (name, parts) pairs in PARAM_NAMES
+    order, where parts are arrays that, concatenated in row-major order, make the tensor (a stacked
+    tensor is given as its L layers, so no (L, ...) copy is ever made). Written under a temporary name,
+    then renamed."""
+    assert [name for name, _ in tensors] == PARAM_NAMES
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, T, VOCAB_SIZE, L, H, C, PADDED_VOCAB_SIZE]
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            for _, parts in tensors:
+                for part in parts:
+                    np.ascontiguousarray(part, dtype="<f4").tofile(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face directories: config.json and safetensors files
+
+def read_hf_config(folder, source):
+    """(T, L, H, C) of the transformers GPT-2 in `folder`, after checking that its config describes the
+    model the trainers build. Keys an older config leaves out take transformers' GPT-2 defaults."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        die(f"{source} has no config.json (not a transformers model directory)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        die(f"{path} is not valid JSON ({e})")
+    if not isinstance(config, dict):
+        die(f"{path} is not a JSON object")
+    if config.get("model_type") != "gpt2":
+        die(f"{source} is a {config.get('model_type', 'model without model_type')} model "
+            f"({', '.join(config.get('architectures') or ['no architectures'])}), not GPT-2")
+    V, T, L, H, C = (config.get(k, d) for k, d in (("vocab_size", VOCAB_SIZE), ("n_positions", 1024),
+                                                   ("n_layer", 12), ("n_head", 12), ("n_embd", 768)))
+    if V != VOCAB_SIZE:
+        die(f"{source} has a vocabulary of {V} tokens; llm.c model files hold GPT-2's {VOCAB_SIZE}")
+    if not all(isinstance(x, int) and x > 0 for x in (T, L, H, C)) or C % H:
+        die(f"{source} has an invalid shape: n_positions {T}, n_layer {L}, n_head {H}, n_embd {C}")
+    # the settings the trainers' GPT-2 fixes, each with the values that match it; the first is
+    # transformers' default, which a config without the key gets
+    fixed = {"n_inner": (None, 4 * C), "activation_function": TANH_GELUS, "layer_norm_epsilon": (LN_EPS,),
+             "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+             "add_cross_attention": (False,), "tie_word_embeddings": (True,)}
+    for key, allowed in fixed.items():
+        value = config.get(key, allowed[0])
+        if value not in allowed:
+            die(f"{source} is not GPT-2 as the trainers build it: config.json has {key} = {value!r}, "
+                f"expected {' or '.join(map(repr, allowed))}")
+    return T, L, H, C
+
+
+def hf_tensor_index(folder, source):
+    """{name without a 'transformer.' prefix: (safetensors file, key, dtype, shape)} of every tensor in
+    the folder's model.safetensors, or in the shards its model.safetensors.index.json lists. (A saved
+    GPT2LMHeadModel prefixes its names with 'transformer.', OpenAI's checkpoints on the hub do not.)"""
+    single = os.path.join(folder, "model.safetensors")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted({os.path.join(folder, v) for v in json.load(f)["weight_map"].values()})
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            die(f"{index} is not a safetensors index ({type(e).__name__}: {e})")
+    else:
+        die(f"{source} has no model.safetensors (a model saved only as pytorch_model.bin: load it with "
+            f"transformers and save_pretrained it again)")
+    entries = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for key in f.keys():
+                    s = f.get_slice(key)
+                    name = key.removeprefix("transformer.")
+                    if name in entries:
+                        die(f"{source} holds tensor {name} twice")
+                    entries[name] = (path, key, s.get_dtype(), tuple(s.get_shape()))
+        except (SafetensorError, OSError) as e:
+            die(f"{path} is not a readable safetensors file ({' '.join(str(e).split())})")
+    return entries
+
+
+def load_hf_tensor(entry):
+    """One tensor of hf_tensor_index as an fp32 array. numpy has no bfloat16: a BF16 tensor is read
+    through torch (imported only then)."""
+    path, key, dtype, _ = entry
+    if dtype not in FLOAT_DTYPES:
+        die(f"{path}: tensor {key} has dtype {dtype}, not a floating-point type")
+    with safe_open(path, framework="pt" if dtype == "BF16" else "numpy") as f:
+        t = f.get_tensor(key)
+    return t.float().numpy() if dtype == "BF16" else t.astype(np.float32, copy=False)
+
+
+def check_hf_tensors(entries, source, T, L, C):
+    """Refuses a folder whose tensors are not exactly GPT-2's of this shape: a missing tensor, a wrong
+    shape, or an unexpected extra tensor (another model's head, say)."""
+    expected = {"wte.weight": (VOCAB_SIZE, C), "wpe.weight": (T, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    shapes = param_shapes(T, L, C, VOCAB_SIZE)
+    for ours, hf in LAYER_TENSORS:
+        shape = shapes[ours][1:]
+        for layer in range(L):
+            expected[f"h.{layer}.{hf}"] = shape[::-1]  # Conv1D: (in, out); 1-D shapes are unchanged
+    for name, shape in expected.items():
+        if name not in entries:
+            die(f"{source} has no tensor {name} (not a complete GPT-2 of {L} layers)")
+        if entries[name][3] != shape:
+            die(f"{source}: tensor {name} has shape {entries[name][3]}, expected {shape}")
+    for name in entries:
+        is_buffer = name.startswith("h.") and name.endswith(BUFFER_SUFFIXES)
+        if name not in expected and not is_buffer and name != "lm_head.weight":
+            die(f"{source} holds a tensor GPT-2 does not have: {name}")
+
+
+# -----------------------------------------------------------------------------
+# to-hf: llm.c model file -> transformers directory
+
+def hf_config(header):
+    """config.json of transformers' GPT2LMHeadModel for a model file's header. The dropouts are 0: the
+    model was trained without dropout, and fine-tuning in transformers would otherwise add 0.1 of it."""
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": VOCAB_SIZE, "n_positions": header["max_t"], "n_embd": header["n_embd"],
+        "n_layer": header["n_layer"], "n_head": header["n_head"], "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": LN_EPS,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": EOT, "eos_token_id": EOT, "dtype": "float32",
+    }
+
+
+def hf_state_dict(params, header):
+    """{transformers name: fp32 array} of GPT2LMHeadModel: wte without its padding rows, one tensor per
+    layer, Conv1D weights transposed, no lm_head (tied)."""
+    out = {"transformer.wte.weight": params["wte"][:VOCAB_SIZE], "transformer.wpe.weight": params["wpe"],
+           "transformer.ln_f.weight": params["ln_f.w"], "transformer.ln_f.bias": params["ln_f.b"]}
+    for ours, hf in LAYER_TENSORS:
+        for layer in range(header["n_layer"]):
+            out[f"transformer.h.{layer}.{hf}"] = params[ours][layer].T  # .T of a 1-D tensor: itself
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def output_dir_replaceable(out):
+    """True where `out` is absent, empty, or holds only what to-hf writes (an earlier conversion)."""
+    return not os.path.exists(out) or (os.path.isdir(out) and set(os.listdir(out)) <= set(HF_FILES))
+
+
+def cmd_to_hf(args):
+    out = os.path.normpath(args.out)  # "dir/" too: the temporary names below go beside it, not into it
+    if not output_dir_replaceable(out):
+        die(f"-o {args.out} exists and is not an earlier to-hf output: remove it or pick another")
+    header, params = read_model_file(args.model)
+    import tokenizer  # only here: its imports (requests) cost half a second that from-hf need not pay
+
+    try:
+        tokenizer_files = {"vocab.json": tokenizer.fetch_gpt2_file("encoder.json", args.gpt2_dir),
+                           "merges.txt": tokenizer.fetch_gpt2_file("vocab.bpe", args.gpt2_dir)}
+    except OSError as e:
+        die(f"GPT-2's tokenizer files: {e}")
+    state = hf_state_dict(params, header)
+    # GPT2Tokenizer's defaults are GPT-2's (<|endoftext|> as bos, eos and unk; no prefix space); the
+    # length is the model's, so that transformers warns of longer inputs
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": header["max_t"]}
+    # the directory is assembled beside its final name and renamed into place; an earlier output is
+    # moved aside first and removed once the new one is in place
+    tmp, old = f"{out}.{os.getpid()}.tmp", f"{out}.{os.getpid()}.old"
+    try:
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(hf_config(header), f, indent=2)
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(tokenizer_config, f, indent=2)
+        for name, src in tokenizer_files.items():
+            shutil.copyfile(src, os.path.join(tmp, name))
+        # "format": "pt" is the metadata transformers expects of a PyTorch checkpoint
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.exists(out):
+            os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    n = sum(t.size for t in state.values())
+    print(f"wrote {out}: GPT-2 L{header['n_layer']} H{header['n_head']} C{header['n_embd']}, max T "
+          f"{header['max_t']}, {n:,} parameters (fp32), from {args.model} (version {header['version']})")
+
+
+# -----------------------------------------------------------------------------
+# from-hf: transformers directory or hub name -> llm.c model file
+
+def resolve_source(source):
+    """A local directory as it is; anything else is taken for a hub name and its config and weights are
+    downloaded (or found in huggingface_hub's cache)."""
+    if os.path.isdir(source):
+        return source
+    if os.path.exists(source):
+        die(f"{source} is a file; from-hf takes a transformers model directory or a hub name")
+    import huggingface_hub  # only here: local conversions do without it
+
+    try:
+        return huggingface_hub.snapshot_download(source, allow_patterns=HUB_FILES)
+    except (OSError, ValueError) as e:  # hub HTTP errors and a missing cache entry are OSErrors
+        die(f"{source} is not a local directory, and the Hugging Face hub did not provide it: "
+            f"{type(e).__name__}: {' '.join(str(e).split())}")
+
+
+def cmd_from_hf(args):
+    if os.path.isdir(args.out):
+        die(f"-o {args.out} is a directory; from-hf writes a model file")
+    folder = resolve_source(args.source)
+    T, L, H, C = read_hf_config(folder, args.source)
+    entries = hf_tensor_index(folder, args.source)
+    check_hf_tensors(entries, args.source, T, L, C)
+    load = lambda name: load_hf_tensor(entries[name])  # noqa: E731
+
+    def layers(hf):  # one layer at a time, read while the file is written (a 1.5B model is 6 GB)
+        for layer in range(L):
+            yield load(f"h.{layer}.{hf}").T
+
+    wte = load("wte.weight")
+    if "lm_head.weight" in entries and not np.array_equal(load("lm_head.weight"), wte):
+        die(f"{args.source} has an lm head that differs from wte; llm.c models tie the two")
+    pad = np.zeros((PADDED_VOCAB_SIZE - VOCAB_SIZE, C), np.float32)
+    tensors = [("wte", [wte, pad]), ("wpe", [load("wpe.weight")])]
+    tensors += [(ours, layers(hf)) for ours, hf in LAYER_TENSORS]
+    tensors += [("ln_f.w", [load("ln_f.weight")]), ("ln_f.b", [load("ln_f.bias")])]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_model_file(args.out, T, L, H, C, tensors)
+    n = sum(int(np.prod(shape)) for shape in param_shapes(T, L, C, PADDED_VOCAB_SIZE).values())
+    print(f"wrote {args.out}: GPT-2 L{L} H{H} C{C}, max T {T}, {n:,} parameters with the padded vocabulary "
+          f"(fp32, version 3), from {args.source}")
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Convert GPT-2 between llm.c model files and Hugging Face "
+                                            "transformers.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("to-hf", help="llm.c model file -> transformers directory (config, weights, tokenizer)")
+    t.add_argument("model", help="llm.c model file (version 3 fp32 or 5 bf16), e.g. a checkpoint's model.bin")
+    t.add_argument("-o", "--out", required=True, help="directory to write (replaced if it holds only an "
+                   "earlier to-hf output; refused if it holds anything else)")
+    t.add_argument("--gpt2-dir", help="folder with GPT-2's encoder.json and vocab.bpe, downloaded there if "
+                   "missing (default: tokenizer.py's cache, $GPT2_BPE_DIR or data/gpt2)")
+    f = sub.add_parser("from-hf", help="transformers GPT-2 (directory or hub name) -> llm.c model file")
+    f.add_argument("source", help="local transformers directory, or a hub name such as gpt2, gpt2-medium, "
+                   "gpt2-large, gpt2-xl (downloaded with huggingface_hub)")
+    f.add_argument("-o", "--out", required=True, help="llm.c model file to write (version 3, fp32)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    {"to-hf": cmd_to_hf, "from-hf": cmd_from_hf}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
