@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -260,16 +261,25 @@ def _labelled_examples(split, limit, cache_dir):
     return examples
 
 
+def terminal_progress(iterable, total, desc):
+    """A tqdm bar on stderr, drawn only when stderr is a terminal: someone watching sees progress, while a
+    log that captures stderr stays free of bar redraws."""
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=not sys.stderr.isatty())
+
+
 def evaluate(loss_fn, split="val", limit=0, cache_dir=None, encode=None):
     """Scores a model on a split: loss_fn(tokens (4,T) int64) -> (4,T-1) per-token losses. limit 0 = every
-    example. Prints progress about every tenth of the way; returns (acc, acc_norm)."""
+    example. Prints progress about every tenth of the way (and a bar on a terminal's stderr); returns
+    (acc, acc_norm)."""
     encode = encode or default_encode()
     examples = _labelled_examples(split, limit, cache_dir)
     if not examples:
         die(f"HellaSwag {split} split has no examples")
     every = max(1, len(examples) // 10)
     correct = correct_norm = 0
-    for n, example in enumerate(examples, 1):
+    bar = terminal_progress(examples, len(examples), f"hellaswag {split}")
+    for n, example in enumerate(bar, 1):
         tokens, mask, label = render_example(example, encode)
         losses = np.asarray(loss_fn(tokens))  # (4, T-1)
         if losses.ndim != 2 or losses.shape[0] != NUM_ENDINGS or losses.shape[1] < tokens.shape[1] - 1:

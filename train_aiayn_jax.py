@@ -1111,15 +1111,19 @@ def translate_ids(search, params, src, cfg):
     B = min(cfg.decode_batch, len(lens))
     order = np.argsort(-lens, kind="stable")                                       # (n,)
     out = [None] * len(lens)
-    for i in range(0, len(order), B):
-        idx = order[i:i + B]
-        batch = np.full((B, S), cfg.pad_id, np.int32)                              # (B,S)
-        batch[:len(idx)] = pad_rows(src, idx, S, cfg.pad_id, eos_id=cfg.eos_id)
-        max_lens = np.zeros(B, np.int32)                                           # (B,) 0: empty row
-        max_lens[:len(idx)] = lens[idx] + EXTRA_LEN
-        tokens, _ = search(params, batch, max_lens)
-        for row, j in zip(np.asarray(tokens).tolist(), idx):
-            out[j] = row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row
+    # a bar only on a terminal: someone watching a long test set sees progress, a log stays clean
+    with tqdm(total=len(lens), unit="sent", desc="translating", file=sys.stderr, leave=False,
+              disable=not sys.stderr.isatty()) as bar:
+        for i in range(0, len(order), B):
+            idx = order[i:i + B]
+            batch = np.full((B, S), cfg.pad_id, np.int32)                          # (B,S)
+            batch[:len(idx)] = pad_rows(src, idx, S, cfg.pad_id, eos_id=cfg.eos_id)
+            max_lens = np.zeros(B, np.int32)                                       # (B,) 0: empty row
+            max_lens[:len(idx)] = lens[idx] + EXTRA_LEN
+            tokens, _ = search(params, batch, max_lens)
+            for row, j in zip(np.asarray(tokens).tolist(), idx):
+                out[j] = row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row
+            bar.update(len(idx))
     return out
 
 

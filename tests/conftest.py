@@ -45,6 +45,41 @@ def run_script(*args, cwd=None, env=None, timeout=600, check=True):
     return proc
 
 
+def run_with_terminal_stderr(*args, env=None, timeout=600):
+    """Runs `python <args>` from the repository root with stderr on a pseudo-terminal, as in an interactive
+    shell, and stdout on a pipe; returns (exit code, stdout, everything the terminal received)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 24 x 120, as a window
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    received = []
+
+    def drain():  # the terminal's buffer is small: read it while the script runs, until it closes (EIO)
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            received.append(chunk)
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+        os.close(master)
+    return proc.returncode, stdout, b"".join(received).decode("utf-8", errors="replace")
+
+
 def assert_clean_error(proc, *needles):
     """A bad-input run: non-zero exit, one-line error naming the problem, no traceback."""
     assert proc.returncode != 0, f"expected a failure, got exit 0\n{proc.stdout[-2000:]}"

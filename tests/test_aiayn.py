@@ -3,10 +3,13 @@
 A tiny model trained on the first 6,000 Multi30k pairs (the offline copy); its decoding (beam search,
 greedy, the incremental decoder), BLEU, checkpoints, downloads and bad input."""
 import gzip
+import io
 import math
 import os
 import re
 import shutil
+import sys
+import time
 from dataclasses import replace
 from functools import partial
 
@@ -364,3 +367,28 @@ def test_every_flag_has_a_help_line(monkeypatch):
     options = [a for a in parsers[0]._actions if a.option_strings]
     assert len(options) > 30
     assert [a.option_strings[0] for a in options if not (a.help or "").strip()] == []
+
+
+class Terminal(io.StringIO):
+    """A stand-in for a terminal's stderr: collects what is written, and says it is a tty."""
+
+    def isatty(self):
+        return True
+
+
+def test_translation_progress_bar_only_on_a_terminal(monkeypatch):
+    """Decoding a test set draws a bar of translated sentences on stderr when it is a terminal, and
+    writes nothing there otherwise; the translations are the same either way."""
+    cfg = replace(aiayn.Config(), pad_id=0, bos_id=1, eos_id=2, decode_batch=4)
+    ids = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15], [16, 17], [18], [19, 20, 21], [22, 23]]
+    src = (np.concatenate(ids).astype(np.int32), np.cumsum([0] + [len(r) for r in ids]))
+
+    def copy_search(params, batch, max_lens):  # "translates" a sentence into itself, slowly enough
+        time.sleep(0.15)                        # for the bar to redraw on its way
+        return np.where(batch == cfg.pad_id, cfg.eos_id, batch), None
+    for stream, bar_expected in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert aiayn.translate_ids(copy_search, None, src, cfg) == ids
+        text = stream.getvalue()
+        assert bool("translating" in text and re.search(r"\b[1-9]/9 \[", text)) == bar_expected, text
+        assert bar_expected or text == ""

@@ -6,6 +6,7 @@ from tinyshakespeare. Expected values are computed independently with tiktoken a
 import hashlib
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 import hellaswag
 import prepro_fineweb
-from conftest import EOT, assert_clean_error, run_script, data_file
+from conftest import EOT, assert_clean_error, data_file, run_script, run_with_terminal_stderr
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,30 @@ def test_hellaswag_evaluate_oracle_and_constant(hellaswag_dir, enc, capsys):
     assert acc == sum(s == ex["label"] for s, ex in zip(shortest, examples)) / 7
     assert acc_norm == sum(ex["label"] == 0 for ex in examples[:7]) / 7
     assert "hellaswag 7/7" in capsys.readouterr().out
+
+
+HELLASWAG_CONSTANT_LOSSES = """
+import sys
+import time
+import numpy as np
+import hellaswag
+
+def losses(tokens):  # slow enough (50 ms an example) for the bar to redraw on its way
+    time.sleep(0.05)
+    return np.ones((4, tokens.shape[1] - 1))
+print(hellaswag.evaluate(losses, cache_dir=sys.argv[1]))
+"""
+
+
+def test_hellaswag_progress_bar_only_on_a_terminal(hellaswag_dir):
+    """hellaswag.evaluate draws a progress bar on stderr when stderr is a terminal, and writes nothing
+    there when it is a pipe or a file (a log stays clean); stdout gets the same lines either way."""
+    code, stdout, terminal = run_with_terminal_stderr("-c", HELLASWAG_CONSTANT_LOSSES, hellaswag_dir,
+                                                      timeout=120)
+    assert code == 0 and "hellaswag val:" in terminal, terminal
+    assert re.search(r"\b[1-9]/10 \[", terminal), terminal  # the bar moved
+    piped = run_script("-c", HELLASWAG_CONSTANT_LOSSES, hellaswag_dir, timeout=120)
+    assert piped.stderr == "" and piped.stdout == stdout
 
 
 def test_hellaswag_export_parses_back(hellaswag_dir, enc, tmp_path):
