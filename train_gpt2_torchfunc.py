@@ -22,6 +22,9 @@ import math
 import os
 import shutil
 import time
+import tokenize
+import zipfile
+import zlib
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -456,6 +459,8 @@ def train_step(params, copies, m, v, x, y, scalars, cfg, grad_fn, update_fn, wor
 
 SHARD_MAGIC = 20240520
 SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
+GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
+            "synthetic for a benchmark")
 
 
 def read_shard(path):
@@ -487,12 +492,11 @@ def find_shards(cfg):
         train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
         val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
         if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory "
-                "(run prepro_fineweb.py first, or use --data synthetic)")
+            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
     else:
         train, val = sorted(glob.glob(cfg.data)), []
         if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no such directory and no file matches that glob")
+            die(f"--data {cfg.data}: no such directory and no file matches that glob ({GET_DATA})")
     if cfg.val_data:
         val = sorted(glob.glob(cfg.val_data))
         if not val:
@@ -522,6 +526,11 @@ class DataLoader:
                 self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
             else:
                 self.tokens = read_shard(self.files[shard])
+                # here and not in read_shard: the max reads the whole shard, so only a shard put to use pays
+                top = int(self.tokens.max())
+                if top >= VOCAB_SIZE:
+                    die(f"shard {self.files[shard]} holds token ids up to {top}, outside GPT-2's vocabulary "
+                        f"of {VOCAB_SIZE} tokens (written with another tokenizer?)")
         self.shard = shard
 
     def reset(self):
@@ -652,6 +661,14 @@ def latest_checkpoint(out_dir):
     return found[-1] if found else None
 
 
+# what reading a damaged .npz raises: not a zip at all (ValueError: numpy takes it for a pickle), cut short
+# (BadZipFile, EOFError), a member that fails its CRC (BadZipFile) or does not inflate (zlib.error), a
+# damaged .npy header in a member (ValueError, tokenize.TokenError), damaged zip headers
+# (NotImplementedError, KeyError, OSError)
+DAMAGED_NPZ_ERRORS = (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile,
+                      zlib.error, tokenize.TokenError)
+
+
 def load_checkpoint(path, cfg):
     """(header, params, m, v, state) from a checkpoint dir; `path` may be 'auto' (newest in cfg.out_dir)."""
     if path == "auto":
@@ -661,14 +678,19 @@ def load_checkpoint(path, cfg):
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
     header, params = read_model_file(os.path.join(path, "model.bin"))
-    with np.load(os.path.join(path, "state.npz")) as z:
-        missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
-        missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
-        if missing:
-            die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
-        m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
-        v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
-        state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
+    state_file = os.path.join(path, "state.npz")
+    try:
+        with np.load(state_file) as z:
+            missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
+            missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
+            if missing:
+                die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
+            m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
+            v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
+            state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
+    except DAMAGED_NPZ_ERRORS as e:
+        detail = (str(e).splitlines() or ["no detail"])[0][:120]
+        die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
     for k in PARAM_NAMES:
         if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
             die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
@@ -695,6 +717,16 @@ def to_device(arrays, device):
 
 HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
 SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide, as in the sibling trainers
+VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
+
+
+def val_batches(cfg, loader):
+    """range(cfg.val_steps), behind a progress bar on a terminal's stderr when it is long (one process
+    draws it); a short validation, or one whose stderr goes to a log, prints nothing there."""
+    batches = range(cfg.val_steps)
+    if cfg.val_steps <= VAL_BAR_MIN_STEPS or loader.rank != 0:
+        return batches
+    return hellaswag.terminal_progress(batches, cfg.val_steps, "val")
 
 
 def evaluate_val(eval_loss, params, loader, cfg, device, world):
@@ -702,7 +734,7 @@ def evaluate_val(eval_loss, params, loader, cfg, device, world):
     averaged over the processes, each reading its rank's rows as llm.c's loader does."""
     loader.reset()
     total = torch.zeros((), device=device)                                         # ()
-    for _ in range(cfg.val_steps):
+    for _ in val_batches(cfg, loader):
         x, y = loader.next_batch()                                                 # (B,T) each
         total += eval_loss(params, put_batch(x, device), put_batch(y, device), cfg)
     if world > 1:
@@ -781,6 +813,36 @@ def log_event(out_dir, **record):
     record["framework"] = FRAMEWORK
     with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def drop_partial_log_line(out_dir):
+    """Cuts <out_dir>/log.jsonl back to its last complete line. A process killed while it appended an event
+    leaves half a line, which the next event would otherwise be glued to and lost with."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def logged_evals(out_dir, step):
+    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`, by any
+    trainer."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return set()
+    found = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash while it was written
+                continue
+            if event.get("step") == step:
+                found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
+    return found
 
 
 def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb):
@@ -927,6 +989,7 @@ def main(argv=None):
     encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
+        drop_partial_log_line(cfg.out_dir)
 
     # devices: every process holds all of the fp32 parameters and optimizer state
     params, m, v = to_device(params, device), to_device(m, device), to_device(v, device)
@@ -962,6 +1025,12 @@ def main(argv=None):
                 say("no validation shards: val loss skipped")
             run_evals(step, True, True)
             return
+        # the checkpoint is written before the step's evaluations: a run killed between the two resumes
+        # by running the ones log.jsonl lacks (also where nothing is left to train)
+        if cfg.resume:
+            logged = logged_evals(cfg.out_dir, step)
+            run_evals(step, due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
+                      due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged)
         if step >= cfg.steps:
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return

@@ -1,12 +1,16 @@
 """Cross-framework: every GPT-2 trainer against llm.c's recipe and against each other."""
 import importlib
+import io
 import math
+import re
+import sys
 
 import numpy as np
 import pytest
 
 import llmc_reference
-from conftest import run_script, read_log, step_events, tiny_params, write_model_file, write_shard
+from conftest import (read_log, run_script, run_with_terminal_stderr, step_events, tiny_params,
+                      write_model_file, write_shard)
 
 # log.jsonl's framework name: the command line that runs it. Backend triton is held to backend torch
 # in tests/test_triton.py (same shards, same model file, fp32): on the CPU its kernels run in Triton's
@@ -166,3 +170,31 @@ def test_checkpoint_save_clears_a_crashed_save(module, tmp_path):
         np.testing.assert_array_equal(loaded[k], params[k])
         np.testing.assert_array_equal(m2[k], m[k])
         np.testing.assert_array_equal(v2[k], v[k])
+
+
+class Terminal(io.StringIO):
+    """A stand-in for a terminal's stderr: collects what is written, and says it is a tty."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("framework", TRAINERS)
+def test_eval_only_shows_progress_on_a_terminal(framework, tiny_shards, tiny_model_file, hellaswag_dir,
+                                                 tmp_path, monkeypatch):
+    """--eval-only with stderr on a terminal draws a bar for a long validation (over 20 batches) and one
+    for HellaSwag. A validation of 20 batches or fewer, or another process than rank 0, draws none (the
+    bars stay off a stderr that is not a terminal: tests/test_data.py)."""
+    code, _, terminal = run_with_terminal_stderr(
+        *TRAINERS[framework], "--data", tiny_shards, "--init-from", tiny_model_file, "--eval-only",
+        "--seq-len", T, "--batch-size", B, "--dtype", "fp32", "--val-steps", 21, "--out-dir", tmp_path,
+        env={"HELLASWAG_DIR": str(hellaswag_dir), "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""},
+        timeout=300)
+    assert code == 0, terminal[-3000:]
+    assert re.search(r"\bval: .*/21 \[", terminal) and "hellaswag val:" in terminal, terminal[-3000:]
+    mod = importlib.import_module(TRAINERS[framework][0][:-3])
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    for val_steps, rank, bar in ((20, 0, False), (21, 1, False), (21, 0, True)):
+        loader = mod.DataLoader(None, 1, 8, rank=rank, world=2)
+        batches = mod.val_batches(mod.Config(val_steps=val_steps), loader)
+        assert list(batches) == list(range(val_steps)) and isinstance(batches, range) != bar

@@ -1,6 +1,7 @@
 """train_gpt2_torchfunc.py: GPT-2 as pure functions in PyTorch
 (tiny model L2 H4 C64 T64 on the CPU: model and gradients, the compiled step, a training run, resume,
-eval-only, HellaSwag padding, two torchrun processes, bad input)."""
+eval-only, HellaSwag padding, two torchrun processes, evaluations lost to a kill run on resume, bad
+input)."""
 import glob
 import json
 import os
@@ -14,8 +15,9 @@ import llmc_reference
 import train_gpt2_torchfunc as tf
 from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
                       assert_same_checkpoint, read_log, run_script, step_events, step_lines, tiny_params,
-                      write_bad_shards)
+                      write_bad_shards, write_shard)
 from test_parity import has_cuda_gpu
+from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
 
 V = 50257
 B, T, TOTAL, STEPS = 4, 64, 512, 6  # two micro-batches per step
@@ -330,16 +332,41 @@ def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path
         assert int(z["position"]) == 3 * TOTAL
 
 
-def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
-    """Bad shards (wrong magic, truncated), a model file that contradicts the flags, bad flags and
-    impossible batch settings end with a one-line error naming the problem."""
+def test_evaluations_lost_to_a_kill_run_on_resume(trained, tiny_shards, hellaswag_dir, tmp_path):
+    """A run killed after a due step's checkpoint but before its evaluations (val loss, HellaSwag) runs the
+    ones log.jsonl lacks when resumed, and only those, then trains on: its log ends up equal to the
+    uninterrupted run's (test_recovery.assert_lost_evaluations_recovered)."""
+    args = ["train_gpt2_torchfunc.py", "--data", tiny_shards, "--steps", STEPS, "--ckpt-every", 3,
+            "--val-every", 3, "--hellaswag-every", STEPS, "--sample-every", 0, *FLAGS]
+    assert_lost_evaluations_recovered(args, trained[0], ON_CPU, hellaswag_dir, tmp_path)
+
+
+def test_bad_input(tmp_path, tiny_shards, tiny_model_file, monkeypatch):
+    """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary),
+    missing data (the default --data too: the error says how to get shards), a damaged checkpoint
+    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), a model file that
+    contradicts the flags, bad flags and impossible batch settings end with a one-line error naming the
+    problem."""
+    monkeypatch.chdir(tmp_path)  # where the default --data data/fineweb_edu does not exist
     bad = write_bad_shards(tmp_path / "bad")
     (bad / "model.bin").write_bytes(tiny_model_file.read_bytes()[:-4])
+    tokens = np.arange(5000) % V
+    tokens[-1] = V  # the first id past the vocabulary, at the shard's end
+    write_shard(bad / "vocab_train_000001.bin", tokens)
+    tokens[-1] = 65535
+    write_shard(bad / "wide_val_000000.bin", tokens)
+    damaged = write_damaged_checkpoints(tf, tmp_path / "damaged")
+    # a case that does not stop as it should trains one step, not the default 18,865
     base = ["--out-dir", str(tmp_path / "out"), "--seq-len", "64", "--batch-size", "4",
-            "--total-batch-size", "512"]
+            "--total-batch-size", "512", "--steps", "1", "--ckpt-every", "0", "--val-every", "0",
+            "--hellaswag-every", "0", "--sample-every", "0"]
     cases = [
         (["--data", str(bad / "magic_*.bin")], "magic 12345"),
         (["--data", str(bad / "short_*.bin")], "truncated"),
+        (["--data", str(bad / "vocab_*.bin")], str(bad / "vocab_train_000001.bin"), "up to 50257",
+         "vocabulary of 50257"),
+        (["--data", str(tiny_shards), "--val-data", str(bad / "wide_*.bin")],
+         str(bad / "wide_val_000000.bin"), "up to 65535"),
         (["--data", str(tiny_shards), "--init-from", str(tiny_model_file), "--n-layer", "3"],
          "--n-layer 3 does not match"),
         (["--data", str(tiny_shards), "--init-from", str(bad / "model.bin")], "its header implies"),
@@ -348,16 +375,22 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file):
         (["--data", str(tiny_shards), "--total-batch-size", "500"], "not a multiple"),
         (["--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
         (["--data", str(tiny_shards), "--resume", str(bad)], "not a checkpoint directory"),
-        (["--data", str(tmp_path / "nothing")], "no such directory"),
+        ([], "--data data/fineweb_edu: no such directory", "python prepro_fineweb.py", "--data synthetic"),
+        (["--data", str(tmp_path / "nothing")], "no such directory", "python prepro_fineweb.py"),
         (["--data", str(tiny_shards), "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
         (["--data", str(tiny_shards), "--seed", "-1"], "--seed"),
         (["--data", str(tiny_shards), "--grad-clip", "nan"], "--grad-clip"),
         (["--data", str(tiny_shards), "--lr", "inf"], "--lr"),
+        (["--data", str(tiny_shards), "--resume", "auto", "--out-dir", str(damaged["text"].parent)],
+         str(damaged["text"] / "state.npz"), "damaged"),
     ]
-    for args, needle in cases:
+    cases += [(["--data", str(tiny_shards), "--resume", str(d)], str(d / "state.npz"), "damaged")
+              for d in damaged.values()]
+    for args, *needles in cases:
         with pytest.raises(SystemExit) as e:
             tf.main(base + ["--n-layer", "2", "--n-head", "4", "--n-embd", "64"] + args)
-        assert str(e.value).startswith("error: ") and needle in str(e.value), (args, str(e.value))
+        assert str(e.value).startswith("error: ") and all(n in str(e.value) for n in needles), \
+            (args, str(e.value))
     assert not (tmp_path / "out").exists()
     proc = run_script("train_gpt2_torchfunc.py", "--data", bad / "magic_*.bin", "--model", "d12",
                       "--n-layer", 1, *base, check=False, env=ON_CPU)

@@ -1,11 +1,11 @@
 """train_gpt2_triton.py: hand-derived backward and Triton kernels
 (backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
 forward keeps for the backward, a training run, exact resume, eval-only, two processes, --profile,
---bench-ops, bad input; backend triton in Triton's interpreter without a GPU (compiled, and bf16 too, with
-one): every kernel against backend torch, and with loops over several blocks (the embedding backward at
-768 rows with a 600-row run, cross-entropy and the multi-tensor kernels with small blocks), clipping by a
-NaN or inf norm in both backends, a training run against backend torch, no torch compute op in a step, its
---profile tables, clean errors)."""
+--bench-ops, evaluations lost to a kill run on resume, bad input; backend triton in Triton's interpreter
+without a GPU (compiled, and bf16 too, with one): every kernel against backend torch, and with loops over
+several blocks (the embedding backward at 768 rows with a 600-row run, cross-entropy and the multi-tensor
+kernels with small blocks), clipping by a NaN or inf norm in both backends, a training run against backend
+torch, no torch compute op in a step, its --profile tables, clean errors)."""
 import json
 import math
 import re
@@ -19,6 +19,7 @@ import hellaswag
 import train_gpt2_triton as tg
 from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
                       assert_same_checkpoint, run_script, step_events, step_lines, write_bad_shards, write_shard)
+from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
 
 ON_GPU = torch.cuda.is_available() and not tg.INTERPRET  # backend triton compiled, bf16 checked too
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where backend triton's tests run
@@ -258,17 +259,42 @@ def test_profile_and_bench_ops(tmp_path, capsys, monkeypatch, one_thread):
     assert "copy bandwidth" in out
 
 
-def test_bad_input(tmp_path, tiny_shards, tiny_model_file, one_thread):
-    """Bad shards (wrong magic, truncated), a model file that contradicts the flags or is cut short, a
-    directory that is not a checkpoint, a missing or unknown backend, bad flags and impossible batch
-    settings end with a one-line error naming the problem, and write nothing."""
+def test_evaluations_lost_to_a_kill_run_on_resume(trained, tiny_shards, hellaswag_dir, tmp_path):
+    """A run killed after a due step's checkpoint but before its evaluations (val loss, HellaSwag) runs the
+    ones log.jsonl lacks when resumed, and only those, then trains on: its log ends up equal to the
+    uninterrupted run's (test_recovery.assert_lost_evaluations_recovered)."""
+    args = ["train_gpt2_triton.py", "torch", "--data", tiny_shards, "--steps", STEPS, "--ckpt-every", 3,
+            "--val-every", 3, "--hellaswag-every", STEPS, "--hellaswag-limit", 4, "--sample-every", 0, *FLAGS]
+    assert_lost_evaluations_recovered(args, trained[0], ONE_THREAD, hellaswag_dir, tmp_path)
+
+
+def test_bad_input(tmp_path, tiny_shards, tiny_model_file, one_thread, monkeypatch):
+    """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary),
+    missing data (the default --data too: the error says how to get shards), a model file that
+    contradicts the flags or is cut short, a directory that is not a checkpoint, a damaged checkpoint
+    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), a missing or unknown
+    backend, bad flags and impossible batch settings end with a one-line error naming the problem, and
+    write nothing."""
+    monkeypatch.chdir(tmp_path)  # where the default --data data/fineweb_edu does not exist
     bad = write_bad_shards(tmp_path / "bad")
     (bad / "cut.bin").write_bytes(tiny_model_file.read_bytes()[:5000])
+    tokens = np.arange(5000) % V
+    tokens[-1] = V  # the first id past the vocabulary, at the shard's end
+    write_shard(bad / "vocab_train_000001.bin", tokens)
+    tokens[-1] = 65535
+    write_shard(bad / "wide_val_000000.bin", tokens)
+    damaged = write_damaged_checkpoints(tg, tmp_path / "damaged")
     out = tmp_path / "out"
-    base = ["--out-dir", str(out), *map(str, TINY + FLAGS)]
+    # a case that does not stop as it should trains one step, not the default 18,865
+    base = ["--out-dir", str(out), *map(str, TINY + FLAGS), "--steps", "1", "--ckpt-every", "0",
+            "--val-every", "0", "--hellaswag-every", "0", "--sample-every", "0"]
     cases = [
         (["torch", "--data", str(bad / "magic_*.bin")], "magic 12345"),
         (["torch", "--data", str(bad / "short_*.bin")], "truncated"),
+        (["torch", "--data", str(bad / "vocab_*.bin")], str(bad / "vocab_train_000001.bin"), "up to 50257",
+         "vocabulary of 50257"),
+        (["torch", "--data", str(tiny_shards), "--val-data", str(bad / "wide_*.bin")],
+         str(bad / "wide_val_000000.bin"), "up to 65535"),
         (["torch", "--data", str(tiny_shards), "--init-from", str(tiny_model_file), "--n-layer", "3"],
          "--n-layer 3 does not match"),
         (["torch", "--data", str(tiny_shards), "--init-from", str(bad / "cut.bin")], "has 5000 bytes"),
@@ -276,18 +302,25 @@ def test_bad_input(tmp_path, tiny_shards, tiny_model_file, one_thread):
         (["torch", "--data", str(tiny_shards), "--dtype", "fp16"], "--dtype"),
         (["torch", "--data", str(tiny_shards), "--total-batch-size", "100"], "not a multiple"),
         (["torch", "--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
-        (["torch", "--data", str(tmp_path / "nothing")], "no such directory"),
+        (["torch"], "--data data/fineweb_edu: no such directory", "python prepro_fineweb.py",
+         "--data synthetic"),
+        (["torch", "--data", str(tmp_path / "nothing")], "no such directory", "python prepro_fineweb.py"),
         (["torch", "--data", str(tiny_shards), "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
         (["torch", "--data", str(tiny_shards), "--seed", "-1"], "--seed"),
         (["torch", "--data", str(tiny_shards), "--grad-clip", "nan"], "--grad-clip"),
         (["torch", "--data", str(tiny_shards), "--lr", "inf"], "--lr"),
+        (["torch", "--data", str(tiny_shards), "--resume", "auto", "--out-dir", str(damaged["text"].parent)],
+         str(damaged["text"] / "state.npz"), "damaged"),
         (["jax", "--data", str(tiny_shards)], "argument backend"),
         (["--data", str(tiny_shards)], "required: backend"),
     ]
-    for args, needle in cases:
+    cases += [(["torch", "--data", str(tiny_shards), "--resume", str(d)], str(d / "state.npz"), "damaged")
+              for d in damaged.values()]
+    for args, *needles in cases:
         with pytest.raises(SystemExit) as e:
             tg.main(base + args)
-        assert str(e.value).startswith("error: ") and needle in str(e.value), (args, str(e.value))
+        assert str(e.value).startswith("error: ") and all(n in str(e.value) for n in needles), \
+            (args, str(e.value))
     assert not out.exists()
     proc = run_script("train_gpt2_triton.py", "torch", "--data", bad / "magic_*.bin", *base, check=False,
                       env=ONE_THREAD)

@@ -1,0 +1,152 @@
+"""Resuming after a crash, in every GPT-2 trainer: on --resume, the evaluations due at the checkpoint's
+step that log.jsonl lacks (a kill between the checkpoint and its evaluations) are run; a damaged
+checkpoint is a one-line error. The log reader is tested here; each trainer's test file kills a real run
+with assert_lost_evaluations_recovered and resumes the checkpoints of write_damaged_checkpoints."""
+import importlib
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, read_log, run_script
+
+MODULES = ["train_gpt2_jax", "train_gpt2_torchfunc", "train_gpt2_triton"]
+TIMING_KEYS = {"dt_ms", "tokens_per_s", "mfu", "peak_mem_gb"}  # the only keys that differ between runs
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_logged_evals_reads_the_log(module, tmp_path):
+    """logged_evals names the evaluations log.jsonl records at a step, whatever trainer wrote them; a
+    missing log records none, and a line cut short by a crash is no event."""
+    mod = importlib.import_module(module)
+    assert mod.logged_evals(str(tmp_path), 3) == set()
+    events = [{"step": 3, "train_loss": 5.0, "framework": "jax"},
+              {"step": 3, "val_loss": 4.9, "framework": "torchfunc"},
+              {"step": 6, "hellaswag_acc": 0.3, "hellaswag_acc_norm": 0.2, "framework": "jax"}]
+    lines = [json.dumps(e) + "\n" for e in events]
+    (tmp_path / "log.jsonl").write_text("".join(lines) + '{"step": 9, "val_lo')
+    assert mod.logged_evals(str(tmp_path), 3) == {"val_loss"}
+    assert mod.logged_evals(str(tmp_path), 6) == {"hellaswag_acc"}
+    assert mod.logged_evals(str(tmp_path), 9) == set()
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_drop_partial_log_line(module, tmp_path):
+    """drop_partial_log_line cuts log.jsonl back to its last complete line (a kill while appending leaves
+    half a line, which the next event would be glued to); a complete log, an empty one or none is left as
+    it is."""
+    mod = importlib.import_module(module)
+    mod.drop_partial_log_line(str(tmp_path))
+    assert not (tmp_path / "log.jsonl").exists()
+    complete = '{"step": 1, "train_loss": 5.0}\n{"step": 1, "val_loss": 4.9}\n'
+    for text, kept in ((complete + '{"step": 2, "tra', complete), (complete, complete), ("", ""),
+                       ('{"step": 1, "tra', "")):
+        (tmp_path / "log.jsonl").write_text(text)
+        mod.drop_partial_log_line(str(tmp_path))
+        assert (tmp_path / "log.jsonl").read_text() == kept
+
+
+def logged_at(out, step, key):
+    """Whether <out>/log.jsonl holds an event with `key` at `step`; read while a run appends to it, so a
+    line not finished yet is left out."""
+    path = out / "log.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    events = [json.loads(line) for line in lines if line.endswith("\n")]
+    return any(e["step"] == step and key in e for e in events)
+
+
+def kill_during_hellaswag(args, out, step, env, tmp_path, timeout=300):
+    """Runs `python args` with HELLASWAG_DIR at a directory whose hellaswag_val.jsonl is a named pipe
+    that nobody writes, so the HellaSwag evaluation blocks opening it. Once step `step`'s checkpoint and
+    val event are on disk (the run is then in that evaluation, or on its way there), sends SIGKILL."""
+    swag = tmp_path / "hellaswag_pipe"
+    swag.mkdir()
+    os.mkfifo(swag / "hellaswag_val.jsonl")
+    output = tmp_path / "killed_run.txt"
+    with open(output, "w") as f:
+        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=f,
+                                stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **env, HELLASWAG_DIR=str(swag)))
+    try:
+        deadline = time.monotonic() + timeout
+        while not ((out / f"ckpt_{step:07d}").is_dir() and logged_at(out, step, "val_loss")):
+            if proc.poll() is not None:
+                pytest.fail(f"the run exited {proc.returncode} before step {step}'s checkpoint and val "
+                            f"loss\n{output.read_text()[-3000:]}", pytrace=False)
+            if time.monotonic() > deadline:
+                pytest.fail(f"no checkpoint and val loss of step {step} after {timeout} s\n"
+                            f"{output.read_text()[-3000:]}", pytrace=False)
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def assert_lost_evaluations_recovered(args, uninterrupted, env, hellaswag_dir, tmp_path):
+    """`uninterrupted` is a 6-step run (checkpoints and val every 3 steps, HellaSwag at step 6); `args`
+    runs the same trainer with its flags but --out-dir and --resume. A new out dir gets its step-3
+    checkpoint and the log as a crash right after that checkpoint left it (no step-3 val loss; half of its
+    line, as if killed while appending it); resuming (--resume auto) drops the half line, runs the missing
+    val loss and trains on, and is killed during step 6's HellaSwag
+    (checkpoint and val loss written). Resuming again with a real HellaSwag file runs that evaluation
+    alone, and the log then equals the uninterrupted run's: the same losses, scores, steps, each event
+    once."""
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(uninterrupted / "ckpt_0000003", out / "ckpt_0000003")
+    lines = (uninterrupted / "log.jsonl").read_text().splitlines(keepends=True)
+    val3 = next(i for i, line in enumerate(lines) if "val_loss" in json.loads(line))  # the first val loss
+    (out / "log.jsonl").write_text("".join(lines[:val3]) + lines[val3][:len(lines[val3]) // 2])
+    resume = [*args, "--out-dir", out, "--resume", "auto"]
+    kill_during_hellaswag(resume, out, 6, env, tmp_path)
+    assert not any("hellaswag_acc" in e for e in read_log(out)), "the kill came too late"
+    run_script(*resume, env={**env, "HELLASWAG_DIR": str(hellaswag_dir)})
+    untimed = lambda log: [{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in log]  # noqa: E731
+    assert untimed(read_log(out)) == untimed(read_log(uninterrupted))
+
+
+def member_data(archive, name):
+    """(offset, size) of member `name`'s stored or compressed bytes in the zip archive `archive` (bytes)."""
+    info = zipfile.ZipFile(io.BytesIO(archive)).getinfo(name)
+    name_len, extra_len = struct.unpack("<HH", archive[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len, info.compress_size
+
+
+def write_damaged_checkpoints(mod, folder):
+    """Checkpoint dirs <folder>/<case>/ckpt_0000003 holding a good model.bin (of a micro model, written by
+    the trainer module `mod`) and a damaged state.npz; returns {case: dir}. The cases: a line of text,
+    the archive cut in half, an empty file, a flipped byte in a member's data (its CRC fails), and the
+    state saved compressed with a member whose bytes do not inflate."""
+    cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
+    good = Path(mod.save_checkpoint(str(folder), 3, zeros, zeros, zeros, (0, 0), cfg))
+    state = (good / "state.npz").read_bytes()
+    crc = bytearray(state)
+    start, size = member_data(state, "m.wte.npy")
+    crc[start + size - 1] ^= 0xFF  # the last byte of the array data
+    with np.load(io.BytesIO(state)) as z:
+        deflated = io.BytesIO()
+        np.savez_compressed(deflated, **z)
+    deflated = bytearray(deflated.getvalue())
+    start, _ = member_data(bytes(deflated), "m.wte.npy")
+    deflated[start] = 0xFF  # a deflate block of the reserved type 3
+    cases = {"text": b"not a checkpoint\n", "cut": state[:len(state) // 2], "empty": b"", "crc": crc,
+             "deflate": deflated}
+    dirs = {}
+    for case, data in cases.items():
+        d = dirs[case] = folder / case / "ckpt_0000003"
+        d.mkdir(parents=True)
+        shutil.copy(good / "model.bin", d)
+        (d / "state.npz").write_bytes(data)
+    return dirs
