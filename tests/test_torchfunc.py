@@ -311,7 +311,8 @@ def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path
     assert "2 x cpu" in proc.stdout and "1 micro-batches" in proc.stdout
     assert "profile: steps 2-3" in proc.stdout and "Self CPU" in proc.stdout
     # the phase table (eager on the CPU): forward, backward and optimizer step, each with its top ops;
-    # the backward holds the weight-gradient matmuls, the optimizer step the norm
+    # the backward holds the weight-gradient matmuls; the norm, where it makes a phase's top rows (which
+    # ops do depends on timings: a loaded machine shuffles the small ones), is in the optimizer step
     table = proc.stdout[proc.stdout.index("phase "):].splitlines()
     phases = {line.split()[0]: float(line.split()[-1].rstrip("%")) for line in table
               if line.split()[:1] in (["forward"], ["backward"], ["optimizer"]) and " all " in line}
@@ -319,7 +320,7 @@ def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path
     assert sum(phases.values()) == pytest.approx(100, abs=0.5) and min(phases.values()) > 0
     start = {line.split()[0]: i for i, line in enumerate(table) if " all " in line}
     assert any("aten::mm" in line for line in table[start["backward"]:start["optimizer"]])
-    assert any("linalg_vector_norm" in line for line in table[start["optimizer"]:start["optimizer"] + 9])
+    assert all(i > start["optimizer"] for i, line in enumerate(table) if "linalg_vector_norm" in line)
     assert glob.glob(str(out / "profile" / "trace_rank*.json"))
     assert proc.stdout.count("step     1/3") == 1
     one = step_events(trained[0])[:3]
