@@ -3,14 +3,17 @@
 The whole model is a pure function of a dict of arrays (llm.c's tensor names, per-layer weights stacked
 along a leading L axis), and a whole optimizer step (every micro-batch's forward and backward, gradient
 clipping, AdamW) is a single jitted function whose parameter and optimizer buffers are donated so they
-are updated in place. With more than one visible device it trains data parallel over a Mesh (batches
-sharded, everything else replicated). Formats, flags and logs: docs/FORMATS.md.
+are updated in place. With more than one device it trains data parallel over a Mesh (batches sharded;
+--zero-stage 1 splits the AdamW moments over the devices, --zero-stage 3 the weights and gradients too),
+on one host or several (one process per host, joined by jax.distributed). Formats, flags and logs:
+docs/FORMATS.md.
 
     python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
     python train_gpt2_jax.py --data synthetic --steps 20 --batch-size 32 \\
         --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
     python train_gpt2_jax.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
     python train_gpt2_jax.py --data data/fineweb_edu --resume auto           # continue the newest ckpt
+    python train_gpt2_jax.py --zero-stage 3 --coordinator host0:1234 --num-processes 2 --process-id 0
 """
 import argparse
 import contextlib
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tiktoken
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import hellaswag
@@ -74,6 +78,7 @@ class Config:
     grad_clip: float = 1.0
     dtype: str = "bf16"
     seed: int = 1337
+    zero_stage: int = 0  # 0: all replicated; 1: AdamW moments (and gradients) split; 3: weights too
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
@@ -89,6 +94,9 @@ class Config:
     # JAX only
     attn: str = "auto"
     scan_layers: bool = False
+    coordinator: str = ""    # several processes: host:port of process 0 (else JAX_COORDINATOR_ADDRESS)
+    num_processes: int = 0   # 0: from the environment (JAX_NUM_PROCESSES, srun, mpirun), else 1
+    process_id: int = -1     # -1: from the environment (JAX_PROCESS_ID, srun, mpirun)
 
 
 def die(msg):
@@ -118,6 +126,8 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping")
     p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--zero-stage", type=int, default=d.zero_stage, choices=[0, 1, 3],
+                   help="ZeRO: 1 splits the optimizer state over the devices, 3 (FSDP) the weights too")
     p.add_argument("--init-from", default=d.init_from, help="llm.c model file to start from")
     p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
     p.add_argument("--out-dir", default=d.out_dir)
@@ -133,6 +143,12 @@ def parse_args(argv=None):
                    help="attention kernel (auto: cuDNN flash attention on an NVIDIA GPU in bf16)")
     p.add_argument("--scan-layers", action="store_true",
                    help="run the layers as one lax.scan: compile time independent of depth")
+    p.add_argument("--coordinator", default=d.coordinator,
+                   help="several processes: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=d.num_processes,
+                   help="processes in the run (default: $JAX_NUM_PROCESSES, or what srun/mpirun set, else 1)")
+    p.add_argument("--process-id", type=int, default=d.process_id,
+                   help="this process's rank, 0 .. processes-1 (default: $JAX_PROCESS_ID, or srun/mpirun's)")
     a = p.parse_args(argv)
     for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
         if getattr(a, flag) <= 0:
@@ -149,6 +165,8 @@ def parse_args(argv=None):
         p.error("--weight-decay must be finite and >= 0, --grad-clip >= 0")
     if not 0 <= a.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
         p.error("--seed must be in [0, 2**63)")
+    if a.num_processes < 0 or a.process_id < -1:
+        p.error("--num-processes must be >= 0 (0: from the environment), --process-id >= 0")
     n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
     explicit = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd))
                 if v is not None}
@@ -160,12 +178,14 @@ def parse_args(argv=None):
                  val_data=a.val_data, seq_len=a.seq_len, batch_size=a.batch_size,
                  total_batch_size=a.total_batch_size, steps=a.steps, lr=a.lr,
                  lr_decay_frac=a.lr_decay_frac, warmup=a.warmup, weight_decay=a.weight_decay,
-                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, init_from=a.init_from,
+                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, zero_stage=a.zero_stage,
+                 init_from=a.init_from,
                  resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
                  val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
                  hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
                  eval_only=a.eval_only, profile=a.profile, attn=a.attn,
-                 scan_layers=a.scan_layers)
+                 scan_layers=a.scan_layers, coordinator=a.coordinator,
+                 num_processes=a.num_processes, process_id=a.process_id)
     if cfg.n_embd % cfg.n_head:
         p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     # flags that were given explicitly must agree with a model file's header (checked on load)
@@ -473,26 +493,73 @@ def adamw_update(params, grads, m, v, scalars, cfg):
     return new_params, new_m, new_v
 
 
-def train_step(params, m, v, x, y, scalars, cfg):
+# ZeRO over the mesh's "data" axis, written as shardings only: the state arrays carry a NamedSharding,
+# jit's in/out shardings and a few with_sharding_constraint calls say where each value lives, and XLA
+# inserts the collectives: the gradients' reduce-scatter (on the CPU an all-reduce and a slice; XLA's GPU
+# passes fuse the two) and the weights' all-gather.
+
+def shard_axis(shape, world):
+    """The axis along which ZeRO splits a tensor of `shape` over `world` devices: the first whose size
+    `world` divides, so that any device count works (12 layers over 8 devices split the next axis
+    instead). None when no axis divides: that tensor stays whole on every device (device_state_bytes
+    counts it whole)."""
+    return next((i for i, n in enumerate(shape) if n % world == 0), None)
+
+
+def zero_spec(shape, world):
+    """PartitionSpec of a tensor split by ZeRO: "data" on its shard_axis, or replicated if it has none."""
+    axis = shard_axis(shape, world)
+    return PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "data")
+
+
+def state_layout(cfg, mesh):
+    """Where each piece of training state lives at cfg.zero_stage, as {name: NamedSharding} per piece:
+    "masters" (the fp32 weights), "grads" (the fp32 gradient accumulator of a step), "moments" (AdamW's m
+    and v, one sharding for both); "weights" is the compute copies' sharding, always whole on every
+    device (the batch, not the model, is what the devices split). From stage 1 the gradient accumulator
+    is split like the moments: XLA sums each micro-batch's gradient over the devices inside the
+    accumulation loop anyway (stage 0's compiled step all-reduces in the loop), and a reduce-scatter
+    into a slice moves half the bytes of an all-reduce into a whole copy, so stage 1 here also gets
+    ZeRO-2's gradient saving."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
+    whole = {k: replicated for k in split}
+    return {"masters": split if cfg.zero_stage == 3 else whole,
+            "grads": split if cfg.zero_stage >= 1 else whole,
+            "moments": split if cfg.zero_stage >= 1 else whole,
+            "weights": whole}
+
+
+def train_step(params, m, v, x, y, scalars, cfg, layout):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A
     micro-batch losses (each micro-batch's gradient scaled by 1/A and summed in fp32), clipped to
-    cfg.grad_clip, then AdamW. Returns (params, m, v, loss, grad_norm before clipping)."""
+    cfg.grad_clip, then AdamW. `layout` (state_layout) places the state; at stage 0 every constraint
+    below says "replicated" and changes nothing. Returns (params, m, v, loss, grad_norm before
+    clipping)."""
     A = x.shape[0]
+    constrain = jax.lax.with_sharding_constraint
     # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
-    # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch
+    # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch.
+    # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes.
     dt = compute_dtype(cfg)
-    weights = {k: p if k in ("wte", "wpe") else p.astype(dt) for k, p in params.items()}
+    weights = constrain({k: p if k in ("wte", "wpe") else p.astype(dt) for k, p in params.items()},
+                        layout["weights"])
 
     def micro_step(acc, batch):
         loss, grads = jax.value_and_grad(lambda w: loss_fn(w, batch[0], batch[1], cfg) / A)(weights)
-        return {k: acc[k] + grads[k].astype(jnp.float32) for k in PARAM_NAMES}, loss
+        grads = constrain({k: g.astype(jnp.float32) for k, g in grads.items()}, layout["grads"])
+        return {k: acc[k] + grads[k] for k in PARAM_NAMES}, loss
 
-    zeros = {k: jnp.zeros_like(p) for k, p in params.items()}
+    zeros = constrain({k: jnp.zeros_like(p) for k, p in params.items()}, layout["grads"])
     grads, losses = jax.lax.scan(micro_step, zeros, (x, y))                       # fp32 dict, (A,)
     norm = global_norm(grads)
     if cfg.grad_clip > 0:
         coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
         grads = {k: g * coef for k, g in grads.items()}
+    # each device updates the slice of the masters its moments cover (stage 1: a local cut of the
+    # whole masters, no communication); out_shardings gathers the new masters whole again (stage 1) or
+    # keeps them split (stage 3)
+    params = constrain(params, layout["moments"])
     params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
     return params, m, v, jnp.sum(losses), norm
 
@@ -690,6 +757,13 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     return final
 
 
+def gather_state(tree):
+    """Whole host (numpy) copies of device arrays, whichever way they are split and over however many
+    processes, so that a checkpoint never depends on the stage or device count it was saved at. A
+    collective: every process must call it, in the same order."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def latest_checkpoint(out_dir):
     """The newest complete checkpoint directory in out_dir, or None."""
     found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
@@ -833,6 +907,27 @@ def peak_flops(device_name, dtype):
     return None
 
 
+def device_state_bytes(cfg, shapes, world):
+    """Bytes of training state that ONE device holds at cfg.zero_stage over `world` devices, for the
+    tensors of `shapes`: {"params": compute-dtype copies kept across steps, "grads": the fp32 gradient
+    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v}. "params" is 0
+    here: the fp32 weights are the masters, and their bf16 copies live only inside a step. Split as
+    state_layout splits them; a tensor without an axis the device count divides counts whole."""
+    def held(shape, split):
+        axis = shard_axis(shape, world) if split else None
+        return 4 * math.prod(shape) // (world if axis is not None else 1)
+    return {"params": 0,
+            "grads": sum(held(s, cfg.zero_stage >= 1) for s in shapes.values()),
+            "masters": sum(held(s, cfg.zero_stage == 3) for s in shapes.values()),
+            "moments": 2 * sum(held(s, cfg.zero_stage >= 1) for s in shapes.values())}
+
+
+def format_state_bytes(cfg, held, world):
+    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | "
+            f"fp32 masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB "
+            f"(ZeRO stage {cfg.zero_stage} over {world} devices)")
+
+
 def log_event(out_dir, **record):
     """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md)."""
     record["framework"] = FRAMEWORK
@@ -927,10 +1022,77 @@ def out_of_memory_is_an_error(cfg):
             f"{str(e).splitlines()[0][:200]}")
 
 
+def init_processes(cfg):
+    """Joins the other processes of a multi-host run through jax.distributed, before anything touches a
+    device. Coordinator, process count and rank come from the flags, else from JAX_COORDINATOR_ADDRESS /
+    JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax 0.10 reads only the first itself), else, in a run started by
+    srun or mpirun, from their environment, which jax.distributed.initialize() reads on its own. A
+    single process (the default) starts nothing."""
+    def env_int(name, default):
+        text = os.environ.get(name, "")
+        if not text:
+            return default
+        try:
+            return int(text)
+        except ValueError:
+            die(f"${name} is {text!r}, not an integer")
+    n = cfg.num_processes or env_int("JAX_NUM_PROCESSES", 0)
+    launched = max(env_int("SLURM_NTASKS", 1), env_int("OMPI_COMM_WORLD_SIZE", 1))
+    if n < 0:
+        die(f"$JAX_NUM_PROCESSES must be >= 1, got {n}")
+    if n == 1 or (n == 0 and launched <= 1):
+        return
+    if n == 0:  # srun / mpirun: JAX finds the coordinator, count, rank and local devices itself
+        jax.distributed.initialize(cfg.coordinator or None)
+        return
+    coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+    rank = cfg.process_id if cfg.process_id >= 0 else env_int("JAX_PROCESS_ID", -1)
+    if not coordinator:
+        die(f"--num-processes {n} needs --coordinator HOST:PORT (or $JAX_COORDINATOR_ADDRESS)")
+    if not 0 <= rank < n:
+        die(f"--num-processes {n} needs --process-id (or $JAX_PROCESS_ID) in [0, {n}), got {rank}")
+    jax.distributed.initialize(coordinator, n, rank)
+
+
+def place(tree, shardings):
+    """Host arrays that hold the same whole values on every process -> global device arrays laid out as
+    `shardings` (a matching tree); each process fills only its own devices' pieces."""
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
+                        tree, shardings)
+
+
+def put_rows(sharding, rows):
+    """This process's rows of a batch, (..., rows, T) -> the global batch (..., rows x processes, T)
+    split over the mesh: process p's rows are rows p*rows .. (p+1)*rows-1, on its own devices."""
+    global_shape = rows.shape[:-2] + (rows.shape[-2] * jax.process_count(), rows.shape[-1])
+    return jax.make_array_from_process_local_data(sharding, rows, global_shape)
+
+
+def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
+    """train_step jitted with the state's shardings from `layout` (donated: updated in place), batches
+    split by `step_batch`, and compiled ahead for `grad_accum` micro-batches of the global batch.
+    `state` is (params, m, v), or arrays shaped and placed like them."""
+    state_shardings = (layout["masters"], layout["moments"], layout["moments"])
+    step_jit = jax.jit(partial(train_step, cfg=cfg, layout=layout), donate_argnums=(0, 1, 2),
+                       in_shardings=state_shardings + (step_batch, step_batch, replicated),
+                       out_shardings=state_shardings + (replicated, replicated))
+    batch = (grad_accum, cfg.batch_size * step_batch.mesh.size, cfg.seq_len)
+    batch_spec = jax.ShapeDtypeStruct(batch, jnp.int32, sharding=step_batch)      # (A,B,T)
+    scalar_spec = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=replicated)
+    return step_jit.lower(*state, batch_spec, batch_spec, scalar_spec).compile()
+
+
 def main(argv=None):
     cfg, explicit = parse_args(argv)
-    devices = jax.devices()
+    init_processes(cfg)
+    # the mesh lists each process's devices together, processes in order: the data axis then gives each
+    # process one contiguous block of the global batch's rows, the block llm.c's rank `rank` of `ranks`
+    # reads, so P processes read exactly what one process with all the devices reads
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     world, platform = len(devices), devices[0].platform
+    rank, ranks = jax.process_index(), jax.process_count()
+    master = rank == 0  # the one process that prints, logs and writes checkpoints
+    say = print if master else (lambda *args, **kwargs: None)
 
     # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
     step, loader_state, m, v = 0, (0, 0), None, None
@@ -950,13 +1112,14 @@ def main(argv=None):
         die("--eval-only needs weights: give --init-from or --resume")
     cfg.attn = resolve_attention(cfg, platform)
 
-    # data: every micro-batch spans all devices, so one loader reads the global batch (B x devices rows,
-    # the rows llm.c's per-rank loaders would read side by side)
+    # data: every micro-batch spans all devices (B x devices rows); each process's loader reads the rows
+    # of its own devices, as llm.c's loader of rank `rank` of `ranks` with B x local devices rows
     grad_accum = grad_accum_steps(cfg, world)
     B, T = cfg.batch_size * world, cfg.seq_len
+    rows = cfg.batch_size * jax.local_device_count()
     train_files, val_files = find_shards(cfg)
-    train_loader = None if cfg.eval_only else DataLoader(train_files, B, T, seed=cfg.seed)
-    val_loader = DataLoader(val_files, B, T) if val_files else None
+    train_loader = None if cfg.eval_only else DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed)
+    val_loader = DataLoader(val_files, rows, T, rank, ranks) if val_files else None
     if train_loader is not None:
         n_shards = len(train_files) if train_files else 1
         shard, position = loader_state
@@ -967,61 +1130,67 @@ def main(argv=None):
             die(f"--resume: the checkpoint's position {position} leaves less than one batch of {B * T} "
                 f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
     encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    drop_partial_log_line(cfg.out_dir)
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        drop_partial_log_line(cfg.out_dir)
 
-    # devices: parameters and optimizer state replicated, batches split along their B axis
+    # devices: batches split along their B axis; weights and optimizer state as --zero-stage says
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
+    layout = state_layout(cfg, mesh)
     step_batch = NamedSharding(mesh, PartitionSpec(None, "data"))                  # (A,B,T)
     eval_batch = NamedSharding(mesh, PartitionSpec("data"))                        # (B,T)
-    params, m, v = jax.device_put((params, m, v), replicated)
+    params = place(params, layout["masters"])
+    m, v = place(m, layout["moments"]), place(v, layout["moments"])
     n_params = sum(p.size for k, p in params.items() if k != "wpe")
-    print(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-          f"wpe) | {world} x {devices[0].device_kind} | {cfg.dtype} | attention: {cfg.attn}")
-    print(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
-          f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
+    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+        f"wpe) | {world} x {devices[0].device_kind} in {ranks} process(es) | {cfg.dtype} | "
+        f"attention: {cfg.attn}")
+    say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
+        f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
+    say(format_state_bytes(cfg, device_state_bytes(cfg, param_shapes(cfg), world), world))
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
     with precision, out_of_memory_is_an_error(cfg):
         eval_loss = jax.jit(partial(loss_fn, cfg=cfg))
         row_losses = jax.jit(partial(token_losses, cfg=cfg))
-        put_eval = partial(jax.device_put, device=eval_batch)
+        put_eval = partial(put_rows, eval_batch)
 
+        # every process runs every evaluation (their computations span all devices); one logs it
         def run_evals(params, step, val, swag):
             if val and val_loader is not None:
                 val_loss = evaluate_val(eval_loss, params, val_loader, cfg, put_eval)
-                print(f"step {step:5d} | val loss {val_loss:.6f}")
-                log_event(cfg.out_dir, step=step, val_loss=val_loss)
+                say(f"step {step:5d} | val loss {val_loss:.6f}")
+                if master:
+                    log_event(cfg.out_dir, step=step, val_loss=val_loss)
             if swag:
                 acc, acc_norm = evaluate_hellaswag(row_losses, params, cfg)
-                print(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
-                log_event(cfg.out_dir, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
+                say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
+                if master:
+                    log_event(cfg.out_dir, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
 
         if cfg.eval_only:
             if val_loader is None:
-                print("no validation shards: val loss skipped")
+                say("no validation shards: val loss skipped")
             run_evals(params, step, True, True)
             return
         # the checkpoint is written before the step's evaluations: a run killed between the two resumes
-        # by running the ones log.jsonl lacks (also where nothing is left to train)
+        # by running the ones log.jsonl lacks (also where nothing is left to train). Process 0's log
+        # decides for all: the others may not see it, and all must run the same evaluations.
         if cfg.resume:
-            logged = logged_evals(cfg.out_dir, step)
-            run_evals(params, step, due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
-                      due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged)
+            logged = logged_evals(cfg.out_dir, step) if master else set()
+            missing = multihost_utils.broadcast_one_to_all(
+                np.array([due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
+                          due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]))
+            run_evals(params, step, bool(missing[0]), bool(missing[1]))
         if step >= cfg.steps:
-            print(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
+            say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
 
         t0 = time.perf_counter()
-        step_jit = jax.jit(partial(train_step, cfg=cfg), donate_argnums=(0, 1, 2),
-                           in_shardings=(replicated,) * 3 + (step_batch, step_batch, replicated),
-                           out_shardings=replicated)
-        batch_spec = jax.ShapeDtypeStruct((grad_accum, B, T), jnp.int32, sharding=step_batch)
-        scalar_spec = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=replicated)
-        compiled = step_jit.lower(params, m, v, batch_spec, batch_spec, scalar_spec).compile()
-        print(f"compiled train step in {time.perf_counter() - t0:.1f} s")
+        compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v), grad_accum)
+        say(f"compiled train step in {time.perf_counter() - t0:.1f} s")
         generate_jit = jax.jit(partial(generate, cfg=cfg))
 
         flops_per_token = model_flops_per_token(cfg, n_params)
@@ -1035,36 +1204,41 @@ def main(argv=None):
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
             with jax.profiler.StepTraceAnnotation("train_step", step_num=step):
                 t0 = time.perf_counter()
-                x, y = step_batches(train_loader, grad_accum)                      # (A,B,T) each
-                scalars = adam_scalars(step, cfg)
-                params, m, v, loss, norm = compiled(params, m, v, jax.device_put(x, step_batch),
-                                                    jax.device_put(y, step_batch), scalars)
+                x, y = step_batches(train_loader, grad_accum)               # (A,rows,T) each
+                scalars = place(adam_scalars(step, cfg), replicated)
+                params, m, v, loss, norm = compiled(params, m, v, put_rows(step_batch, x),
+                                                    put_rows(step_batch, y), scalars)
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
                 dt = time.perf_counter() - t0
             times[step] = dt
             if cfg.profile and step == profile_steps[-1]:
                 jax.profiler.stop_trace()
                 ms = [1000 * times[s] for s in profile_steps]
-                print(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {profile_dir} "
-                      f"(Perfetto: the .trace.json.gz; TensorBoard: the .xplane.pb) | step time mean "
-                      f"{np.mean(ms):.1f} ms, min {min(ms):.1f} ms, max {max(ms):.1f} ms")
+                say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {profile_dir} "
+                    f"(Perfetto: the .trace.json.gz; TensorBoard: the .xplane.pb) | step time mean "
+                    f"{np.mean(ms):.1f} ms, min {min(ms):.1f} ms, max {max(ms):.1f} ms")
             tokens_per_s = cfg.total_batch_size / dt
             mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
-            lr, mem = lr_at(step - 1, cfg), peak_memory_gb(devices)
-            print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
-            log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
-                      tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
-            # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses no training
+            lr, mem = lr_at(step - 1, cfg), peak_memory_gb(jax.local_devices())
+            say(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
+            if master:
+                log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr,
+                          dt_ms=1000 * dt, tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+            # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses no training.
+            # Every process gathers the whole tensors, one writes, the others wait for it.
             if due(cfg.ckpt_every, step, cfg.steps):
-                path = save_checkpoint(cfg.out_dir, step, params, m, v, train_loader.state(), cfg)
-                print(f"saved {path}")
+                whole = gather_state((params, m, v))
+                if master:
+                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg)
+                    say(f"saved {path}")
+                multihost_utils.sync_global_devices(f"checkpoint {step}")
             run_evals(params, step, due(cfg.val_every, step, cfg.steps),
                       due(cfg.hellaswag_every, step, cfg.steps))
             if due(cfg.sample_every, step, cfg.steps):
                 key = jax.random.fold_in(jax.random.key(cfg.seed), step)
                 for i, row in enumerate(np.asarray(generate_jit(params, key))):
                     text = encoder.decode([int(t) for t in row[1:]])
-                    print(f"sample {i}: {text!r}")
+                    say(f"sample {i}: {text!r}")
 
     # the mean leaves out the first step (compilation, one-off start-up costs) and the profiled ones
     kept = [s for s in times if s > first and not (cfg.profile and s in profile_steps)]
@@ -1074,9 +1248,9 @@ def main(argv=None):
     dt = float(np.mean([times[s] for s in kept]))
     tokens_per_s = cfg.total_batch_size / dt
     mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
-    print(f"mean over {len(kept)} step(s){note}: "
-          f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
-          f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+    say(f"mean over {len(kept)} step(s){note}: "
+        f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
+        f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
 
 
 if __name__ == "__main__":

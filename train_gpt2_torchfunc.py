@@ -87,6 +87,8 @@ class Config:
     sample_every: int = 1000
     eval_only: bool = False
     profile: bool = False
+    # data parallel: 0 = every process holds all optimizer state, 1 = ZeRO-1 (sharded AdamW state)
+    zero_stage: int = 0
     # torch only (--compile defaults to 1 with CUDA, 0 on the CPU)
     compile: bool = True
 
@@ -129,6 +131,8 @@ def parse_args(argv=None):
     p.add_argument("--sample-every", type=int, default=d.sample_every)
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--zero-stage", type=int, default=d.zero_stage,
+                   help="0: plain data parallel, 1: ZeRO-1, AdamW state sharded over the processes")
     p.add_argument("--compile", type=int, choices=(0, 1), default=int(torch.cuda.is_available()),
                    help="torch.compile the step (default 1 with CUDA, 0 on the CPU)")
     a = p.parse_args(argv)
@@ -145,6 +149,11 @@ def parse_args(argv=None):
         p.error("--lr-decay-frac must be in [0, 1]")
     if not (0 <= a.weight_decay < math.inf and a.grad_clip >= 0):  # NaN fails these too
         p.error("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if a.zero_stage == 3:
+        p.error("--zero-stage 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py); this one "
+                "takes 0 or 1")
+    if a.zero_stage not in (0, 1):
+        p.error("--zero-stage must be 0 or 1")
     if not 0 <= a.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
         p.error("--seed must be in [0, 2**63)")
     n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
@@ -162,7 +171,8 @@ def parse_args(argv=None):
                  resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
                  val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
                  hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
-                 eval_only=a.eval_only, profile=a.profile, compile=bool(a.compile))
+                 eval_only=a.eval_only, profile=a.profile, zero_stage=a.zero_stage,
+                 compile=bool(a.compile))
     if cfg.n_embd % cfg.n_head:
         p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     # flags that were given explicitly must agree with a model file's header (checked on load)
@@ -391,8 +401,9 @@ def model_weights(params, copies):
 def global_norm(grads):
     """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
     fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements.
-    Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs."""
-    norms = torch._foreach_norm([grads[k] for k in PARAM_NAMES], dtype=torch.float64)  # 16 x ()
+    Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs. grads:
+    {name: tensor}, all of them or (ZeRO-1) the pieces in this process's shard."""
+    norms = torch._foreach_norm(list(grads.values()), dtype=torch.float64)         # n x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
 
@@ -406,9 +417,11 @@ def clip_coefficient(norm, cfg):
 def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     """llm.c's AdamW on every tensor, in place, with multi-tensor ops, on the gradients times coef (the
     clipping); weight decay only on DECAY_NAMES. Refreshes the compute-dtype copies from the new
-    masters (compiled, in the same pass over the weights). The gradients are left as they are."""
+    masters (compiled, in the same pass over the weights). The gradients are left as they are. The dicts
+    hold whole tensors, or (ZeRO-1) the 1-D pieces of them in this process's shard (copies then None)."""
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    p, g, m, v = ([d[k] for k in PARAM_NAMES] for d in (params, grads, m, v))
+    names = list(grads)
+    p, g, m, v = ([d[k] for k in names] for d in (params, grads, m, v))
     g = torch._foreach_mul(g, coef)
     torch._foreach_mul_(m, ADAM_BETA1)
     torch._foreach_add_(m, g, alpha=1.0 - ADAM_BETA1)                             # m = b1 m + (1-b1) g
@@ -417,7 +430,7 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
     torch._foreach_add_(denom, ADAM_EPS)
     update = torch._foreach_div(torch._foreach_div(m, bias1), denom)              # mhat/(sqrt(vhat)+eps)
-    decay = [i for i, k in enumerate(PARAM_NAMES) if k in DECAY_NAMES]
+    decay = [i for i, k in enumerate(names) if k in DECAY_NAMES]
     torch._foreach_add_([update[i] for i in decay], [p[i] for i in decay], alpha=cfg.weight_decay)
     torch._foreach_mul_(update, lr)
     torch._foreach_sub_(p, update)                                                 # p -= lr (... + wd p)
@@ -425,33 +438,130 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
 
+FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+
+
+def flat_layout(shapes, world):
+    """({name: first element}, size) of a flat buffer holding the tensors of `shapes` in PARAM_NAMES order,
+    each from a FLAT_ALIGN boundary; the size is padded to a multiple of FLAT_ALIGN x world, so that any
+    number of processes gets equal, aligned shards (the padding stays zero)."""
+    starts, size = {}, 0
+    for k in PARAM_NAMES:
+        starts[k] = size
+        size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+    unit = FLAT_ALIGN * world
+    return starts, -(-size // unit) * unit
+
+
+def flat_views(buffer, starts, shapes):
+    """{name: its tensor, a view into the flat buffer}."""
+    return {k: buffer[starts[k]:starts[k] + math.prod(shapes[k])].view(shapes[k]) for k in PARAM_NAMES}
+
+
+def shard_ranges(starts, shapes, size, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor that lie in rank's shard of the flat buffer
+    (elements [rank S, (rank+1) S), S = size / world) as offsets into the flat buffer; tensors outside the
+    shard are left out, and a tensor may be split between shards."""
+    n = size // world
+    first, ranges = rank * n, {}
+    for k in PARAM_NAMES:
+        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
+        if lo < hi:
+            ranges[k] = (lo, hi)
+    return ranges
+
+
 GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 
 
-def train_step(params, copies, m, v, x, y, scalars, cfg, grad_fn, update_fn, world):
+def train_step(params, copies, m, v, x, y, scalars, cfg, grad_fn, update_fn, world, state=None):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
     losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
-    processes by one all-reduce), clipped, AdamW; grad_fn / update_fn are grads_and_loss / adamw_update,
-    compiled or not. Returns (loss, grad_norm before clipping) as 0-d device tensors: nothing here waits
-    for the device."""
+    processes by one collective over the flat gradient buffer), clipped, AdamW; grad_fn / update_fn are
+    grads_and_loss / adamw_update, compiled or not. `state` is make_state's (its flat buffers; None: one
+    process at stage 0 summing into fresh fp32 tensors, as the tests call it). Returns (loss, grad_norm
+    before clipping) as 0-d device tensors: nothing here waits for the device."""
     A = x.shape[0]
     weights = model_weights(params, copies)
     scale = 1.0 / (A * world)
     with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
         grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
-    grads = {k: g.float() for k, g in grads.items()}  # fp32 sums: a copy of each bf16 gradient
+    if state is None:
+        grads = {k: g.float() for k, g in grads.items()}  # fp32 sums: a copy of each bf16 gradient
+    else:  # fp32 sums in the flat buffer: a copy of each bf16 gradient
+        torch._foreach_copy_([state["grads"][k] for k in PARAM_NAMES], [grads[k] for k in PARAM_NAMES])
+        grads = state["grads"]
     for i in range(1, A):
         with torch.profiler.record_function(GRADIENT):
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
         torch._foreach_add_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
         loss = loss + micro_loss                                                   # ()
     if world > 1:
-        for k in PARAM_NAMES:
-            dist.all_reduce(grads[k])
         dist.all_reduce(loss)
-    norm = global_norm(grads)                                                      # ()
-    update_fn(params, grads, m, v, scalars, clip_coefficient(norm, cfg), copies, cfg)
+    if cfg.zero_stage == 0:
+        if world > 1:
+            dist.all_reduce(state["grad_buffer"])  # one collective for all 16 gradients
+        norm = global_norm(grads)                                                  # ()
+        update_fn(params, grads, m, v, scalars, clip_coefficient(norm, cfg), copies, cfg)
+        return loss, norm
+    # ZeRO-1: this process's shard of the summed gradients, the norm from every shard's sum of squares,
+    # AdamW on the shard, then every process's updated shard to every process
+    if world > 1:
+        dist.reduce_scatter_single(state["grad_shard"], state["grad_buffer"])
+    norm = global_norm(state["shard_grads"])                                       # ()
+    if world > 1:
+        squares = norm.double().square()                                           # ()
+        dist.all_reduce(squares)
+        norm = squares.sqrt().float()                                              # ()
+    update_fn(state["shard_params"], state["shard_grads"], m, v, scalars, clip_coefficient(norm, cfg),
+              None, cfg)
+    if world > 1:
+        dist.all_gather_single(state["param_buffer"], state["param_shard"])
+    if copies is not None:
+        torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
     return loss, norm
+
+
+def make_state(params, m, v, cfg, device, rank, world):
+    """The training state from numpy dicts, on the device. Every process holds all of the fp32 masters
+    `params`, their compute-dtype `copies` and the fp32 gradients `grads` (views of one flat buffer,
+    `grad_buffer`, that one collective sums over the processes). Stage 0: it also holds all of AdamW's
+    moments `m`, `v` and updates every weight. Stage 1 (ZeRO-1): it keeps only its shard (1/world of the flat
+    layout) of m and v (`m_shard`, `v_shard`) and updates only that shard of the masters, from its shard of
+    the summed gradients (`grad_shard`, reduce-scattered); one all-gather of the masters' flat buffer
+    (`param_buffer`) then brings every process every update. At stage 1, m, v, `shard_params` and
+    `shard_grads` are {name: 1-D piece} of the tensors in the shard."""
+    shapes = param_shapes(cfg)
+    starts, size = flat_layout(shapes, world)
+    state = {"grad_buffer": torch.zeros(size, dtype=torch.float32, device=device)}  # (P,) padded
+    state["grads"] = flat_views(state["grad_buffer"], starts, shapes)
+    if cfg.zero_stage == 0:
+        state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
+    else:
+        # masters in one flat buffer, so that one all-gather refreshes them; the moments only in a shard
+        state["param_buffer"] = torch.zeros(size, dtype=torch.float32, device=device)  # (P,) padded
+        state["params"] = flat_views(state["param_buffer"], starts, shapes)
+        for k in PARAM_NAMES:
+            state["params"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        n = size // world
+        first = rank * n
+        ranges = shard_ranges(starts, shapes, size, rank, world)
+        for name, full in (("m", m), ("v", v)):
+            shard = torch.zeros(n, dtype=torch.float32, device=device)                # (S,)
+            for k, (lo, hi) in ranges.items():
+                flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                shard[lo - first:hi - first] = torch.from_numpy(flat.copy())
+            state[f"{name}_shard"] = shard
+            state[name] = {k: shard[lo - first:hi - first] for k, (lo, hi) in ranges.items()}
+        # one process alone reduces into its gradient buffer itself
+        state["grad_shard"] = (state["grad_buffer"] if world == 1 else
+                               torch.zeros(n, dtype=torch.float32, device=device))   # (S,)
+        state["shard_grads"] = {k: state["grad_shard"][lo - first:hi - first]
+                                for k, (lo, hi) in ranges.items()}
+        state["shard_params"] = {k: state["param_buffer"][lo:hi] for k, (lo, hi) in ranges.items()}
+        state["param_shard"] = state["param_buffer"][first:first + n]                # (S,) a view
+    state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
+    return state
 
 
 # -----------------------------------------------------------------------------
@@ -654,6 +764,25 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     return final
 
 
+def gather_state(state, cfg, world):
+    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
+    at any stage and process count. At stage 1 the moments' shards are all-gathered into new buffers: a
+    collective, so every process calls this (and rank 0 writes)."""
+    if cfg.zero_stage == 0:
+        return state["params"], state["m"], state["v"]
+    shapes = param_shapes(cfg)
+    starts, size = flat_layout(shapes, world)
+    full = {}
+    for name in ("m", "v"):
+        buffer = torch.empty(size, dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
+        if world > 1:
+            dist.all_gather_single(buffer, state[f"{name}_shard"])
+        else:
+            buffer.copy_(state[f"{name}_shard"])
+        full[name] = flat_views(buffer, starts, shapes)
+    return state["params"], full["m"], full["v"]
+
+
 def latest_checkpoint(out_dir):
     """The newest complete checkpoint directory in out_dir, or None."""
     found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
@@ -806,6 +935,24 @@ def peak_flops(device_name, dtype):
         if key in device_name:
             return bf16 if dtype == "bf16" else tf32
     return None
+
+
+def device_state_bytes(cfg, shapes, world):
+    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
+    the activations, nor the transient compute-dtype gradients grad_fn returns per micro-batch):
+    `params`: the bf16 compute copies (of every tensor but the fp32 embeddings; none with --dtype fp32,
+    where the model computes with the masters); `grads`: the fp32 flat gradient buffer, plus at stage 1 the
+    reduce-scattered shard; `masters`: the fp32 master weights, all of them at either stage (stage 1
+    updates only its shard of them, but the all-gather after the update brings every process all of them,
+    which the model and the bf16 copies read); `moments`: AdamW's m and v, all of them or (stage 1) a shard."""
+    numel = {k: math.prod(s) for k, s in shapes.items()}
+    _, size = flat_layout(shapes, world)
+    sharded = cfg.zero_stage == 1 and world > 1  # one process at stage 1 reduces into its buffer itself
+    copies = 0 if cfg.dtype == "fp32" else 2 * sum(n for k, n in numel.items() if k not in EMBEDDINGS)
+    return {"params": copies,
+            "grads": 4 * size + (4 * size // world if sharded else 0),
+            "masters": 4 * (size if cfg.zero_stage == 1 else sum(numel.values())),
+            "moments": 2 * 4 * (size // world if cfg.zero_stage == 1 else sum(numel.values()))}
 
 
 def log_event(out_dir, **record):
@@ -991,15 +1138,19 @@ def main(argv=None):
         os.makedirs(cfg.out_dir, exist_ok=True)
         drop_partial_log_line(cfg.out_dir)
 
-    # devices: every process holds all of the fp32 parameters and optimizer state
-    params, m, v = to_device(params, device), to_device(m, device), to_device(v, device)
-    copies = compute_copies(params, cfg)  # refreshed by every update from then on
+    # devices: what each process holds depends on --zero-stage (make_state)
+    state = make_state(params, m, v, cfg, device, rank, world)
+    params, copies, m, v = state["params"], state["copies"], state["m"], state["v"]
     n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
         f"wpe) | {world} x {device_kind} | {cfg.dtype} | compile: {'on' if cfg.compile else 'off'}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
+    held = device_state_bytes(cfg, param_shapes(cfg), world)
+    say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
+        f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
+        f"{cfg.zero_stage} over {world} devices)")
 
     with out_of_memory_is_an_error(cfg):
         def compile_(fn, **kwargs):
@@ -1056,7 +1207,7 @@ def main(argv=None):
             x, y = step_batches(train_loader, grad_accum)                          # (A,B,T) each
             scalars = adam_scalars(step, cfg, device)                              # (3,)
             loss, norm = train_step(params, copies, m, v, put_batch(x, device), put_batch(y, device),
-                                    scalars, cfg, grad_fn, update_fn, world)
+                                    scalars, cfg, grad_fn, update_fn, world, state)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             dt = time.perf_counter() - t0
             times[step] = dt
@@ -1082,10 +1233,13 @@ def main(argv=None):
                 log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                           tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
             # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses nothing
-            if master and due(cfg.ckpt_every, step, cfg.steps):
-                path = save_checkpoint(cfg.out_dir, step, to_numpy(params), to_numpy(m), to_numpy(v),
-                                       train_loader.state(), cfg)
-                say(f"saved {path}")
+            if due(cfg.ckpt_every, step, cfg.steps):
+                full = gather_state(state, cfg, world)  # every process: a collective at stage 1
+                if master:
+                    path = save_checkpoint(cfg.out_dir, step, *map(to_numpy, full), train_loader.state(), cfg)
+                    say(f"saved {path}")
+                if world > 1:  # the others wait while rank 0 writes
+                    dist.barrier()
             run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
             if master and due(cfg.sample_every, step, cfg.steps):
                 seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])

@@ -97,6 +97,8 @@ class Config:
     sample_every: int = 1000
     eval_only: bool = False
     profile: bool = False
+    # data parallel: 0 = every process holds all optimizer state, 1 = ZeRO-1 (sharded AdamW state)
+    zero_stage: int = 0
     # this trainer only: which ops implement the model, and its self-test and op benchmark
     backend: str = "torch"
     test: bool = False
@@ -147,6 +149,8 @@ def parse_args(argv=None):
     p.add_argument("--sample-every", type=int, default=d.sample_every)
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--zero-stage", type=int, default=d.zero_stage,
+                   help="0: plain data parallel, 1: ZeRO-1, AdamW state sharded over the processes")
     a = p.parse_args(argv)
     for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
         if getattr(a, flag) <= 0:
@@ -161,6 +165,11 @@ def parse_args(argv=None):
         p.error("--lr-decay-frac must be in [0, 1]")
     if not (0 <= a.weight_decay < math.inf and a.grad_clip >= 0):  # NaN fails these too
         p.error("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if a.zero_stage == 3:
+        p.error("--zero-stage 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py); this one "
+                "takes 0 or 1")
+    if a.zero_stage not in (0, 1):
+        p.error("--zero-stage must be 0 or 1")
     if not 0 <= a.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
         p.error("--seed must be in [0, 2**63)")
     n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
@@ -178,8 +187,8 @@ def parse_args(argv=None):
                  resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
                  val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
                  hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
-                 eval_only=a.eval_only, profile=a.profile, backend=a.backend, test=a.test,
-                 bench_ops=a.bench_ops)
+                 eval_only=a.eval_only, profile=a.profile, zero_stage=a.zero_stage, backend=a.backend,
+                 test=a.test, bench_ops=a.bench_ops)
     if cfg.n_embd % cfg.n_head:
         p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     # flags that were given explicitly must agree with a model file's header (checked on load)
@@ -639,15 +648,51 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
             copies[i].copy_(p)
 
 
+FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+
+
+def flat_layout(shapes, world):
+    """({name: first element}, size) of a flat buffer holding the tensors of `shapes` in PARAM_NAMES order,
+    each from a FLAT_ALIGN boundary (aligned vector loads in the kernels); the size is padded to a multiple
+    of FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards (the padding stays
+    zero)."""
+    starts, size = {}, 0
+    for k in PARAM_NAMES:
+        starts[k] = size
+        size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+    unit = FLAT_ALIGN * world
+    return starts, -(-size // unit) * unit
+
+
+def flat_views(buffer, starts, shapes):
+    """{name: its tensor, a view into the flat buffer}."""
+    return {k: buffer[starts[k]:starts[k] + math.prod(shapes[k])].view(shapes[k]) for k in PARAM_NAMES}
+
+
+def shard_ranges(starts, shapes, size, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor that lie in rank's shard of the flat buffer
+    (elements [rank S, (rank+1) S), S = size / world) as offsets into the flat buffer; tensors outside the
+    shard are left out, and a tensor may be split between shards."""
+    n = size // world
+    first, ranges = rank * n, {}
+    for k in PARAM_NAMES:
+        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
+        if lo < hi:
+            ranges[k] = (lo, hi)
+    return ranges
+
+
 @torch.no_grad()
 def train_step(state, xs, ys, step, cfg, ops, world):
     """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): each one's forward and
     hand-written backward add into the fp32 gradients, scaled so that they sum to the gradient of the mean
-    token loss over all A x world micro-batches; one all-reduce over the processes; clipping by global norm;
-    AdamW. No autograd anywhere: grad mode is off and no tensor requires grad. Everything runs through `ops`
-    (the loss sum, the zeroing and clipping of the gradients too), and the clipping coefficient is computed
-    on the device: the host waits once, at the end, to read the loss and the norm. Returns (train loss,
-    grad norm before clipping) as floats."""
+    token loss over all A x world micro-batches; one collective over the flat gradient buffer (all-reduce,
+    or at stage 1 reduce-scatter); clipping by global norm; AdamW (at stage 1 on this process's shard, then
+    an all-gather of the masters). No autograd anywhere: grad mode is off and no tensor requires grad.
+    Everything but the collectives (and at stage 1 the sum of the shards' squared norms) runs through
+    `ops` (the loss sum, the zeroing and clipping of the gradients too), and the clipping coefficient is
+    computed on the device: the host waits once, at the end, to read the loss and the norm. Returns (train
+    loss, grad norm before clipping) as floats."""
     w, grads, flat = state["wts"], state["grads"], state["grad_buffer"]
     ops.zero_fill(flat)
     dloss = 1.0 / (xs[0].numel() * len(xs) * world)
@@ -656,34 +701,82 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     for x, y in zip(xs, ys):
         ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), dloss)
     if world > 1:
-        dist.all_reduce(flat)
         dist.all_reduce(loss)
-    g = [grads[k] for k in PARAM_NAMES]
+    lr = lr_at(step - 1, cfg)
+    if cfg.zero_stage == 0:
+        if world > 1:
+            dist.all_reduce(flat)  # one collective for all 16 gradients
+        g = [grads[k] for k in PARAM_NAMES]
+        norm = ops.global_norm(g)  # ()
+        if cfg.grad_clip > 0:
+            ops.clip_by_norm(flat, norm, cfg.grad_clip)
+        copies = [w[k] for k in PARAM_NAMES] if cfg.dtype == "bf16" else None
+        ops.adamw_update([state["params"][k] for k in PARAM_NAMES], g, [state["m"][k] for k in PARAM_NAMES],
+                         [state["v"][k] for k in PARAM_NAMES], copies, lr, BETA1, BETA2, EPS,
+                         [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in PARAM_NAMES], step, 1.0)
+        return loss.item(), norm.item()  # the step's one wait for the device
+    # ZeRO-1: this process's shard of the summed gradients, the norm from every shard's sum of squares,
+    # AdamW on the shard, then every process's updated shard to every process
+    if world > 1:
+        dist.reduce_scatter_single(state["grad_shard"], flat)
+    names = list(state["shard_grads"])
+    g = [state["shard_grads"][k] for k in names]
     norm = ops.global_norm(g)  # ()
+    if world > 1:
+        squares = norm.double().square()  # ()
+        dist.all_reduce(squares)
+        norm = squares.sqrt().float()  # ()
     if cfg.grad_clip > 0:
-        ops.clip_by_norm(flat, norm, cfg.grad_clip)
-    copies = [w[k] for k in PARAM_NAMES] if cfg.dtype == "bf16" else None
-    ops.adamw_update([state["params"][k] for k in PARAM_NAMES], g, [state["m"][k] for k in PARAM_NAMES],
-                     [state["v"][k] for k in PARAM_NAMES], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
-                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in PARAM_NAMES], step, 1.0)
+        ops.clip_by_norm(state["grad_shard"], norm, cfg.grad_clip)
+    ops.adamw_update([state["shard_params"][k] for k in names], g, [state["m"][k] for k in names],
+                     [state["v"][k] for k in names], None, lr, BETA1, BETA2, EPS,
+                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
+    if world > 1:
+        dist.all_gather_single(state["param_buffer"], state["param_shard"])
+    if cfg.dtype == "bf16":
+        for k in PARAM_NAMES:
+            ops.copy_into(w[k], state["params"][k])
     return loss.item(), norm.item()  # the step's one wait for the device
 
 
-GRAD_ALIGN = 16  # each gradient starts 64 bytes into the flat buffer: aligned vector loads in the kernels
-
-
-def make_state(params, m, v, cfg, device):
-    """The training state from numpy dicts: fp32 master weights, AdamW moments, the fp32 gradients (views of
-    one flat buffer, `grad_buffer`, that one kernel zeroes or clips and one all-reduce sums), and `wts`,
-    the weights the model computes with (bf16 copies, or the fp32 masters themselves)."""
-    state = {name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))}
-    starts, size = {}, 0
-    for k in PARAM_NAMES:
-        starts[k] = size
-        size += -(-state["params"][k].numel() // GRAD_ALIGN) * GRAD_ALIGN
-    state["grad_buffer"] = torch.zeros(size, dtype=torch.float32, device=device)  # (P,) padded
-    state["grads"] = {k: state["grad_buffer"][starts[k]:starts[k] + t.numel()].view(t.shape)
-                      for k, t in state["params"].items()}
+def make_state(params, m, v, cfg, device, rank=0, world=1):
+    """The training state from numpy dicts: fp32 master weights `params`, AdamW moments `m`, `v`, the fp32
+    gradients `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes and one collective
+    sums over the processes), and `wts`, the weights the model computes with (bf16 copies, or the fp32
+    masters themselves). Stage 0: every process holds and updates all of them. Stage 1 (ZeRO-1): a
+    process keeps only its shard (1/world of the flat layout) of m and v (`m_shard`, `v_shard`) and updates
+    only that shard of the masters, from its shard of the summed gradients (`grad_shard`, reduce-scattered);
+    one all-gather of the masters' flat buffer (`param_buffer`) then brings every process every update. At
+    stage 1, m, v, `shard_params` and `shard_grads` are {name: 1-D piece} of the tensors in the shard."""
+    shapes = param_shapes(cfg)
+    starts, size = flat_layout(shapes, world)
+    state = {"grad_buffer": torch.zeros(size, dtype=torch.float32, device=device)}  # (P,) padded
+    state["grads"] = flat_views(state["grad_buffer"], starts, shapes)
+    if cfg.zero_stage == 0:
+        state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
+    else:
+        # masters in one flat buffer, so that one all-gather refreshes them; the moments only in a shard
+        state["param_buffer"] = torch.zeros(size, dtype=torch.float32, device=device)  # (P,) padded
+        state["params"] = flat_views(state["param_buffer"], starts, shapes)
+        for k in PARAM_NAMES:
+            state["params"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        n = size // world
+        first = rank * n
+        ranges = shard_ranges(starts, shapes, size, rank, world)
+        for name, full in (("m", m), ("v", v)):
+            shard = torch.zeros(n, dtype=torch.float32, device=device)  # (S,)
+            for k, (lo, hi) in ranges.items():
+                flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                shard[lo - first:hi - first] = torch.from_numpy(flat.copy())
+            state[f"{name}_shard"] = shard
+            state[name] = {k: shard[lo - first:hi - first] for k, (lo, hi) in ranges.items()}
+        # one process alone reduces into its gradient buffer itself
+        state["grad_shard"] = (state["grad_buffer"] if world == 1 else
+                               torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
+        state["shard_grads"] = {k: state["grad_shard"][lo - first:hi - first]
+                                for k, (lo, hi) in ranges.items()}
+        state["shard_params"] = {k: state["param_buffer"][lo:hi] for k, (lo, hi) in ranges.items()}
+        state["param_shard"] = state["param_buffer"][first:first + n]  # (S,) a view
     state["wts"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
                     else state["params"])
     return state
@@ -2323,6 +2416,25 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     return final
 
 
+def gather_state(state, cfg, world):
+    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
+    at any stage and process count. At stage 1 the moments' shards are all-gathered into new buffers: a
+    collective, so every process calls this (and rank 0 writes)."""
+    if cfg.zero_stage == 0:
+        return state["params"], state["m"], state["v"]
+    shapes = param_shapes(cfg)
+    starts, size = flat_layout(shapes, world)
+    full = {}
+    for name in ("m", "v"):
+        buffer = torch.empty(size, dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
+        if world > 1:
+            dist.all_gather_single(buffer, state[f"{name}_shard"])
+        else:
+            buffer.copy_(state[f"{name}_shard"])
+        full[name] = flat_views(buffer, starts, shapes)
+    return state["params"], full["m"], full["v"]
+
+
 def latest_checkpoint(out_dir):
     """The newest complete checkpoint directory in out_dir, or None."""
     found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
@@ -2474,6 +2586,23 @@ def peak_flops(device_name, dtype):
         if key in device_name:
             return bf16 if dtype == "bf16" else tf32
     return None
+
+
+def device_state_bytes(cfg, shapes, world):
+    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
+    the activations): `params`: the bf16 compute copies `wts` (none with --dtype fp32, where the model
+    computes with the masters); `grads`: the fp32 flat gradient buffer, plus at stage 1 the reduce-scattered
+    shard; `masters`: the fp32 master weights, all of them at either stage (stage 1 updates only its shard
+    of them, but the all-gather after the update brings every process all of them, which the model or the
+    bf16 copies read); `moments`: AdamW's m and v, all of them or (stage 1) a shard."""
+    numel = {k: math.prod(s) for k, s in shapes.items()}
+    _, size = flat_layout(shapes, world)
+    sharded = cfg.zero_stage == 1 and world > 1  # one process at stage 1 reduces into its buffer itself
+    copies = 0 if cfg.dtype == "fp32" else 2 * sum(numel.values())
+    return {"params": copies,
+            "grads": 4 * size + (4 * size // world if sharded else 0),
+            "masters": 4 * (size if cfg.zero_stage == 1 else sum(numel.values())),
+            "moments": 2 * 4 * (size // world if cfg.zero_stage == 1 else sum(numel.values()))}
 
 
 def log_event(out_dir, framework, **record):
@@ -3543,8 +3672,8 @@ def main(argv=None):
         os.makedirs(cfg.out_dir, exist_ok=True)
         drop_partial_log_line(cfg.out_dir)
 
-    # devices: every process holds all parameters, gradients and optimizer state in fp32
-    state = make_state(params, m, v, cfg, device)
+    # devices: what each process holds depends on --zero-stage (make_state)
+    state = make_state(params, m, v, cfg, device, rank, world)
     params = state["wts"]  # what evaluation and sampling compute with
     n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -3552,6 +3681,10 @@ def main(argv=None):
         f"wpe) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
+    held = device_state_bytes(cfg, param_shapes(cfg), world)
+    say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
+        f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
+        f"{cfg.zero_stage} over {world} devices)")
 
     if cfg.profile:
         profile_run(state, train_loader, cfg, ops, world, device, grad_accum, framework, master)
@@ -3608,10 +3741,13 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses nothing
-        if master and due(cfg.ckpt_every, step, cfg.steps):
-            path = save_checkpoint(cfg.out_dir, step, to_numpy(state["params"]), to_numpy(state["m"]),
-                                   to_numpy(state["v"]), train_loader.state(), cfg)
-            say(f"saved {path}")
+        if due(cfg.ckpt_every, step, cfg.steps):
+            full = gather_state(state, cfg, world)  # every process: a collective at stage 1
+            if master:
+                path = save_checkpoint(cfg.out_dir, step, *map(to_numpy, full), train_loader.state(), cfg)
+                say(f"saved {path}")
+            if world > 1:  # the others wait while rank 0 writes
+                dist.barrier()
         run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
         if master and due(cfg.sample_every, step, cfg.steps):
             seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
