@@ -1,6 +1,6 @@
 """The test suite: every implementation against the others and against outside references.
 
-    python test_parity.py                 # everything (CPU: about 8 minutes on 2 cores)
+    python test_parity.py                 # everything (CPU: about 9 minutes on 2 cores, 2 workers)
     python test_parity.py -k tokenizer    # a selection (pytest -k syntax)
     python test_parity.py --list          # what each test checks, grouped by component
     pytest                                # the same tests under plain pytest
@@ -14,6 +14,7 @@ offline; tiktoken reads GPT-2's files from there too, through a temporary cache.
 """
 import atexit
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -97,7 +98,19 @@ def main(argv):
     if listing:
         return pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", *targets, *args],
                            plugins=[_ListTests()])
-    return pytest.main(["-p", "no:cacheprovider", "--durations=15", *targets, *args])
+    return pytest.main(["-p", "no:cacheprovider", "--durations=15", *parallel(args), *targets, *args])
+
+
+def parallel(args):
+    """pytest-xdist's flags for two worker processes, one test file at a time each (a file's module-scoped
+    runs then happen once), unless the command line chooses (-n, -p no:xdist) or xdist is missing. Most
+    tests spend their time in one single-threaded process or compile, so two workers use the two cores
+    of a small machine that one leaves half idle."""
+    if importlib.util.find_spec("xdist") is None:  # found, not imported: pytest imports its plugins itself
+        return []
+    if any(a.startswith(("-n", "--numprocesses")) or "xdist" in a for a in args):
+        return []
+    return ["-n", "2", "--dist", "loadfile"]
 
 
 if __name__ == "__main__":
