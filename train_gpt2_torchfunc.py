@@ -474,23 +474,21 @@ def shard_ranges(starts, shapes, size, rank, world):
 GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 
 
-def train_step(params, copies, m, v, x, y, scalars, cfg, grad_fn, update_fn, world, state=None):
+def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
     losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
     processes by one collective over the flat gradient buffer), clipped, AdamW; grad_fn / update_fn are
-    grads_and_loss / adamw_update, compiled or not. `state` is make_state's (its flat buffers; None: one
-    process at stage 0 summing into fresh fp32 tensors, as the tests call it). Returns (loss, grad_norm
-    before clipping) as 0-d device tensors: nothing here waits for the device."""
+    grads_and_loss / adamw_update, compiled or not; `state` is make_state's, updated in place. Returns
+    (loss, grad_norm before clipping) as 0-d device tensors: nothing here waits for the device."""
+    params, copies, m, v = state["params"], state["copies"], state["m"], state["v"]
     A = x.shape[0]
     weights = model_weights(params, copies)
     scale = 1.0 / (A * world)
     with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
         grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
-    if state is None:
-        grads = {k: g.float() for k, g in grads.items()}  # fp32 sums: a copy of each bf16 gradient
-    else:  # fp32 sums in the flat buffer: a copy of each bf16 gradient
-        torch._foreach_copy_([state["grads"][k] for k in PARAM_NAMES], [grads[k] for k in PARAM_NAMES])
-        grads = state["grads"]
+    # fp32 sums in the flat buffer: a copy of each bf16 gradient
+    torch._foreach_copy_([state["grads"][k] for k in PARAM_NAMES], [grads[k] for k in PARAM_NAMES])
+    grads = state["grads"]
     for i in range(1, A):
         with torch.profiler.record_function(GRADIENT):
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
@@ -1140,7 +1138,7 @@ def main(argv=None):
 
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)
-    params, copies, m, v = state["params"], state["copies"], state["m"], state["v"]
+    params, copies = state["params"], state["copies"]  # what evaluation and sampling compute with
     n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
@@ -1206,8 +1204,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             x, y = step_batches(train_loader, grad_accum)                          # (A,B,T) each
             scalars = adam_scalars(step, cfg, device)                              # (3,)
-            loss, norm = train_step(params, copies, m, v, put_batch(x, device), put_batch(y, device),
-                                    scalars, cfg, grad_fn, update_fn, world, state)
+            loss, norm = train_step(state, put_batch(x, device), put_batch(y, device), scalars, cfg,
+                                    grad_fn, update_fn, world)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             dt = time.perf_counter() - t0
             times[step] = dt

@@ -112,10 +112,9 @@ def train_steps(cfg, start, device, grad_backend=None, update_backend=None, step
     `start`, with the gradient and the update each eager (None) or torch.compile'd by the backend named,
     any recompilation an error. Returns ([(loss, grad norm)] per step, the first micro-batch's
     gradients, params, m, v, copies)."""
-    params = tf.to_device(start, device)
-    copies = tf.compute_copies(params, cfg)
-    m = {k: torch.zeros_like(p) for k, p in params.items()}
-    v = {k: torch.zeros_like(p) for k, p in params.items()}
+    zeros = {k: np.zeros_like(p) for k, p in start.items()}
+    state = tf.make_state(start, zeros, zeros, cfg, device, 0, 1)
+    params, copies, m, v = state["params"], state["copies"], state["m"], state["v"]
     grad_fn, update_fn = tf.grads_and_loss, tf.adamw_update
     torch._dynamo.reset()
     options = lambda backend: tf.INDUCTOR_OPTIONS if backend == "inductor" else None  # noqa: E731
@@ -131,8 +130,8 @@ def train_steps(cfg, start, device, grad_backend=None, update_backend=None, step
             x, y = (tf.put_batch(t, device) for t in tf.step_batches(loader, accum))  # (A,B,T) each
             if first_grads is None:
                 first_grads = grad_fn(tf.model_weights(params, copies), x[0], y[0], 1.0 / accum, cfg)[0]
-            loss, norm = tf.train_step(params, copies, m, v, x, y, tf.adam_scalars(step, cfg, device),
-                                       cfg, grad_fn, update_fn, 1)
+            loss, norm = tf.train_step(state, x, y, tf.adam_scalars(step, cfg, device), cfg, grad_fn,
+                                       update_fn, 1)
             out.append((loss.item(), norm.item()))
     return out, first_grads, params, m, v, copies
 
