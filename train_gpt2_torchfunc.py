@@ -87,7 +87,7 @@ class Config:
     sample_every: int = 1000
     eval_only: bool = False
     profile: bool = False
-    # data parallel: 0 = every process holds all optimizer state, 1 = ZeRO-1 (sharded AdamW state)
+    # data parallel: 0 = every process holds all optimizer state, 1 = ZeRO-1 (AdamW state, masters sharded)
     zero_stage: int = 0
     # torch only (--compile defaults to 1 with CUDA, 0 on the CPU)
     compile: bool = True
@@ -132,7 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--zero-stage", type=int, default=d.zero_stage,
-                   help="0: plain data parallel, 1: ZeRO-1, AdamW state sharded over the processes")
+                   help="0: plain data parallel, 1: ZeRO-1, AdamW state and the fp32 masters of bf16 "
+                        "weights sharded over the processes")
     p.add_argument("--compile", type=int, choices=(0, 1), default=int(torch.cuda.is_available()),
                    help="torch.compile the step (default 1 with CUDA, 0 on the CPU)")
     a = p.parse_args(argv)
@@ -441,30 +442,49 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
 
 
-def flat_layout(shapes, world):
-    """({name: first element}, size) of a flat buffer holding the tensors of `shapes` in PARAM_NAMES order,
-    each from a FLAT_ALIGN boundary; the size is padded to a multiple of FLAT_ALIGN x world, so that any
-    number of processes gets equal, aligned shards (the padding stays zero)."""
-    starts, size = {}, 0
-    for k in PARAM_NAMES:
-        starts[k] = size
-        size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+def compute_groups(cfg):
+    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
+    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): with --dtype
+    bf16 the fp32 embedding tables, then the bf16 copies of the rest; in fp32 all of them."""
+    if cfg.dtype == "fp32":
+        return [(PARAM_NAMES, torch.float32)]
+    rest = [k for k in PARAM_NAMES if k not in EMBEDDINGS]
+    return [(list(EMBEDDINGS), torch.float32), (rest, torch.bfloat16)]
+
+
+def flat_layout(shapes, groups, world):
+    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
+    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
+    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
+    stays zero)."""
+    starts, spans, size = {}, [], 0
     unit = FLAT_ALIGN * world
-    return starts, -(-size // unit) * unit
+    for names, _ in groups:
+        first = size
+        for k in names:
+            starts[k] = size
+            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        size = first + -(-(size - first) // unit) * unit
+        spans.append((first, size))
+    return starts, spans
 
 
-def flat_views(buffer, starts, shapes):
-    """{name: its tensor, a view into the flat buffer}."""
-    return {k: buffer[starts[k]:starts[k] + math.prod(shapes[k])].view(shapes[k]) for k in PARAM_NAMES}
+def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
+    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
+    element `first` of the layout."""
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
+            for k in names}
 
 
-def shard_ranges(starts, shapes, size, rank, world):
-    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor that lie in rank's shard of the flat buffer
-    (elements [rank S, (rank+1) S), S = size / world) as offsets into the flat buffer; tensors outside the
-    shard are left out, and a tensor may be split between shards."""
-    n = size // world
-    first, ranges = rank * n, {}
+def shard_ranges(starts, shapes, span, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
+    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
+    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
+    n = (span[1] - span[0]) // world
+    first, ranges = span[0] + rank * n, {}
     for k in PARAM_NAMES:
+        if not span[0] <= starts[k] < span[1]:
+            continue
         lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
         if lo < hi:
             ranges[k] = (lo, hi)
@@ -477,18 +497,16 @@ GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
     losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
-    processes by one collective over the flat gradient buffer), clipped, AdamW; grad_fn / update_fn are
+    processes by collectives over the flat gradient buffer), clipped, AdamW; grad_fn / update_fn are
     grads_and_loss / adamw_update, compiled or not; `state` is make_state's, updated in place. Returns
-    (loss, grad_norm before clipping) as 0-d device tensors: nothing here waits for the device."""
-    params, copies, m, v = state["params"], state["copies"], state["m"], state["v"]
+    (loss, grad norm before clipping) as 0-d device tensors: nothing here waits for the device."""
+    weights, grads = state["weights"], state["grads"]
     A = x.shape[0]
-    weights = model_weights(params, copies)
     scale = 1.0 / (A * world)
     with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
-        grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
-    # fp32 sums in the flat buffer: a copy of each bf16 gradient
-    torch._foreach_copy_([state["grads"][k] for k in PARAM_NAMES], [grads[k] for k in PARAM_NAMES])
-    grads = state["grads"]
+        micro_grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
+    # fp32 sums in the flat buffer: a copy of each compute-dtype gradient
+    torch._foreach_copy_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
     for i in range(1, A):
         with torch.profiler.record_function(GRADIENT):
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
@@ -500,65 +518,80 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
         if world > 1:
             dist.all_reduce(state["grad_buffer"])  # one collective for all 16 gradients
         norm = global_norm(grads)                                                  # ()
-        update_fn(params, grads, m, v, scalars, clip_coefficient(norm, cfg), copies, cfg)
+        update_fn(state["params"], grads, state["m"], state["v"], scalars, clip_coefficient(norm, cfg),
+                  state["copies"], cfg)
         return loss, norm
-    # ZeRO-1: this process's shard of the summed gradients, the norm from every shard's sum of squares,
-    # AdamW on the shard, then every process's updated shard to every process
+    # ZeRO-1, group by group (compute_groups): this process's shard of the summed gradients, the norm from
+    # every shard's sum of squares, AdamW on the shard of the masters (and of the compute copies), then
+    # every process's updated shard of the weights to every process
     if world > 1:
-        dist.reduce_scatter_single(state["grad_shard"], state["grad_buffer"])
+        for group in state["groups"]:
+            first, end = group["span"]
+            dist.reduce_scatter_single(group["grads"], state["grad_buffer"][first:end])
     norm = global_norm(state["shard_grads"])                                       # ()
     if world > 1:
         squares = norm.double().square()                                           # ()
         dist.all_reduce(squares)
         norm = squares.sqrt().float()                                              # ()
-    update_fn(state["shard_params"], state["shard_grads"], m, v, scalars, clip_coefficient(norm, cfg),
-              None, cfg)
+    update_fn(state["shard_params"], state["shard_grads"], state["m"], state["v"], scalars,
+              clip_coefficient(norm, cfg), state["shard_copies"], cfg)
     if world > 1:
-        dist.all_gather_single(state["param_buffer"], state["param_shard"])
-    if copies is not None:
-        torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
+        for group in state["groups"]:
+            dist.all_gather_single(group["weights"], group["own_weights"])
     return loss, norm
 
 
 def make_state(params, m, v, cfg, device, rank, world):
-    """The training state from numpy dicts, on the device. Every process holds all of the fp32 masters
-    `params`, their compute-dtype `copies` and the fp32 gradients `grads` (views of one flat buffer,
-    `grad_buffer`, that one collective sums over the processes). Stage 0: it also holds all of AdamW's
-    moments `m`, `v` and updates every weight. Stage 1 (ZeRO-1): it keeps only its shard (1/world of the flat
-    layout) of m and v (`m_shard`, `v_shard`) and updates only that shard of the masters, from its shard of
-    the summed gradients (`grad_shard`, reduce-scattered); one all-gather of the masters' flat buffer
-    (`param_buffer`) then brings every process every update. At stage 1, m, v, `shard_params` and
-    `shard_grads` are {name: 1-D piece} of the tensors in the shard."""
+    """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
+    `grads` (views of one flat buffer, `grad_buffer`) and all of the `weights` the model computes with
+    (compute_groups: the fp32 masters, or bf16 copies of them). Stage 0: it also holds all of the fp32
+    masters `params`, their bf16 `copies` and AdamW's moments `m`, `v`, sums the gradients with one
+    all-reduce and updates every weight. Stage 1 (ZeRO-1): per compute group (`groups`), it keeps only its
+    shard, 1/world of the group's stretch of the flat layout, of the fp32 masters (a piece of the weights
+    themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered into it);
+    it updates that shard of the masters and of the weights (`own_weights`), and one all-gather of the
+    group's weights brings every process every update. `shard_params`, `shard_grads`, `shard_copies`, m
+    and v are then {name: 1-D piece} of the tensors in the shard."""
     shapes = param_shapes(cfg)
-    starts, size = flat_layout(shapes, world)
-    state = {"grad_buffer": torch.zeros(size, dtype=torch.float32, device=device)}  # (P,) padded
+    groups = compute_groups(cfg)
+    starts, spans = flat_layout(shapes, groups, world)
+    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
     state["grads"] = flat_views(state["grad_buffer"], starts, shapes)
     if cfg.zero_stage == 0:
         state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
-    else:
-        # masters in one flat buffer, so that one all-gather refreshes them; the moments only in a shard
-        state["param_buffer"] = torch.zeros(size, dtype=torch.float32, device=device)  # (P,) padded
-        state["params"] = flat_views(state["param_buffer"], starts, shapes)
-        for k in PARAM_NAMES:
-            state["params"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        n = size // world
-        first = rank * n
-        ranges = shard_ranges(starts, shapes, size, rank, world)
-        for name, full in (("m", m), ("v", v)):
-            shard = torch.zeros(n, dtype=torch.float32, device=device)                # (S,)
+        state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
+        state["weights"] = model_weights(state["params"], state["copies"])
+        return state
+    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    for (names, dtype), (first, end) in zip(groups, spans):
+        n = (end - first) // world
+        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
+        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
+        views = flat_views(group["weights"], starts, shapes, names, first)
+        for k in names:
+            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        state["weights"].update(views)
+        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
+        # fp32 weights are their own masters; bf16 ones get an fp32 shard
+        group["params"] = (group["own_weights"] if dtype == torch.float32 else
+                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
+        # one process alone reduces into its gradient buffer itself
+        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
+                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
+        group["m"], group["v"] = (torch.zeros(n, dtype=torch.float32, device=device) for _ in "mv")  # (S,)
+        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
+        for name, full in (("params", params), ("m", m), ("v", v)):
             for k, (lo, hi) in ranges.items():
                 flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
-                shard[lo - first:hi - first] = torch.from_numpy(flat.copy())
-            state[f"{name}_shard"] = shard
-            state[name] = {k: shard[lo - first:hi - first] for k, (lo, hi) in ranges.items()}
-        # one process alone reduces into its gradient buffer itself
-        state["grad_shard"] = (state["grad_buffer"] if world == 1 else
-                               torch.zeros(n, dtype=torch.float32, device=device))   # (S,)
-        state["shard_grads"] = {k: state["grad_shard"][lo - first:hi - first]
-                                for k, (lo, hi) in ranges.items()}
-        state["shard_params"] = {k: state["param_buffer"][lo:hi] for k, (lo, hi) in ranges.items()}
-        state["param_shard"] = state["param_buffer"][first:first + n]                # (S,) a view
-    state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
+                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        for k, (lo, hi) in ranges.items():
+            state["shard_params"][k] = group["params"][lo - own:hi - own]
+            state["shard_grads"][k] = group["grads"][lo - own:hi - own]
+            state["m"][k], state["v"][k] = group["m"][lo - own:hi - own], group["v"][lo - own:hi - own]
+            if dtype != torch.float32:
+                state["shard_copies"][k] = group["own_weights"][lo - own:hi - own]
+        state["groups"].append(group)
+    state["shard_copies"] = state["shard_copies"] or None
     return state
 
 
@@ -764,21 +797,23 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
 
 def gather_state(state, cfg, world):
     """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
-    at any stage and process count. At stage 1 the moments' shards are all-gathered into new buffers: a
-    collective, so every process calls this (and rank 0 writes)."""
+    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
+    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
     if cfg.zero_stage == 0:
         return state["params"], state["m"], state["v"]
     shapes = param_shapes(cfg)
-    starts, size = flat_layout(shapes, world)
-    full = {}
-    for name in ("m", "v"):
-        buffer = torch.empty(size, dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
-        if world > 1:
-            dist.all_gather_single(buffer, state[f"{name}_shard"])
-        else:
-            buffer.copy_(state[f"{name}_shard"])
-        full[name] = flat_views(buffer, starts, shapes)
-    return state["params"], full["m"], full["v"]
+    starts, spans = flat_layout(shapes, compute_groups(cfg), world)
+    full = []
+    for name in ("params", "m", "v"):
+        buffer = torch.empty(spans[-1][1], dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
+        for group in state["groups"]:
+            first, end = group["span"]
+            if world > 1:
+                dist.all_gather_single(buffer[first:end], group[name])
+            else:
+                buffer[first:end].copy_(group[name])
+        full.append(flat_views(buffer, starts, shapes))
+    return tuple(full)
 
 
 def latest_checkpoint(out_dir):
@@ -939,18 +974,24 @@ def device_state_bytes(cfg, shapes, world):
     """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
     the activations, nor the transient compute-dtype gradients grad_fn returns per micro-batch):
     `params`: the bf16 compute copies (of every tensor but the fp32 embeddings; none with --dtype fp32,
-    where the model computes with the masters); `grads`: the fp32 flat gradient buffer, plus at stage 1 the
-    reduce-scattered shard; `masters`: the fp32 master weights, all of them at either stage (stage 1
-    updates only its shard of them, but the all-gather after the update brings every process all of them,
-    which the model and the bf16 copies read); `moments`: AdamW's m and v, all of them or (stage 1) a shard."""
-    numel = {k: math.prod(s) for k, s in shapes.items()}
-    _, size = flat_layout(shapes, world)
-    sharded = cfg.zero_stage == 1 and world > 1  # one process at stage 1 reduces into its buffer itself
-    copies = 0 if cfg.dtype == "fp32" else 2 * sum(n for k, n in numel.items() if k not in EMBEDDINGS)
-    return {"params": copies,
-            "grads": 4 * size + (4 * size // world if sharded else 0),
-            "masters": 4 * (size if cfg.zero_stage == 1 else sum(numel.values())),
-            "moments": 2 * 4 * (size // world if cfg.zero_stage == 1 else sum(numel.values()))}
+    where the model computes with the masters), all of them at either stage; `grads`: the fp32 flat
+    gradient buffer, plus at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all
+    of them, or at stage 1 a shard of those that have bf16 copies (the fp32 ones are what the model
+    computes with, so every process holds them whole); `moments`: AdamW's m and v, all or (stage 1) a
+    shard."""
+    groups = compute_groups(cfg)
+    _, spans = flat_layout(shapes, groups, world)
+    size = spans[-1][1]
+    if cfg.zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": 2 * 4 * sum(numel.values())}
+    lengths = [(end - first, dtype) for (_, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype in lengths),
+            "moments": 2 * 4 * size // world}
 
 
 def log_event(out_dir, **record):
@@ -1138,8 +1179,8 @@ def main(argv=None):
 
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)
-    params, copies = state["params"], state["copies"]  # what evaluation and sampling compute with
-    n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
+    weights = state["weights"]  # what evaluation and sampling compute with
+    n_params = sum(p.numel() for k, p in weights.items() if k != "wpe")
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
         f"wpe) | {world} x {device_kind} | {cfg.dtype} | compile: {'on' if cfg.compile else 'off'}")
@@ -1158,7 +1199,6 @@ def main(argv=None):
         row_losses = compile_(token_losses, dynamic=False)
 
         def run_evals(step, val, swag):
-            weights = model_weights(params, copies)
             if val and val_loader is not None:
                 val_loss = evaluate_val(eval_loss, weights, val_loader, cfg, device, world)
                 say(f"step {step:5d} | val loss {val_loss:.6f}")
@@ -1242,7 +1282,7 @@ def main(argv=None):
             if master and due(cfg.sample_every, step, cfg.steps):
                 seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
                 generator = torch.Generator(device=device).manual_seed(seed)
-                for i, row in enumerate(generate(model_weights(params, copies), generator, cfg).tolist()):
+                for i, row in enumerate(generate(weights, generator, cfg).tolist()):
                     text = encoder.decode(row[1:])
                     say(f"sample {i}: {text!r}")
 

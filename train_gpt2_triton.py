@@ -97,7 +97,7 @@ class Config:
     sample_every: int = 1000
     eval_only: bool = False
     profile: bool = False
-    # data parallel: 0 = every process holds all optimizer state, 1 = ZeRO-1 (sharded AdamW state)
+    # data parallel: 0 = every process holds all optimizer state, 1 = ZeRO-1 (AdamW state, masters sharded)
     zero_stage: int = 0
     # this trainer only: which ops implement the model, and its self-test and op benchmark
     backend: str = "torch"
@@ -150,7 +150,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--zero-stage", type=int, default=d.zero_stage,
-                   help="0: plain data parallel, 1: ZeRO-1, AdamW state sharded over the processes")
+                   help="0: plain data parallel, 1: ZeRO-1, AdamW state and the fp32 masters of bf16 "
+                        "weights sharded over the processes")
     a = p.parse_args(argv)
     for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
         if getattr(a, flag) <= 0:
@@ -651,31 +652,46 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
 
 
-def flat_layout(shapes, world):
-    """({name: first element}, size) of a flat buffer holding the tensors of `shapes` in PARAM_NAMES order,
-    each from a FLAT_ALIGN boundary (aligned vector loads in the kernels); the size is padded to a multiple
-    of FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards (the padding stays
-    zero)."""
-    starts, size = {}, 0
-    for k in PARAM_NAMES:
-        starts[k] = size
-        size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+def compute_groups(cfg):
+    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
+    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): here a single
+    group, bf16 copies of every tensor, or with --dtype fp32 the fp32 masters themselves."""
+    return [(PARAM_NAMES, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)]
+
+
+def flat_layout(shapes, groups, world):
+    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
+    `shapes` group after group, each from a FLAT_ALIGN boundary (aligned vector loads in the kernels);
+    every group is padded to a multiple of FLAT_ALIGN x world, so that any number of processes gets
+    equal, aligned shards of it (the padding stays zero)."""
+    starts, spans, size = {}, [], 0
     unit = FLAT_ALIGN * world
-    return starts, -(-size // unit) * unit
+    for names, _ in groups:
+        first = size
+        for k in names:
+            starts[k] = size
+            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        size = first + -(-(size - first) // unit) * unit
+        spans.append((first, size))
+    return starts, spans
 
 
-def flat_views(buffer, starts, shapes):
-    """{name: its tensor, a view into the flat buffer}."""
-    return {k: buffer[starts[k]:starts[k] + math.prod(shapes[k])].view(shapes[k]) for k in PARAM_NAMES}
+def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
+    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
+    element `first` of the layout."""
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
+            for k in names}
 
 
-def shard_ranges(starts, shapes, size, rank, world):
-    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor that lie in rank's shard of the flat buffer
-    (elements [rank S, (rank+1) S), S = size / world) as offsets into the flat buffer; tensors outside the
-    shard are left out, and a tensor may be split between shards."""
-    n = size // world
-    first, ranges = rank * n, {}
+def shard_ranges(starts, shapes, span, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
+    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
+    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
+    n = (span[1] - span[0]) // world
+    first, ranges = span[0] + rank * n, {}
     for k in PARAM_NAMES:
+        if not span[0] <= starts[k] < span[1]:
+            continue
         lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
         if lo < hi:
             ranges[k] = (lo, hi)
@@ -686,9 +702,9 @@ def shard_ranges(starts, shapes, size, rank, world):
 def train_step(state, xs, ys, step, cfg, ops, world):
     """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): each one's forward and
     hand-written backward add into the fp32 gradients, scaled so that they sum to the gradient of the mean
-    token loss over all A x world micro-batches; one collective over the flat gradient buffer (all-reduce,
-    or at stage 1 reduce-scatter); clipping by global norm; AdamW (at stage 1 on this process's shard, then
-    an all-gather of the masters). No autograd anywhere: grad mode is off and no tensor requires grad.
+    token loss over all A x world micro-batches; one all-reduce of the flat gradient buffer (at stage 1 a
+    reduce-scatter); clipping by global norm; AdamW (at stage 1 on this process's shard, then an all-gather
+    of the weights). No autograd anywhere: grad mode is off and no tensor requires grad.
     Everything but the collectives (and at stage 1 the sum of the shards' squared norms) runs through
     `ops` (the loss sum, the zeroing and clipping of the gradients too), and the clipping coefficient is
     computed on the device: the host waits once, at the end, to read the loss and the norm. Returns (train
@@ -715,10 +731,13 @@ def train_step(state, xs, ys, step, cfg, ops, world):
                          [state["v"][k] for k in PARAM_NAMES], copies, lr, BETA1, BETA2, EPS,
                          [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in PARAM_NAMES], step, 1.0)
         return loss.item(), norm.item()  # the step's one wait for the device
-    # ZeRO-1: this process's shard of the summed gradients, the norm from every shard's sum of squares,
-    # AdamW on the shard, then every process's updated shard to every process
+    # ZeRO-1, group by group (compute_groups): this process's shard of the summed gradients, the norm from
+    # every shard's sum of squares, AdamW on the shard of the masters (and of the compute copies), then
+    # every process's updated shard of the weights to every process
     if world > 1:
-        dist.reduce_scatter_single(state["grad_shard"], flat)
+        for group in state["groups"]:
+            first, end = group["span"]
+            dist.reduce_scatter_single(group["grads"], flat[first:end])
     names = list(state["shard_grads"])
     g = [state["shard_grads"][k] for k in names]
     norm = ops.global_norm(g)  # ()
@@ -727,58 +746,70 @@ def train_step(state, xs, ys, step, cfg, ops, world):
         dist.all_reduce(squares)
         norm = squares.sqrt().float()  # ()
     if cfg.grad_clip > 0:
-        ops.clip_by_norm(state["grad_shard"], norm, cfg.grad_clip)
+        for group in state["groups"]:
+            ops.clip_by_norm(group["grads"], norm, cfg.grad_clip)
+    copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
     ops.adamw_update([state["shard_params"][k] for k in names], g, [state["m"][k] for k in names],
-                     [state["v"][k] for k in names], None, lr, BETA1, BETA2, EPS,
+                     [state["v"][k] for k in names], copies, lr, BETA1, BETA2, EPS,
                      [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
     if world > 1:
-        dist.all_gather_single(state["param_buffer"], state["param_shard"])
-    if cfg.dtype == "bf16":
-        for k in PARAM_NAMES:
-            ops.copy_into(w[k], state["params"][k])
+        for group in state["groups"]:
+            dist.all_gather_single(group["weights"], group["own_weights"])
     return loss.item(), norm.item()  # the step's one wait for the device
 
 
 def make_state(params, m, v, cfg, device, rank=0, world=1):
-    """The training state from numpy dicts: fp32 master weights `params`, AdamW moments `m`, `v`, the fp32
-    gradients `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes and one collective
-    sums over the processes), and `wts`, the weights the model computes with (bf16 copies, or the fp32
-    masters themselves). Stage 0: every process holds and updates all of them. Stage 1 (ZeRO-1): a
-    process keeps only its shard (1/world of the flat layout) of m and v (`m_shard`, `v_shard`) and updates
-    only that shard of the masters, from its shard of the summed gradients (`grad_shard`, reduce-scattered);
-    one all-gather of the masters' flat buffer (`param_buffer`) then brings every process every update. At
-    stage 1, m, v, `shard_params` and `shard_grads` are {name: 1-D piece} of the tensors in the shard."""
+    """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
+    `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes) and all of the weights `wts`
+    the model computes with (compute_groups: bf16 copies of the masters, or the fp32 masters themselves).
+    Stage 0: it also holds all of the fp32 masters `params` and AdamW's moments `m`, `v`, sums the
+    gradients with one all-reduce and updates every weight. Stage 1 (ZeRO-1): per compute group
+    (`groups`), it keeps only its shard, 1/world of the group's stretch of the flat layout, of the fp32
+    masters (a piece of the weights themselves where they are fp32), of m and v and of the summed
+    gradients (reduce-scattered into it); it updates that shard of the masters and of the weights
+    (`own_weights`), and one all-gather of the group's weights brings every process every update.
+    `shard_params`, `shard_grads`, `shard_copies`, m and v are then {name: 1-D piece} of the tensors in the
+    shard."""
     shapes = param_shapes(cfg)
-    starts, size = flat_layout(shapes, world)
-    state = {"grad_buffer": torch.zeros(size, dtype=torch.float32, device=device)}  # (P,) padded
+    groups = compute_groups(cfg)
+    starts, spans = flat_layout(shapes, groups, world)
+    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
     state["grads"] = flat_views(state["grad_buffer"], starts, shapes)
     if cfg.zero_stage == 0:
         state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
-    else:
-        # masters in one flat buffer, so that one all-gather refreshes them; the moments only in a shard
-        state["param_buffer"] = torch.zeros(size, dtype=torch.float32, device=device)  # (P,) padded
-        state["params"] = flat_views(state["param_buffer"], starts, shapes)
-        for k in PARAM_NAMES:
-            state["params"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        n = size // world
-        first = rank * n
-        ranges = shard_ranges(starts, shapes, size, rank, world)
-        for name, full in (("m", m), ("v", v)):
-            shard = torch.zeros(n, dtype=torch.float32, device=device)  # (S,)
+        state["wts"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
+                        else state["params"])
+        return state
+    state.update(groups=[], wts={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    for (names, dtype), (first, end) in zip(groups, spans):
+        n = (end - first) // world
+        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
+        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
+        views = flat_views(group["weights"], starts, shapes, names, first)
+        for k in names:
+            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        state["wts"].update(views)
+        group["own_weights"] = group["weights"][own - first:own - first + n]  # (S,) a view
+        # fp32 weights are their own masters; bf16 ones get an fp32 shard
+        group["params"] = (group["own_weights"] if dtype == torch.float32 else
+                           torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
+        # one process alone reduces into its gradient buffer itself
+        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
+                          torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
+        group["m"], group["v"] = (torch.zeros(n, dtype=torch.float32, device=device) for _ in "mv")  # (S,)
+        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
+        for name, full in (("params", params), ("m", m), ("v", v)):
             for k, (lo, hi) in ranges.items():
                 flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
-                shard[lo - first:hi - first] = torch.from_numpy(flat.copy())
-            state[f"{name}_shard"] = shard
-            state[name] = {k: shard[lo - first:hi - first] for k, (lo, hi) in ranges.items()}
-        # one process alone reduces into its gradient buffer itself
-        state["grad_shard"] = (state["grad_buffer"] if world == 1 else
-                               torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
-        state["shard_grads"] = {k: state["grad_shard"][lo - first:hi - first]
-                                for k, (lo, hi) in ranges.items()}
-        state["shard_params"] = {k: state["param_buffer"][lo:hi] for k, (lo, hi) in ranges.items()}
-        state["param_shard"] = state["param_buffer"][first:first + n]  # (S,) a view
-    state["wts"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
-                    else state["params"])
+                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        for k, (lo, hi) in ranges.items():
+            state["shard_params"][k] = group["params"][lo - own:hi - own]
+            state["shard_grads"][k] = group["grads"][lo - own:hi - own]
+            state["m"][k], state["v"][k] = group["m"][lo - own:hi - own], group["v"][lo - own:hi - own]
+            if dtype != torch.float32:
+                state["shard_copies"][k] = group["own_weights"][lo - own:hi - own]
+        state["groups"].append(group)
+    state["shard_copies"] = state["shard_copies"] or None
     return state
 
 
@@ -2418,21 +2449,23 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
 
 def gather_state(state, cfg, world):
     """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
-    at any stage and process count. At stage 1 the moments' shards are all-gathered into new buffers: a
-    collective, so every process calls this (and rank 0 writes)."""
+    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
+    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
     if cfg.zero_stage == 0:
         return state["params"], state["m"], state["v"]
     shapes = param_shapes(cfg)
-    starts, size = flat_layout(shapes, world)
-    full = {}
-    for name in ("m", "v"):
-        buffer = torch.empty(size, dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
-        if world > 1:
-            dist.all_gather_single(buffer, state[f"{name}_shard"])
-        else:
-            buffer.copy_(state[f"{name}_shard"])
-        full[name] = flat_views(buffer, starts, shapes)
-    return state["params"], full["m"], full["v"]
+    starts, spans = flat_layout(shapes, compute_groups(cfg), world)
+    full = []
+    for name in ("params", "m", "v"):
+        buffer = torch.empty(spans[-1][1], dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
+        for group in state["groups"]:
+            first, end = group["span"]
+            if world > 1:
+                dist.all_gather_single(buffer[first:end], group[name])
+            else:
+                buffer[first:end].copy_(group[name])
+        full.append(flat_views(buffer, starts, shapes))
+    return tuple(full)
 
 
 def latest_checkpoint(out_dir):
@@ -2591,18 +2624,23 @@ def peak_flops(device_name, dtype):
 def device_state_bytes(cfg, shapes, world):
     """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
     the activations): `params`: the bf16 compute copies `wts` (none with --dtype fp32, where the model
-    computes with the masters); `grads`: the fp32 flat gradient buffer, plus at stage 1 the reduce-scattered
-    shard; `masters`: the fp32 master weights, all of them at either stage (stage 1 updates only its shard
-    of them, but the all-gather after the update brings every process all of them, which the model or the
-    bf16 copies read); `moments`: AdamW's m and v, all of them or (stage 1) a shard."""
-    numel = {k: math.prod(s) for k, s in shapes.items()}
-    _, size = flat_layout(shapes, world)
-    sharded = cfg.zero_stage == 1 and world > 1  # one process at stage 1 reduces into its buffer itself
-    copies = 0 if cfg.dtype == "fp32" else 2 * sum(numel.values())
-    return {"params": copies,
-            "grads": 4 * size + (4 * size // world if sharded else 0),
-            "masters": 4 * (size if cfg.zero_stage == 1 else sum(numel.values())),
-            "moments": 2 * 4 * (size // world if cfg.zero_stage == 1 else sum(numel.values()))}
+    computes with the masters), all of them at either stage; `grads`: the fp32 flat gradient buffer, plus
+    at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all of them, or at stage 1
+    a shard of those that have bf16 copies (with --dtype fp32 the masters are what the model computes
+    with, so every process holds them whole); `moments`: AdamW's m and v, all or (stage 1) a shard."""
+    groups = compute_groups(cfg)
+    _, spans = flat_layout(shapes, groups, world)
+    size = spans[-1][1]
+    if cfg.zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": 2 * 4 * sum(numel.values())}
+    lengths = [(end - first, dtype) for (_, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype in lengths),
+            "moments": 2 * 4 * size // world}
 
 
 def log_event(out_dir, framework, **record):
