@@ -78,7 +78,7 @@ class Config:
     grad_clip: float = 1.0
     dtype: str = "bf16"
     seed: int = 1337
-    zero_stage: int = 0  # 0: all replicated; 1: AdamW moments (and gradients) split; 3: weights too
+    zero_stage: int = 0  # 0: all replicated; 1: AdamW moments, gradients, bf16 weights' masters split; 3: all
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
@@ -127,7 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--zero-stage", type=int, default=d.zero_stage, choices=[0, 1, 3],
-                   help="ZeRO: 1 splits the optimizer state over the devices, 3 (FSDP) the weights too")
+                   help="ZeRO: 1 splits the optimizer state and the fp32 masters of bf16 weights over "
+                        "the devices, 3 (FSDP) all the weights too")
     p.add_argument("--init-from", default=d.init_from, help="llm.c model file to start from")
     p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
     p.add_argument("--out-dir", default=d.out_dir)
@@ -512,38 +513,55 @@ def zero_spec(shape, world):
     return PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "data")
 
 
+EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no compute-dtype copies
+
+
+def copied_names(cfg):
+    """The tensors that stage 1 keeps bf16 copies of across steps (llm.c's ZeRO-1: the masters split, the
+    copies the model computes with whole): all but the embedding tables, and none in fp32, where the
+    model computes with the masters themselves."""
+    if cfg.zero_stage != 1 or cfg.dtype == "fp32":
+        return []
+    return [k for k in PARAM_NAMES if k not in EMBEDDINGS]
+
+
 def state_layout(cfg, mesh):
     """Where each piece of training state lives at cfg.zero_stage, as {name: NamedSharding} per piece:
     "masters" (the fp32 weights), "grads" (the fp32 gradient accumulator of a step), "moments" (AdamW's m
-    and v, one sharding for both); "weights" is the compute copies' sharding, always whole on every
-    device (the batch, not the model, is what the devices split). From stage 1 the gradient accumulator
-    is split like the moments: XLA sums each micro-batch's gradient over the devices inside the
-    accumulation loop anyway (stage 0's compiled step all-reduces in the loop), and a reduce-scatter
-    into a slice moves half the bytes of an all-reduce into a whole copy, so stage 1 here also gets
-    ZeRO-2's gradient saving."""
+    and v, one sharding for both), "copies" (the bf16 weights stage 1 keeps across steps, always whole);
+    "weights" is the compute copies' sharding inside a step, whole on every device (the batch, not the
+    model, is what the devices split). Stage 1 splits the masters that have copies: the fp32 ones are
+    what the model computes with. From stage 1 the gradient accumulator is split like the moments: XLA
+    sums each micro-batch's gradient over the devices inside the accumulation loop anyway (stage 0's
+    compiled step all-reduces in the loop), and a reduce-scatter into a slice moves half the bytes of an
+    all-reduce into a whole copy, so stage 1 here also gets ZeRO-2's gradient saving."""
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
-    return {"masters": split if cfg.zero_stage == 3 else whole,
+    copied = copied_names(cfg)
+    masters = {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split}
+    return {"masters": masters,
             "grads": split if cfg.zero_stage >= 1 else whole,
             "moments": split if cfg.zero_stage >= 1 else whole,
+            "copies": {k: replicated for k in copied},
             "weights": whole}
 
 
-def train_step(params, m, v, x, y, scalars, cfg, layout):
+def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A
     micro-batch losses (each micro-batch's gradient scaled by 1/A and summed in fp32), clipped to
     cfg.grad_clip, then AdamW. `layout` (state_layout) places the state; at stage 0 every constraint
-    below says "replicated" and changes nothing. Returns (params, m, v, loss, grad_norm before
-    clipping)."""
+    below says "replicated" and changes nothing. `copies` are stage 1's bf16 weights ({} otherwise).
+    Returns (params, m, v, copies, loss, grad_norm before clipping)."""
     A = x.shape[0]
     constrain = jax.lax.with_sharding_constraint
     # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
     # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch.
-    # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes.
+    # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes. Stage 1
+    # has them already, from the last update.
     dt = compute_dtype(cfg)
-    weights = constrain({k: p if k in ("wte", "wpe") else p.astype(dt) for k, p in params.items()},
-                        layout["weights"])
+    weights = constrain({k: copies[k] if k in copies else p if k in EMBEDDINGS else p.astype(dt)
+                         for k, p in params.items()}, layout["weights"])
 
     def micro_step(acc, batch):
         loss, grads = jax.value_and_grad(lambda w: loss_fn(w, batch[0], batch[1], cfg) / A)(weights)
@@ -556,12 +574,13 @@ def train_step(params, m, v, x, y, scalars, cfg, layout):
     if cfg.grad_clip > 0:
         coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
         grads = {k: g * coef for k, g in grads.items()}
-    # each device updates the slice of the masters its moments cover (stage 1: a local cut of the
-    # whole masters, no communication); out_shardings gathers the new masters whole again (stage 1) or
-    # keeps them split (stage 3)
+    # each device updates the slice of the masters its moments cover (a local cut of the masters that
+    # are whole, no communication); out_shardings gathers those whole again, and stage 1's new bf16
+    # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
     params = constrain(params, layout["moments"])
     params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
-    return params, m, v, jnp.sum(losses), norm
+    copies = {k: params[k].astype(dt) for k in copies}
+    return params, m, v, copies, jnp.sum(losses), norm
 
 
 # -----------------------------------------------------------------------------
@@ -910,15 +929,17 @@ def peak_flops(device_name, dtype):
 def device_state_bytes(cfg, shapes, world):
     """Bytes of training state that ONE device holds at cfg.zero_stage over `world` devices, for the
     tensors of `shapes`: {"params": compute-dtype copies kept across steps, "grads": the fp32 gradient
-    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v}. "params" is 0
-    here: the fp32 weights are the masters, and their bf16 copies live only inside a step. Split as
-    state_layout splits them; a tensor without an axis the device count divides counts whole."""
-    def held(shape, split):
+    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v}. "params" counts
+    stage 1's bf16 copies only: at the other stages (and in fp32) the model's bf16 copies live only inside
+    a step. Split as state_layout splits them; a tensor without an axis the device count divides counts
+    whole."""
+    def held(shape, split, size=4):
         axis = shard_axis(shape, world) if split else None
-        return 4 * math.prod(shape) // (world if axis is not None else 1)
-    return {"params": 0,
+        return size * math.prod(shape) // (world if axis is not None else 1)
+    copied = copied_names(cfg)
+    return {"params": sum(held(shapes[k], False, 2) for k in copied),
             "grads": sum(held(s, cfg.zero_stage >= 1) for s in shapes.values()),
-            "masters": sum(held(s, cfg.zero_stage == 3) for s in shapes.values()),
+            "masters": sum(held(s, cfg.zero_stage == 3 or k in copied) for k, s in shapes.items()),
             "moments": 2 * sum(held(s, cfg.zero_stage >= 1) for s in shapes.values())}
 
 
@@ -1071,9 +1092,9 @@ def put_rows(sharding, rows):
 def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
     """train_step jitted with the state's shardings from `layout` (donated: updated in place), batches
     split by `step_batch`, and compiled ahead for `grad_accum` micro-batches of the global batch.
-    `state` is (params, m, v), or arrays shaped and placed like them."""
-    state_shardings = (layout["masters"], layout["moments"], layout["moments"])
-    step_jit = jax.jit(partial(train_step, cfg=cfg, layout=layout), donate_argnums=(0, 1, 2),
+    `state` is (params, m, v, copies), or arrays shaped and placed like them."""
+    state_shardings = (layout["masters"], layout["moments"], layout["moments"], layout["copies"])
+    step_jit = jax.jit(partial(train_step, cfg=cfg, layout=layout), donate_argnums=(0, 1, 2, 3),
                        in_shardings=state_shardings + (step_batch, step_batch, replicated),
                        out_shardings=state_shardings + (replicated, replicated))
     batch = (grad_accum, cfg.batch_size * step_batch.mesh.size, cfg.seq_len)
@@ -1142,6 +1163,9 @@ def main(argv=None):
     eval_batch = NamedSharding(mesh, PartitionSpec("data"))                        # (B,T)
     params = place(params, layout["masters"])
     m, v = place(m, layout["moments"]), place(v, layout["moments"])
+    # stage 1's bf16 weights, cast on the devices as every step casts them
+    copies = jax.jit(lambda p: {k: p[k].astype(compute_dtype(cfg)) for k in layout["copies"]},
+                     out_shardings=layout["copies"])(params)
     n_params = sum(p.size for k, p in params.items() if k != "wpe")
     say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
         f"wpe) | {world} x {devices[0].device_kind} in {ranks} process(es) | {cfg.dtype} | "
@@ -1189,7 +1213,8 @@ def main(argv=None):
             return
 
         t0 = time.perf_counter()
-        compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v), grad_accum)
+        compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies),
+                                      grad_accum)
         say(f"compiled train step in {time.perf_counter() - t0:.1f} s")
         generate_jit = jax.jit(partial(generate, cfg=cfg))
 
@@ -1206,8 +1231,9 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 x, y = step_batches(train_loader, grad_accum)               # (A,rows,T) each
                 scalars = place(adam_scalars(step, cfg), replicated)
-                params, m, v, loss, norm = compiled(params, m, v, put_rows(step_batch, x),
-                                                    put_rows(step_batch, y), scalars)
+                params, m, v, copies, loss, norm = compiled(params, m, v, copies,
+                                                            put_rows(step_batch, x),
+                                                            put_rows(step_batch, y), scalars)
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
                 dt = time.perf_counter() - t0
             times[step] = dt
