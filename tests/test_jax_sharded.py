@@ -1,4 +1,4 @@
-"""train_gpt2_jax.py sharded: ZeRO stages 1 and 3 over 4 CPU devices (fp32, and stage 1 in bf16 too),
+"""train_gpt2_jax.py sharded: ZeRO stages 1 (bf16) and 3 (fp32) over 4 CPU devices,
 checkpoints moved between stages and device counts, two processes joined by jax.distributed (tiny model L2
 H4 C64 T64)."""
 import json
@@ -64,12 +64,13 @@ def spied(stdout):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_shards, tiny_model_file, cache):
     """run(name) -> (out dir, stdout) of the named training run (under SPY), started on first use and kept
-    for the module. "s0", "s1", "s3": stages 0, 1, 3 on 4 devices ("s0b", "s1b": in bf16, where stage 1
-    splits the masters of the bf16 weights); "one": stage 0 on 1 device; "s3>one":
+    for the module. "s0", "s3": stages 0 and 3 on 4 devices; "s0b", "s1b": stages 0 and 1 on 4 devices in
+    bf16 (where stage 1 splits the masters of the bf16 weights; in fp32 it splits only what it splits here
+    too); "one": stage 0 on 1 device; "s3>one":
     s3's step-2 checkpoint resumed at stage 0 on 1 device; "one>s3": one's step-2 checkpoint resumed at
     stage 3 on 4 devices. All save checkpoints at step 2 and the last."""
     done = {}
-    plans = {"s0": (4, ["--zero-stage", 0]), "s1": (4, ["--zero-stage", 1]), "s3": (4, ["--zero-stage", 3]),
+    plans = {"s0": (4, ["--zero-stage", 0]), "s3": (4, ["--zero-stage", 3]),
              "s0b": (4, ["--zero-stage", 0, "--dtype", "bf16"]),
              "s1b": (4, ["--zero-stage", 1, "--dtype", "bf16"]),
              "one": (1, ["--zero-stage", 0]),
@@ -103,14 +104,13 @@ def state_line(stdout):
 
 
 def test_zero_stages_match_stage_0(runs):
-    """On 4 devices, --zero-stage 1 and 3 print stage 0's losses and grad norms (rel 1e-6) at every step,
-    in fp32 and (stage 1, with its bf16 copies kept across steps) in bf16, and each prints what one device
-    holds: the moments and gradients (stage 1) and also the masters (stage 3; stage 1 in bf16 those of
-    the bf16 weights) a quarter of stage 0's, as device_state_bytes computes them."""
+    """On 4 devices, --zero-stage 3 prints stage 0's losses and grad norms (rel 1e-6) at every step in
+    fp32, and --zero-stage 1 (with its bf16 copies kept across steps) in bf16; each prints what one
+    device holds: the moments and gradients (stage 1; as in fp32) and also the masters (stage 3; at stage
+    1 those of the bf16 weights) a quarter of stage 0's, as device_state_bytes computes them."""
     s0 = step_events(runs("s0")[0])
     assert len(s0) == STEPS
-    for stage in (1, 3):
-        assert_same_steps(s0, step_events(runs(f"s{stage}")[0]), rel=1e-6)
+    assert_same_steps(s0, step_events(runs("s3")[0]), rel=1e-6)
     assert_same_steps(step_events(runs("s0b")[0]), step_events(runs("s1b")[0]), rel=1e-6)
     bf16 = tg.Config(zero_stage=1, dtype="bf16", n_layer=2, n_head=4, n_embd=64, block_size=64)
     held = tg.device_state_bytes(bf16, tg.param_shapes(bf16), 4)
@@ -127,7 +127,8 @@ def test_zero_stages_match_stage_0(runs):
         assert held["moments"] == (2 * whole["masters"] if stage == 0 else whole["masters"] // 2)
         assert held["masters"] == (whole["masters"] // 4 if stage == 3 else whole["masters"])
         assert held["grads"] == (whole["grads"] if stage == 0 else whole["grads"] // 4)
-        assert state_line(runs(f"s{stage}")[1]) == tg.format_state_bytes(cfg, held, 4)
+        if stage != 1:
+            assert state_line(runs(f"s{stage}")[1]) == tg.format_state_bytes(cfg, held, 4)
 
 
 def split_shape(shape, axis):
@@ -135,16 +136,16 @@ def split_shape(shape, axis):
 
 
 def test_state_is_sharded(runs):
-    """The trainer's own arrays at its first checkpoint, on 4 devices: at stage 1 each device holds a
-    quarter of every AdamW moment (split along the first axis that 4 divides: not the 2 stacked layers, so
-    c_attn.w (2,192,64) is held as (2,48,64) pieces) and whole fp32 masters, or in bf16 a quarter of the
-    masters that have bf16 copies; at stage 3 a quarter of the masters too; at stage 0 everything whole.
-    Stages 1 and 3 compile all-gathers of weights (stage 1: the updated masters or bf16 copies; stage 3:
-    the weights, for the forward), stage 0 none."""
+    """The trainer's own arrays at its first checkpoint, on 4 devices: at stage 1 (bf16) each device holds
+    a quarter of every AdamW moment (split along the first axis that 4 divides: not the 2 stacked layers,
+    so c_attn.w (2,192,64) is held as (2,48,64) pieces) and of the masters that have bf16 copies, and the
+    embedding tables' masters whole; at stage 3 a quarter of every master too; at stage 0 everything
+    whole. Stages 1 and 3 compile all-gathers of weights (stage 1: the updated masters and bf16 copies;
+    stage 3: the weights, for the forward), stage 0 none."""
     shapes = tg.param_shapes(tg.Config(n_layer=2, n_head=4, n_embd=64, block_size=64))
     assert tg.shard_axis(shapes["c_attn.w"], 4) == 1 and tg.shard_axis(shapes["wte"], 4) == 0
     assert tg.shard_axis((3, 5), 4) is None and tg.zero_spec((3, 5), 4) == tg.PartitionSpec()
-    for run in ("s0", "s1", "s3", "s1b"):
+    for run in ("s0", "s3", "s1b"):
         got, stage = spied(runs(run)[1]), int(run[1])
         for k, shape in shapes.items():
             whole, quarter = [list(shape)] * 4, [split_shape(shape, tg.shard_axis(shape, 4))] * 4

@@ -1,8 +1,9 @@
 """train_gpt2_triton.py: hand-derived backward and Triton kernels
 (backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
-forward keeps for the backward, a training run, exact resume, eval-only, two processes, --profile,
---bench-ops, evaluations lost to a kill run on resume, bad input; backend triton in Triton's interpreter
-without a GPU (compiled, and bf16 too, with one): every kernel against backend torch, and with loops over
+forward keeps for the backward, a training run, exact resume, eval-only, --profile (two processes:
+tests/test_zero.py), --bench-ops, evaluations lost to a kill run on resume, bad input; backend triton in
+Triton's interpreter without a GPU (compiled, and bf16 too, with one): every kernel against backend
+torch, and with loops over
 several blocks (the embedding backward at 768 rows with a 600-row run, cross-entropy and the multi-tensor
 kernels with small blocks), clipping by a NaN or inf norm in both backends, a training run against backend
 torch, no torch compute op in a step, its --profile tables, clean errors)."""
@@ -213,22 +214,6 @@ def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_di
     tg.main(["torch", "--data", str(tiny_shards), "--resume", str(final), "--eval-only", "--out-dir",
              str(evaluated), "--hellaswag-limit", "4", *map(str, FLAGS)])
     assert_eval_only_repeats(out, evaluated, STEPS)
-
-
-def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path):
-    """torchrun with two CPU processes (gloo; one micro-batch each, the same global batch) gives the
-    one-process losses and grad norms (rel 1e-5: only the order of the sums differs)."""
-    out = tmp_path / "two"
-    proc = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 2,
-                      "train_gpt2_triton.py", "torch", "--data", tiny_shards, "--init-from", tiny_model_file,
-                      "--steps", 3, "--out-dir", out, "--ckpt-every", 0, "--val-every", 0,
-                      "--hellaswag-every", 0, "--sample-every", 0, *FLAGS, env={"CUDA_VISIBLE_DEVICES": ""})
-    assert "2 x cpu" in proc.stdout and "x 1 micro-batches" in proc.stdout
-    one, two = step_events(trained[0])[:3], step_events(out)
-    assert len(two) == 3
-    for a, b in zip(one, two):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
 def test_profile_and_bench_ops(tmp_path, capsys, monkeypatch, one_thread):
