@@ -48,6 +48,20 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding (also the trainers' sampler's), or a one-line error where tiktoken cannot
+    get its two files: it downloads them once, then reads them from its cache. A failed download raises
+    a requests error (an OSError), a damaged cache file a ValueError (hash mismatch)."""
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError) as e:
+        reason = (str(e).splitlines() or [""])[0][:300]
+        die(f"tiktoken could not load GPT-2's encoding ({type(e).__name__}: {reason}); it downloads "
+            f"vocab.bpe and encoder.json from openaipublic.blob.core.windows.net once, then reads them from "
+            f"its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
+
+
 # -----------------------------------------------------------------------------
 # Download: streamed to <name>.part, resumed with an HTTP Range request after an interruption, retried
 # with exponential backoff, checked against the announced size (and sha256 where the server gives one),
@@ -209,8 +223,7 @@ def _example_problem(example):
 def default_encode():
     """tiktoken's GPT-2 encoder. encode_ordinary equals llm.c's enc.encode on HellaSwag's text (it holds
     no special-token strings) and cannot raise on one."""
-    import tiktoken
-    return tiktoken.get_encoding("gpt2").encode_ordinary
+    return gpt2_encoding().encode_ordinary
 
 
 def encode_example(example, encode):
@@ -357,8 +370,7 @@ def main(argv=None):
         return
     encode = default_encode()
     if args.command == "show":
-        import tiktoken
-        decode = tiktoken.get_encoding("gpt2").decode
+        decode = gpt2_encoding().decode
         for n, example in enumerate(iterate_examples(args.split, args.cache_dir)):
             if n == args.limit:
                 break

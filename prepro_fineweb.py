@@ -248,13 +248,27 @@ class TokenizerError(Exception):
     """A --tokenizer file that cannot be used (raised in a worker too, where SystemExit would hang it)."""
 
 
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding, or TokenizerError where tiktoken cannot get its two files: it downloads
+    them once, then reads them from its cache. A failed download raises a requests error (an OSError), a
+    damaged cache file a ValueError (hash mismatch)."""
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError) as e:
+        reason = (str(e).splitlines() or [""])[0][:300]
+        raise TokenizerError(f"tiktoken could not load GPT-2's encoding ({type(e).__name__}: {reason}); it "
+                             f"downloads vocab.bpe and encoder.json from openaipublic.blob.core.windows.net "
+                             f"once, then reads them from its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache "
+                             f"in the temp dir)") from None
+
+
 @lru_cache(maxsize=None)
 def load_tokenizer(path):
     """(encode_batch(list of str) -> list of token lists, EOT id, vocab size) for tiktoken's GPT-2
     encoding (path None) or a tokenizer.py file. Cached: each worker process loads it once."""
     if path is None:
-        import tiktoken
-        enc = tiktoken.get_encoding("gpt2")
+        enc = gpt2_encoding()
         # a plain loop: encode_ordinary_batch(num_threads=1) is 2x slower here, from its thread pool
         return (lambda docs: [enc.encode_ordinary(d) for d in docs]), enc.eot_token, enc.n_vocab
     try:
@@ -471,8 +485,10 @@ def bench_bare_tiktoken(sources, ndocs, workers):
     """Tokens/s of tiktoken alone over the first `ndocs` documents, read into memory first so only the
     encoding is timed: encode_ordinary_batch on `workers` threads, and encode_ordinary in a loop on one.
     Each returns (tokens, seconds); tokens count one EOT per document, as the shards do."""
-    import tiktoken
-    enc = tiktoken.get_encoding("gpt2")
+    try:
+        enc = gpt2_encoding()
+    except TokenizerError as e:
+        die(str(e))
     texts = (d for d in iter_documents(sources, 0, dict(download=0.0)) if d is not None)
     docs = list(itertools.islice(texts, ndocs))
     t0 = time.time()

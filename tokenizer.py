@@ -732,7 +732,12 @@ def cmd_bench(args):
     mb = len(text.encode("utf-8")) / 1e6
     tok = BPETokenizer.from_gpt2(os.path.join(args.gpt2_dir, "encoder.json"),
                                  os.path.join(args.gpt2_dir, "vocab.bpe"))
-    enc = tiktoken.get_encoding("gpt2")
+    try:
+        enc = tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError) as e:  # a failed download (requests), a damaged cache file (hash)
+        die(f"tiktoken could not load GPT-2's encoding ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0][:300]}); it downloads vocab.bpe and encoder.json once, then "
+            f"reads them from its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
 
     def cold():
         tok.cache.clear()

@@ -32,7 +32,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tiktoken
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -1150,7 +1149,7 @@ def main(argv=None):
         if position + B * T + 1 > len(train_loader.tokens):
             die(f"--resume: the checkpoint's position {position} leaves less than one batch of {B * T} "
                 f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
-    encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
+    encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         drop_partial_log_line(cfg.out_dir)

@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
-import tiktoken
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -3705,7 +3704,7 @@ def main(argv=None):
         train_loader.set_state(shard, position)
         if position + world * B * T + 1 > len(train_loader.tokens):
             die(f"--resume: the checkpoint's position {position} is past the end of train shard {shard}")
-    encoder = tiktoken.get_encoding("gpt2") if cfg.sample_every > 0 and not cfg.eval_only else None
+    encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         drop_partial_log_line(cfg.out_dir)

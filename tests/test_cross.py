@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import llmc_reference
-from conftest import (read_log, run_script, run_with_terminal_stderr, step_events, tiny_params,
-                      write_model_file, write_shard)
+from conftest import (assert_clean_error, read_log, run_script, run_with_terminal_stderr, step_events,
+                      tiny_params, write_model_file, write_shard)
 
 # log.jsonl's framework name: the command line that runs it. Backend triton is held to backend torch
 # in tests/test_triton.py (same shards, same model file, fp32): on the CPU its kernels run in Triton's
@@ -198,3 +198,26 @@ def test_eval_only_shows_progress_on_a_terminal(framework, tiny_shards, tiny_mod
         loader = mod.DataLoader(None, 1, 8, rank=rank, world=2)
         batches = mod.val_batches(mod.Config(val_steps=val_steps), loader)
         assert list(batches) == list(range(val_steps)) and isinstance(batches, range) != bar
+
+
+# tiktoken with neither its files cached nor the network: an empty cache and a proxy nobody listens on
+NO_TIKTOKEN = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "",
+               "NO_PROXY": "", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_tiktoken_unavailable_is_a_clean_error(tmp_path, hellaswag_dir):
+    """Where tiktoken can neither read GPT-2's files from its cache nor download them (a first run
+    offline), every script that uses it stops with one line that names tiktoken and its cache, no
+    traceback: the three trainers (their sampler), prepro_fineweb.py, hellaswag.py, tokenizer.py bench."""
+    env = {**NO_TIKTOKEN, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 50)
+    tiny = ["--data", "synthetic", "--n-layer", 2, "--n-head", 4, "--n-embd", 64, "--seq-len", 32,
+            "--batch-size", 2, "--total-batch-size", 64, "--steps", 1, "--sample-every", 1]
+    cases = [[*script, *tiny, "--out-dir", tmp_path / name] for name, script in TRAINERS.items()]
+    cases += [["prepro_fineweb.py", "--input", text, "--out-dir", tmp_path / "shards", "--workers", 1],
+              ["hellaswag.py", "show", "--cache-dir", hellaswag_dir],
+              ["tokenizer.py", "bench", "--input", text, "--repeats", 1]]
+    for args in cases:
+        proc = run_script(*args, env=env, check=False)
+        assert_clean_error(proc, "tiktoken could not load GPT-2's encoding", "TIKTOKEN_CACHE_DIR")
