@@ -524,6 +524,12 @@ def copied_names(cfg):
     return [k for k in PARAM_NAMES if k not in EMBEDDINGS]
 
 
+def cast_copies(params, names, cfg):
+    """{name: params[name] in the compute dtype} for `names`: stage 1's copies, cast at start and by
+    every update."""
+    return {k: params[k].astype(compute_dtype(cfg)) for k in names}
+
+
 def state_layout(cfg, mesh):
     """Where each piece of training state lives at cfg.zero_stage, as {name: NamedSharding} per piece:
     "masters" (the fp32 weights), "grads" (the fp32 gradient accumulator of a step), "moments" (AdamW's m
@@ -578,8 +584,7 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
     params = constrain(params, layout["moments"])
     params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
-    copies = {k: params[k].astype(dt) for k in copies}
-    return params, m, v, copies, jnp.sum(losses), norm
+    return params, m, v, cast_copies(params, copies, cfg), jnp.sum(losses), norm
 
 
 # -----------------------------------------------------------------------------
@@ -1162,8 +1167,8 @@ def main(argv=None):
     eval_batch = NamedSharding(mesh, PartitionSpec("data"))                        # (B,T)
     params = place(params, layout["masters"])
     m, v = place(m, layout["moments"]), place(v, layout["moments"])
-    # stage 1's bf16 weights, cast on the devices as every step casts them
-    copies = jax.jit(lambda p: {k: p[k].astype(compute_dtype(cfg)) for k in layout["copies"]},
+    # stage 1's bf16 weights, cast on the devices as every update casts them
+    copies = jax.jit(partial(cast_copies, names=list(layout["copies"]), cfg=cfg),
                      out_shardings=layout["copies"])(params)
     n_params = sum(p.size for k, p in params.items() if k != "wpe")
     say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "

@@ -418,7 +418,7 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     """llm.c's AdamW on every tensor, in place, with multi-tensor ops, on the gradients times coef (the
     clipping); weight decay only on DECAY_NAMES. Refreshes the compute-dtype copies from the new
     masters (compiled, in the same pass over the weights). The gradients are left as they are. The dicts
-    hold whole tensors, or (ZeRO-1) the 1-D pieces of them in this process's shard (copies then None)."""
+    hold whole tensors, or (ZeRO-1) the 1-D pieces of them in this process's shard."""
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
     names = list(grads)
     p, g, m, v = ([d[k] for k in names] for d in (params, grads, m, v))
@@ -511,30 +511,27 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
         torch._foreach_add_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
         loss = loss + micro_loss                                                   # ()
+    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
+    # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
+    # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
+    # sums everything with one all-reduce, and a process's shard is the whole model.
+    sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
-    if cfg.zero_stage == 0:
-        if world > 1:
-            dist.all_reduce(state["grad_buffer"])  # one collective for all 16 gradients
-        norm = global_norm(grads)                                                  # ()
-        update_fn(state["params"], grads, state["m"], state["v"], scalars, clip_coefficient(norm, cfg),
-                  state["copies"], cfg)
-        return loss, norm
-    # ZeRO-1, group by group (compute_groups): this process's shard of the summed gradients, the norm from
-    # every shard's sum of squares, AdamW on the shard of the masters (and of the compute copies), then
-    # every process's updated shard of the weights to every process
-    if world > 1:
+    if world > 1 and not sharded:
+        dist.all_reduce(state["grad_buffer"])  # one collective for all 16 gradients
+    if sharded:
         for group in state["groups"]:
             first, end = group["span"]
             dist.reduce_scatter_single(group["grads"], state["grad_buffer"][first:end])
     norm = global_norm(state["shard_grads"])                                       # ()
-    if world > 1:
+    if sharded:
         squares = norm.double().square()                                           # ()
         dist.all_reduce(squares)
         norm = squares.sqrt().float()                                              # ()
     update_fn(state["shard_params"], state["shard_grads"], state["m"], state["v"], scalars,
               clip_coefficient(norm, cfg), state["shard_copies"], cfg)
-    if world > 1:
+    if sharded:
         for group in state["groups"]:
             dist.all_gather_single(group["weights"], group["own_weights"])
     return loss, norm
@@ -550,16 +547,18 @@ def make_state(params, m, v, cfg, device, rank, world):
     themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered into it);
     it updates that shard of the masters and of the weights (`own_weights`), and one all-gather of the
     group's weights brings every process every update. `shard_params`, `shard_grads`, `shard_copies`, m
-    and v are then {name: 1-D piece} of the tensors in the shard."""
+    and v are then {name: 1-D piece} of the tensors in the shard; at stage 0 they are the whole tensors
+    (`params`, `grads`, `copies`, m, v), what train_step updates either way."""
     shapes = param_shapes(cfg)
     groups = compute_groups(cfg)
     starts, spans = flat_layout(shapes, groups, world)
     state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"] = flat_views(state["grad_buffer"], starts, shapes)
-    if cfg.zero_stage == 0:
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes), starts
+    if cfg.zero_stage == 0:  # this process's shard is the whole model
         state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
         state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
         state["weights"] = model_weights(state["params"], state["copies"])
+        state.update(shard_params=state["params"], shard_grads=state["grads"], shard_copies=state["copies"])
         return state
     state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
     for (names, dtype), (first, end) in zip(groups, spans):
@@ -579,7 +578,8 @@ def make_state(params, m, v, cfg, device, rank, world):
                           torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
         group["m"], group["v"] = (torch.zeros(n, dtype=torch.float32, device=device) for _ in "mv")  # (S,)
         ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        for name, full in (("params", params), ("m", m), ("v", v)):
+        # the fp32 masters that are weights already hold their values
+        for name, full in (("m", m), ("v", v)) + ((("params", params),) if dtype != torch.float32 else ()):
             for k, (lo, hi) in ranges.items():
                 flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
                 group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
@@ -800,18 +800,16 @@ def gather_state(state, cfg, world):
     group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
     if cfg.zero_stage == 0:
         return state["params"], state["m"], state["v"]
-    shapes = param_shapes(cfg)
-    starts, spans = flat_layout(shapes, compute_groups(cfg), world)
     full = []
     for name in ("params", "m", "v"):
-        buffer = torch.empty(spans[-1][1], dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
+        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
         for group in state["groups"]:
             first, end = group["span"]
             if world > 1:
                 dist.all_gather_single(buffer[first:end], group[name])
             else:
                 buffer[first:end].copy_(group[name])
-        full.append(flat_views(buffer, starts, shapes))
+        full.append(flat_views(buffer, state["starts"], param_shapes(cfg)))
     return tuple(full)
 
 

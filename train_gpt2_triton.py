@@ -715,32 +715,23 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     ops.zero_fill(loss)
     for x, y in zip(xs, ys):
         ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), dloss)
+    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
+    # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
+    # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
+    # sums everything with one all-reduce, and a process's shard is the whole model.
+    sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
-    lr = lr_at(step - 1, cfg)
-    if cfg.zero_stage == 0:
-        if world > 1:
-            dist.all_reduce(flat)  # one collective for all 16 gradients
-        g = [grads[k] for k in PARAM_NAMES]
-        norm = ops.global_norm(g)  # ()
-        if cfg.grad_clip > 0:
-            ops.clip_by_norm(flat, norm, cfg.grad_clip)
-        copies = [w[k] for k in PARAM_NAMES] if cfg.dtype == "bf16" else None
-        ops.adamw_update([state["params"][k] for k in PARAM_NAMES], g, [state["m"][k] for k in PARAM_NAMES],
-                         [state["v"][k] for k in PARAM_NAMES], copies, lr, BETA1, BETA2, EPS,
-                         [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in PARAM_NAMES], step, 1.0)
-        return loss.item(), norm.item()  # the step's one wait for the device
-    # ZeRO-1, group by group (compute_groups): this process's shard of the summed gradients, the norm from
-    # every shard's sum of squares, AdamW on the shard of the masters (and of the compute copies), then
-    # every process's updated shard of the weights to every process
-    if world > 1:
+    if world > 1 and not sharded:
+        dist.all_reduce(flat)  # one collective for all 16 gradients
+    if sharded:
         for group in state["groups"]:
             first, end = group["span"]
             dist.reduce_scatter_single(group["grads"], flat[first:end])
     names = list(state["shard_grads"])
     g = [state["shard_grads"][k] for k in names]
     norm = ops.global_norm(g)  # ()
-    if world > 1:
+    if sharded:
         squares = norm.double().square()  # ()
         dist.all_reduce(squares)
         norm = squares.sqrt().float()  # ()
@@ -749,9 +740,9 @@ def train_step(state, xs, ys, step, cfg, ops, world):
             ops.clip_by_norm(group["grads"], norm, cfg.grad_clip)
     copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
     ops.adamw_update([state["shard_params"][k] for k in names], g, [state["m"][k] for k in names],
-                     [state["v"][k] for k in names], copies, lr, BETA1, BETA2, EPS,
+                     [state["v"][k] for k in names], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
                      [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
-    if world > 1:
+    if sharded:
         for group in state["groups"]:
             dist.all_gather_single(group["weights"], group["own_weights"])
     return loss.item(), norm.item()  # the step's one wait for the device
@@ -768,16 +759,20 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
     gradients (reduce-scattered into it); it updates that shard of the masters and of the weights
     (`own_weights`), and one all-gather of the group's weights brings every process every update.
     `shard_params`, `shard_grads`, `shard_copies`, m and v are then {name: 1-D piece} of the tensors in the
-    shard."""
+    shard; at stage 0 they are the whole tensors (`params`, `grads`, `wts` or None, m, v), what train_step
+    updates either way."""
     shapes = param_shapes(cfg)
     groups = compute_groups(cfg)
     starts, spans = flat_layout(shapes, groups, world)
     state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"] = flat_views(state["grad_buffer"], starts, shapes)
-    if cfg.zero_stage == 0:
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes), starts
+    if cfg.zero_stage == 0:  # this process's shard is the whole model, its one group the whole buffer
         state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
         state["wts"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
                         else state["params"])
+        state.update(shard_params=state["params"], shard_grads=state["grads"],
+                     shard_copies=state["wts"] if cfg.dtype == "bf16" else None,
+                     groups=[{"span": spans[0], "grads": state["grad_buffer"]}])
         return state
     state.update(groups=[], wts={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
     for (names, dtype), (first, end) in zip(groups, spans):
@@ -797,7 +792,8 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
                           torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
         group["m"], group["v"] = (torch.zeros(n, dtype=torch.float32, device=device) for _ in "mv")  # (S,)
         ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        for name, full in (("params", params), ("m", m), ("v", v)):
+        # the fp32 masters that are weights already hold their values
+        for name, full in (("m", m), ("v", v)) + ((("params", params),) if dtype != torch.float32 else ()):
             for k, (lo, hi) in ranges.items():
                 flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
                 group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
@@ -2452,18 +2448,16 @@ def gather_state(state, cfg, world):
     group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
     if cfg.zero_stage == 0:
         return state["params"], state["m"], state["v"]
-    shapes = param_shapes(cfg)
-    starts, spans = flat_layout(shapes, compute_groups(cfg), world)
     full = []
     for name in ("params", "m", "v"):
-        buffer = torch.empty(spans[-1][1], dtype=torch.float32, device=state["grad_buffer"].device)  # (P,)
+        buffer = torch.empty_like(state["grad_buffer"])  # (P,)
         for group in state["groups"]:
             first, end = group["span"]
             if world > 1:
                 dist.all_gather_single(buffer[first:end], group[name])
             else:
                 buffer[first:end].copy_(group[name])
-        full.append(flat_views(buffer, starts, shapes))
+        full.append(flat_views(buffer, state["starts"], param_shapes(cfg)))
     return tuple(full)
 
 

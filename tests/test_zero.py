@@ -137,12 +137,30 @@ def test_stage1_checkpoint_resumes_in_the_other_trainer(runs, name, tiny_shards,
                       OTHER_TRAINER_LOSS_RTOL, first=2, norm_rtol=OTHER_TRAINER_NORM_RTOL)
 
 
+def allocated_bytes(tree):
+    """Bytes of the distinct storages behind the tensors anywhere in a nest of dicts, lists and tuples."""
+    storages = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            for item in x.values():
+                walk(item)
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+    walk(tree)
+    return sum(storages.values())
+
+
 @pytest.mark.parametrize("mod", [tf, tg], ids=TRAINERS)
 def test_zero_stage_flag(mod, tmp_path):
     """--zero-stage 3 is refused with one line saying it is the JAX trainer's, as is anything but 0 and 1;
     the flat layout pads each compute group so that any number of processes gets equal shards holding
     every element once; device_state_bytes at stage 1 splits the moments, and the masters where the
-    model computes with bf16 copies, and grows the gradients by a shard."""
+    model computes with bf16 copies, and grows the gradients by a shard; and it counts the bytes of the
+    tensors make_state really allocates, at each stage, dtype and process count."""
     argv = ["torch"] if mod is tg else []
     for stage, needle in ((3, "JAX trainer"), (2, "must be 0 or 1")):
         with pytest.raises(SystemExit) as e:
@@ -170,6 +188,11 @@ def test_zero_stage_flag(mod, tmp_path):
             assert held["params"] == 2 * lengths.get(torch.bfloat16, 0)
             assert held["masters"] == 4 * lengths.get(torch.float32, 0) + 4 * lengths.get(torch.bfloat16,
                                                                                         0) // world
+            for stage in (0, 1):
+                staged = mod.Config(**{**vars(cfg), "zero_stage": stage})
+                params, m, v = ({k: np.zeros(s, np.float32) for k, s in shapes.items()} for _ in range(3))
+                state = mod.make_state(params, m, v, staged, torch.device("cpu"), world - 1, world)
+                assert allocated_bytes(state) == sum(mod.device_state_bytes(staged, shapes, world).values())
         assert [dtype for _, dtype in groups] == ([torch.float32] if dtype == "fp32" else
                                                   [torch.float32, torch.bfloat16] if mod is tf else
                                                   [torch.bfloat16])
