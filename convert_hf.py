@@ -19,16 +19,18 @@ The two layouts hold the same numbers, arranged differently:
 Anything that is not GPT-2 as the trainers build it (another architecture, another vocabulary, another
 activation or LayerNorm eps, an untied head) is refused with a one-line error. Outputs are written under a
 temporary name beside the final one and renamed when complete, so the final name never holds a half-written
-file or directory, and a failed run leaves an earlier output as it was.
+file or directory, and a failed run (a full disk, say: one line that says so) leaves an earlier output as it
+was. An existing output is replaced only with --force, and never one that holds or is a file the conversion
+reads.
 """
 import argparse
+import errno
 import json
 import os
 import shutil
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 # -----------------------------------------------------------------------------
 # Constants
@@ -60,11 +62,32 @@ HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tok
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
 FLOAT_DTYPES = ("F32", "F16", "F64", "BF16")
+# GPT-2's encoder.json and vocab.bpe as the repository commits them for the tests (tests/data/README.md):
+# to-hf's fallback where tokenizer.py can neither find them in its cache nor download them
+COMMITTED_GPT2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "gpt2")
+# a write that fails for want of room: a full disk, a full quota, a file-size limit reached
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def die(msg):
     """Stops with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
     raise SystemExit(f"error: {msg}")
+
+
+def die_writing(path, e):
+    """Stops with the one-line error of the OSError `e` met writing the output `path`."""
+    if e.errno in NO_SPACE:
+        die(f"cannot write {path}: no space left, the disk is full")
+    die(f"cannot write {path}: " + (f"{e.filename}: " if e.filename else "") + (e.strerror or str(e)))
+
+
+def refuse_replacing_inputs(out, inputs, command):
+    """Refuses an output `out` that is one of the files the command reads, or a directory (replaced as a
+    whole) that holds one, symbolic links followed: the conversion would destroy its own input."""
+    target = os.path.realpath(out)
+    for path in inputs:
+        if os.path.commonpath([os.path.realpath(path), target]) == target:
+            die(f"-o {out} would replace {path}, which {command} reads: pick another -o")
 
 
 def param_shapes(T, L, C, Vp):
@@ -127,12 +150,22 @@ def write_model_file(path, T, L, H, C, tensors):
     header[:8] = [MODEL_MAGIC, 3, T, VOCAB_SIZE, L, H, C, PADDED_VOCAB_SIZE]
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        f = open(tmp, "wb")
+    except OSError as e:
+        die_writing(path, e)
+    try:
+        with f:
             f.write(header.tobytes())
             for _, parts in tensors:
                 for part in parts:
-                    np.ascontiguousarray(part, dtype="<f4").tofile(f)
+                    # file.write, not ndarray.tofile: tofile's OSError on a full disk carries no errno
+                    f.write(np.ascontiguousarray(part, dtype="<f4").data)
         os.replace(tmp, path)
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise  # reading the source (from-hf reads a layer at a time) failed: not the output's error
+        die_writing(path, e)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -268,23 +301,59 @@ def hf_state_dict(params, header):
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
+def write_safetensors(path, tensors, metadata):
+    """A safetensors file of fp32 arrays laid out as safetensors' save_file lays it out: the header's
+    length (8 bytes, little-endian), the header (JSON: each tensor's dtype, shape and byte range, by name,
+    and the metadata; padded with spaces to a multiple of 8 bytes), then the tensors' bytes in that order.
+    Written here because save_file reports a full disk as a SafetensorError whose errno is only in its
+    text."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name], dtype="<f4").data)
+
+
 def output_dir_replaceable(out):
     """True where `out` is absent, empty, or holds only what to-hf writes (an earlier conversion)."""
     return not os.path.exists(out) or (os.path.isdir(out) and set(os.listdir(out)) <= set(HF_FILES))
 
 
-def cmd_to_hf(args):
-    out = os.path.normpath(args.out)  # "dir/" too: the temporary names below go beside it, not into it
-    if not output_dir_replaceable(out):
-        die(f"-o {args.out} exists and is not an earlier to-hf output: remove it or pick another")
-    header, params = read_model_file(args.model)
+def gpt2_tokenizer_files(cache_dir):
+    """{name transformers reads: path} of GPT-2's two tokenizer files: tokenizer.py's cached or downloaded
+    copy, else (offline with no cache) the repository's copy in tests/data/gpt2, once its sha256 is the
+    published one that tokenizer.py pins."""
     import tokenizer  # only here: its imports (requests) cost half a second that from-hf need not pay
 
-    try:
-        tokenizer_files = {"vocab.json": tokenizer.fetch_gpt2_file("encoder.json", args.gpt2_dir),
-                           "merges.txt": tokenizer.fetch_gpt2_file("vocab.bpe", args.gpt2_dir)}
-    except OSError as e:
-        die(f"GPT-2's tokenizer files: {e}")
+    files = {}
+    for hf_name, name in (("vocab.json", "encoder.json"), ("merges.txt", "vocab.bpe")):
+        try:
+            files[hf_name] = tokenizer.fetch_gpt2_file(name, cache_dir)
+        except OSError as e:
+            committed = os.path.join(COMMITTED_GPT2_DIR, name)
+            if not os.path.isfile(committed) or tokenizer.sha256_of(committed) != tokenizer.GPT2_SHA256[name]:
+                die(f"GPT-2's tokenizer file {name}: {e}; and {committed} is missing or not the published "
+                    f"file")
+            print(f"GPT-2's {name} is neither cached nor downloadable: using {committed} (sha256 checked)")
+            files[hf_name] = committed
+    return files
+
+
+def cmd_to_hf(args):
+    out = os.path.normpath(args.out)  # "dir/" too: the temporary names below go beside it, not into it
+    refuse_replacing_inputs(out, [args.model], "to-hf")
+    if not output_dir_replaceable(out):
+        die(f"-o {args.out} exists and is not an earlier to-hf output: remove it or pick another")
+    if os.path.exists(out) and os.listdir(out) and not args.force:
+        die(f"-o {args.out} holds an earlier to-hf output: pass --force to replace it")
+    header, params = read_model_file(args.model)
+    tokenizer_files = gpt2_tokenizer_files(args.gpt2_dir)
     state = hf_state_dict(params, header)
     # GPT2Tokenizer's defaults are GPT-2's (<|endoftext|> as bos, eos and unk; no prefix space); the
     # length is the model's, so that transformers warns of longer inputs
@@ -301,11 +370,13 @@ def cmd_to_hf(args):
         for name, src in tokenizer_files.items():
             shutil.copyfile(src, os.path.join(tmp, name))
         # "format": "pt" is the metadata transformers expects of a PyTorch checkpoint
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(os.path.join(tmp, "model.safetensors"), state, {"format": "pt"})
         if os.path.exists(out):
             os.rename(out, old)
         os.rename(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        die_writing(out, e)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n = sum(t.size for t in state.values())
@@ -335,9 +406,14 @@ def resolve_source(source):
 def cmd_from_hf(args):
     if os.path.isdir(args.out):
         die(f"-o {args.out} is a directory; from-hf writes a model file")
+    if os.path.exists(args.out) and not args.force:
+        die(f"-o {args.out} exists: pass --force to replace it")
     folder = resolve_source(args.source)
     T, L, H, C = read_hf_config(folder, args.source)
     entries = hf_tensor_index(folder, args.source)
+    read = [os.path.join(folder, name) for name in ("config.json", "model.safetensors.index.json")]
+    read = [p for p in read if os.path.exists(p)] + [entry[0] for entry in entries.values()]
+    refuse_replacing_inputs(args.out, read, "from-hf")
     check_hf_tensors(entries, args.source, T, L, C)
     load = lambda name: load_hf_tensor(entries[name])  # noqa: E731
 
@@ -352,7 +428,6 @@ def cmd_from_hf(args):
     tensors = [("wte", [wte, pad]), ("wpe", [load("wpe.weight")])]
     tensors += [(ours, layers(hf)) for ours, hf in LAYER_TENSORS]
     tensors += [("ln_f.w", [load("ln_f.weight")]), ("ln_f.b", [load("ln_f.bias")])]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_model_file(args.out, T, L, H, C, tensors)
     n = sum(int(np.prod(shape)) for shape in param_shapes(T, L, C, PADDED_VOCAB_SIZE).values())
     print(f"wrote {args.out}: GPT-2 L{L} H{H} C{C}, max T {T}, {n:,} parameters with the padded vocabulary "
@@ -362,20 +437,33 @@ def cmd_from_hf(args):
 # -----------------------------------------------------------------------------
 # Command line
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A parser whose errors (a wrong flag, a missing subcommand) are one line, as in the trainers, instead
+    of the usage text and the message. add_subparsers makes the subcommands' parsers of this class too."""
+
+    def error(self, message):
+        die(message)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Convert GPT-2 between llm.c model files and Hugging Face "
-                                            "transformers.")
+    p = OneLineErrorParser(description="Convert GPT-2 between llm.c model files and Hugging Face "
+                                       "transformers.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("to-hf", help="llm.c model file -> transformers directory (config, weights, tokenizer)")
     t.add_argument("model", help="llm.c model file (version 3 fp32 or 5 bf16), e.g. a checkpoint's model.bin")
-    t.add_argument("-o", "--out", required=True, help="directory to write (replaced if it holds only an "
-                   "earlier to-hf output; refused if it holds anything else)")
+    t.add_argument("-o", "--out", required=True, help="directory to write (an earlier to-hf output there is "
+                   "replaced with --force; one holding anything else is refused)")
+    t.add_argument("--force", action="store_true", help="replace -o where it holds an earlier to-hf output "
+                   "(default: refuse; never a directory holding other files or the model file read)")
     t.add_argument("--gpt2-dir", help="folder with GPT-2's encoder.json and vocab.bpe, downloaded there if "
-                   "missing (default: tokenizer.py's cache, $GPT2_BPE_DIR or data/gpt2)")
+                   "missing; offline, the repository's tests/data/gpt2 copy (sha256-checked) serves instead "
+                   "(default: tokenizer.py's cache, $GPT2_BPE_DIR or data/gpt2)")
     f = sub.add_parser("from-hf", help="transformers GPT-2 (directory or hub name) -> llm.c model file")
     f.add_argument("source", help="local transformers directory, or a hub name such as gpt2, gpt2-medium, "
                    "gpt2-large, gpt2-xl (downloaded with huggingface_hub)")
     f.add_argument("-o", "--out", required=True, help="llm.c model file to write (version 3, fp32)")
+    f.add_argument("--force", action="store_true", help="replace an existing -o (default: refuse; never a "
+                   "file the conversion reads)")
     return p.parse_args(argv)
 
 

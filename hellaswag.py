@@ -65,7 +65,7 @@ def gpt2_encoding():
 # -----------------------------------------------------------------------------
 # Download: streamed to <name>.part, resumed with an HTTP Range request after an interruption, retried
 # with exponential backoff, checked against the announced size (and sha256 where the server gives one),
-# renamed into place only when complete.
+# renamed into place only when complete. prepro_fineweb.py and train_aiayn_jax.py download with it too.
 
 class _Retryable(Exception):
     """A failure worth another attempt: a dropped connection, a 5xx/429 answer, a short body."""
@@ -106,7 +106,11 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
     expected_size / expected_sha256, when known in advance, are checked as well as what the server says."""
     if os.path.exists(path):
         return path
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create {folder} to download {url} into ({e.strerror})")
     part = path + ".part"
     total, sha = expected_size, expected_sha256
     failures = 0
@@ -142,9 +146,12 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
                         die(f"download of {url}: server announces {announced} bytes, expected {total}")
                     total = announced
                 have = start  # a 200 answers a range request with the whole file
-                with open(part, "r+b" if have else "wb") as f, tqdm(
-                        total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
-                        desc=os.path.basename(path), leave=False) as bar:
+                try:  # a folder we may not write to is no failure a retry could mend
+                    f = open(part, "r+b" if have else "wb")
+                except OSError as e:
+                    die(f"cannot write {part}: {e.strerror}")
+                with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=os.path.basename(path), leave=False) as bar:
                     f.seek(have)
                     f.truncate()
                     for chunk in resp.raw.stream(CHUNK_BYTES, decode_content=False):
@@ -158,6 +165,7 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
             failures += 1
             if failures > retries:
                 die(f"download of {url} failed after {retries} retries: {e}")
+            print(f"download of {url}: {e}; retrying", file=sys.stderr)
             time.sleep(backoff * 2 ** (failures - 1))
     got = os.path.getsize(part)
     if total is not None and got != total:
@@ -281,17 +289,17 @@ def terminal_progress(iterable, total, desc):
                 disable=not sys.stderr.isatty())
 
 
-def evaluate(loss_fn, split="val", limit=0, cache_dir=None, encode=None):
+def evaluate(loss_fn, split="val", limit=0, cache_dir=None, encode=None, progress=True):
     """Scores a model on a split: loss_fn(tokens (4,T) int64) -> (4,T-1) per-token losses. limit 0 = every
-    example. Prints progress about every tenth of the way (and a bar on a terminal's stderr); returns
-    (acc, acc_norm)."""
+    example. With progress, prints it about every tenth of the way (and a bar on a terminal's stderr):
+    of several processes that all score, one shows it. Returns (acc, acc_norm)."""
     encode = encode or default_encode()
     examples = _labelled_examples(split, limit, cache_dir)
     if not examples:
         die(f"HellaSwag {split} split has no examples")
     every = max(1, len(examples) // 10)
     correct = correct_norm = 0
-    bar = terminal_progress(examples, len(examples), f"hellaswag {split}")
+    bar = terminal_progress(examples, len(examples), f"hellaswag {split}") if progress else examples
     for n, example in enumerate(bar, 1):
         tokens, mask, label = render_example(example, encode)
         losses = np.asarray(loss_fn(tokens))  # (4, T-1)
@@ -300,7 +308,7 @@ def evaluate(loss_fn, split="val", limit=0, cache_dir=None, encode=None):
         pred, pred_norm = score(losses, mask)
         correct += pred == label
         correct_norm += pred_norm == label
-        if n % every == 0 or n == len(examples):
+        if progress and (n % every == 0 or n == len(examples)):
             print(f"hellaswag {n}/{len(examples)}: acc {correct / n:.4f} acc_norm {correct_norm / n:.4f}")
     return correct / len(examples), correct_norm / len(examples)
 
@@ -348,14 +356,23 @@ def parse_args(argv=None):
                            ("show", "print rendered examples (tokens and masks)"),
                            ("export", "write llm.c's eval file (.bin)")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--split", choices=SPLITS, default="val")
-        p.add_argument("--cache-dir", default=None, help=f"default {DEFAULT_CACHE_DIR} ($HELLASWAG_DIR)")
-        p.add_argument("--base-url", default=BASE_URL, help="where the jsonl files are served")
+        p.add_argument("--split", choices=SPLITS, default="val",
+                       help="which split: train, val or test; test has no labels, so export refuses it "
+                            "(default: %(default)s)")
+        p.add_argument("--cache-dir", default=None,
+                       help="folder the jsonl files are downloaded to and read from (default: "
+                            "$HELLASWAG_DIR, else data/hellaswag)")
+        p.add_argument("--base-url", default=BASE_URL,
+                       help="where hellaswag_<split>.jsonl is downloaded from: a mirror, or a test server "
+                            "(default: the dataset's own repository, %(default)s)")
         if name == "show":
-            p.add_argument("--limit", type=int, default=3, help="number of examples to print")
+            p.add_argument("--limit", type=int, default=3,
+                           help="number of examples to print, from the first (default: %(default)s)")
         if name == "export":
-            p.add_argument("--out", required=True, help="eval file to write, e.g. hellaswag_val.bin")
-            p.add_argument("--limit", type=int, default=0, help="first N examples only (0 = all)")
+            p.add_argument("--out", required=True,
+                           help="eval file to write, e.g. hellaswag_val.bin (required)")
+            p.add_argument("--limit", type=int, default=0,
+                           help="export the first N examples only (default: 0 = all)")
     args = parser.parse_args(argv)
     if getattr(args, "limit", 0) < 0:
         parser.error("--limit must be >= 0")

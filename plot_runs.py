@@ -26,6 +26,7 @@ compares the frameworks' speed rather than the runs' luck. A log that starts aft
 into a fresh out dir) counts from its first logged step.
 """
 import argparse
+import errno
 import json
 import math
 import os
@@ -55,6 +56,8 @@ DPI = 100
 # the later ones instead of being hidden under them
 LINE_STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P")
+# a write that fails for want of room: a full disk, a full quota, a file-size limit reached
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def die(msg):
@@ -311,6 +314,25 @@ def build_figure(runs, smooth=0):
     return fig
 
 
+def save_figure(fig, path):
+    """Writes the figure to `path` in the format its extension names (PNG where it has none), under a
+    temporary name beside it that is renamed when complete: a failed write leaves no partial figure and an
+    earlier one as it was. A failed write is a one-line error."""
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fig.savefig(tmp, format=fmt)  # format= and not the name's extension: the temporary name has none
+        os.replace(tmp, path)
+    except ValueError as e:  # an extension that is no format matplotlib writes
+        die(f"cannot write {path}: {e}")
+    except OSError as e:
+        die(f"cannot write {path}: " + ("no space left, the disk is full" if e.errno in NO_SPACE
+                                         else e.strerror or str(e)))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def describe(run):
     """One line per run for stdout: what was plotted, and the numbers one would read off the curves."""
     val = f", val loss {run.val_loss[-1]:.4f} at step {run.val_steps[-1]}" if len(run.val_steps) else ""
@@ -328,9 +350,11 @@ def parse_args(argv=None):
     p.add_argument("runs", nargs="+", metavar="OUT_DIR",
                    help="a trainer's --out-dir (holding its log.jsonl); give several to overlay them")
     p.add_argument("-o", "--out", default="compare.png",
-                   help="figure to write; the extension picks the format (.png, .pdf, .svg)")
+                   help="figure to write; the extension picks the format (.png, .pdf, .svg; none: PNG, "
+                        "under the name as given) (default: %(default)s)")
     p.add_argument("--smooth", type=int, default=0, metavar="N",
-                   help="also draw train loss as a trailing moving average over N steps (0 or 1 = off)")
+                   help="also draw train loss as a trailing moving average over N steps (default: 0 = "
+                        "off; 1 is off too)")
     args = p.parse_args(argv)
     if args.smooth < 0:
         die(f"--smooth must be >= 0, got {args.smooth}")
@@ -341,10 +365,7 @@ def main(argv=None):
     args = parse_args(argv)
     runs = [load_run(d) for d in args.runs]
     fig = build_figure(runs, args.smooth)
-    try:
-        fig.savefig(args.out)
-    except (OSError, ValueError) as e:  # a missing folder, an unknown extension
-        die(f"cannot write {args.out}: {getattr(e, 'strerror', None) or e}")
+    save_figure(fig, args.out)
     for run in runs:
         print(describe(run))
     print(f"wrote {args.out} ({len(fig.axes)} panels, {len(runs)} run(s))")

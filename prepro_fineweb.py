@@ -16,6 +16,7 @@ is read one row group at a time. A rerun continues after the last complete shard
 `<name>_prepro.json` next to the shards) instead of starting over.
 """
 import argparse
+import errno
 import itertools
 import json
 import multiprocessing as mp
@@ -57,6 +58,8 @@ HEADER_INTS = 256
 GPT2_EOT = 50256
 CHUNK_CHARS = 1 << 17   # text per tokenizer task: small enough to spread a small input over the workers
 DOWNLOAD_TIMEOUT_S = 60
+# a write that fails for want of room: a full disk, a full quota, a file-size limit reached
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def die(msg):
@@ -74,24 +77,33 @@ def positive_int(text):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="FineWeb(-Edu) or local text to llm.c GPT-2 token shards")
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="edu-10B",
-                        help="Hugging Face sample to download (ignored with --input)")
+                        help="Hugging Face sample to download: edu-10B or edu-100B (FineWeb-Edu's "
+                             "sample-10BT or sample-100BT), 10B (FineWeb's sample-10BT); ignored with "
+                             "--input (default: %(default)s)")
     parser.add_argument("--input", nargs="+", metavar="PATH",
                         help=".txt (one document per file), .jsonl (a 'text' field per line) or .parquet "
-                             "(a 'text' column) files or folders of them, instead of the download")
-    parser.add_argument("--out-dir", help="where the shards go (default data/fineweb_edu for edu-10B)")
-    parser.add_argument("--download-dir", help="where the parquet files go (default <out-dir>/parquet)")
+                             "(a 'text' column) files or folders of them, instead of the download (default: "
+                             "none, download --dataset)")
+    parser.add_argument("--out-dir", help="where the shards go, created once the tokenizer loads (default: "
+                                          "data/fineweb_edu for edu-10B, data/fineweb_edu100B for edu-100B, "
+                                          "data/fineweb10B for 10B, data/<shard prefix> with --input)")
+    parser.add_argument("--download-dir", help="where the parquet files of --dataset go (default: "
+                                               "<out-dir>/parquet)")
     parser.add_argument("--name", help="shard file prefix (default: edu_fineweb, fineweb, or the first "
                                        "--input's file name)")
-    parser.add_argument("--shard-size", type=positive_int, default=10**8, help="tokens per shard")
-    parser.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens (0 = all)")
+    parser.add_argument("--shard-size", type=positive_int, default=10**8,
+                        help="tokens per shard, the validation shard 0 included (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="stop after this many tokens (default: 0 = all)")
     parser.add_argument("--workers", type=positive_int, default=max(1, os.cpu_count() or 1),
-                        help="tokenizer processes")
+                        help="tokenizer processes (default: one per CPU, here %(default)s)")
     parser.add_argument("--tokenizer", help="a tokenizer file saved by tokenizer.py (default: tiktoken "
                                             "GPT-2)")
-    parser.add_argument("--hf-url", default=HF_URL, help="Hugging Face endpoint (a mirror, or a test server)")
+    parser.add_argument("--hf-url", default=HF_URL,
+                        help="Hugging Face endpoint: a mirror, or a test server (default: %(default)s)")
     parser.add_argument("--bench", action="store_true",
                         help="tokenize into a scratch dir, then time bare tiktoken encode_ordinary_batch "
-                             "on the same documents with --workers threads, and print both")
+                             "on the same documents with --workers threads, and print both (default: off)")
     args = parser.parse_args(argv)
     if args.max_tokens < 0:
         parser.error("argument --max-tokens: must be >= 0")
@@ -345,15 +357,29 @@ def shard_name(name, index):
     return f"{name}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
+def write_file(path, *chunks):
+    """Writes the bytes-like chunks, one after the other, to a temporary name beside `path`, renamed when
+    complete: a failed write (a one-line error, a full disk said as such) removes the temporary and leaves
+    an earlier `path` as it was."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, path)
+    except OSError as e:
+        die(f"cannot write {path}: " + ("no space left, the disk is full" if e.errno in NO_SPACE
+                                         else e.strerror or str(e)))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_shard(path, tokens):
-    """llm.c token shard (docs/FORMATS.md, Token shards), written to a temporary name and renamed."""
+    """llm.c token shard (docs/FORMATS.md, Token shards)."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = [SHARD_MAGIC, SHARD_VERSION, len(tokens)]
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
-    os.replace(tmp, path)
+    write_file(path, header.tobytes(), np.asarray(tokens, dtype="<u2").data)
 
 
 def shard_is_complete(path, ntokens):
@@ -365,10 +391,7 @@ def shard_is_complete(path, ntokens):
 
 
 def save_manifest(path, manifest):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, path)
+    write_file(path, json.dumps(manifest, indent=1).encode())
 
 
 def resume_point(out_dir, name, manifest_path, settings, max_tokens):
@@ -412,13 +435,20 @@ def resume_point(out_dir, name, manifest_path, settings, max_tokens):
 def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_path):
     """Tokenizes the sources into shards in out_dir. Returns (tokens written this run, documents read
     this run, seconds spent, seconds of that downloading)."""
-    os.makedirs(out_dir, exist_ok=True)
     try:
         vocab = load_tokenizer(tokenizer_path)[2]
     except TokenizerError as e:
         die(str(e))
     if vocab > 1 << 16:
         die(f"tokenizer has {vocab:,} tokens; llm.c shards store uint16 ids (at most 65,536)")
+    try:  # only now: a run that cannot tokenize leaves no empty --out-dir behind
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        die(f"--out-dir {out_dir}: cannot create it ({e.strerror})")
+    try:  # a folder where nothing can be written fails now, not once the first shard is tokenized
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as e:
+        die(f"--out-dir {out_dir}: cannot write there ({e.strerror})")
     tok_id = "tiktoken gpt2" if tokenizer_path is None else \
         f"{os.path.abspath(tokenizer_path)} (sha256 {sha256_of(tokenizer_path)})"
     settings = dict(sources=[s["identity"] for s in sources], shard_size=shard_size, tokenizer=tok_id)

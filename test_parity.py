@@ -5,7 +5,8 @@
     python test_parity.py --list          # what each test checks, grouped by component
     pytest                                # the same tests under plain pytest
 
-Component tests live in tests/test_<component>.py, the cross-framework checks in tests/test_cross.py,
+Component tests live in tests/test_<component>.py, the tests every GPT-2 trainer passes (a training run,
+resume, bad input) in tests/test_trainers.py, the cross-framework checks in tests/test_cross.py,
 the shared fixtures (test data, tiny shards and model files, a local HTTP server) in tests/conftest.py.
 Without a CUDA GPU, Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set before triton is
 imported) and JAX and torch run on the CPU; with one, the compiled kernels are also checked in bf16. The

@@ -770,26 +770,35 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Byte-level BPE tokenizer, GPT-2-exact.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="learn a vocabulary from text files")
-    t.add_argument("--input", nargs="+", required=True, help="UTF-8 text files (.gz read as gzip)")
-    t.add_argument("--vocab-size", type=int, required=True, help="tokens in all, specials included")
-    t.add_argument("--special", nargs="*", default=[ENDOFTEXT], help="special tokens (ids after the merges)")
-    t.add_argument("--out", required=True, help="tokenizer file to write (plain text)")
+    t.add_argument("--input", nargs="+", required=True,
+                   help="UTF-8 text files to learn from, .gz ones read as gzip (required)")
+    t.add_argument("--vocab-size", type=int, required=True,
+                   help="tokens in all: 256 bytes, the merges, then the specials (required)")
+    t.add_argument("--special", nargs="*", default=[ENDOFTEXT],
+                   help=f"special tokens, given the ids after the merges; none with a bare --special "
+                        f"(default: {ENDOFTEXT})")
+    t.add_argument("--out", required=True, help="tokenizer file to write, plain text (required)")
     e = sub.add_parser("encode", help="encode a text file into an llm.c token shard")
-    e.add_argument("--tokenizer", required=True, help="'gpt2' or a file written by train")
+    e.add_argument("--tokenizer", required=True, help="'gpt2' (GPT-2's files from $GPT2_BPE_DIR or "
+                   "data/gpt2, downloaded there once) or a file written by train (required)")
     e.add_argument("--input", required=True, help="UTF-8 text, one document: written as <|endoftext|> "
-                   "(when the vocabulary has it) then its tokens; special tokens in the text are encoded")
-    e.add_argument("--out", required=True, help="shard to write (.bin)")
+                   "(when the vocabulary has it) then its tokens; special tokens in the text are encoded "
+                   "(required)")
+    e.add_argument("--out", required=True, help="llm.c token shard to write, .bin (required)")
     d = sub.add_parser("decode", help="decode an llm.c token shard into text")
-    d.add_argument("--tokenizer", required=True, help="'gpt2' or a file written by train")
-    d.add_argument("--input", required=True, help="token shard (.bin)")
+    d.add_argument("--tokenizer", required=True, help="'gpt2' (GPT-2's files from $GPT2_BPE_DIR or "
+                   "data/gpt2, downloaded there once) or a file written by train (required)")
+    d.add_argument("--input", required=True, help="llm.c token shard to read, .bin (required)")
     d.add_argument("--out", help="text file to write (default: stdout)")
     b = sub.add_parser("bench", help="encode MB/s vs tiktoken, and time to train a vocabulary")
     b.add_argument("--input", default=os.path.join(test_data, "tinyshakespeare", "input.txt"),
                    help="text to encode and train on (default: tinyshakespeare from tests/data)")
     b.add_argument("--gpt2-dir", default=os.path.join(test_data, "gpt2"),
                    help="folder with GPT-2's encoder.json and vocab.bpe (default: tests/data/gpt2)")
-    b.add_argument("--vocab-size", type=int, default=8192)
-    b.add_argument("--repeats", type=int, default=5, help="timed encodes of each kind; the best counts")
+    b.add_argument("--vocab-size", type=int, default=8192,
+                   help="size of the vocabulary whose training on --input is timed (default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=5,
+                   help="timed encodes of each kind; the best counts (default: %(default)s)")
     args = p.parse_args(argv)
     commands = {"train": cmd_train, "encode": cmd_encode, "decode": cmd_decode, "bench": cmd_bench}
     try:

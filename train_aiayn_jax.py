@@ -35,10 +35,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-import requests
 import sacrebleu
 from tqdm import tqdm
 
+from hellaswag import download_file  # one copy of the resumable, checked download
 from tokenizer import BPETokenizer
 
 FRAMEWORK = "jax"
@@ -529,76 +529,7 @@ def train_step(params, m, v, src, tgt_in, tgt_out, step, scalars, cfg):
 # -----------------------------------------------------------------------------
 # Data
 
-DOWNLOAD_RETRIES = 5
-DOWNLOAD_BACKOFF_S = 1.0
-DOWNLOAD_TIMEOUT_S = 60
-CHUNK_BYTES = 1 << 16  # a dropped connection loses at most the chunk in flight
 ENCODE_CHUNK = 100_000  # lines
-
-
-class RetryableError(Exception):
-    """A download failure worth another attempt: a 5xx or 429 answer, a short body, a refused resume."""
-
-
-def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_S):
-    """Downloads url to path: streamed into <path>.part, resumed with an HTTP Range request after a
-    dropped connection, retried with exponential backoff, checked against the size the server announced,
-    and renamed to path only when complete (so a file under its final name is always whole)."""
-    if os.path.exists(path):
-        return path
-    part = path + ".part"
-    total, failures = None, 0
-    while True:
-        have = os.path.getsize(part) if os.path.exists(part) else 0
-        headers = {"Accept-Encoding": "identity"}  # the bytes on disk are the bytes the sizes count
-        if have:
-            headers["Range"] = f"bytes={have}-"
-        try:
-            with requests.get(url, headers=headers, stream=True, timeout=DOWNLOAD_TIMEOUT_S) as r:
-                if r.status_code == 416 and have:  # nothing left past what we have: done, or a bad part
-                    m = re.fullmatch(r"bytes \*/(\d+)", r.headers.get("Content-Range", ""))
-                    if m and int(m.group(1)) == have:
-                        total = have
-                        break
-                    os.remove(part)
-                    raise RetryableError("the server refused to resume; starting over")
-                if r.status_code == 429 or r.status_code >= 500:
-                    raise RetryableError(f"HTTP {r.status_code}")
-                if r.status_code not in (200, 206):
-                    die(f"download of {url} failed: HTTP {r.status_code}")
-                if r.status_code == 206:
-                    m = re.fullmatch(r"bytes (\d+)-\d+/(\d+)", r.headers.get("Content-Range", ""))
-                    if not m or int(m.group(1)) != have:
-                        os.remove(part)
-                        raise RetryableError(f"unexpected Content-Range {r.headers.get('Content-Range')!r}")
-                    total = int(m.group(2))
-                else:  # a 200 is the whole file, whatever we asked for
-                    have = 0
-                    length = r.headers.get("Content-Length", "")
-                    total = int(length) if length.isdigit() else None
-                try:
-                    f = open(part, "r+b" if have else "wb")
-                except OSError as e:
-                    die(f"cannot write {part}: {e.strerror}")
-                with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
-                             desc=os.path.basename(path), leave=False) as bar:
-                    f.seek(have)
-                    f.truncate()
-                    for chunk in r.iter_content(CHUNK_BYTES):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-            got = os.path.getsize(part)
-            if total is not None and got != total:
-                raise RetryableError(f"got {got} of {total} bytes")
-            break
-        except (RetryableError, requests.RequestException) as e:
-            failures += 1
-            if failures > retries:
-                die(f"download of {url} failed after {retries} retries: {e}")
-            print(f"download of {url}: {e}; retrying", file=sys.stderr)
-            time.sleep(backoff * 2 ** (failures - 1))
-    os.replace(part, path)
-    return path
 
 
 def split_files(cfg, split):

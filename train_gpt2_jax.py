@@ -23,11 +23,11 @@ import math
 import os
 import shutil
 import time
-import tokenize
 import zipfile
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
+from tokenize import TokenError
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +77,10 @@ class Config:
     grad_clip: float = 1.0
     dtype: str = "bf16"
     seed: int = 1337
-    zero_stage: int = 0  # 0: all replicated; 1: AdamW moments, gradients, bf16 weights' masters split; 3: all
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
-    out_dir: str = f"out/gpt2_{FRAMEWORK.split('-')[0]}"
+    out_dir: str = f"out/gpt2_{FRAMEWORK}"
     ckpt_every: int = 2000
     val_every: int = 250
     val_steps: int = 20
@@ -90,6 +89,9 @@ class Config:
     sample_every: int = 1000
     eval_only: bool = False
     profile: bool = False
+    # data parallel: 0 = every device holds all optimizer state, 1 = ZeRO-1 (AdamW state, masters sharded),
+    # 3 = the weights and gradients sharded too
+    zero_stage: int = 0
     # JAX only
     attn: str = "auto"
     scan_layers: bool = False
@@ -103,95 +105,113 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-def parse_args(argv=None):
-    d = Config()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.error = die  # a bad flag gets one line naming it, not the whole usage text
-    p.add_argument("--data", default=d.data, help="shard dir, shard glob, or 'synthetic'")
-    p.add_argument("--val-data", default=d.val_data,
-                   help="validation shard glob (default: a --data DIR's *_val_*.bin; none with a --data glob)")
-    p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="preset (default d12)")
-    p.add_argument("--n-layer", type=int, default=None)
-    p.add_argument("--n-head", type=int, default=None)
-    p.add_argument("--n-embd", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="micro-batch per device")
-    p.add_argument("--total-batch-size", type=int, default=d.total_batch_size, help="tokens per step")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--lr-decay-frac", type=float, default=d.lr_decay_frac)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping")
-    p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--zero-stage", type=int, default=d.zero_stage, choices=[0, 1, 3],
-                   help="ZeRO: 1 splits the optimizer state and the fp32 masters of bf16 weights over "
-                        "the devices, 3 (FSDP) all the weights too")
-    p.add_argument("--init-from", default=d.init_from, help="llm.c model file to start from")
-    p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
-    p.add_argument("--out-dir", default=d.out_dir)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
-    p.add_argument("--val-every", type=int, default=d.val_every)
-    p.add_argument("--val-steps", type=int, default=d.val_steps)
-    p.add_argument("--hellaswag-every", type=int, default=d.hellaswag_every)
-    p.add_argument("--hellaswag-limit", type=int, default=d.hellaswag_limit, help="0 = all examples")
-    p.add_argument("--sample-every", type=int, default=d.sample_every)
-    p.add_argument("--eval-only", action="store_true")
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--attn", default=d.attn, choices=["auto", "cudnn", "xla"],
-                   help="attention kernel (auto: cuDNN flash attention on an NVIDIA GPU in bf16)")
+ZERO_STAGES = (0, 1, 3)
+
+
+def framework_flags(p):
+    """The flags of this trainer alone; parse_args adds the shared ones."""
+    p.add_argument("--attn", choices=["auto", "cudnn", "xla"], help="attention kernel; auto: cuDNN's flash "
+                   "attention on an NVIDIA GPU in bf16, else XLA's (default auto)")
     p.add_argument("--scan-layers", action="store_true",
                    help="run the layers as one lax.scan: compile time independent of depth")
-    p.add_argument("--coordinator", default=d.coordinator,
+    p.add_argument("--coordinator",
                    help="several processes: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int, default=d.num_processes,
+    p.add_argument("--num-processes", type=int,
                    help="processes in the run (default: $JAX_NUM_PROCESSES, or what srun/mpirun set, else 1)")
-    p.add_argument("--process-id", type=int, default=d.process_id,
+    p.add_argument("--process-id", type=int,
                    help="this process's rank, 0 .. processes-1 (default: $JAX_PROCESS_ID, or srun/mpirun's)")
-    a = p.parse_args(argv)
-    for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
-        if getattr(a, flag) <= 0:
-            p.error(f"--{flag.replace('_', '-')} must be positive")
-    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit",
-                 "sample_every"):
-        if getattr(a, flag) < 0:
-            p.error(f"--{flag.replace('_', '-')} must be >= 0")
-    if not 0 < a.lr < math.inf:
-        p.error("--lr must be positive and finite")
-    if not 0 <= a.lr_decay_frac <= 1:
-        p.error("--lr-decay-frac must be in [0, 1]")
-    if not (0 <= a.weight_decay < math.inf and a.grad_clip >= 0):  # NaN fails these too
-        p.error("--weight-decay must be finite and >= 0, --grad-clip >= 0")
-    if not 0 <= a.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
-        p.error("--seed must be in [0, 2**63)")
-    if a.num_processes < 0 or a.process_id < -1:
-        p.error("--num-processes must be >= 0 (0: from the environment), --process-id >= 0")
-    n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
-    explicit = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd))
-                if v is not None}
-    for k, v in explicit.items():
-        if v <= 0:
-            p.error(f"--{k.replace('_', '-')} must be positive")
-    cfg = Config(n_layer=explicit.get("n_layer", n_layer), n_head=explicit.get("n_head", n_head),
-                 n_embd=explicit.get("n_embd", n_embd), block_size=a.seq_len, data=a.data,
-                 val_data=a.val_data, seq_len=a.seq_len, batch_size=a.batch_size,
-                 total_batch_size=a.total_batch_size, steps=a.steps, lr=a.lr,
-                 lr_decay_frac=a.lr_decay_frac, warmup=a.warmup, weight_decay=a.weight_decay,
-                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, zero_stage=a.zero_stage,
-                 init_from=a.init_from,
-                 resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
-                 val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
-                 hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
-                 eval_only=a.eval_only, profile=a.profile, attn=a.attn,
-                 scan_layers=a.scan_layers, coordinator=a.coordinator,
-                 num_processes=a.num_processes, process_id=a.process_id)
+
+
+def parse_args(argv=None):
+    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
+    named only here and as Config's field), and the model-shape flags given, which a model file's header
+    must then match (--model gives all three)."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    framework_flags(p)
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
+                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
+                   f"{d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
+                   "with a --data glob)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
+                   + " (default d12)")
+    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
+                   "--model's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
+                   f"holds (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
+                   f"{d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
+                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
+                   f"it (default {d.total_batch_size})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
+                   "default batch)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr})")
+    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
+                   f"(default {d.lr_decay_frac})")
+    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
+                   f"embeddings only (default {d.weight_decay})")
+    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
+                   f"(default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
+                   f"state stay fp32 (default {d.dtype})")
+    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
+                   f"(default {d.seed})")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
+                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
+                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
+                   "(default 0)")
+    p.add_argument("--init-from", help="an llm.c model file to start from; its header gives the model shape")
+    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
+                   f"never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
+                   f"0 = never (default {d.val_every})")
+    p.add_argument("--val-steps", type=int, help=f"batches per validation loss (default {d.val_steps})")
+    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
+                   f"step's too), 0 = never (default {d.hellaswag_every})")
+    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
+    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
+                   f"0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
+                   "--resume, then exit")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
+                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
+    given = vars(p.parse_args(argv))
+    preset = given.pop("model", None)
+    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    cfg = replace(d, **{**shape, **given})
+    cfg.block_size = cfg.seq_len
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
+                 "val_steps"):
+        if getattr(cfg, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every"):
+        if getattr(cfg, flag) < 0:
+            die(f"--{flag.replace('_', '-')} must be >= 0")
+    if not 0 < cfg.lr < math.inf:
+        die("--lr must be positive and finite")
+    if not 0 <= cfg.lr_decay_frac <= 1:
+        die("--lr-decay-frac must be in [0, 1]")
+    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
+        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
+    if cfg.zero_stage not in ZERO_STAGES:
+        stages = " or ".join(map(str, ZERO_STAGES))
+        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
     if cfg.n_embd % cfg.n_head:
-        p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    # flags that were given explicitly must agree with a model file's header (checked on load)
-    cfg_explicit = explicit if (a.model is None) else {"n_layer": n_layer, "n_head": n_head,
-                                                       "n_embd": n_embd, **explicit}
-    return cfg, cfg_explicit
+        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    explicit = {k: given[k] for k in shape if k in given}
+    return cfg, ({**shape, **explicit} if preset else explicit)
 
 
 def apply_model_header(cfg, header, explicit):
@@ -796,10 +816,10 @@ def latest_checkpoint(out_dir):
 
 # what reading a damaged .npz raises: not a zip at all (ValueError: numpy takes it for a pickle), cut short
 # (BadZipFile, EOFError), a member that fails its CRC (BadZipFile) or does not inflate (zlib.error), a
-# damaged .npy header in a member (ValueError, tokenize.TokenError), damaged zip headers
+# damaged .npy header in a member (ValueError, TokenError), damaged zip headers
 # (NotImplementedError, KeyError, OSError)
 DAMAGED_NPZ_ERRORS = (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile,
-                      zlib.error, tokenize.TokenError)
+                      zlib.error, TokenError)
 
 
 def load_checkpoint(path, cfg):
@@ -862,7 +882,8 @@ def evaluate_val(loss_jit, params, loader, cfg, put):
 
 
 def evaluate_hellaswag(losses_jit, params, cfg):
-    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    """(acc, acc_norm) through hellaswag.evaluate, which every process runs (its computations span all
+    devices) and process 0 alone reports. A row longer than the model's context keeps its last
     block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
     never ending tokens unless an ending alone is longer than the context)."""
     def row_losses(tokens):                                                        # (4, n+1) int64
@@ -877,7 +898,7 @@ def evaluate_hellaswag(losses_jit, params, cfg):
         out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
         out[:, crop:] = losses[:, :n - crop]
         return out
-    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit, progress=jax.process_index() == 0)
 
 
 def generate(params, key, cfg):
@@ -1061,6 +1082,8 @@ def init_processes(cfg):
             return int(text)
         except ValueError:
             die(f"${name} is {text!r}, not an integer")
+    if cfg.num_processes < 0 or cfg.process_id < -1:
+        die("--num-processes must be >= 0 (0: from the environment), --process-id >= 0")
     n = cfg.num_processes or env_int("JAX_NUM_PROCESSES", 0)
     launched = max(env_int("SLURM_NTASKS", 1), env_int("OMPI_COMM_WORLD_SIZE", 1))
     if n < 0:
@@ -1122,9 +1145,9 @@ def main(argv=None):
     # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
     step, loader_state, m, v = 0, (0, 0), None, None
     if cfg.resume:
-        header, params, m, v, state = load_checkpoint(cfg.resume, cfg)
+        header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
         apply_model_header(cfg, header, explicit)
-        cfg.seed, step, loader_state = state["seed"], state["step"], (state["shard"], state["position"])
+        cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
     elif cfg.init_from:
         header, params = read_model_file(cfg.init_from)
         apply_model_header(cfg, header, explicit)
@@ -1154,6 +1177,8 @@ def main(argv=None):
         if position + B * T + 1 > len(train_loader.tokens):
             die(f"--resume: the checkpoint's position {position} leaves less than one batch of {B * T} "
                 f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
+    if val_loader is None and (cfg.eval_only or cfg.val_every > 0):
+        say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
     encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -1199,8 +1224,6 @@ def main(argv=None):
                     log_event(cfg.out_dir, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
 
         if cfg.eval_only:
-            if val_loader is None:
-                say("no validation shards: val loss skipped")
             run_evals(params, step, True, True)
             return
         # the checkpoint is written before the step's evaluations: a run killed between the two resumes

@@ -5,21 +5,27 @@ head, cross-entropy) is a forward that returns exactly what its backward needs a
 hand; the model's backward chains them per layer in reverse, under torch.no_grad(): no autograd at all.
 BACKEND picks who implements the ops, behind one interface: `torch` (plain torch ops) or `triton` (our
 kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
+The file reads training-first: config, the op interface and backend torch, the model and its backward,
+optimizer, data, checkpoints, evaluation, logging and main; then backend triton's kernels; then the
+script's own tools, the self-test (--test) and the profiler (--profile, --bench-ops).
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
     python train_gpt2_triton.py triton --test              # every kernel against backend torch
     python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
         --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
     python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
-    python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 65536 --profile
+    python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 65536 --steps 5 \\
+        --profile                                          # tables of steps 2-4, per op and per kernel
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
 
 Backend triton needs a CUDA GPU; without one, TRITON_INTERPRET=1 runs its kernels in Triton's CPU
-interpreter (slow, fp32 only: give --dtype fp32). --profile runs two steps (the first compiles and
-autotunes), times every op and every kernel launch of the second (tables, the torch ops it ran, and a
-Chrome trace in --out-dir) and exits; --bench-ops times each op against the torch op it replaces.
+interpreter (slow, fp32 only: give --dtype fp32). --profile, as in the sibling trainers, profiles the 3 steps
+after the first (which compiles and autotunes): it times every op and every kernel launch (tables, the
+torch ops they ran, and a Chrome trace in OUT_DIR/profile), then trains on; --bench-ops times each op
+against the torch op it replaces and exits.
 """
 import argparse
+import atexit
 import contextlib
 import datetime
 import glob
@@ -28,10 +34,10 @@ import math
 import os
 import shutil
 import time
-import tokenize
 import zipfile
 import zlib
 from dataclasses import asdict, dataclass, replace
+from tokenize import TokenError
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,6 +50,7 @@ import triton.language as tl
 import hellaswag
 
 FRAMEWORK = "triton"  # logged as f"triton-{backend}": "triton-torch" | "triton-triton"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels
 
 
 # -----------------------------------------------------------------------------
@@ -87,7 +94,7 @@ class Config:
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
-    out_dir: str = f"out/gpt2_{FRAMEWORK.split('-')[0]}"
+    out_dir: str = f"out/gpt2_{FRAMEWORK}"
     ckpt_every: int = 2000
     val_every: int = 250
     val_steps: int = 20
@@ -109,92 +116,109 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-def parse_args(argv=None):
-    d = Config()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+ZERO_STAGES = (0, 1)
+
+
+def framework_flags(p):
+    """The flags of this trainer alone; parse_args adds the shared ones."""
     p.add_argument("backend", choices=["torch", "triton"],
-                   help="who implements the ops: plain torch ops, or our Triton kernels")
-    p.add_argument("--test", action="store_true",
-                   help="check every op and the whole model against autograd (or backend torch), exit")
+                   help="who implements the ops: plain torch ops (the reference), or our Triton kernels")
+    p.add_argument("--test", action="store_true", help="check every op and the whole model (backend torch "
+                   "against autograd, backend triton against backend torch), then exit")
     p.add_argument("--bench-ops", action="store_true",
-                   help="time every op against the PyTorch op it replaces at the model's shapes, exit")
-    p.add_argument("--data", default=d.data, help="shard dir, shard glob, or 'synthetic'")
-    p.add_argument("--val-data", default=d.val_data,
-                   help="validation shard glob (default: a --data DIR's *_val_*.bin; none with a --data glob)")
-    p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="preset (default d12)")
-    p.add_argument("--n-layer", type=int, default=None)
-    p.add_argument("--n-head", type=int, default=None)
-    p.add_argument("--n-embd", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="micro-batch per device")
-    p.add_argument("--total-batch-size", type=int, default=d.total_batch_size, help="tokens per step")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--lr-decay-frac", type=float, default=d.lr_decay_frac)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = no clipping")
-    p.add_argument("--dtype", default=d.dtype, choices=["bf16", "fp32"])
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--init-from", default=d.init_from, help="llm.c model file to start from")
-    p.add_argument("--resume", default=d.resume, help="checkpoint dir, or 'auto' (newest in --out-dir)")
-    p.add_argument("--out-dir", default=d.out_dir)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
-    p.add_argument("--val-every", type=int, default=d.val_every)
-    p.add_argument("--val-steps", type=int, default=d.val_steps)
-    p.add_argument("--hellaswag-every", type=int, default=d.hellaswag_every)
-    p.add_argument("--hellaswag-limit", type=int, default=d.hellaswag_limit, help="0 = all examples")
-    p.add_argument("--sample-every", type=int, default=d.sample_every)
-    p.add_argument("--eval-only", action="store_true")
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--zero-stage", type=int, default=d.zero_stage,
-                   help="0: plain data parallel, 1: ZeRO-1, AdamW state and the fp32 masters of bf16 "
-                        "weights sharded over the processes")
-    a = p.parse_args(argv)
-    for flag in ("seq_len", "batch_size", "total_batch_size", "steps", "val_steps"):
-        if getattr(a, flag) <= 0:
-            p.error(f"--{flag.replace('_', '-')} must be positive")
-    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit",
-                 "sample_every"):
-        if getattr(a, flag) < 0:
-            p.error(f"--{flag.replace('_', '-')} must be >= 0")
-    if not 0 < a.lr < math.inf:
-        p.error("--lr must be positive and finite")
-    if not 0 <= a.lr_decay_frac <= 1:
-        p.error("--lr-decay-frac must be in [0, 1]")
-    if not (0 <= a.weight_decay < math.inf and a.grad_clip >= 0):  # NaN fails these too
-        p.error("--weight-decay must be finite and >= 0, --grad-clip >= 0")
-    if a.zero_stage == 3:
-        p.error("--zero-stage 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py); this one "
-                "takes 0 or 1")
-    if a.zero_stage not in (0, 1):
-        p.error("--zero-stage must be 0 or 1")
-    if not 0 <= a.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
-        p.error("--seed must be in [0, 2**63)")
-    n_layer, n_head, n_embd = MODEL_PRESETS[a.model or "d12"]
-    explicit = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd))
-                if v is not None}
-    for k, v in explicit.items():
-        if v <= 0:
-            p.error(f"--{k.replace('_', '-')} must be positive")
-    cfg = Config(n_layer=explicit.get("n_layer", n_layer), n_head=explicit.get("n_head", n_head),
-                 n_embd=explicit.get("n_embd", n_embd), block_size=a.seq_len, data=a.data,
-                 val_data=a.val_data, seq_len=a.seq_len, batch_size=a.batch_size,
-                 total_batch_size=a.total_batch_size, steps=a.steps, lr=a.lr,
-                 lr_decay_frac=a.lr_decay_frac, warmup=a.warmup, weight_decay=a.weight_decay,
-                 grad_clip=a.grad_clip, dtype=a.dtype, seed=a.seed, init_from=a.init_from,
-                 resume=a.resume, out_dir=a.out_dir, ckpt_every=a.ckpt_every, val_every=a.val_every,
-                 val_steps=a.val_steps, hellaswag_every=a.hellaswag_every,
-                 hellaswag_limit=a.hellaswag_limit, sample_every=a.sample_every,
-                 eval_only=a.eval_only, profile=a.profile, zero_stage=a.zero_stage, backend=a.backend,
-                 test=a.test, bench_ops=a.bench_ops)
+                   help="time every op against the PyTorch op it replaces at the model's shapes, then exit")
+
+
+def parse_args(argv=None):
+    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
+    named only here and as Config's field), and the model-shape flags given, which a model file's header
+    must then match (--model gives all three)."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    framework_flags(p)
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
+                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
+                   f"{d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
+                   "with a --data glob)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
+                   + " (default d12)")
+    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
+                   "--model's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
+                   f"holds (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
+                   f"{d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
+                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
+                   f"it (default {d.total_batch_size})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
+                   "default batch)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr})")
+    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
+                   f"(default {d.lr_decay_frac})")
+    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
+                   f"embeddings only (default {d.weight_decay})")
+    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
+                   f"(default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
+                   f"state stay fp32 (default {d.dtype})")
+    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
+                   f"(default {d.seed})")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
+                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
+                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
+                   "(default 0)")
+    p.add_argument("--init-from", help="an llm.c model file to start from; its header gives the model shape")
+    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
+                   f"never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
+                   f"0 = never (default {d.val_every})")
+    p.add_argument("--val-steps", type=int, help=f"batches per validation loss (default {d.val_steps})")
+    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
+                   f"step's too), 0 = never (default {d.hellaswag_every})")
+    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
+    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
+                   f"0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
+                   "--resume, then exit")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
+                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
+    given = vars(p.parse_args(argv))
+    preset = given.pop("model", None)
+    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    cfg = replace(d, **{**shape, **given})
+    cfg.block_size = cfg.seq_len
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
+                 "val_steps"):
+        if getattr(cfg, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every"):
+        if getattr(cfg, flag) < 0:
+            die(f"--{flag.replace('_', '-')} must be >= 0")
+    if not 0 < cfg.lr < math.inf:
+        die("--lr must be positive and finite")
+    if not 0 <= cfg.lr_decay_frac <= 1:
+        die("--lr-decay-frac must be in [0, 1]")
+    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
+        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
+    if cfg.zero_stage not in ZERO_STAGES:
+        stages = " or ".join(map(str, ZERO_STAGES))
+        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
     if cfg.n_embd % cfg.n_head:
-        p.error(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    # flags that were given explicitly must agree with a model file's header (checked on load)
-    cfg_explicit = explicit if (a.model is None) else {"n_layer": n_layer, "n_head": n_head,
-                                                       "n_embd": n_embd, **explicit}
-    return cfg, cfg_explicit
+        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    explicit = {k: given[k] for k in shape if k in given}
+    return cfg, ({**shape, **explicit} if preset else explicit)
 
 
 def apply_model_header(cfg, header, explicit):
@@ -213,123 +237,22 @@ def apply_model_header(cfg, header, explicit):
 
 
 # -----------------------------------------------------------------------------
-# Model
-
-# llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
-PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
-               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
-               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
-DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
-
-
-def param_shapes(cfg):
-    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
-    return {
-        "wte": (Vp, C), "wpe": (T, C),
-        "ln_1.w": (L, C), "ln_1.b": (L, C),
-        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
-        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
-        "ln_2.w": (L, C), "ln_2.b": (L, C),
-        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
-        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
-        "ln_f.w": (C,), "ln_f.b": (C,),
-    }
-
-
-def init_params_numpy(cfg):
-    """GPT-2 init (docs/FORMATS.md) from cfg.seed, in numpy so that every trainer starts from the same
-    weights."""
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith(".b"):
-            params[name] = np.zeros(shape, np.float32)
-        elif name.startswith("ln"):
-            params[name] = np.ones(shape, np.float32)
-        else:
-            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
-            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
-    return params
-
-
-# What the forward keeps for the backward, per layer and sequence at d12, T=1024 in bf16 ((T, C) = 1.5 MiB):
-#   res   (T, C)   the residual stream entering the layer (the embedding for layer 0)      1.5 MiB
-#   qkv   (T, 3C)  the attention's input projection                                         4.5 MiB
-#   atty  (T, C)   the attention's output, which also feeds its backward                    1.5 MiB
-#   lse   (H, T)   fp32 row logsumexp of the attention scores                               48 KiB
-#   res2  (T, C)   the residual stream after the attention                                  1.5 MiB
-#   fch   (T, 4C)  the MLP's pre-activation                                                 6.0 MiB
-# 15.05 MiB per layer, 181 MiB for 12 layers, plus the final residual (1.5 MiB) and ln_f's statistics.
-# Never kept: the (T, T) attention probabilities (24 MiB per layer in bf16; the backward recomputes them
-# blockwise from lse, as flash attention does), ln_1's and ln_2's outputs and gelu(fch) (9 MiB: the
-# backward recomputes them, one cheap elementwise pass each), and the logits: the lm head and the loss run
-# their forward and backward at once, HEAD_ROWS rows at a time, so at most (HEAD_ROWS, Vp) logits exist.
-# llm.c's train_gpt2.cu keeps 24 MiB per layer (16C wide), without cuDNN also the (T, T) probabilities,
-# and all (T, Vp) logits (98 MiB). The whole d12 bf16 step at B=16 then needs about 5.8 GB (arithmetic, not
-# a measurement): fp32 masters, AdamW moments and gradients 2.0 GB, bf16 weights 0.25 GB, a micro-batch's
-# saved tensors 3.0 GB, one lm-head chunk of logits (HEAD_ROWS x Vp bf16) 0.4 GB.
-
-def model_forward(w, idx, cfg, ops, acts=None):
-    """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
-    head's input. With a list `acts`, every layer appends what its backward needs (see above) and a last
-    entry holds the final residual and ln_f's statistics; without, nothing outlives its use."""
-    B, T = idx.shape
-    C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
-    res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
-    h, _, _ = ops.layernorm_forward(res, w["ln_1.w"][0], w["ln_1.b"][0])  # (N, C)
-    for l in range(L):
-        qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
-        atty, lse = ops.attention_forward(qkv.view(B, T, 3 * C), H)  # (B, T, C), (B, H, T) fp32
-        h = ops.matmul_forward(atty.view(B * T, C), w["attn.c_proj.w"][l], w["attn.c_proj.b"][l])  # (N, C)
-        res2, h, _, _ = ops.residual_layernorm_forward(res, h, w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C) x2
-        h, fch = ops.matmul_gelu_forward(h, w["c_fc.w"][l], w["c_fc.b"][l])  # (N, 4C) x2
-        h = ops.matmul_forward(h, w["mlp.c_proj.w"][l], w["mlp.c_proj.b"][l])  # (N, C)
-        # the residual add closing this layer is fused with the LayerNorm opening the next (or ln_f)
-        ln_w, ln_b = (w["ln_1.w"][l + 1], w["ln_1.b"][l + 1]) if l + 1 < L else (w["ln_f.w"], w["ln_f.b"])
-        res3, h, mean, rstd = ops.residual_layernorm_forward(res2, h, ln_w, ln_b)  # (N, C) x2, (N,) x2
-        if acts is not None:
-            acts.append(dict(res=res, qkv=qkv, atty=atty, lse=lse, res2=res2, fch=fch))
-        res = res3  # (N, C)
-    if acts is not None:
-        acts.append(dict(res=res, mean=mean, rstd=rstd))
-    return h  # (N, C) ln_f's output
-
-
-@torch.no_grad()
-def forward(params, idx, cfg):
-    """GPT-2's logits (B, T, Vp) for token ids idx (B, T); params are the weights in the compute dtype."""
-    B, T = idx.shape
-    ops = backend_ops(cfg.backend)
-    h = model_forward(params, idx, cfg, ops)  # (N, C)
-    return ops.matmul_forward(h, params["wte"], None).view(B, T, -1)  # (B, T, Vp) lm head tied to wte
-
-
-@torch.no_grad()
-def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B, T) in fp32 over the first V logits only, HEAD_ROWS rows of logits at a
-    time (the cross-entropy op's gradient output is simply dropped)."""
-    ops = backend_ops(cfg.backend)
-    h = model_forward(params, x, cfg, ops)  # (N, C)
-    losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
-    return losses.view(x.shape)  # (B, T)
-
-
-def loss_fn(params, x, y, cfg):
-    """Mean token loss of one micro-batch (fp32 scalar)."""
-    return token_losses(params, x, y, cfg).mean()
-
-
-# -----------------------------------------------------------------------------
-# Backward
+# Ops: the interface the model is written against, and backend `torch`
 #
-# The ops of backend `torch`: each forward returns its output and what its backward needs; each backward
-# is derived by hand and written with plain torch ops. The interface (shared with backend `triton`):
-# N = B*T rows, `dt` the compute dtype; weight gradients are fp32 buffers that backwards ADD into (+=),
-# so micro-batches accumulate and the tied wte collects both its uses. Statistics, softmax and losses are
-# computed in fp32 (fp64 when everything is fp64, as in --test). Besides the model's ops, four small ones
-# that the training step needs: copy_into (an lm-head chunk's rows into place), zero_fill, clip_by_norm
-# and sum_into (the loss), so that backend triton's step runs no torch compute op at all.
+# Every computation of a training step is one of the ops in OP_NAMES, and a backend fills them all in:
+# `torch` here, with plain torch ops (the readable reference), `triton` after main, with our kernels
+# (`--test` checks each against the other). Each forward returns its output and what its backward needs;
+# each backward is derived by hand. The interface: N = B*T rows, `dt` the compute dtype; weight gradients
+# are fp32 buffers that backwards ADD into (+=), so micro-batches accumulate and the tied wte collects both
+# its uses. Statistics, softmax and losses are computed in fp32 (fp64 when everything is fp64, as in
+# --test). Besides the model's ops, the optimizer's (global_norm, adamw_update) and four small ones that
+# the training step needs: copy_into (an lm-head chunk's rows into place), zero_fill, clip_by_norm and
+# sum_into (the loss), so that backend triton's step runs no torch compute op at all.
+
+OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
+            "layernorm_backward", "matmul_forward", "matmul_gelu_forward", "matmul_backward", "gelu_forward",
+            "gelu_backward", "attention_forward", "attention_backward", "crossentropy_forward_backward",
+            "global_norm", "adamw_update", "zero_fill", "clip_by_norm", "sum_into", "copy_into")
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -520,6 +443,190 @@ def torch_copy_into(dst, src):
     dst.view(-1).copy_(src.view(-1))  # (n,)
 
 
+def torch_global_norm(grads):
+    """L2 norm over all gradient tensors (0-d fp32). Sums of squares, not torch.linalg.vector_norm: on the
+    CPU that accumulates fp32 sequentially (1.7e-4 off for a wte-sized gradient), sum() pairwise."""
+    return torch.stack([g.square().sum() for g in grads]).sum().sqrt()  # ()
+
+
+def torch_zero_fill(x):
+    x.zero_()
+
+
+def torch_clip_by_norm(g, norm, max_norm):
+    """g *= max_norm / (norm + 1e-6) where that is below 1 (torch.nn.utils.clip_grad_norm_), computed on the
+    device in fp32, so the step never waits for the norm to reach the host. A NaN norm makes g NaN, as in
+    clip_grad_norm_ (clamp passes NaN on)."""
+    g.mul_((max_norm / (norm + 1e-6)).clamp_(max=1.0))  # all gradients, flat
+
+
+def torch_sum_into(acc, x, scale):
+    """acc += scale * sum(x)."""
+    acc += x.sum() * scale
+
+
+def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
+    """llm.c's AdamW in place on lists of fp32 tensors, the gradients first scaled by grad_scale (the
+    clipping coefficient): m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
+    p -= lr (mhat / (sqrt(vhat) + eps) + wd p) with mhat = m / (1-b1^t), vhat = v / (1-b2^t); then the
+    compute-dtype copies (None in fp32) are refreshed from the updated masters."""
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    for i, (p, g, m, v, wd) in enumerate(zip(params, grads, ms, vs, weight_decays)):
+        if grad_scale != 1.0:
+            g = g * grad_scale  # same shape as p
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))  # mhat / (sqrt(vhat) + eps), like p
+        if wd:
+            update.add_(p, alpha=wd)
+        p.sub_(update.mul_(lr))
+        if copies is not None:
+            copies[i].copy_(p)
+
+
+def op_table(backend, ops):
+    """A backend's op namespace from {op name: function}, which must fill in OP_NAMES exactly."""
+    missing, unknown = sorted(set(OP_NAMES) - set(ops)), sorted(set(ops) - set(OP_NAMES))
+    if missing or unknown:
+        raise TypeError(f"backend {backend}: ops missing {missing}, ops not in OP_NAMES {unknown}")
+    return SimpleNamespace(**ops)
+
+
+TORCH_OPS = op_table("torch", dict(
+    encoder_forward=torch_encoder_forward, encoder_backward=torch_encoder_backward,
+    layernorm_forward=torch_layernorm_forward, residual_layernorm_forward=torch_residual_layernorm_forward,
+    layernorm_backward=torch_layernorm_backward,
+    matmul_forward=torch_matmul_forward, matmul_gelu_forward=torch_matmul_gelu_forward,
+    matmul_backward=torch_matmul_backward,
+    gelu_forward=torch_gelu_forward, gelu_backward=torch_gelu_backward,
+    attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
+    crossentropy_forward_backward=torch_crossentropy_forward_backward,
+    global_norm=torch_global_norm, adamw_update=torch_adamw_update,
+    zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
+    copy_into=torch_copy_into,
+))
+
+
+def backend_ops(name):
+    """The op namespace of backend `name` (TRITON_OPS is defined with the kernels, after main). Backend
+    triton's kernels need a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    if name == "triton" and not INTERPRET and not torch.cuda.is_available():
+        die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
+            "TRITON_INTERPRET=1 (slow, fp32 only)")
+    return TORCH_OPS if name == "torch" else TRITON_OPS
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+# llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
+PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
+               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
+               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
+DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
+
+
+def param_shapes(cfg):
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {
+        "wte": (Vp, C), "wpe": (T, C),
+        "ln_1.w": (L, C), "ln_1.b": (L, C),
+        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
+        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+        "ln_2.w": (L, C), "ln_2.b": (L, C),
+        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
+        "ln_f.w": (C,), "ln_f.b": (C,),
+    }
+
+
+def init_params_numpy(cfg):
+    """GPT-2 init (docs/FORMATS.md) from cfg.seed, in numpy so that every trainer starts from the same
+    weights."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif name.startswith("ln"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
+    return params
+
+
+# What the forward keeps for the backward, per layer and sequence at d12, T=1024 in bf16 ((T, C) = 1.5 MiB):
+#   res   (T, C)   the residual stream entering the layer (the embedding for layer 0)      1.5 MiB
+#   qkv   (T, 3C)  the attention's input projection                                         4.5 MiB
+#   atty  (T, C)   the attention's output, which also feeds its backward                    1.5 MiB
+#   lse   (H, T)   fp32 row logsumexp of the attention scores                               48 KiB
+#   res2  (T, C)   the residual stream after the attention                                  1.5 MiB
+#   fch   (T, 4C)  the MLP's pre-activation                                                 6.0 MiB
+# 15.05 MiB per layer, 181 MiB for 12 layers, plus the final residual (1.5 MiB) and ln_f's statistics.
+# Never kept: the (T, T) attention probabilities (24 MiB per layer in bf16; the backward recomputes them
+# blockwise from lse, as flash attention does), ln_1's and ln_2's outputs and gelu(fch) (9 MiB: the
+# backward recomputes them, one cheap elementwise pass each), and the logits: the lm head and the loss run
+# their forward and backward at once, HEAD_ROWS rows at a time, so at most (HEAD_ROWS, Vp) logits exist.
+# llm.c's train_gpt2.cu keeps 24 MiB per layer (16C wide), without cuDNN also the (T, T) probabilities,
+# and all (T, Vp) logits (98 MiB). The whole d12 bf16 step at B=16 then needs about 5.8 GB (arithmetic, not
+# a measurement): fp32 masters, AdamW moments and gradients 2.0 GB, bf16 weights 0.25 GB, a micro-batch's
+# saved tensors 3.0 GB, one lm-head chunk of logits (HEAD_ROWS x Vp bf16) 0.4 GB.
+
+def model_forward(w, idx, cfg, ops, acts=None):
+    """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
+    head's input. With a list `acts`, every layer appends what its backward needs (see above) and a last
+    entry holds the final residual and ln_f's statistics; without, nothing outlives its use."""
+    B, T = idx.shape
+    C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
+    res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
+    h, _, _ = ops.layernorm_forward(res, w["ln_1.w"][0], w["ln_1.b"][0])  # (N, C)
+    for l in range(L):
+        qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
+        atty, lse = ops.attention_forward(qkv.view(B, T, 3 * C), H)  # (B, T, C), (B, H, T) fp32
+        h = ops.matmul_forward(atty.view(B * T, C), w["attn.c_proj.w"][l], w["attn.c_proj.b"][l])  # (N, C)
+        res2, h, _, _ = ops.residual_layernorm_forward(res, h, w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C) x2
+        h, fch = ops.matmul_gelu_forward(h, w["c_fc.w"][l], w["c_fc.b"][l])  # (N, 4C) x2
+        h = ops.matmul_forward(h, w["mlp.c_proj.w"][l], w["mlp.c_proj.b"][l])  # (N, C)
+        # the residual add closing this layer is fused with the LayerNorm opening the next (or ln_f)
+        ln_w, ln_b = (w["ln_1.w"][l + 1], w["ln_1.b"][l + 1]) if l + 1 < L else (w["ln_f.w"], w["ln_f.b"])
+        res3, h, mean, rstd = ops.residual_layernorm_forward(res2, h, ln_w, ln_b)  # (N, C) x2, (N,) x2
+        if acts is not None:
+            acts.append(dict(res=res, qkv=qkv, atty=atty, lse=lse, res2=res2, fch=fch))
+        res = res3  # (N, C)
+    if acts is not None:
+        acts.append(dict(res=res, mean=mean, rstd=rstd))
+    return h  # (N, C) ln_f's output
+
+
+@torch.no_grad()
+def forward(params, idx, cfg):
+    """GPT-2's logits (B, T, Vp) for token ids idx (B, T); params are the weights in the compute dtype."""
+    B, T = idx.shape
+    ops = backend_ops(cfg.backend)
+    h = model_forward(params, idx, cfg, ops)  # (N, C)
+    return ops.matmul_forward(h, params["wte"], None).view(B, T, -1)  # (B, T, Vp) lm head tied to wte
+
+
+@torch.no_grad()
+def token_losses(params, x, y, cfg):
+    """Per-token cross-entropy (B, T) in fp32 over the first V logits only, HEAD_ROWS rows of logits at a
+    time (the cross-entropy op's gradient output is simply dropped)."""
+    ops = backend_ops(cfg.backend)
+    h = model_forward(params, x, cfg, ops)  # (N, C)
+    losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
+    return losses.view(x.shape)  # (B, T)
+
+
+def loss_fn(params, x, y, cfg):
+    """Mean token loss of one micro-batch (fp32 scalar)."""
+    return token_losses(params, x, y, cfg).mean()
+
+
+# -----------------------------------------------------------------------------
+# Backward: the model's own, chaining the ops' hand-derived backwards in reverse
+
 def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
     """The tied lm head and the loss, forward and backward at once, `rows` rows at a time: logits = h wte^T;
     the cross-entropy overwrites them with dlogits; then dh = dlogits wte and dwte += dlogits^T h. Returns
@@ -607,47 +714,6 @@ def grad_accum_steps(cfg, world):
 BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
 
 
-def torch_global_norm(grads):
-    """L2 norm over all gradient tensors (0-d fp32). Sums of squares, not torch.linalg.vector_norm: on the
-    CPU that accumulates fp32 sequentially (1.7e-4 off for a wte-sized gradient), sum() pairwise."""
-    return torch.stack([g.square().sum() for g in grads]).sum().sqrt()  # ()
-
-
-def torch_zero_fill(x):
-    x.zero_()
-
-
-def torch_clip_by_norm(g, norm, max_norm):
-    """g *= max_norm / (norm + 1e-6) where that is below 1 (torch.nn.utils.clip_grad_norm_), computed on the
-    device in fp32, so the step never waits for the norm to reach the host. A NaN norm makes g NaN, as in
-    clip_grad_norm_ (clamp passes NaN on)."""
-    g.mul_((max_norm / (norm + 1e-6)).clamp_(max=1.0))  # all gradients, flat
-
-
-def torch_sum_into(acc, x, scale):
-    """acc += scale * sum(x)."""
-    acc += x.sum() * scale
-
-
-def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
-    """llm.c's AdamW in place on lists of fp32 tensors, the gradients first scaled by grad_scale (the
-    clipping coefficient): m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
-    p -= lr (mhat / (sqrt(vhat) + eps) + wd p) with mhat = m / (1-b1^t), vhat = v / (1-b2^t); then the
-    compute-dtype copies (None in fp32) are refreshed from the updated masters."""
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
-    for i, (p, g, m, v, wd) in enumerate(zip(params, grads, ms, vs, weight_decays)):
-        if grad_scale != 1.0:
-            g = g * grad_scale  # same shape as p
-        m.mul_(beta1).add_(g, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))  # mhat / (sqrt(vhat) + eps), like p
-        if wd:
-            update.add_(p, alpha=wd)
-        p.sub_(update.mul_(lr))
-        if copies is not None:
-            copies[i].copy_(p)
-
-
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
 
 
@@ -660,9 +726,9 @@ def compute_groups(cfg):
 
 def flat_layout(shapes, groups, world):
     """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
-    `shapes` group after group, each from a FLAT_ALIGN boundary (aligned vector loads in the kernels);
-    every group is padded to a multiple of FLAT_ALIGN x world, so that any number of processes gets
-    equal, aligned shards of it (the padding stays zero)."""
+    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
+    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
+    stays zero)."""
     starts, spans, size = {}, [], 0
     unit = FLAT_ALIGN * world
     for names, _ in groups:
@@ -708,7 +774,7 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     `ops` (the loss sum, the zeroing and clipping of the gradients too), and the clipping coefficient is
     computed on the device: the host waits once, at the end, to read the loss and the norm. Returns (train
     loss, grad norm before clipping) as floats."""
-    w, grads, flat = state["wts"], state["grads"], state["grad_buffer"]
+    w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
     ops.zero_fill(flat)
     dloss = 1.0 / (xs[0].numel() * len(xs) * world)
     loss = torch.empty((), dtype=torch.float32, device=xs.device)  # () the mean token loss
@@ -750,7 +816,7 @@ def train_step(state, xs, ys, step, cfg, ops, world):
 
 def make_state(params, m, v, cfg, device, rank=0, world=1):
     """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
-    `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes) and all of the weights `wts`
+    `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes) and all of the weights `weights`
     the model computes with (compute_groups: bf16 copies of the masters, or the fp32 masters themselves).
     Stage 0: it also holds all of the fp32 masters `params` and AdamW's moments `m`, `v`, sums the
     gradients with one all-reduce and updates every weight. Stage 1 (ZeRO-1): per compute group
@@ -759,7 +825,7 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
     gradients (reduce-scattered into it); it updates that shard of the masters and of the weights
     (`own_weights`), and one all-gather of the group's weights brings every process every update.
     `shard_params`, `shard_grads`, `shard_copies`, m and v are then {name: 1-D piece} of the tensors in the
-    shard; at stage 0 they are the whole tensors (`params`, `grads`, `wts` or None, m, v), what train_step
+    shard; at stage 0 they are the whole tensors (`params`, `grads`, `weights` or None, m, v), what train_step
     updates either way."""
     shapes = param_shapes(cfg)
     groups = compute_groups(cfg)
@@ -768,13 +834,13 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
     state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes), starts
     if cfg.zero_stage == 0:  # this process's shard is the whole model, its one group the whole buffer
         state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
-        state["wts"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
+        state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()} if cfg.dtype == "bf16"
                         else state["params"])
         state.update(shard_params=state["params"], shard_grads=state["grads"],
-                     shard_copies=state["wts"] if cfg.dtype == "bf16" else None,
+                     shard_copies=state["weights"] if cfg.dtype == "bf16" else None,
                      groups=[{"span": spans[0], "grads": state["grad_buffer"]}])
         return state
-    state.update(groups=[], wts={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
     for (names, dtype), (first, end) in zip(groups, spans):
         n = (end - first) // world
         own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
@@ -782,7 +848,7 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
         views = flat_views(group["weights"], starts, shapes, names, first)
         for k in names:
             views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        state["wts"].update(views)
+        state["weights"].update(views)
         group["own_weights"] = group["weights"][own - first:own - first + n]  # (S,) a view
         # fp32 weights are their own masters; bf16 ones get an fp32 shard
         group["params"] = (group["own_weights"] if dtype == torch.float32 else
@@ -809,6 +875,658 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
 
 
 # -----------------------------------------------------------------------------
+# Data
+
+SHARD_MAGIC = 20240520
+SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
+GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
+            "synthetic for a benchmark")
+
+
+def read_shard(path):
+    """An llm.c token shard (docs/FORMATS.md) as a read-only uint16 memmap, after checking its header and
+    size."""
+    if not os.path.isfile(path):
+        die(f"shard {path} does not exist")
+    size = os.path.getsize(path)
+    if size < 256 * 4:
+        die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    header = np.fromfile(path, dtype="<i4", count=256)
+    if header[0] != SHARD_MAGIC:
+        die(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC} (not an llm.c token shard)")
+    if header[1] != 1:
+        die(f"shard {path} has version {header[1]}, expected 1")
+    ntok = int(header[2])
+    if size != 256 * 4 + 2 * ntok:
+        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds "
+            f"{(size - 1024) // 2}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
+
+
+def find_shards(cfg):
+    """(train files, val files) for --data DIR | GLOB, and --val-data GLOB (which also overrides a DIR's val
+    shards); (None, None) if synthetic. --eval-only needs no train shards."""
+    if cfg.data == "synthetic":
+        return None, None
+    if os.path.isdir(cfg.data):
+        train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
+        val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
+        if not train and not cfg.eval_only:
+            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
+    else:
+        train, val = sorted(glob.glob(cfg.data)), []
+        if not train and not cfg.eval_only:
+            die(f"--data {cfg.data}: no such directory and no file matches that glob ({GET_DATA})")
+    if cfg.val_data:
+        val = sorted(glob.glob(cfg.val_data))
+        if not val:
+            die(f"--val-data {cfg.val_data}: no file matches that glob")
+    return train, val
+
+
+class DataLoader:
+    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
+    all ranks advance p by W*B*T, and all move to the next shard (wrapping around) when fewer than W*B*T+1
+    tokens remain after p. (llm.c tests each rank's own position p + r*B*T, so near a shard's end its ranks
+    part ways; testing p keeps them together: W ranks of B rows read what one rank of W*B rows reads.)
+    files=None reads one in-memory shard of random tokens drawn from `seed`."""
+
+    def __init__(self, files, B, T, rank=0, world=1, seed=0):
+        self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
+        self.shard, self.tokens = None, None
+        for i in range(len(files) if files else 0):  # fail now, not hours into the run
+            if len(read_shard(files[i])) < world * B * T + 1:
+                die(f"shard {files[i]} holds fewer than {world * B * T + 1} tokens, one batch needs that")
+        self.reset()
+
+    def _load(self, shard):
+        if self.shard != shard or self.tokens is None:
+            if self.files is None:
+                n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
+                self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
+            else:
+                self.tokens = read_shard(self.files[shard])
+                # here and not in read_shard: the max reads the whole shard, so only a shard put to use pays
+                top = int(self.tokens.max())
+                if top >= VOCAB_SIZE:
+                    die(f"shard {self.files[shard]} holds token ids up to {top}, outside GPT-2's vocabulary "
+                        f"of {VOCAB_SIZE} tokens (written with another tokenizer?)")
+        self.shard = shard
+
+    def reset(self):
+        self.set_state(0, 0)
+
+    def set_state(self, shard, position):
+        """Puts the loader at p = `position` in `shard` (what state() returned)."""
+        self._load(shard)
+        self.position = position
+
+    def state(self):
+        """(shard, p): where the next step's rank 0 batch starts, for checkpoints."""
+        return self.shard, self.position
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        start = self.position + self.rank * B * T
+        buf = np.asarray(self.tokens[start: start + B * T + 1], dtype=np.int32)
+        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
+        self.position += self.world * B * T
+        if self.position + self.world * B * T + 1 > len(self.tokens):
+            n_shards = len(self.files) if self.files else 1
+            self.set_state((self.shard + 1) % n_shards, 0)
+        return x, y
+
+
+def step_batches(loader, grad_accum):
+    """The next optimizer step's micro-batches, stacked: x, y (A,B,T) int32."""
+    xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
+    return np.stack(xs), np.stack(ys)
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
+    host can queue the step while the GPU is still busy."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+MODEL_MAGIC = 20240326
+
+
+def write_model_file(path, params, cfg):
+    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
+    PARAM_NAMES order."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    shapes = param_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size < 1024:
+        die(f"model file {path} is truncated: {raw.size} bytes")
+    h = raw[:1024].view("<i4")
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = param_shapes(Config(**header))
+    itemsize = 4 if h[1] == 3 else 2
+    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
+    if raw.size != expected:
+        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
+    params, offset = {}, 1024
+    for name in PARAM_NAMES:
+        n = math.prod(shapes[name])
+        chunk = raw[offset: offset + n * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        params[name] = t.reshape(shapes[name])
+        offset += n * itemsize
+    return header, params
+
+
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
+    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (docs/FORMATS.md), written to a temporary name, then
+    renamed."""
+    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    tmp, old = final + ".tmp", final + ".old"
+    for stale in (tmp, old):  # left by a run that died while saving this step
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+    os.makedirs(tmp)
+    write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
+                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
+                 config=np.array(json.dumps(asdict(cfg))))
+    with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+        np.savez(f, **state)
+    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def gather_state(state, cfg, world):
+    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
+    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
+    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
+    if cfg.zero_stage == 0:
+        return state["params"], state["m"], state["v"]
+    full = []
+    for name in ("params", "m", "v"):
+        buffer = torch.empty_like(state["grad_buffer"])  # (P,)
+        for group in state["groups"]:
+            first, end = group["span"]
+            if world > 1:
+                dist.all_gather_single(buffer[first:end], group[name])
+            else:
+                buffer[first:end].copy_(group[name])
+        full.append(flat_views(buffer, state["starts"], param_shapes(cfg)))
+    return tuple(full)
+
+
+def latest_checkpoint(out_dir):
+    """The newest complete checkpoint directory in out_dir, or None."""
+    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
+                   if os.path.basename(d)[5:].isdigit() and os.path.isfile(os.path.join(d, "state.npz")))
+    return found[-1] if found else None
+
+
+# what reading a damaged .npz raises: not a zip at all (ValueError: numpy takes it for a pickle), cut short
+# (BadZipFile, EOFError), a member that fails its CRC (BadZipFile) or does not inflate (zlib.error), a
+# damaged .npy header in a member (ValueError, TokenError), damaged zip headers
+# (NotImplementedError, KeyError, OSError)
+DAMAGED_NPZ_ERRORS = (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile,
+                      zlib.error, TokenError)
+
+
+def load_checkpoint(path, cfg):
+    """(header, params, m, v, state) from a checkpoint dir; `path` may be 'auto' (newest in cfg.out_dir)."""
+    if path == "auto":
+        path = latest_checkpoint(cfg.out_dir)
+        if path is None:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+    if not os.path.isfile(os.path.join(path, "state.npz")):
+        die(f"--resume {path}: not a checkpoint directory (no state.npz)")
+    header, params = read_model_file(os.path.join(path, "model.bin"))
+    state_file = os.path.join(path, "state.npz")
+    try:
+        with np.load(state_file) as z:
+            missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
+            missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
+            if missing:
+                die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
+            m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
+            v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
+            state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
+    except DAMAGED_NPZ_ERRORS as e:
+        detail = (str(e).splitlines() or ["no detail"])[0][:120]
+        die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
+    for k in PARAM_NAMES:
+        if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
+            die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
+                f"the model has {params[k].shape}")
+        if m[k].dtype != np.float32 or v[k].dtype != np.float32:
+            die(f"checkpoint {path}: optimizer state for {k} is {m[k].dtype}/{v[k].dtype}, "
+                "not float32")
+    return header, params, m, v, state
+
+
+def to_numpy(tensors):
+    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
+    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
+
+
+def to_device(arrays, device):
+    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
+    optimizer updates them in place."""
+    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
+
+
+# -----------------------------------------------------------------------------
+# Evaluation
+
+HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: few shapes for the kernels to tune
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
+VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
+
+
+def val_batches(cfg, loader):
+    """range(cfg.val_steps), behind a progress bar on a terminal's stderr when it is long (one process
+    draws it); a short validation, or one whose stderr goes to a log, prints nothing there."""
+    batches = range(cfg.val_steps)
+    if cfg.val_steps <= VAL_BAR_MIN_STEPS or loader.rank != 0:
+        return batches
+    return hellaswag.terminal_progress(batches, cfg.val_steps, "val")
+
+
+def evaluate_val(eval_loss, params, loader, cfg, device, world):
+    """Mean loss over the first cfg.val_steps batches of the val shards (the loader restarts each time),
+    averaged over the processes, each reading its rank's rows as llm.c's loader does."""
+    loader.reset()
+    total = torch.zeros((), device=device)                                         # ()
+    for _ in val_batches(cfg, loader):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        total += eval_loss(params, put_batch(x, device), put_batch(y, device), cfg)
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (cfg.val_steps * world)
+
+
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):  # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]  # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)  # (4, n)
+        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+
+
+@torch.no_grad()
+def generate(params, generator, cfg):
+    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
+    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
+    mask makes the not-yet-sampled zeros to the right irrelevant."""
+    ops = backend_ops(cfg.backend)
+    device = params["wte"].device
+    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
+    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)  # (S, T)
+    tokens[:, 0] = EOT
+    for t in range(T - 1):  # token t+1 from 0..t
+        h = model_forward(params, tokens, cfg, ops).view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
+        logits = ops.matmul_forward(h, params["wte"], None)[:, :VOCAB_SIZE].float()  # (S, V)
+        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)  # (S, K) each
+        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
+        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
+    return tokens
+
+
+# -----------------------------------------------------------------------------
+# Logging
+
+PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
+    "H100 PCIe": (756e12, 378e12),
+    "H100 NVL": (835e12, 417.5e12),
+    "H100": (989e12, 494.5e12),   # SXM
+    "H200 NVL": (835e12, 417.5e12),
+    "H200": (989e12, 494.5e12),
+    "A100": (312e12, 156e12),
+    "L40S": (362e12, 183e12),
+    "4090": (165e12, 82.6e12),
+}
+
+
+def model_flops_per_token(cfg, n_params):
+    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+
+def peak_flops(device_name, dtype):
+    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
+    for key, (bf16, tf32) in PEAK_FLOPS.items():
+        if key in device_name:
+            return bf16 if dtype == "bf16" else tf32
+    return None
+
+
+def device_state_bytes(cfg, shapes, world):
+    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
+    the activations): `params`: the bf16 compute copies `weights` (none with --dtype fp32, where the model
+    computes with the masters), all of them at either stage; `grads`: the fp32 flat gradient buffer, plus
+    at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all of them, or at stage 1
+    a shard of those that have bf16 copies (with --dtype fp32 the masters are what the model computes
+    with, so every process holds them whole); `moments`: AdamW's m and v, all or (stage 1) a shard."""
+    groups = compute_groups(cfg)
+    _, spans = flat_layout(shapes, groups, world)
+    size = spans[-1][1]
+    if cfg.zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": 2 * 4 * sum(numel.values())}
+    lengths = [(end - first, dtype) for (_, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype in lengths),
+            "moments": 2 * 4 * size // world}
+
+
+def log_event(out_dir, framework, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md); framework is
+    f"triton-{backend}"."""
+    record["framework"] = framework
+    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def drop_partial_log_line(out_dir):
+    """Cuts <out_dir>/log.jsonl back to its last complete line. A process killed while it appended an event
+    leaves half a line, which the next event would otherwise be glued to and lost with."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def logged_evals(out_dir, step):
+    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`, by any
+    trainer."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return set()
+    found = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash while it was written
+                continue
+            if event.get("step") == step:
+                found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
+    return found
+
+
+def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb):
+    mfu_s = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+    mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
+    return (f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | "
+            f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
+
+
+def peak_memory_gb(device):
+    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
+    keeps no statistics."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+# -----------------------------------------------------------------------------
+# Main
+
+PROFILE_STEPS = 3
+
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def setup_device(cfg):
+    """(rank, world, device): under torchrun one process per GPU (nccl) or per share of the CPU cores
+    (gloo), else one process on the GPU if there is one. Sets the matmul precision cfg.dtype promises."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if world > 1:  # processes on one machine split its cores instead of oversubscribing them
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1:
+        # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(hours=1))
+        atexit.register(dist.destroy_process_group)
+    # fp32 means fp32: cuBLAS and cuDNN would otherwise run fp32 matmuls on a GPU as TF32
+    tf32 = cfg.dtype == "bf16"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    return rank, world, device
+
+
+@contextlib.contextmanager
+def out_of_memory_is_an_error(cfg):
+    """Running out of device memory (at compile or run time) is a bad --batch-size: one line, no trace."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        die(f"out of device memory at --batch-size {cfg.batch_size} (try a smaller one): "
+            f"{str(e).splitlines()[0][:200]}")
+
+
+def main(argv=None):
+    cfg, explicit = parse_args(argv)
+    if cfg.test:
+        run_self_test(cfg)
+        return
+    ops = backend_ops(cfg.backend)
+    if cfg.backend == "triton" and INTERPRET and cfg.dtype == "bf16":
+        die("backend triton under TRITON_INTERPRET=1 runs fp32 only (the interpreter's bf16 dots are wrong): "
+            "add --dtype fp32, or run on a GPU")
+    framework = f"{FRAMEWORK}-{cfg.backend}"
+    rank, world, device = setup_device(cfg)
+    if cfg.bench_ops:
+        bench_ops(cfg, ops, device)
+        return
+    master = rank == 0
+    say = print if master else (lambda *args, **kwargs: None)
+
+    # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
+    step, loader_state, m, v = 0, (0, 0), None, None
+    if cfg.resume:
+        header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
+        apply_model_header(cfg, header, explicit)
+        cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
+    elif cfg.init_from:
+        header, params = read_model_file(cfg.init_from)
+        apply_model_header(cfg, header, explicit)
+    else:
+        params = init_params_numpy(cfg)
+    if m is None:
+        m = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items()}
+    if cfg.eval_only and not (cfg.resume or cfg.init_from):
+        die("--eval-only needs weights: give --init-from or --resume")
+
+    # data: each process reads its own B rows of every micro-batch, as llm.c's per-rank loaders do
+    grad_accum = grad_accum_steps(cfg, world)
+    B, T = cfg.batch_size, cfg.seq_len
+    train_files, val_files = find_shards(cfg)
+    train_loader = None if cfg.eval_only else DataLoader(train_files, B, T, rank, world, seed=cfg.seed)
+    val_loader = DataLoader(val_files, B, T, rank, world) if val_files else None
+    if train_loader is not None:
+        n_shards = len(train_files) if train_files else 1
+        shard, position = loader_state
+        if shard >= n_shards:
+            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
+        train_loader.set_state(shard, position)
+        if position + world * B * T + 1 > len(train_loader.tokens):
+            die(f"--resume: the checkpoint's position {position} is past the end of train shard {shard}")
+    if val_loader is None and (cfg.eval_only or cfg.val_every > 0):
+        say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
+    encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        drop_partial_log_line(cfg.out_dir)
+
+    # devices: what each process holds depends on --zero-stage (make_state)
+    state = make_state(params, m, v, cfg, device, rank, world)
+    weights = state["weights"]  # what evaluation and sampling compute with
+    n_params = sum(p.numel() for k, p in weights.items() if k != "wpe")
+    device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+        f"wpe) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
+    say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
+        f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
+    held = device_state_bytes(cfg, param_shapes(cfg), world)
+    say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
+        f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
+        f"{cfg.zero_stage} over {world} devices)")
+
+    with out_of_memory_is_an_error(cfg):
+        def run_evals(step, val, swag):
+            if val and val_loader is not None:
+                val_loss = evaluate_val(loss_fn, weights, val_loader, cfg, device, world)
+                say(f"step {step:5d} | val loss {val_loss:.6f}")
+                if master:
+                    log_event(cfg.out_dir, framework, step=step, val_loss=val_loss)
+            if swag and master:
+                acc, acc_norm = evaluate_hellaswag(token_losses, weights, cfg, device)
+                say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
+                log_event(cfg.out_dir, framework, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
+
+        if cfg.eval_only:
+            run_evals(step, True, True)
+            return
+        # the checkpoint is written before the step's evaluations: a run killed between the two resumes
+        # by running the ones log.jsonl lacks (also where nothing is left to train). Process 0's log
+        # decides for all: the others may not see it, and all must run the same evaluations.
+        if cfg.resume:
+            logged = logged_evals(cfg.out_dir, step) if master else set()
+            missing = [due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
+                       due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]
+            if world > 1:
+                dist.broadcast_object_list(missing, src=0)
+            run_evals(step, *missing)
+        if step >= cfg.steps:
+            say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
+            return
+
+        flops_per_token = model_flops_per_token(cfg, n_params)
+        peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
+        first = step + 1
+        profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
+        profile = None
+        times = {}
+        for step in range(first, cfg.steps + 1):
+            if cfg.profile and step == profile_steps[0]:
+                profile = start_profile(ops, device)
+            t0 = time.perf_counter()
+            x, y = step_batches(train_loader, grad_accum)  # (A, B, T) each
+            xs, ys = put_batch(x, device), put_batch(y, device)
+            loss, norm = train_step(state, xs, ys, step, cfg, profile["ops"] if profile else ops, world)
+            dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
+            times[step] = dt
+            if step == first:
+                say(f"first step: {dt:.1f} s with its one-off costs (kernel compilation and autotuning, whose "
+                    f"copies of the buffers it tunes count in its memory), left out of the mean; peak memory "
+                    f"is reset after it, so later steps show the steady state")
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+            if profile and step == profile_steps[-1]:
+                finish_profile(profile, profile_steps, [1000 * times[s] for s in profile_steps], weights,
+                               xs[0], cfg, ops, device, rank, master)
+                profile = None
+            tokens_per_s = cfg.total_batch_size / dt
+            mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+            lr, mem = lr_at(step - 1, cfg), peak_memory_gb(device)
+            say(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
+            if master:
+                log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr,
+                          dt_ms=1000 * dt, tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+            # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses nothing
+            if due(cfg.ckpt_every, step, cfg.steps):
+                full = gather_state(state, cfg, world)  # every process: a collective at stage 1
+                if master:
+                    path = save_checkpoint(cfg.out_dir, step, *map(to_numpy, full), train_loader.state(), cfg)
+                    say(f"saved {path}")
+                if world > 1:  # the others wait while rank 0 writes
+                    dist.barrier()
+            run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
+            if master and due(cfg.sample_every, step, cfg.steps):
+                seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
+                generator = torch.Generator(device=device).manual_seed(seed)
+                for i, row in enumerate(generate(weights, generator, cfg).tolist()):
+                    text = encoder.decode(row[1:])
+                    say(f"sample {i}: {text!r}")
+
+    # the mean leaves out the first step (compilation, one-off start-up costs) and the profiled ones
+    kept = [s for s in times if s > first and not (cfg.profile and s in profile_steps)]
+    note = " after the first" + (", not profiled" if cfg.profile else "")
+    if not kept:
+        kept, note = list(times), ""
+    dt = float(np.mean([times[s] for s in kept]))
+    tokens_per_s = cfg.total_batch_size / dt
+    mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
+    mem = peak_memory_gb(device)
+    say(f"mean over {len(kept)} step(s){note}: "
+        f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
+        f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory "
+        f"{'n/a' if mem is None else f'{mem:.2f} GB'}{' (steady state)' if len(times) > 1 else ''}")
+
+
+# -----------------------------------------------------------------------------
 # Triton kernels
 #
 # Backend `triton`: the op interface filled in by our own kernels, in three groups: first the memory-bound
@@ -821,8 +1539,6 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
 # bf16 dots are wrong). The interpreter's cost is Python overhead per program and per loop step, not per
 # element, so a few block sizes below take a wide value there (`... if INTERPRET else ...`); the tests
 # pass small ones explicitly where a loop over blocks must run more than once.
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # -----------------------------------------------------------------------------
 # Triton kernels: embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
@@ -2204,22 +2920,9 @@ def copy_into(dst, src):
 
 
 # -----------------------------------------------------------------------------
-# Backends: the op interface, filled in by plain torch ops or by our Triton kernels
+# Backend `triton`: the op interface filled in by the kernels above
 
-TORCH_OPS = SimpleNamespace(
-    encoder_forward=torch_encoder_forward, encoder_backward=torch_encoder_backward,
-    layernorm_forward=torch_layernorm_forward, residual_layernorm_forward=torch_residual_layernorm_forward,
-    layernorm_backward=torch_layernorm_backward,
-    matmul_forward=torch_matmul_forward, matmul_gelu_forward=torch_matmul_gelu_forward,
-    matmul_backward=torch_matmul_backward,
-    gelu_forward=torch_gelu_forward, gelu_backward=torch_gelu_backward,
-    attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
-    crossentropy_forward_backward=torch_crossentropy_forward_backward,
-    global_norm=torch_global_norm, adamw_update=torch_adamw_update,
-    zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
-    copy_into=torch_copy_into,
-)
-TRITON_OPS = SimpleNamespace(
+TRITON_OPS = op_table("triton", dict(
     encoder_forward=encoder_forward, encoder_backward=encoder_backward,
     layernorm_forward=layernorm_forward, residual_layernorm_forward=residual_layernorm_forward,
     layernorm_backward=layernorm_backward,
@@ -2229,462 +2932,7 @@ TRITON_OPS = SimpleNamespace(
     crossentropy_forward_backward=crossentropy_forward_backward,
     global_norm=global_norm, adamw_update=adamw_update,
     zero_fill=zero_fill, clip_by_norm=clip_by_norm, sum_into=sum_into, copy_into=copy_into,
-)
-BACKENDS = {"torch": TORCH_OPS, "triton": TRITON_OPS}
-
-
-def backend_ops(name):
-    """The op namespace of backend `name`. Backend triton's kernels need a CUDA GPU, or Triton's CPU
-    interpreter (TRITON_INTERPRET=1)."""
-    if name == "triton" and not INTERPRET and not torch.cuda.is_available():
-        die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
-            "TRITON_INTERPRET=1 (slow, fp32 only)")
-    return BACKENDS[name]
-
-
-# -----------------------------------------------------------------------------
-# Data
-
-SHARD_MAGIC = 20240520
-SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
-GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
-            "synthetic for a benchmark")
-
-
-def read_shard(path):
-    """An llm.c token shard (docs/FORMATS.md) as a read-only uint16 memmap, after checking its header and
-    size."""
-    if not os.path.isfile(path):
-        die(f"shard {path} does not exist")
-    size = os.path.getsize(path)
-    if size < 256 * 4:
-        die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
-    header = np.fromfile(path, dtype="<i4", count=256)
-    if header[0] != SHARD_MAGIC:
-        die(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC} (not an llm.c token shard)")
-    if header[1] != 1:
-        die(f"shard {path} has version {header[1]}, expected 1")
-    ntok = int(header[2])
-    if size != 256 * 4 + 2 * ntok:
-        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds "
-            f"{(size - 1024) // 2}")
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
-
-
-def find_shards(cfg):
-    """(train files, val files) for --data DIR | GLOB, and --val-data GLOB (which also overrides a DIR's val
-    shards); (None, None) if synthetic. --eval-only needs no train shards."""
-    if cfg.data == "synthetic":
-        return None, None
-    if os.path.isdir(cfg.data):
-        train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
-        val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
-        if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
-    else:
-        train, val = sorted(glob.glob(cfg.data)), []
-        if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no such directory and no file matches that glob ({GET_DATA})")
-    if cfg.val_data:
-        val = sorted(glob.glob(cfg.val_data))
-        if not val:
-            die(f"--val-data {cfg.val_data}: no file matches that glob")
-    return train, val
-
-
-class DataLoader:
-    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
-    all ranks advance p by W*B*T, and all move to the next shard (wrapping around) when fewer than W*B*T+1
-    tokens remain after p. (llm.c tests each rank's own position p + r*B*T, so near a shard's end its ranks
-    part ways; testing p keeps them together: W ranks of B rows read what one rank of W*B rows reads.)
-    files=None reads one in-memory shard of random tokens drawn from `seed`."""
-
-    def __init__(self, files, B, T, rank=0, world=1, seed=0):
-        self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
-        self.shard, self.tokens = None, None
-        for i in range(len(files) if files else 0):  # fail now, not hours into the run
-            if len(read_shard(files[i])) < world * B * T + 1:
-                die(f"shard {files[i]} holds fewer than {world * B * T + 1} tokens, one batch needs that")
-        self.reset()
-
-    def _load(self, shard):
-        if self.shard != shard or self.tokens is None:
-            if self.files is None:
-                n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
-                self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
-            else:
-                self.tokens = read_shard(self.files[shard])
-                # here and not in read_shard: the max reads the whole shard, so only a shard put to use pays
-                top = int(self.tokens.max())
-                if top >= VOCAB_SIZE:
-                    die(f"shard {self.files[shard]} holds token ids up to {top}, outside GPT-2's vocabulary "
-                        f"of {VOCAB_SIZE} tokens (written with another tokenizer?)")
-        self.shard = shard
-
-    def reset(self):
-        self.set_state(0, 0)
-
-    def set_state(self, shard, position):
-        """Puts the loader at p = `position` in `shard` (what state() returned)."""
-        self._load(shard)
-        self.position = position
-
-    def state(self):
-        """(shard, p): where the next step's rank 0 batch starts, for checkpoints."""
-        return self.shard, self.position
-
-    def next_batch(self):
-        B, T = self.B, self.T
-        start = self.position + self.rank * B * T
-        buf = np.asarray(self.tokens[start: start + B * T + 1], dtype=np.int32)
-        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
-        self.position += self.world * B * T
-        if self.position + self.world * B * T + 1 > len(self.tokens):
-            n_shards = len(self.files) if self.files else 1
-            self.set_state((self.shard + 1) % n_shards, 0)
-        return x, y
-
-
-def step_batches(loader, grad_accum):
-    """The next optimizer step's micro-batches, stacked: x, y (A, B, T) int32."""
-    xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
-    return np.stack(xs), np.stack(ys)
-
-
-def put_batch(x, device):
-    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
-    host can queue the step while the GPU is still busy."""
-    t = torch.from_numpy(np.asarray(x, dtype=np.int64))  # (..., T)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints
-
-MODEL_MAGIC = 20240326
-
-
-def write_model_file(path, params, cfg):
-    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
-    PARAM_NAMES order."""
-    header = np.zeros(256, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
-                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
-    shapes = param_shapes(cfg)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        for name in PARAM_NAMES:
-            t = np.asarray(params[name], dtype=np.float32)
-            assert t.shape == shapes[name], (name, t.shape, shapes[name])
-            f.write(t.astype("<f4").tobytes())
-    os.replace(tmp, path)
-
-
-def read_model_file(path):
-    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    if raw.size < 1024:
-        die(f"model file {path} is truncated: {raw.size} bytes")
-    h = raw[:1024].view("<i4")
-    if h[0] != MODEL_MAGIC:
-        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
-    if h[1] not in (3, 5):
-        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
-    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
-                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
-    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
-        die(f"model file {path} has an invalid header {header}")
-    shapes = param_shapes(Config(**header))
-    itemsize = 4 if h[1] == 3 else 2
-    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
-    if raw.size != expected:
-        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
-    params, offset = {}, 1024
-    for name in PARAM_NAMES:
-        n = math.prod(shapes[name])
-        chunk = raw[offset: offset + n * itemsize]
-        if itemsize == 4:
-            t = chunk.view("<f4").astype(np.float32)
-        else:
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        params[name] = t.reshape(shapes[name])
-        offset += n * itemsize
-    return header, params
-
-
-def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (docs/FORMATS.md), written to a temporary name, then
-    renamed."""
-    final = os.path.join(out_dir, f"ckpt_{step:07d}")
-    tmp, old = final + ".tmp", final + ".old"
-    for stale in (tmp, old):  # left by a run that died while saving this step
-        if os.path.isdir(stale):
-            shutil.rmtree(stale)
-    os.makedirs(tmp)
-    write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
-    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
-    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
-    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
-                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
-                 config=np.array(json.dumps(asdict(cfg))))
-    with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
-        np.savez(f, **state)
-    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
-    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    return final
-
-
-def gather_state(state, cfg, world):
-    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
-    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
-    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
-    if cfg.zero_stage == 0:
-        return state["params"], state["m"], state["v"]
-    full = []
-    for name in ("params", "m", "v"):
-        buffer = torch.empty_like(state["grad_buffer"])  # (P,)
-        for group in state["groups"]:
-            first, end = group["span"]
-            if world > 1:
-                dist.all_gather_single(buffer[first:end], group[name])
-            else:
-                buffer[first:end].copy_(group[name])
-        full.append(flat_views(buffer, state["starts"], param_shapes(cfg)))
-    return tuple(full)
-
-
-def latest_checkpoint(out_dir):
-    """The newest complete checkpoint directory in out_dir, or None."""
-    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
-                   if os.path.basename(d)[5:].isdigit() and os.path.isfile(os.path.join(d, "state.npz")))
-    return found[-1] if found else None
-
-
-# what reading a damaged .npz raises: not a zip at all (ValueError: numpy takes it for a pickle), cut short
-# (BadZipFile, EOFError), a member that fails its CRC (BadZipFile) or does not inflate (zlib.error), a
-# damaged .npy header in a member (ValueError, tokenize.TokenError), damaged zip headers
-# (NotImplementedError, KeyError, OSError)
-DAMAGED_NPZ_ERRORS = (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile,
-                      zlib.error, tokenize.TokenError)
-
-
-def load_checkpoint(path, cfg):
-    """(header, params, m, v, state) from a checkpoint dir; `path` may be 'auto' (newest in cfg.out_dir)."""
-    if path == "auto":
-        path = latest_checkpoint(cfg.out_dir)
-        if path is None:
-            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
-    if not os.path.isfile(os.path.join(path, "state.npz")):
-        die(f"--resume {path}: not a checkpoint directory (no state.npz)")
-    header, params = read_model_file(os.path.join(path, "model.bin"))
-    state_file = os.path.join(path, "state.npz")
-    try:
-        with np.load(state_file) as z:
-            missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
-            missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
-            if missing:
-                die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
-            m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
-            v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
-            state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
-    except DAMAGED_NPZ_ERRORS as e:
-        detail = (str(e).splitlines() or ["no detail"])[0][:120]
-        die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
-    for k in PARAM_NAMES:
-        if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
-            die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
-                f"the model has {params[k].shape}")
-        if m[k].dtype != np.float32 or v[k].dtype != np.float32:
-            die(f"checkpoint {path}: optimizer state for {k} is {m[k].dtype}/{v[k].dtype}, "
-                "not float32")
-    return header, params, m, v, state
-
-
-def to_numpy(tensors):
-    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
-    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
-
-
-def to_device(arrays, device):
-    """{name: fp32 tensor on device} from a dict of numpy arrays."""
-    return {k: torch.from_numpy(np.asarray(a, np.float32)).to(device) for k, a in arrays.items()}
-
-
-# -----------------------------------------------------------------------------
-# Evaluation
-
-HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: few shapes for the kernels to tune
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
-VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
-
-
-def val_batches(cfg, loader):
-    """range(cfg.val_steps), behind a progress bar on a terminal's stderr when it is long (one process
-    draws it); a short validation, or one whose stderr goes to a log, prints nothing there."""
-    batches = range(cfg.val_steps)
-    if cfg.val_steps <= VAL_BAR_MIN_STEPS or loader.rank != 0:
-        return batches
-    return hellaswag.terminal_progress(batches, cfg.val_steps, "val")
-
-
-def evaluate_val(eval_loss, params, loader, cfg, device, world):
-    """Mean loss over the first cfg.val_steps batches of the val shards (the loader restarts each time),
-    averaged over the processes, each reading its rank's rows as llm.c's loader does."""
-    loader.reset()
-    total = torch.zeros((), device=device)  # ()
-    for _ in val_batches(cfg, loader):
-        x, y = loader.next_batch()  # (B, T) each
-        total += eval_loss(params, put_batch(x, device), put_batch(y, device), cfg)
-    if world > 1:
-        dist.all_reduce(total)
-    return total.item() / (cfg.val_steps * world)
-
-
-def evaluate_hellaswag(row_losses_fn, params, cfg, device):
-    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
-    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
-    never ending tokens unless an ending alone is longer than the context)."""
-    def row_losses(tokens):  # (4, n+1) int64
-        x, y = tokens[:, :-1], tokens[:, 1:]  # (4, n) each
-        n = x.shape[1]
-        crop = max(0, n - cfg.block_size)
-        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
-        xp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
-        yp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
-        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
-        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
-        out = np.zeros((x.shape[0], n), np.float32)  # (4, n)
-        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
-        return out
-    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
-
-
-@torch.no_grad()
-def generate(params, generator, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant."""
-    ops = backend_ops(cfg.backend)
-    device = params["wte"].device
-    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)  # (S, T)
-    tokens[:, 0] = EOT
-    for t in range(T - 1):  # token t+1 from 0..t
-        h = model_forward(params, tokens, cfg, ops).view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
-        logits = ops.matmul_forward(h, params["wte"], None)[:, :VOCAB_SIZE].float()  # (S, V)
-        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)  # (S, K) each
-        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
-        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
-    return tokens
-
-
-# -----------------------------------------------------------------------------
-# Logging
-
-PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
-    "H100 PCIe": (756e12, 378e12),
-    "H100 NVL": (835e12, 417.5e12),
-    "H100": (989e12, 494.5e12),   # SXM
-    "H200 NVL": (835e12, 417.5e12),
-    "H200": (989e12, 494.5e12),
-    "A100": (312e12, 156e12),
-    "L40S": (362e12, 183e12),
-    "4090": (165e12, 82.6e12),
-}
-
-
-def model_flops_per_token(cfg, n_params):
-    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
-
-
-def peak_flops(device_name, dtype):
-    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
-    for key, (bf16, tf32) in PEAK_FLOPS.items():
-        if key in device_name:
-            return bf16 if dtype == "bf16" else tf32
-    return None
-
-
-def device_state_bytes(cfg, shapes, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
-    the activations): `params`: the bf16 compute copies `wts` (none with --dtype fp32, where the model
-    computes with the masters), all of them at either stage; `grads`: the fp32 flat gradient buffer, plus
-    at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all of them, or at stage 1
-    a shard of those that have bf16 copies (with --dtype fp32 the masters are what the model computes
-    with, so every process holds them whole); `moments`: AdamW's m and v, all or (stage 1) a shard."""
-    groups = compute_groups(cfg)
-    _, spans = flat_layout(shapes, groups, world)
-    size = spans[-1][1]
-    if cfg.zero_stage == 0:
-        numel = {k: math.prod(s) for k, s in shapes.items()}
-        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
-        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
-                "moments": 2 * 4 * sum(numel.values())}
-    lengths = [(end - first, dtype) for (_, dtype), (first, end) in zip(groups, spans)]
-    return {"params": sum(2 * n for n, dtype in lengths if dtype != torch.float32),
-            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
-            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype in lengths),
-            "moments": 2 * 4 * size // world}
-
-
-def log_event(out_dir, framework, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md); framework is
-    f"triton-{backend}"."""
-    record["framework"] = framework
-    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def drop_partial_log_line(out_dir):
-    """Cuts <out_dir>/log.jsonl back to its last complete line. A process killed while it appended an event
-    leaves half a line, which the next event would otherwise be glued to and lost with."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def logged_evals(out_dir, step):
-    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`, by any
-    trainer."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        return set()
-    found = set()
-    with open(path) as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash while it was written
-                continue
-            if event.get("step") == step:
-                found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
-    return found
-
-
-def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb):
-    mfu_s = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
-    mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
-    return (f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | "
-            f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
-
-
-def peak_memory_gb(device):
-    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
-    keeps no statistics."""
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+))
 
 
 # -----------------------------------------------------------------------------
@@ -2839,7 +3087,7 @@ def autograd_copy_into(dst, src):
     dst.copy_(src.reshape(dst.shape))
 
 
-AUTOGRAD_OPS = SimpleNamespace(
+AUTOGRAD_OPS = op_table("autograd", dict(
     encoder_forward=autograd_encoder_forward, encoder_backward=autograd_encoder_backward,
     layernorm_forward=autograd_layernorm_forward,
     residual_layernorm_forward=autograd_residual_layernorm_forward,
@@ -2852,10 +3100,10 @@ AUTOGRAD_OPS = SimpleNamespace(
     global_norm=autograd_global_norm, adamw_update=autograd_adamw_update,
     zero_fill=autograd_zero_fill, clip_by_norm=autograd_clip_by_norm, sum_into=autograd_sum_into,
     copy_into=autograd_copy_into,
-)
+))
 
 
-def test_inputs(dt, rdt, device):
+def op_inputs(dt, rdt, device):
     """A source of random test tensors of dtype dt, each first rounded to rdt (the dtype under test), so
     that a reference run (dt fp64) draws exactly the values the tested run (dt = rdt) draws."""
     gen = torch.Generator().manual_seed(TEST_SEED)
@@ -2992,13 +3240,13 @@ OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layern
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
 
 
-def test_config():
+def self_test_config():
     """A tiny GPT-2 for the whole-model check: odd sizes, T below block_size, a small padded vocab."""
     return Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
                   seq_len=9, batch_size=2)
 
 
-def test_model_data(r, cfg):
+def self_test_model_data(r, cfg):
     """Random weights (scaled so every path carries signal) and two micro-batches of tokens."""
     w = {}
     for name, shape in param_shapes(cfg).items():
@@ -3017,7 +3265,7 @@ def case_model(backend, r, cfg):
     """Logits of the first micro-batch, mean loss and all gradients over both, through this file's model
     on `backend` (the lm head in chunks of 5 rows, so that chunks end inside a sequence)."""
     ops = backend_ops(backend)
-    w, batches = test_model_data(r, cfg)
+    w, batches = self_test_model_data(r, cfg)
     grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
     x0 = batches[0][0]
     logits = forward(w, x0, replace(cfg, backend=backend)).view(x0.numel(), -1)  # (N, Vp)
@@ -3046,7 +3294,7 @@ def reference_logits(p, x, cfg):
 
 def reference_case_model(r, cfg):
     """What case_model computes, by autograd through reference_logits."""
-    w, batches = test_model_data(r, cfg)
+    w, batches = self_test_model_data(r, cfg)
     names = list(w)
     leaves = [_leaf(w[k]) for k in names]
     p = dict(zip(names, leaves))
@@ -3123,13 +3371,13 @@ def _run_self_test(cfg):
             for name, case in OP_CASES:
                 results = []
                 for shape in TEST_SHAPES:
-                    got = case(ops, test_inputs(dt, dt, device), *shape)
-                    want = case(ref_ops, test_inputs(f64, dt, device), *shape)
+                    got = case(ops, op_inputs(dt, dt, device), *shape)
+                    want = case(ref_ops, op_inputs(f64, dt, device), *shape)
                     results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
                 rows.append((name, dt, results))
-            tcfg = test_config()
-            got = case_model(cfg.backend, test_inputs(dt, dt, device), tcfg)
-            want = ref_model(test_inputs(f64, dt, device), tcfg)
+            tcfg = self_test_config()
+            got = case_model(cfg.backend, op_inputs(dt, dt, device), tcfg)
+            want = ref_model(op_inputs(f64, dt, device), tcfg)
             rows.append(("model loss and logits", dt,
                          [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
             rows.append(("model: every parameter gradient", dt,
@@ -3374,33 +3622,42 @@ def _rate(flops, nbytes, ms):
     return f"{'':>8} {nbytes / ms / 1e6:8.1f}" if nbytes else f"{'':>8} {'':>8}"
 
 
-@torch.no_grad()
-def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, master):
-    """--profile: step 1 compiles and autotunes; step 2 runs under torch.profiler with every op and every
-    launch of our Triton kernels timed. Rank 0 prints per op and per kernel (under the op that launched
-    it, so forward and backward stay apart): calls, time, share of the step, achieved TFLOP/s or GB/s, and
-    per op the bytes its outputs keep for the backward; the torch ops the step ran besides allocation and
-    views (none computes anything in backend triton); on a GPU, all device work that is not one of our
-    kernels; the steady-state peak memory; and writes the Chrome trace to the out dir."""
-    x, y = step_batches(loader, grad_accum)  # (A, B, T) each
-    train_step(state, put_batch(x, device), put_batch(y, device), 1, cfg, ops, world)
-    x, y = step_batches(loader, grad_accum)  # (A, B, T) each
-    xs, ys = put_batch(x, device), put_batch(y, device)
-    kept = kept_bytes(state["wts"], xs[0], cfg, ops)
+def start_profile(ops, device):
+    """--profile, before its first step: torch.profiler records, and every op of `ops` and every launch of
+    our Triton kernels is timed and labelled in the trace (timed_ops, timed_kernels). The profiled steps
+    run the returned profile's "ops"; finish_profile ends it."""
     calls, launches, active = [], [], []
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)  # step 1's autotuning copies do not count
-    with torch.profiler.profile(activities=activities) as prof, timed_kernels(device, launches, active):
-        t0 = time.perf_counter()
-        train_step(state, xs, ys, 2, cfg, timed_ops(ops, device, calls, active), world)  # .item() syncs
-        step_ms = 1000 * (time.perf_counter() - t0)
+    recording = contextlib.ExitStack()  # open across the profiled steps, closed by finish_profile
+    prof = recording.enter_context(torch.profiler.profile(activities=activities))
+    recording.enter_context(timed_kernels(device, launches, active))
+    return dict(recording=recording, prof=prof, calls=calls, launches=launches,
+                ops=timed_ops(ops, device, calls, active))
+
+
+@torch.no_grad()
+def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
+    """--profile, after its last step (`steps` the profiled step numbers, `steps_ms` their times): stops
+    recording and writes this process's Chrome trace to OUT_DIR/profile. Rank 0 prints, over the profiled
+    steps, per op and per kernel (under the op that launched it, so forward and backward stay apart):
+    calls, time, share of the steps, achieved TFLOP/s or GB/s, and per op the bytes its outputs keep for
+    the backward (measured on micro-batch x (B, T)); the torch ops the steps ran besides allocation and
+    views (none computes anything in backend triton); on a GPU, all device work that is not one of our
+    kernels; the peak memory since the first step."""
+    profile["recording"].close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    prof, calls, launches = profile["prof"], profile["calls"], profile["launches"]
+    trace = os.path.join(cfg.out_dir, "profile", f"trace_rank{rank}.json")
+    os.makedirs(os.path.dirname(trace), exist_ok=True)
+    prof.export_chrome_trace(trace)
     if not master:
         return
+    mem = peak_memory_gb(device)  # before kept_bytes's forward
+    kept = kept_bytes(weights, x, cfg, ops)
+    step_ms = sum(steps_ms)
     table = {}
     for name, t0, t1, flops, nbytes in calls:
         row = table.setdefault(name, [0, 0.0, 0, 0])
@@ -3408,20 +3665,21 @@ def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, m
         row[1] += _elapsed_ms(t0, t1)
         row[2] += flops
         row[3] += nbytes
-    print(f"profile of step 2: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} x T {cfg.seq_len} x "
-          f"{grad_accum} micro-batches, L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}")
-    print(f"{'op':<30} {'calls':>5} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'GB/s':>8} "
+    print(f"profile of steps {steps[0]}-{steps[-1]}: backend {cfg.backend}, {cfg.dtype}, micro-batches of "
+          f"{cfg.batch_size} x {cfg.seq_len}, {cfg.total_batch_size} tokens per step, L{cfg.n_layer} "
+          f"H{cfg.n_head} C{cfg.n_embd}")
+    print(f"{'op':<30} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} "
           f"{'kept MB':>8}")
     for name, (n, ms, flops, nbytes) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         mb = f"{kept[name] / 1e6:8.2f}" if name in kept else f"{'':>8}"
         print(f"{name:<30} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)} {mb}")
     in_ops = sum(row[1] for row in table.values())
     print(f"{'(outside the ops)':<30} {'':>5} {step_ms - in_ops:9.3f} {100 * (1 - in_ops / step_ms):7.1f}")
-    print(f"{'step':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
+    print(f"{'steps':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
     kernels = kernel_table(calls, launches)
     if kernels:
         print(f"\nper kernel, under the op that launched it ({len(launches)} launches):")
-        print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'GB/s':>8}")
+        print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8}")
         for (op, name), (n, ms, flops, nbytes) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
             print(f"{op + ' / ' + name:<62} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} "
                   f"{_rate(flops, nbytes, ms)}")
@@ -3432,7 +3690,7 @@ def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, m
     count = lambda names: sum(n for (aten, _), n in census.items() if aten in names)  # noqa: E731
     others = sorted((op, aten, n) for (aten, op), n in census.items()
                     if aten not in ALLOCATION_OPS | VIEW_OPS | HOST_READ_OPS)
-    print(f"torch ops in the step outside our kernels: {count(ALLOCATION_OPS)} allocating, {count(VIEW_OPS)} "
+    print(f"torch ops in the steps outside our kernels: {count(ALLOCATION_OPS)} allocating, {count(VIEW_OPS)} "
           f"making views, {count({'aten::item'})} reading a result on the host (aten::item); any other: "
           + (", ".join(f"{aten} x{n} in {op}" for op, aten, n in others) if others else "none"))
     if device.type == "cuda":
@@ -3443,15 +3701,12 @@ def profile_run(state, loader, cfg, ops, world, device, grad_accum, framework, m
                 row = foreign.setdefault(e.name, [0, 0.0])
                 row[0] += 1
                 row[1] += (e.time_range.end - e.time_range.start) / 1000
-        print("GPU work in the step besides our kernels: " + (", ".join(
+        print("GPU work in the steps besides our kernels: " + (", ".join(
             f"{name} x{n} {ms:.3f} ms" for name, (n, ms) in foreign.items()) if foreign else "none"))
     print(f"kept for the backward: {sum(kept.values()) / 1e6:.2f} MB per micro-batch of {cfg.batch_size} "
-          f"sequences | peak memory "
-          f"{'n/a' if device.type != 'cuda' else f'{peak_memory_gb(device):.2f} GB (step 2 alone)'}")
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    trace = os.path.join(cfg.out_dir, f"trace_{framework}.json")
-    prof.export_chrome_trace(trace)
-    print(f"Chrome trace (Perfetto or chrome://tracing): {trace}")
+          f"sequences | peak memory {'n/a' if mem is None else f'{mem:.2f} GB (steady state)'}")
+    print(f"profile: steps {steps[0]}-{steps[-1]} traced into {trace} (Perfetto or chrome://tracing) | step "
+          f"time mean {np.mean(steps_ms):.1f} ms, min {min(steps_ms):.1f} ms, max {max(steps_ms):.1f} ms")
 
 
 def time_ms(fn, device):
@@ -3617,189 +3872,6 @@ def bench_ops(cfg, ops, device):
         share = "" if flops else f"{100 * nbytes / ours_ms / 1e6 / copy_gbs:5.0f}%"
         print(f"{name:<30} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} {share:>6} | {torch_label:<28} "
               f"{theirs_ms:8.3f} {unit(theirs_ms):>12} {theirs_ms / ours_ms:7.2f}x")
-
-
-# -----------------------------------------------------------------------------
-# Main
-
-def due(every, step, steps):
-    return every > 0 and (step % every == 0 or step == steps)
-
-
-def setup_device(cfg):
-    """(rank, world, device): under torchrun one process per GPU (nccl) or per share of the CPU cores
-    (gloo), else one process on the GPU if there is one. Sets the matmul precision cfg.dtype promises."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        if world > 1:  # processes on one machine split its cores instead of oversubscribing them
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if world > 1:
-        # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(hours=1))
-    # fp32 means fp32: torch would otherwise let cuBLAS and cuDNN run fp32 matmuls as TF32
-    tf32 = cfg.dtype == "bf16"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    return rank, world, device
-
-
-def main(argv=None):
-    cfg, explicit = parse_args(argv)
-    if cfg.test:
-        run_self_test(cfg)
-        return
-    ops = backend_ops(cfg.backend)
-    if cfg.backend == "triton" and INTERPRET and cfg.dtype == "bf16":
-        die("backend triton under TRITON_INTERPRET=1 runs fp32 only (the interpreter's bf16 dots are wrong): "
-            "add --dtype fp32, or run on a GPU")
-    framework = f"{FRAMEWORK}-{cfg.backend}"
-    rank, world, device = setup_device(cfg)
-    if cfg.bench_ops:
-        bench_ops(cfg, ops, device)
-        return
-    master = rank == 0
-    say = print if master else (lambda *args, **kwargs: None)
-
-    # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
-    step, loader_state, m, v = 0, (0, 0), None, None
-    if cfg.resume:
-        header, params, m, v, state = load_checkpoint(cfg.resume, cfg)
-        apply_model_header(cfg, header, explicit)
-        cfg.seed, step, loader_state = state["seed"], state["step"], (state["shard"], state["position"])
-    elif cfg.init_from:
-        header, params = read_model_file(cfg.init_from)
-        apply_model_header(cfg, header, explicit)
-    else:
-        params = init_params_numpy(cfg)
-    if m is None:
-        m = {k: np.zeros_like(p) for k, p in params.items()}
-        v = {k: np.zeros_like(p) for k, p in params.items()}
-    if cfg.eval_only and not (cfg.resume or cfg.init_from):
-        die("--eval-only needs weights: give --init-from or --resume")
-
-    # data: each process reads its own B rows of every micro-batch, as llm.c's per-rank loaders do
-    grad_accum = grad_accum_steps(cfg, world)
-    B, T = cfg.batch_size, cfg.seq_len
-    train_files, val_files = find_shards(cfg)
-    train_loader = None if cfg.eval_only else DataLoader(train_files, B, T, rank, world, seed=cfg.seed)
-    val_loader = DataLoader(val_files, B, T, rank, world) if val_files else None
-    if train_loader is not None:
-        n_shards = len(train_files) if train_files else 1
-        shard, position = loader_state
-        if shard >= n_shards:
-            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
-        train_loader.set_state(shard, position)
-        if position + world * B * T + 1 > len(train_loader.tokens):
-            die(f"--resume: the checkpoint's position {position} is past the end of train shard {shard}")
-    encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
-    if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        drop_partial_log_line(cfg.out_dir)
-
-    # devices: what each process holds depends on --zero-stage (make_state)
-    state = make_state(params, m, v, cfg, device, rank, world)
-    params = state["wts"]  # what evaluation and sampling compute with
-    n_params = sum(p.numel() for k, p in params.items() if k != "wpe")
-    device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"wpe) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
-    say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
-        f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
-    held = device_state_bytes(cfg, param_shapes(cfg), world)
-    say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-        f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
-        f"{cfg.zero_stage} over {world} devices)")
-
-    if cfg.profile:
-        profile_run(state, train_loader, cfg, ops, world, device, grad_accum, framework, master)
-        if world > 1:
-            dist.destroy_process_group()
-        return
-
-    def run_evals(step, val, swag):
-        if val and val_loader is not None:
-            val_loss = evaluate_val(loss_fn, params, val_loader, cfg, device, world)
-            say(f"step {step:5d} | val loss {val_loss:.6f}")
-            if master:
-                log_event(cfg.out_dir, framework, step=step, val_loss=val_loss)
-        if swag and master:
-            acc, acc_norm = evaluate_hellaswag(token_losses, params, cfg, device)
-            say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
-            log_event(cfg.out_dir, framework, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
-
-    if cfg.eval_only:
-        if val_loader is None:
-            say("no validation shards: val loss skipped")
-        run_evals(step, True, True)
-        if world > 1:
-            dist.destroy_process_group()
-        return
-    # the checkpoint is written before the step's evaluations: a run killed between the two resumes by
-    # running the ones log.jsonl lacks (also where nothing is left to train)
-    if cfg.resume:
-        logged = logged_evals(cfg.out_dir, step)
-        run_evals(step, due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
-                  due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged)
-
-    flops_per_token = model_flops_per_token(cfg, n_params)
-    peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
-    first = step + 1
-    times = {}
-    for step in range(first, cfg.steps + 1):
-        t0 = time.perf_counter()
-        x, y = step_batches(train_loader, grad_accum)  # (A, B, T) each
-        loss, norm = train_step(state, put_batch(x, device), put_batch(y, device), step, cfg, ops, world)
-        dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
-        times[step] = dt
-        tokens_per_s = cfg.total_batch_size / dt
-        mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
-        lr, mem = lr_at(step - 1, cfg), peak_memory_gb(device)
-        say(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens_per_s, mfu, mem))
-        if master:
-            log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr,
-                      dt_ms=1000 * dt, tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
-        if step == first:
-            say(f"first step: {dt:.1f} s with its one-off costs (kernel compilation and autotuning, whose "
-                f"copies of the buffers it tunes count in its memory), left out of the mean; peak memory is "
-                f"reset after it, so later steps show the steady state")
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-        # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses nothing
-        if due(cfg.ckpt_every, step, cfg.steps):
-            full = gather_state(state, cfg, world)  # every process: a collective at stage 1
-            if master:
-                path = save_checkpoint(cfg.out_dir, step, *map(to_numpy, full), train_loader.state(), cfg)
-                say(f"saved {path}")
-            if world > 1:  # the others wait while rank 0 writes
-                dist.barrier()
-        run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
-        if master and due(cfg.sample_every, step, cfg.steps):
-            seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
-            generator = torch.Generator(device=device).manual_seed(seed)
-            for i, row in enumerate(generate(params, generator, cfg).tolist()):
-                text = encoder.decode(row[1:])
-                say(f"sample {i}: {text!r}")
-
-    # the first step carries one-off costs (kernel compilation and autotuning, allocations, cuBLAS plans)
-    later = [times[s] for s in times if s > first] or list(times.values())
-    if later:
-        dt = float(np.mean(later))
-        tokens_per_s = cfg.total_batch_size / dt
-        mfu = flops_per_token * tokens_per_s / (peak * world) if peak else None
-        mem = peak_memory_gb(device)
-        say(f"mean over {len(later)} step(s){' after the first' if len(times) > 1 else ''}: "
-            f"{1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, mfu "
-            f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory "
-            f"{'n/a' if mem is None else f'{mem:.2f} GB'}{' (steady state)' if len(times) > 1 else ''}")
-    if world > 1:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

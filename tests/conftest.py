@@ -201,6 +201,18 @@ def tiny_params(seed, block_size=64, n_layer=2, n_head=4, n_embd=64, padded=5030
             np.ones(C, np.float32), np.zeros(C, np.float32)]
 
 
+@pytest.fixture
+def one_thread():
+    """The in-process runs of a test use one torch intra-op thread, as the scripts the tests start with
+    OMP_NUM_THREADS=1 do: the tiny models gain nothing from more, and on a busy 2-core machine the threads
+    of concurrent runs slow each other down several times over."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def shakespeare_tokens():
     """tinyshakespeare as GPT-2 tokens, one document per blank-line-separated passage, EOT before each."""
@@ -331,3 +343,19 @@ def http_server(tmp_path):
     server = LocalServer(root)
     yield server
     server.close()
+
+
+def run_script_on_a_full_disk(limit, *args, env=None, timeout=600):
+    """Runs `python <args>` as run_script(check=False) does, with every file the script writes limited to
+    `limit` bytes (RLIMIT_FSIZE): a write past it fails with EFBIG, as one to a full disk fails with ENOSPC
+    (Python ignores the SIGXFSZ that would otherwise kill it), reliably and on any file system."""
+    import resource
+    import warnings
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    # JAX warns of any fork in its multithreaded process; between this fork and the exec the child only
+    # calls setrlimit, which takes no lock another thread could hold
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+        return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=full_env, capture_output=True,
+                              text=True, timeout=timeout,
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))

@@ -322,6 +322,37 @@ def test_download_resumes_and_retries(http_server, tmp_path, monkeypatch):
         aiayn.read_split(cfg, "test")
 
 
+def test_download_retries_an_oserror_and_refuses_encoded_data(http_server, tmp_path, monkeypatch):
+    """A failure that reaches the download as a plain OSError (a reset connection or a failed write that
+    no requests exception wraps) is retried like any other; a server that answers the identity request
+    with gzip Content-Encoding gets a one-line error at once: the bytes it sends are not the file whose
+    size and ranges it announces, and decoding them would store a .gz file unzipped."""
+    import requests
+    monkeypatch.setattr(aiayn.time, "sleep", lambda s: None)
+    for split in ("val", "test_2016_flickr"):
+        for lang in ("en", "de"):
+            shutil.copy(data_file(f"multi30k/{split}.{lang}.gz"), tmp_path / "www" / f"{split}.{lang}.gz")
+    real_get, resets = requests.get, []
+
+    def get(url, **kwargs):  # the first request for val.en.gz fails before it reaches the server
+        if url.endswith("/val.en.gz") and not resets:
+            resets.append(url)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return real_get(url, **kwargs)
+    monkeypatch.setattr(requests, "get", get)
+    cfg = aiayn.Config(data_dir=str(tmp_path / "data"), base_url=http_server.url)
+    assert [len(side) for side in aiayn.read_split(cfg, "val")] == [1014, 1014]
+    assert resets == [f"{http_server.url}/val.en.gz"]
+    for lang in ("en", "de"):
+        got = (tmp_path / "data" / f"val.{lang}.gz").read_bytes()
+        assert got == (tmp_path / "www" / f"val.{lang}.gz").read_bytes()
+    http_server.headers["test_2016_flickr.en.gz"] = {"Content-Encoding": "gzip"}
+    with pytest.raises(SystemExit, match="server sent gzip-encoded data"):
+        aiayn.read_split(cfg, "test")
+    assert [r[1] for r in http_server.requests].count("test_2016_flickr.en.gz") == 1
+    assert sorted(os.listdir(tmp_path / "data")) == ["val.de.gz", "val.en.gz"]
+
+
 def test_wmt14_parquet_split(http_server, tmp_path):
     """--dataset wmt14 reads the pairs of Hugging Face's parquet files; a corrupt file is a clean error."""
     import pyarrow

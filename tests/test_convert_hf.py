@@ -3,7 +3,9 @@
 run of a trainer from the converted file, its checkpoint through to-hf into transformers and back bit for
 bit, fp32 and bf16 model files, the tokenizer files against tiktoken, other checkpoint layouts and a hub
 name, bad input)."""
+import errno
 import os
+import re
 
 # transformers and huggingface_hub read these when imported: nothing in this file may reach the network
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -25,7 +27,8 @@ import convert_hf  # noqa: E402
 import train_gpt2_jax  # noqa: E402
 import train_gpt2_torchfunc  # noqa: E402
 import train_gpt2_triton  # noqa: E402
-from conftest import assert_clean_error, data_file, run_script, step_events, write_model_file  # noqa: E402
+from conftest import (assert_clean_error, data_file, run_script, run_script_on_a_full_disk,  # noqa: E402
+                      step_events, write_model_file)
 
 V, VP = 50257, 50304
 L, H, C, MAX_T = 2, 4, 64, 48  # all different, so that no two header fields can be mixed up unseen
@@ -137,12 +140,12 @@ def exported(trained, tmp_path_factory):
     return folder
 
 
-def to_hf(model_file, folder):
-    convert_hf.main(["to-hf", str(model_file), "-o", str(folder), "--gpt2-dir", data_file("gpt2")])
+def to_hf(model_file, folder, *flags):
+    convert_hf.main(["to-hf", str(model_file), "-o", str(folder), "--gpt2-dir", data_file("gpt2"), *flags])
 
 
-def from_hf(source, path):
-    convert_hf.main(["from-hf", str(source), "-o", str(path)])
+def from_hf(source, path, *flags):
+    convert_hf.main(["from-hf", str(source), "-o", str(path), *flags])
 
 
 # -----------------------------------------------------------------------------
@@ -201,7 +204,7 @@ def test_round_trip_is_exact(trained, exported, tmp_path, shakespeare_tokens, ca
     """from-hf of the exported directory gives back the checkpoint's model.bin byte for byte; with nonzero
     padding rows in wte, the same file with those rows zeroed; a bf16 file (version 5) exports to the
     model its trainer reads (transformers' logits, rel 1e-5) and comes back as the fp32 file of the same
-    values. An earlier to-hf output is replaced, and no temporary is left."""
+    values. An earlier to-hf output is replaced (--force), and no temporary is left."""
     ckpt = trained / "ckpt_0000002" / "model.bin"
     from_hf(exported, tmp_path / "back.bin")
     assert (tmp_path / "back.bin").read_bytes() == ckpt.read_bytes()
@@ -213,7 +216,7 @@ def test_round_trip_is_exact(trained, exported, tmp_path, shakespeare_tokens, ca
     padded[V * C:VP * C] = np.random.default_rng(0).standard_normal((VP - V) * C)
     write_model_file(tmp_path / "padded.bin", [padded], T, L, H, C)
     to_hf(tmp_path / "padded.bin", tmp_path / "hf")
-    to_hf(tmp_path / "padded.bin", tmp_path / "hf")  # replaces the first output
+    to_hf(tmp_path / "padded.bin", tmp_path / "hf", "--force")  # replaces the first output
     from_hf(tmp_path / "hf", tmp_path / "padded_back.bin")
     assert (tmp_path / "padded_back.bin").read_bytes() == ckpt.read_bytes()
 
@@ -251,6 +254,32 @@ def test_tokenizer_encodes_like_tiktoken(exported):
         ids = tok(text)["input_ids"]
         assert ids == enc.encode(text, allowed_special="all"), text[:40]
         assert tok.decode(ids) == text
+
+
+def test_to_hf_offline_uses_the_committed_tokenizer_files(tiny_model_file, tmp_path, monkeypatch):
+    """With GPT-2's tokenizer files neither in the cache (--gpt2-dir) nor downloadable (a proxy nobody
+    listens on), to-hf writes the copies committed in tests/data/gpt2 once their sha256 is the published
+    one; a committed copy that is not the published file is a one-line error and writes nothing."""
+    offline = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "",
+               "NO_PROXY": ""}
+    cache, out = tmp_path / "no_cache", tmp_path / "hf"
+    run_script("convert_hf.py", "to-hf", tiny_model_file, "-o", out, "--gpt2-dir", cache, env=offline)
+    for hf_name, name in (("vocab.json", "encoder.json"), ("merges.txt", "vocab.bpe")):
+        with open(data_file(f"gpt2/{name}"), "rb") as f:
+            assert (out / hf_name).read_bytes() == f.read(), hf_name
+    assert sorted(os.listdir(out)) == sorted(HF_FILES) and not cache.exists()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(data_file("gpt2"), damaged)
+    with open(damaged / "vocab.bpe", "ab") as f:
+        f.write(b"\n")
+    for key, value in offline.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(convert_hf, "COMMITTED_GPT2_DIR", str(damaged))
+    with pytest.raises(SystemExit, match=r"^error: GPT-2's tokenizer file vocab.bpe: download of .* "
+                                         r"is missing or not the published file$"):
+        convert_hf.main(["to-hf", str(tiny_model_file), "-o", str(tmp_path / "hf2"), "--gpt2-dir",
+                         str(cache)])
+    assert not (tmp_path / "hf2").exists()
 
 
 def test_from_hf_reads_other_layouts(hf_source, converted, tmp_path, monkeypatch, capsys):
@@ -393,19 +422,21 @@ def test_more_bad_input(hf_source, converted, tmp_path):
 
 
 def test_a_failed_conversion_leaves_the_old_output(exported, converted, hf_source, tmp_path, monkeypatch):
-    """A conversion that fails while writing (an OSError from the disk, injected) leaves an earlier output
-    as it was and no temporary file or directory behind: to-hf over an earlier to-hf directory, from-hf
-    over an existing model file."""
+    """A conversion that fails while writing (a full disk, injected: a one-line error; a failed read of the
+    source: its own OSError) leaves the earlier output that --force was to replace as it was and no
+    temporary file or directory behind: to-hf over an earlier to-hf directory, from-hf over an existing
+    model file."""
     earlier = tmp_path / "hf"
     shutil.copytree(exported, earlier)
     before = {name: (earlier / name).read_bytes() for name in os.listdir(earlier)}
 
-    def failing_save_file(tensors, path, metadata):
+    def failing_write_safetensors(path, tensors, metadata):
         open(path, "wb").write(b"half a file")
-        raise OSError("no space left on device")
-    monkeypatch.setattr(convert_hf, "save_file", failing_save_file)
-    with pytest.raises(OSError, match="no space"):
-        to_hf(converted, earlier)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(convert_hf, "write_safetensors", failing_write_safetensors)
+    with pytest.raises(SystemExit, match=f"^error: cannot write {re.escape(str(earlier))}: no space left, "
+                                         f"the disk is full$"):
+        to_hf(converted, earlier, "--force")
     assert {name: (earlier / name).read_bytes() for name in os.listdir(earlier)} == before
 
     shutil.copy(converted, tmp_path / "model.bin")
@@ -419,6 +450,100 @@ def test_a_failed_conversion_leaves_the_old_output(exported, converted, hf_sourc
     load = convert_hf.load_hf_tensor
     monkeypatch.setattr(convert_hf, "load_hf_tensor", failing_load)
     with pytest.raises(OSError, match="input/output"):
-        from_hf(hf_source[0], tmp_path / "model.bin")
+        from_hf(hf_source[0], tmp_path / "model.bin", "--force")
     assert (tmp_path / "model.bin").read_bytes() == converted.read_bytes()
     assert sorted(os.listdir(tmp_path)) == ["hf", "model.bin"]
+
+
+def test_no_conversion_replaces_its_input(hf_source, converted, exported, tmp_path, capsys):
+    """Nothing destroys an input: from-hf with -o one of the files it reads (its weights, config.json) and
+    to-hf with -o its model file or a directory holding it are refused with one line, --force or not, the
+    input left as it was. An existing output is replaced only with --force, in both commands: from-hf's
+    model file, to-hf's earlier directory (an empty directory is no output and needs none)."""
+    source, holder = tmp_path / "source", tmp_path / "holder"
+    shutil.copytree(hf_source[0], source)
+    holder.mkdir()
+    shutil.copy(converted, holder / "model.bin")
+    inputs = [source / "model.safetensors", source / "config.json", converted, holder / "model.bin"]
+    before = [path.read_bytes() for path in inputs]
+    proc = run_script("convert_hf.py", "from-hf", source, "-o", source / "model.safetensors", check=False)
+    assert_clean_error(proc, f"-o {source / 'model.safetensors'} exists: pass --force to replace it")
+    cases = [("from-hf", source, source / "model.safetensors", source / "model.safetensors"),
+             ("from-hf", source, source / "config.json", source / "config.json"),
+             ("to-hf", converted, converted, converted),
+             ("to-hf", holder / "model.bin", holder, holder / "model.bin")]
+    for command, source_arg, out, replaced in cases:
+        with pytest.raises(SystemExit) as e:
+            convert_hf.main([command, str(source_arg), "-o", str(out), "--force"])
+        assert str(e.value) == f"error: -o {out} would replace {replaced}, which {command} reads: pick " \
+                               f"another -o", str(e.value)
+    assert [path.read_bytes() for path in inputs] == before and os.listdir(holder) == ["model.bin"]
+
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"an earlier file")
+    with pytest.raises(SystemExit, match="exists: pass --force to replace it$"):
+        from_hf(source, out)
+    assert out.read_bytes() == b"an earlier file"
+    from_hf(source, out, "--force")
+    assert out.read_bytes() == converted.read_bytes()
+    hf = tmp_path / "hf"
+    shutil.copytree(exported, hf)
+    earlier = (hf / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit, match="holds an earlier to-hf output: pass --force to replace it$"):
+        to_hf(converted, hf)
+    assert (hf / "model.safetensors").read_bytes() == earlier
+    to_hf(converted, hf, "--force")
+    assert (hf / "model.safetensors").read_bytes() != earlier
+    (tmp_path / "empty").mkdir()
+    to_hf(converted, tmp_path / "empty")
+    assert set(os.listdir(tmp_path / "empty")) == HF_FILES
+    capsys.readouterr()
+
+
+def test_an_unwritable_output_is_one_line(hf_source, converted, tmp_path):
+    """-o below a regular file, or in a place where nothing can be created (/proc), is one line naming the
+    output and why it cannot be written, in from-hf and to-hf; nothing is left behind."""
+    (tmp_path / "file").write_text("not a folder")
+    for place in (tmp_path / "file", "/proc"):
+        for args, out in ((["from-hf", hf_source[0]], os.path.join(place, "model.bin")),
+                          (["to-hf", converted, "--gpt2-dir", data_file("gpt2")], os.path.join(place, "hf"))):
+            with pytest.raises(SystemExit) as e:
+                convert_hf.main([*map(str, args), "-o", out])
+            message = str(e.value)
+            assert message.startswith(f"error: cannot write {out}: ") and "\n" not in message, message
+    assert os.listdir(tmp_path) == ["file"]
+
+
+def test_a_full_disk_is_one_line(exported, converted, hf_source, tmp_path):
+    """A disk that fills while the weights are written (a 2 MiB limit on the size of the files the script
+    writes: EFBIG, which counts as ENOSPC) stops to-hf and from-hf, run as scripts, with one line that
+    names the output and says the disk is full; the temporary is removed, and the earlier output --force
+    was to replace is left as it was."""
+    hf, model = tmp_path / "hf", tmp_path / "model.bin"
+    shutil.copytree(exported, hf)
+    shutil.copy(converted, model)
+    before = {path.name: path.read_bytes() for path in [*hf.iterdir(), model]}
+    for args, out in ((["to-hf", converted, "--gpt2-dir", data_file("gpt2")], hf),
+                      (["from-hf", hf_source[0]], model)):
+        proc = run_script_on_a_full_disk(2 << 20, "convert_hf.py", *args, "-o", out, "--force")
+        assert_clean_error(proc)
+        assert proc.stderr.splitlines()[-1] == f"error: cannot write {out}: no space left, the disk is full"
+    assert sorted(os.listdir(tmp_path)) == ["hf", "model.bin"]
+    assert {path.name: path.read_bytes() for path in [*hf.iterdir(), model]} == before
+
+
+def test_command_line_mistakes_are_one_line(capsys):
+    """A missing or unknown subcommand, a wrong flag, a subcommand's missing argument: one line naming it,
+    as the trainers' are, instead of argparse's usage text; run as a script, stderr is that line alone."""
+    cases = [([], "the following arguments are required: command"),
+             (["convert"], "argument command: invalid choice: 'convert' (choose from 'to-hf', 'from-hf')"),
+             (["from-hf", "gpt2", "-o", "x.bin", "--overwrite"], "unrecognized arguments: --overwrite"),
+             (["to-hf", "model.bin"], "the following arguments are required: -o/--out")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            convert_hf.main(argv)
+        assert str(e.value) == f"error: {message}"
+        assert capsys.readouterr().err == ""
+    proc = run_script("convert_hf.py", "to-hf", "--force", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == ["error: the following arguments are required: model, -o/--out"]

@@ -14,7 +14,8 @@ import pytest
 
 import hellaswag
 import prepro_fineweb
-from conftest import EOT, assert_clean_error, data_file, run_script, run_with_terminal_stderr
+from conftest import (EOT, assert_clean_error, data_file, run_script, run_script_on_a_full_disk,
+                      run_with_terminal_stderr)
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +191,9 @@ def test_hellaswag_download_retries_and_checksum(http_server, tmp_path):
 
 
 def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
-    """Malformed jsonl, a row without 4 endings, a missing file on the server and an unknown split end
-    with a one-line error naming the problem (no traceback from the command line)."""
+    """Malformed jsonl, a row without 4 endings, a missing file on the server, a --cache-dir that is a
+    file and an unknown split end with a one-line error naming the problem (no traceback from the command
+    line)."""
     cache = tmp_path / "cache"
     cache.mkdir()
     good = open(data_file("hellaswag/hellaswag_val_first10.jsonl")).read()
@@ -205,6 +207,9 @@ def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
     line = error_line(hellaswag.main, ["download", "--split", "train", "--cache-dir", cache, "--base-url",
                                        http_server.url], capsys)
     assert line.startswith("error: ") and "HTTP 404" in line
+    line = error_line(hellaswag.main, ["download", "--cache-dir", cache / "hellaswag_val.jsonl", "--base-url",
+                                       http_server.url], capsys)
+    assert line.startswith(f"error: cannot create {cache / 'hellaswag_val.jsonl'} to download")
     assert "--split" in error_line(hellaswag.main, ["show", "--split", "dev"], capsys)
 
 
@@ -435,6 +440,52 @@ def test_prepro_custom_tokenizer(shakespeare_parquet, tmp_path, capsys):
     line = error_line(prepro_fineweb.main, ["--input", shakespeare_parquet, "--out-dir", tmp_path / "o",
                                             "--tokenizer", tmp_path / "bad.tok"], capsys)
     assert line.startswith("error: --tokenizer") and "bad.tok" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_prepro_without_tiktoken_leaves_no_out_dir(tmp_path):
+    """Where tiktoken can load GPT-2's encoding neither from its (empty) cache nor from the network (a
+    proxy nobody listens on), prepro_fineweb.py stops with tiktoken's one-line error before it creates
+    --out-dir, so no empty folder is left behind."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n")
+    offline = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "",
+               "NO_PROXY": "", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
+    proc = run_script("prepro_fineweb.py", "--input", text, "--out-dir", tmp_path / "out" / "shards",
+                      "--workers", 1, env=offline, check=False)
+    assert_clean_error(proc, "tiktoken could not load GPT-2's encoding", "TIKTOKEN_CACHE_DIR")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepro_unwritable_out_dir_clean_error(tmp_path, capsys):
+    """An --out-dir that cannot be created (below a regular file) or where nothing can be written (/proc)
+    is a one-line error naming it, before any document is tokenized."""
+    text = tmp_path / "text.txt"
+    text.write_text("Hello world.")
+    (tmp_path / "file").write_text("not a folder")
+    cases = [(tmp_path / "file" / "out", "cannot create it"), ("/proc", "cannot write there")]
+    for out_dir, problem in cases:
+        args = ["--input", text, "--out-dir", out_dir, "--workers", 1]
+        line = error_line(prepro_fineweb.main, args, capsys)
+        assert line.startswith(f"error: --out-dir {out_dir}: {problem} ("), line
+
+
+def test_prepro_full_disk_clean_error(shakespeare_parquet, tmp_path):
+    """A disk that fills while a shard is written (an 8 KiB limit on the size of the files the script
+    writes: EFBIG, which counts as ENOSPC) is one line that names the shard and says the disk is full; the
+    temporary is removed, and what an earlier run wrote (a short val shard, which the rerun was to redo
+    longer, and the manifest) is left as it was."""
+    out = tmp_path / "out"
+    args = ["prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out, "--shard-size", SHARD,
+            "--workers", 1]
+    run_script(*args, "--max-tokens", 1000)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert sorted(before) == ["shakespeare_prepro.json", "shakespeare_val_000000.bin"]
+    proc = run_script_on_a_full_disk(8192, *args, "--max-tokens", 5000)
+    assert_clean_error(proc)
+    assert proc.stderr.splitlines()[-1] == \
+        f"error: cannot write {out / 'shakespeare_val_000000.bin'}: no space left, the disk is full"
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
 def test_prepro_bench_prints_both(shakespeare_parquet, shakespeare_tokens, tmp_path):

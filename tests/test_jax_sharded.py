@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import hellaswag
 import train_gpt2_jax as tg
 from conftest import REPO, read_log, run_script, step_events, step_lines
 
@@ -233,3 +234,18 @@ def test_bad_sharding_flags(monkeypatch):
             with pytest.raises(SystemExit, match=needle) as stop:
                 tg.init_processes(tg.parse_args(args)[0])
             assert "\n" not in str(stop.value)
+
+
+def test_hellaswag_progress_from_process_0_only(monkeypatch, hellaswag_dir, capsys):
+    """Every process of a multi-host run scores HellaSwag (its computations span all devices), and only
+    process 0 prints the progress lines: the others score the same and print nothing."""
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
+    cfg = tg.Config(block_size=64, hellaswag_limit=4)
+    rows = lambda params, x, y: np.ones(x.shape, np.float32)  # noqa: E731  every ending equally likely
+    scores = {}
+    for index in (0, 1):
+        monkeypatch.setattr(tg.jax, "process_index", lambda index=index: index)
+        scores[index] = tg.evaluate_hellaswag(rows, None, cfg)
+        printed = capsys.readouterr().out
+        assert ("hellaswag 4/4" in printed) == (index == 0), printed
+    assert scores[0] == scores[1]

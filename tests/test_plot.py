@@ -2,13 +2,14 @@
 (logs of real tiny JAX and torchfunc runs; synthetic logs for peak memory, HellaSwag and resumed runs; bad
 input)."""
 import json
+import os
 import struct
 
 import numpy as np
 import pytest
 
 import plot_runs as pr
-from conftest import EVAL_KEYS, STEP_KEYS, assert_clean_error, read_log, run_script
+from conftest import EVAL_KEYS, STEP_KEYS, assert_clean_error, read_log, run_script, run_script_on_a_full_disk
 
 FLAGS = ["--seq-len", 64, "--batch-size", 4, "--total-batch-size", 256, "--steps", 4, "--lr", 3e-3,
          "--warmup", 2, "--dtype", "fp32", "--val-steps", 1, "--ckpt-every", 0, "--sample-every", 0]
@@ -131,8 +132,9 @@ def test_resumed_run(tmp_path):
 
 def test_bad_input(tmp_path):
     """A missing dir, a dir without log.jsonl, a corrupt line (the error names the file and line), an
-    event without its numbers, a log without step events and a negative --smooth each stop with a one-line
-    error; the command line exits non-zero without a traceback and writes no figure."""
+    event without its numbers, a log without step events, a negative --smooth and an -o that cannot be
+    written (a missing folder, below a regular file, an extension that is no format) each stop with a
+    one-line error; the command line exits non-zero without a traceback and writes no figure."""
     good = write_log(tmp_path / "good", [step_event(1, 9.0, 100)])
     (tmp_path / "empty").mkdir()
     corrupt = write_log(tmp_path / "corrupt", [step_event(1, 9.0, 100), step_event(2, 8.0, 100)])
@@ -140,6 +142,7 @@ def test_bad_input(tmp_path):
         f.write('{"step": 3, "train_loss": 7.0, "dt_\n')          # a line cut short by a killed run
     no_dt = write_log(tmp_path / "no_dt", [{"step": 1, "train_loss": 9.0, "framework": "jax"}])
     only_val = write_log(tmp_path / "only_val", [dict(step=5, val_loss=3.0, framework="jax")])
+    (tmp_path / "file").write_text("not a folder")
     out = str(tmp_path / "fig.png")
     cases = [
         ([str(tmp_path / "nothing")], "no such directory"),
@@ -149,6 +152,8 @@ def test_bad_input(tmp_path):
         ([str(only_val)], "no training step events"),
         ([str(good), "--smooth", "-2"], "--smooth"),
         ([str(good), "-o", str(tmp_path / "no_dir" / "fig.png")], "cannot write"),
+        ([str(good), "-o", str(tmp_path / "file" / "fig.png")], f"cannot write {tmp_path}/file/fig.png: "),
+        ([str(good), "-o", str(tmp_path / "fig.xyz")], "Format 'xyz' is not supported"),
     ]
     for args, needle in cases:
         with pytest.raises(SystemExit) as e:
@@ -158,3 +163,34 @@ def test_bad_input(tmp_path):
     proc = run_script("plot_runs.py", good, corrupt, "-o", out, check=False)
     assert_clean_error(proc, "line 3")
     assert proc.stdout == "" and not (tmp_path / "fig.png").exists()
+
+
+def test_output_is_the_name_reported(tmp_path, capsys):
+    """-o NAME without an extension writes a PNG under exactly that name, the one the script reports (not
+    NAME.png), replacing an earlier file there through a temporary name that is gone afterwards."""
+    good = write_log(tmp_path / "good", [step_event(1, 9.0, 100), step_event(2, 8.0, 100)])
+    out = tmp_path / "figure"
+    out.write_bytes(b"an earlier figure")
+    pr.main([str(good), "-o", str(out)])
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out} (2 panels, 1 run(s))"
+    assert png_size(out) == (2 * pr.PANEL_W * pr.DPI, (pr.PANEL_H + 0.4) * pr.DPI)
+    assert sorted(os.listdir(tmp_path)) == ["figure", "good"]
+
+
+def test_a_full_disk_is_one_line(tmp_path, capsys):
+    """A disk that fills while the figure is written (a 4 KiB limit on the size of the files the script
+    writes: EFBIG, which counts as ENOSPC) is one line that names the figure and says the disk is full;
+    the temporary is removed and the earlier figure left as it was, in PNG (whose writer, Pillow, removes
+    the file it failed to write itself) and in SVG (matplotlib's own writer, which does not)."""
+    good = write_log(tmp_path / "good", [step_event(1, 9.0, 100), step_event(2, 8.0, 100)])
+    figures = [tmp_path / "fig.png", tmp_path / "fig.svg"]
+    for out in figures:
+        pr.main([str(good), "-o", str(out)])
+    capsys.readouterr()
+    before = [out.read_bytes() for out in figures]
+    for out in figures:
+        proc = run_script_on_a_full_disk(4096, "plot_runs.py", good, "-o", out)
+        assert_clean_error(proc)
+        assert proc.stderr.splitlines()[-1] == f"error: cannot write {out}: no space left, the disk is full"
+    assert [out.read_bytes() for out in figures] == before
+    assert sorted(os.listdir(tmp_path)) == ["fig.png", "fig.svg", "good"]

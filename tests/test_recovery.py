@@ -1,7 +1,8 @@
 """Resuming after a crash, in every GPT-2 trainer: on --resume, the evaluations due at the checkpoint's
 step that log.jsonl lacks (a kill between the checkpoint and its evaluations) are run; a damaged
-checkpoint is a one-line error. The log reader is tested here; each trainer's test file kills a real run
-with assert_lost_evaluations_recovered and resumes the checkpoints of write_damaged_checkpoints."""
+checkpoint is a one-line error. The log reader is tested here; tests/test_trainers.py kills a real run of
+each trainer with assert_lost_evaluations_recovered and resumes the checkpoints of
+write_damaged_checkpoints."""
 import importlib
 import io
 import json

@@ -1,11 +1,7 @@
 """train_gpt2_torchfunc.py: GPT-2 as pure functions in PyTorch
-(tiny model L2 H4 C64 T64 on the CPU: model and gradients, the compiled step, a training run, resume,
-eval-only, HellaSwag padding, two torchrun processes, evaluations lost to a kill run on resume, bad
-input)."""
-import glob
-import json
-import os
-
+(tiny model L2 H4 C64 T64 on the CPU: model and gradients, the compiled step, HellaSwag padding;
+Inductor on a GPU. Its training run, resume, eval-only, two torchrun processes, evaluations lost to a
+kill run on resume and bad input are tested in tests/test_trainers.py)."""
 import numpy as np
 import pytest
 import torch
@@ -13,20 +9,12 @@ import torch
 import hellaswag
 import llmc_reference
 import train_gpt2_torchfunc as tf
-from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
-                      assert_same_checkpoint, read_log, run_script, step_events, step_lines, tiny_params,
-                      write_bad_shards, write_shard)
+from conftest import tiny_params
 from test_parity import has_cuda_gpu
-from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
 
 V = 50257
-B, T, TOTAL, STEPS = 4, 64, 512, 6  # two micro-batches per step
-FLAGS = ["--seq-len", T, "--batch-size", B, "--total-batch-size", TOTAL, "--lr", 3e-3, "--warmup", 2,
-         "--lr-decay-frac", 1.0, "--dtype", "fp32", "--val-steps", 2]
+B, T = 4, 64
 CPU = torch.device("cpu")
-# the scripts' runs stay on the CPU even where a GPU is visible: resume must be exact, and CUDA's
-# atomic-add embedding backward is not deterministic
-ON_CPU = {"CUDA_VISIBLE_DEVICES": ""}
 REF_MODULES = {"ln_1": "ln_1", "c_attn": "c_attn", "attn.c_proj": "attn_proj", "ln_2": "ln_2",
                "c_fc": "c_fc", "mlp.c_proj": "mlp_proj"}
 
@@ -183,93 +171,6 @@ def test_inductor_bf16_gradients_match_eager():
         assert loss_c == pytest.approx(loss, abs=2e-3) and norm_c == pytest.approx(norm, rel=1e-2)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir):
-    """One fp32 run of 6 steps with val (every 3), HellaSwag and samples (step 6), checkpoints at 3 and 6."""
-    out = tmp_path_factory.mktemp("torchfunc_run")
-    proc = run_script("train_gpt2_torchfunc.py", "--data", tiny_shards, "--init-from", tiny_model_file,
-                      "--steps", STEPS, "--out-dir", out, "--ckpt-every", 3, "--val-every", 3,
-                      "--hellaswag-every", STEPS, "--sample-every", STEPS, *FLAGS,
-                      env={"HELLASWAG_DIR": str(hellaswag_dir), **ON_CPU})
-    return out, proc.stdout
-
-
-def test_training_run(trained, tiny_shards, tiny_model_file):
-    """A 6-step run: step 1's loss equals the float64 reference on the first two micro-batches of the
-    train shard, the loss falls, val/HellaSwag/samples/checkpoints happen when due, log.jsonl holds only
-    documented keys, and each checkpoint's state.npz records the step and the data position."""
-    out, stdout = trained
-    events = step_events(out)
-    assert [e["step"] for e in events] == list(range(1, STEPS + 1))
-    assert all(set(e) == STEP_KEYS and e["framework"] == "torchfunc" for e in events)
-    assert all(e["mfu"] is None and e["peak_mem_gb"] is None and e["tokens_per_s"] > 0 for e in events)
-    assert events[0]["lr"] == pytest.approx(1.5e-3) and events[-1]["lr"] == pytest.approx(3e-3)
-
-    ref = llmc_reference.load_model_file(str(tiny_model_file))
-    tokens = torch.from_numpy(shard_tokens(tiny_shards / "tiny_train_000001.bin"))
-    with torch.no_grad():
-        first = np.mean([ref(tokens[s:s + B * T].view(B, T), tokens[s + 1:s + B * T + 1].view(B, T)).item()
-                         for s in (0, B * T)])
-    assert events[0]["train_loss"] == pytest.approx(first, rel=1e-6)
-    assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
-
-    assert_due_events(out, stdout, STEPS)
-    swag = next(e for e in read_log(out) if "hellaswag_acc" in e)  # scored on the 10 examples
-    assert all(round(10 * swag[k]) == pytest.approx(10 * swag[k]) for k in ("hellaswag_acc",
-                                                                          "hellaswag_acc_norm"))
-    assert "compile: off" in stdout and "mean over 5 step(s) after the first" in stdout
-
-    for step in (3, STEPS):
-        ckpt = out / f"ckpt_{step:07d}"
-        assert sorted(os.listdir(ckpt)) == ["model.bin", "state.npz"]
-        with np.load(ckpt / "state.npz") as z:
-            assert int(z["step"]) == step and int(z["shard"]) == 0
-            assert int(z["position"]) == step * TOTAL and int(z["seed"]) == 1337
-            assert json.loads(str(z["config"]))["n_layer"] == 2
-            assert all(z[f"{p}.{k}"].shape == tf.param_shapes(tiny_cfg())[k] for p in "mv"
-                       for k in tf.PARAM_NAMES)
-    header, _ = tf.read_model_file(str(out / "ckpt_0000006" / "model.bin"))
-    assert header["n_layer"] == 2 and header["block_size"] == 64
-
-
-def test_exact_resume_and_eval_only(trained, tiny_shards, tmp_path, hellaswag_dir):
-    """Resuming the step-3 checkpoint (--resume auto) for steps 4-6 prints the uninterrupted run's losses
-    and grad norms digit for digit and ends on byte-identical weights and AdamW state; --eval-only on the
-    step-6 checkpoint reproduces that run's val loss and HellaSwag scores and trains nothing."""
-    out, stdout = trained
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    os.symlink(out / "ckpt_0000003", resumed / "ckpt_0000003")
-    proc = run_script("train_gpt2_torchfunc.py", "--data", tiny_shards, "--resume", "auto",
-                      "--steps", STEPS, "--out-dir", resumed, "--ckpt-every", 3, "--val-every", 0,
-                      "--hellaswag-every", 0, "--sample-every", 0, *FLAGS, env=ON_CPU)
-    assert step_lines(proc.stdout) == step_lines(stdout)[3:]
-    assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
-    final = out / "ckpt_0000006"
-    assert_same_checkpoint(final, resumed / "ckpt_0000006")
-
-    evaluated = tmp_path / "eval"
-    run_script("train_gpt2_torchfunc.py", "--data", tiny_shards, "--resume", final, "--eval-only",
-               "--out-dir", evaluated, *FLAGS, env={"HELLASWAG_DIR": str(hellaswag_dir), **ON_CPU})
-    assert_eval_only_repeats(out, evaluated, STEPS)
-
-
-def test_checkpoint_written_before_a_failing_evaluation(tiny_shards, tiny_model_file, tmp_path):
-    """At a step where a checkpoint and HellaSwag are both due, the checkpoint is written first: a
-    corrupt HellaSwag file ends the run with a one-line error, and that step's checkpoint is on disk."""
-    swag = tmp_path / "hellaswag"
-    swag.mkdir()
-    (swag / "hellaswag_val.jsonl").write_text("{not json\n")
-    out = tmp_path / "out"
-    proc = run_script("train_gpt2_torchfunc.py", "--data", tiny_shards, "--init-from", tiny_model_file,
-                      "--steps", 2, "--out-dir", out, "--ckpt-every", 2, "--val-every", 0,
-                      "--hellaswag-every", 2, "--sample-every", 0, *FLAGS, check=False,
-                      env={"HELLASWAG_DIR": str(swag), **ON_CPU})
-    assert_clean_error(proc, "not valid JSON")
-    with np.load(out / "ckpt_0000002" / "state.npz") as z:
-        assert int(z["step"]) == 2
-
-
 def test_hellaswag_rows_padded_and_cropped(tiny_model_file, hellaswag_dir, monkeypatch):
     """evaluate_hellaswag pads each example to a fixed width (one compiled shape) and crops rows longer
     than the context: with the tiny model cut to a 32-token context, on the 10 real examples (5 padded,
@@ -295,106 +196,6 @@ def test_hellaswag_rows_padded_and_cropped(tiny_model_file, hellaswag_dir, monke
         cropped += keep.shape[1] < tokens.shape[1]
     assert n == 10 and cropped == 5
     assert tf.evaluate_hellaswag(tf.token_losses, params, cfg, CPU) == (correct / n, correct_norm / n)
-
-
-def test_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path):
-    """torchrun with 2 CPU processes (gloo; rank-strided rows, one micro-batch each, the same global
-    batch) gives the one-process losses and grad norms (rel 1e-5: only the order of the sums differs);
-    only rank 0 writes; --profile writes a Chrome trace and prints the op table, and the ops split into
-    forward, backward and optimizer step."""
-    out = tmp_path / "two"
-    proc = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      "train_gpt2_torchfunc.py", "--data", tiny_shards, "--init-from", tiny_model_file,
-                      "--steps", 3, "--out-dir", out, "--ckpt-every", 3, "--val-every", 0,
-                      "--hellaswag-every", 0, "--sample-every", 0, "--profile", *FLAGS, env=ON_CPU)
-    assert "2 x cpu" in proc.stdout and "1 micro-batches" in proc.stdout
-    assert "profile: steps 2-3" in proc.stdout and "Self CPU" in proc.stdout
-    # the phase table (eager on the CPU): forward, backward and optimizer step, each with its top ops;
-    # the backward holds the weight-gradient matmuls; the norm, where it makes a phase's top rows (which
-    # ops do depends on timings: a loaded machine shuffles the small ones), is in the optimizer step
-    table = proc.stdout[proc.stdout.index("phase "):].splitlines()
-    phases = {line.split()[0]: float(line.split()[-1].rstrip("%")) for line in table
-              if line.split()[:1] in (["forward"], ["backward"], ["optimizer"]) and " all " in line}
-    assert set(phases) == {"forward", "backward", "optimizer"}, table[:5]
-    assert sum(phases.values()) == pytest.approx(100, abs=0.5) and min(phases.values()) > 0
-    start = {line.split()[0]: i for i, line in enumerate(table) if " all " in line}
-    assert any("aten::mm" in line for line in table[start["backward"]:start["optimizer"]])
-    assert all(i > start["optimizer"] for i, line in enumerate(table) if "linalg_vector_norm" in line)
-    assert glob.glob(str(out / "profile" / "trace_rank*.json"))
-    assert proc.stdout.count("step     1/3") == 1
-    one = step_events(trained[0])[:3]
-    two = step_events(out)
-    assert len(two) == 3
-    for a, b in zip(one, two):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-    with np.load(out / "ckpt_0000003" / "state.npz") as z:
-        assert int(z["position"]) == 3 * TOTAL
-
-
-def test_evaluations_lost_to_a_kill_run_on_resume(trained, tiny_shards, hellaswag_dir, tmp_path):
-    """A run killed after a due step's checkpoint but before its evaluations (val loss, HellaSwag) runs the
-    ones log.jsonl lacks when resumed, and only those, then trains on: its log ends up equal to the
-    uninterrupted run's (test_recovery.assert_lost_evaluations_recovered)."""
-    args = ["train_gpt2_torchfunc.py", "--data", tiny_shards, "--steps", STEPS, "--ckpt-every", 3,
-            "--val-every", 3, "--hellaswag-every", STEPS, "--sample-every", 0, *FLAGS]
-    assert_lost_evaluations_recovered(args, trained[0], ON_CPU, hellaswag_dir, tmp_path)
-
-
-def test_bad_input(tmp_path, tiny_shards, tiny_model_file, monkeypatch):
-    """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary),
-    missing data (the default --data too: the error says how to get shards), a damaged checkpoint
-    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), a model file that
-    contradicts the flags, bad flags and impossible batch settings end with a one-line error naming the
-    problem."""
-    monkeypatch.chdir(tmp_path)  # where the default --data data/fineweb_edu does not exist
-    bad = write_bad_shards(tmp_path / "bad")
-    (bad / "model.bin").write_bytes(tiny_model_file.read_bytes()[:-4])
-    tokens = np.arange(5000) % V
-    tokens[-1] = V  # the first id past the vocabulary, at the shard's end
-    write_shard(bad / "vocab_train_000001.bin", tokens)
-    tokens[-1] = 65535
-    write_shard(bad / "wide_val_000000.bin", tokens)
-    damaged = write_damaged_checkpoints(tf, tmp_path / "damaged")
-    # a case that does not stop as it should trains one step, not the default 18,865
-    base = ["--out-dir", str(tmp_path / "out"), "--seq-len", "64", "--batch-size", "4",
-            "--total-batch-size", "512", "--steps", "1", "--ckpt-every", "0", "--val-every", "0",
-            "--hellaswag-every", "0", "--sample-every", "0"]
-    cases = [
-        (["--data", str(bad / "magic_*.bin")], "magic 12345"),
-        (["--data", str(bad / "short_*.bin")], "truncated"),
-        (["--data", str(bad / "vocab_*.bin")], str(bad / "vocab_train_000001.bin"), "up to 50257",
-         "vocabulary of 50257"),
-        (["--data", str(tiny_shards), "--val-data", str(bad / "wide_*.bin")],
-         str(bad / "wide_val_000000.bin"), "up to 65535"),
-        (["--data", str(tiny_shards), "--init-from", str(tiny_model_file), "--n-layer", "3"],
-         "--n-layer 3 does not match"),
-        (["--data", str(tiny_shards), "--init-from", str(bad / "model.bin")], "its header implies"),
-        (["--data", str(tiny_shards), "--dtype", "fp16"], "--dtype"),
-        (["--data", str(tiny_shards), "--compile", "2"], "--compile"),
-        (["--data", str(tiny_shards), "--total-batch-size", "500"], "not a multiple"),
-        (["--data", str(tiny_shards), "--eval-only"], "--eval-only needs"),
-        (["--data", str(tiny_shards), "--resume", str(bad)], "not a checkpoint directory"),
-        ([], "--data data/fineweb_edu: no such directory", "python prepro_fineweb.py", "--data synthetic"),
-        (["--data", str(tmp_path / "nothing")], "no such directory", "python prepro_fineweb.py"),
-        (["--data", str(tiny_shards), "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
-        (["--data", str(tiny_shards), "--seed", "-1"], "--seed"),
-        (["--data", str(tiny_shards), "--grad-clip", "nan"], "--grad-clip"),
-        (["--data", str(tiny_shards), "--lr", "inf"], "--lr"),
-        (["--data", str(tiny_shards), "--resume", "auto", "--out-dir", str(damaged["text"].parent)],
-         str(damaged["text"] / "state.npz"), "damaged"),
-    ]
-    cases += [(["--data", str(tiny_shards), "--resume", str(d)], str(d / "state.npz"), "damaged")
-              for d in damaged.values()]
-    for args, *needles in cases:
-        with pytest.raises(SystemExit) as e:
-            tf.main(base + ["--n-layer", "2", "--n-head", "4", "--n-embd", "64"] + args)
-        assert str(e.value).startswith("error: ") and all(n in str(e.value) for n in needles), \
-            (args, str(e.value))
-    assert not (tmp_path / "out").exists()
-    proc = run_script("train_gpt2_torchfunc.py", "--data", bad / "magic_*.bin", "--model", "d12",
-                      "--n-layer", 1, *base, check=False, env=ON_CPU)
-    assert_clean_error(proc, "magic")
 
 
 @pytest.mark.skipif(not has_cuda_gpu(), reason="the Inductor/flash-attention path needs an NVIDIA GPU")

@@ -1,7 +1,12 @@
 """ZeRO-1 in the torch trainers (--zero-stage 1, CPU, gloo): two processes at stage 1 against two at stage 0
 and against one process, in bf16 (where stage 1 shards the fp32 masters too); a stage-1 checkpoint resumed
 by one process of the other torch trainer; the per-device bytes line; --zero-stage 3 refused."""
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +14,7 @@ import torch
 
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import assert_clean_error, run_script, step_events, step_lines
+from conftest import REPO, assert_clean_error, read_log, run_script, step_events, step_lines
 
 TRAINERS = {"torchfunc": ["train_gpt2_torchfunc.py"], "triton": ["train_gpt2_triton.py", "torch"]}
 OTHER = {"torchfunc": "triton", "triton": "torchfunc"}
@@ -162,7 +167,7 @@ def test_zero_stage_flag(mod, tmp_path):
     model computes with bf16 copies, and grows the gradients by a shard; and it counts the bytes of the
     tensors make_state really allocates, at each stage, dtype and process count."""
     argv = ["torch"] if mod is tg else []
-    for stage, needle in ((3, "JAX trainer"), (2, "must be 0 or 1")):
+    for stage, needle in ((3, "JAX trainer"), (2, "takes 0 or 1")):
         with pytest.raises(SystemExit) as e:
             mod.parse_args([*argv, "--zero-stage", str(stage)])
         assert needle in str(e.value) and "\n" not in str(e.value)
@@ -199,3 +204,34 @@ def test_zero_stage_flag(mod, tmp_path):
     proc = run_script(*TRAINERS["triton" if mod is tg else "torchfunc"], "--zero-stage", 3,
                       "--out-dir", tmp_path, env=ENV, check=False)
     assert_clean_error(proc, "--zero-stage 3", "JAX")
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_rank0_decides_the_evaluations_a_resume_runs(runs, name, tiny_shards, tmp_path):
+    """On --resume, the evaluations the log lacks at the checkpoint's step are process 0's decision, sent
+    to every process: two processes whose --out-dir (no shared filesystem, say) hold different log.jsonl,
+    rank 1's with the step's val loss and rank 0's without, both run it (a rank that skipped it would
+    leave the other's all-reduce waiting) and train on."""
+    ckpt = runs(name, "zero0")[0] / "ckpt_0000001"
+    outs = [tmp_path / "rank0", tmp_path / "rank1"]
+    outs[1].mkdir()
+    (outs[1] / "log.jsonl").write_text(json.dumps({"step": 1, "val_loss": 1.0}) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, out in enumerate(outs):
+        env = dict(os.environ, **ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        args = [*TRAINERS[name], "--data", tiny_shards, "--out-dir", out, *FLAGS, "--resume", ckpt,
+                "--steps", 2, "--val-every", 1, "--val-steps", 2, "--ckpt-every", 0]
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], results
+    events = [(e["step"], "val_loss" in e) for e in read_log(outs[0])]
+    assert events == [(1, True), (2, False), (2, True)]

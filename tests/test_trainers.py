@@ -1,0 +1,332 @@
+"""The three GPT-2 trainers' common behaviour, each test written once for all of them
+(tiny model L2 H4 C64 on the CPU, the Triton trainer with backend torch: a training run, exact resume,
+eval-only, evaluations lost to a kill run on resume, a checkpoint written before a failing evaluation, bad
+input; TRAINERS says how the trainers' runs differ and holds each one's own bad-input cases), and against
+that training run the JAX trainer on two devices and the torchfunc trainer in two torchrun processes."""
+import glob
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import llmc_reference
+from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
+                      assert_same_checkpoint, read_log, run_script, step_events, step_lines,
+                      write_bad_shards, write_shard)
+from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
+
+V = 50257
+STEPS = 6
+TINY = ["--n-layer", 2, "--n-head", 4, "--n-embd", 64]  # the model of tiny_model_file (max T 64)
+COMMON = ["--lr", 3e-3, "--warmup", 2, "--lr-decay-frac", 1.0, "--dtype", "fp32", "--val-steps", 2]
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """How one trainer's runs here differ from the others'."""
+    argv: list  # the command line after `python`: the script, and the Triton trainer's backend
+    batch: tuple  # B, T, total batch size: two micro-batches per step
+    env: dict  # the environment of its runs
+    compile_cache: bool = False  # its runs share a persistent JAX compilation cache (the `env` fixture)
+    hellaswag_limit: int = 0  # --hellaswag-limit of its runs (0: all 10 examples)
+    resume_auto: bool = False  # the exact-resume test resumes with --resume auto instead of the path
+    gpu: bool = False  # its runs use a GPU where one is visible (peak memory and MFU are then logged)
+    stdout: tuple = ()  # what its training run prints besides what every trainer's does
+    ckpt_config: dict = field(default_factory=dict)  # what its checkpoints' config records besides n_layer
+    # its own bad-input cases, given the tiny shards' dir: (argv after the script, what the error says...)
+    bad_inputs: Callable = lambda shards: []
+
+    @property
+    def module(self):
+        return self.argv[0].removesuffix(".py")
+
+    @property
+    def flags(self):
+        B, T, total = self.batch
+        limit = ["--hellaswag-limit", self.hellaswag_limit] if self.hellaswag_limit else []
+        return ["--seq-len", T, "--batch-size", B, "--total-batch-size", total, *COMMON, *limit]
+
+
+# keyed by log.jsonl's framework name
+TRAINERS = {
+    # the CPU even where a GPU is visible: resume must be exact and XLA's GPU scatter-add is not
+    # deterministic
+    "jax": Trainer(
+        argv=["train_gpt2_jax.py"], batch=(4, 64, 512), env={"JAX_PLATFORMS": "cpu"}, compile_cache=True,
+        stdout=("compiled train step in",),
+        bad_inputs=lambda shards: [
+            (["--data", shards, "--attn", "cudnn", "--dtype", "fp32"], "--attn cudnn needs")]),
+    # the CPU even where a GPU is visible: resume must be exact, and CUDA's atomic-add embedding backward
+    # is not deterministic
+    "torchfunc": Trainer(
+        argv=["train_gpt2_torchfunc.py"], batch=(4, 64, 512), env={"CUDA_VISIBLE_DEVICES": ""},
+        resume_auto=True, stdout=("compile: off",),
+        bad_inputs=lambda shards: [(["--data", shards, "--compile", "2"], "--compile")]),
+    # these models are too small to gain from intra-op threads, and on a busy 2-core machine the threads
+    # of concurrent runs slow each other down several times over
+    "triton-torch": Trainer(
+        argv=["train_gpt2_triton.py", "torch"], batch=(2, 32, 128), env={"OMP_NUM_THREADS": "1"},
+        hellaswag_limit=4, gpu=True, ckpt_config={"backend": "torch"},
+        bad_inputs=lambda shards: [(["jax", "--data", shards], "argument backend"),
+                                   (["--data", shards], "required: backend")]),
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """env(name) -> the environment of trainer `name`'s runs: TRAINERS' env, and for the JAX trainer a
+    persistent compilation cache shared by this file's runs, so that runs with the same shapes (a run and
+    its resumption) compile once."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return lambda name: {**TRAINERS[name].env, **(cache if TRAINERS[name].compile_cache else {})}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir, env):
+    """trained(name) -> (out dir, stdout) of trainer `name`'s fp32 run of 6 steps with val (every 3),
+    HellaSwag and samples (step 6), checkpoints at 3 and 6; each run once per module, when a test first
+    asks for it (so that -k jax runs only JAX's)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"{name}_run")
+            proc = run_script(*TRAINERS[name].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+                              "--steps", STEPS, "--out-dir", out, "--ckpt-every", 3, "--val-every", 3,
+                              "--hellaswag-every", STEPS, "--sample-every", STEPS, *TRAINERS[name].flags,
+                              env={"HELLASWAG_DIR": str(hellaswag_dir), **env(name)})
+            done[name] = out, proc.stdout
+        return done[name]
+    return get
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_training_run(name, trained, tiny_shards, tiny_model_file):
+    """A 6-step run: step 1's loss equals the float64 reference of tests/llmc_reference.py on the first two
+    micro-batches of the train shard (rel 1e-6), the loss falls, val/HellaSwag/samples/checkpoints happen
+    when due, log.jsonl holds only the documented keys (peak memory and MFU only from a run on a GPU), the
+    run prints what TRAINERS says, and each checkpoint holds the model file and a state.npz that records
+    the step, the data position, the seed, the config and AdamW moments of the weights' shapes."""
+    t = TRAINERS[name]
+    mod = importlib.import_module(t.module)
+    B, T, total = t.batch
+    out, stdout = trained(name)
+    events = step_events(out)
+    assert [e["step"] for e in events] == list(range(1, STEPS + 1))
+    assert all(set(e) == STEP_KEYS and e["framework"] == name for e in events)
+    on_gpu = t.gpu and torch.cuda.is_available()  # peak memory (and MFU on a known GPU) only there
+    assert all((e["peak_mem_gb"] is not None) == on_gpu and e["tokens_per_s"] > 0 for e in events)
+    assert on_gpu or all(e["mfu"] is None for e in events)
+    assert events[0]["lr"] == pytest.approx(1.5e-3) and events[-1]["lr"] == pytest.approx(3e-3)
+
+    ref = llmc_reference.load_model_file(str(tiny_model_file))
+    tokens = torch.from_numpy(np.fromfile(tiny_shards / "tiny_train_000001.bin", dtype="<u2",
+                                          offset=1024).astype(np.int64))
+    with torch.no_grad():
+        first = np.mean([ref(tokens[s:s + B * T].view(B, T), tokens[s + 1:s + B * T + 1].view(B, T)).item()
+                         for s in (0, B * T)])
+    assert events[0]["train_loss"] == pytest.approx(first, rel=1e-6)
+    assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
+
+    assert_due_events(out, stdout, STEPS)
+    swag = next(e for e in read_log(out) if "hellaswag_acc" in e)  # a share of the examples scored
+    n = t.hellaswag_limit or 10
+    assert all(round(n * swag[k]) == pytest.approx(n * swag[k]) for k in ("hellaswag_acc",
+                                                                        "hellaswag_acc_norm"))
+    for needle in (*t.stdout, "mean over 5 step(s) after the first"):
+        assert needle in stdout, needle
+
+    shapes = mod.param_shapes(mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64))
+    for step in (3, STEPS):
+        ckpt = out / f"ckpt_{step:07d}"
+        assert sorted(os.listdir(ckpt)) == ["model.bin", "state.npz"]
+        with np.load(ckpt / "state.npz") as z:
+            assert int(z["step"]) == step and int(z["shard"]) == 0
+            assert int(z["position"]) == step * total and int(z["seed"]) == 1337
+            config = json.loads(str(z["config"]))
+            assert {k: config.get(k) for k in ("n_layer", *t.ckpt_config)} == {"n_layer": 2, **t.ckpt_config}
+            assert all(z[f"{p}.{k}"].shape == shapes[k] for p in "mv" for k in mod.PARAM_NAMES)
+        header, _ = mod.read_model_file(str(ckpt / "model.bin"))
+        assert header["n_layer"] == 2 and header["block_size"] == 64
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellaswag_dir, env):
+    """Resuming the step-3 checkpoint for steps 4-6 (by its path, or with --resume auto where TRAINERS
+    says so) prints the uninterrupted run's losses and grad norms digit for digit, logs steps 4-6 and ends
+    on byte-identical weights and AdamW state; --eval-only on the step-6 checkpoint reproduces that run's
+    val loss and HellaSwag scores and trains nothing."""
+    t = TRAINERS[name]
+    out, stdout = trained(name)
+    resumed = tmp_path / "resumed"
+    if t.resume_auto:
+        resumed.mkdir()
+        os.symlink(out / "ckpt_0000003", resumed / "ckpt_0000003")
+    proc = run_script(*t.argv, "--data", tiny_shards,
+                      "--resume", "auto" if t.resume_auto else out / "ckpt_0000003",
+                      "--steps", STEPS, "--out-dir", resumed, "--ckpt-every", 3, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, *t.flags, env=env(name))
+    assert step_lines(proc.stdout) == step_lines(stdout)[3:]
+    assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
+    final = out / "ckpt_0000006"
+    assert_same_checkpoint(final, resumed / "ckpt_0000006")
+
+    evaluated = tmp_path / "eval"
+    run_script(*t.argv, "--data", tiny_shards, "--resume", final, "--eval-only", "--out-dir", evaluated,
+               *t.flags, env={"HELLASWAG_DIR": str(hellaswag_dir), **env(name)})
+    assert_eval_only_repeats(out, evaluated, STEPS)
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_evaluations_lost_to_a_kill_run_on_resume(name, trained, tiny_shards, hellaswag_dir, tmp_path, env):
+    """A run killed after a due step's checkpoint but before its evaluations (val loss, HellaSwag) runs the
+    ones log.jsonl lacks when resumed, and only those, then trains on: its log ends up equal to the
+    uninterrupted run's (test_recovery.assert_lost_evaluations_recovered)."""
+    args = [*TRAINERS[name].argv, "--data", tiny_shards, "--steps", STEPS, "--ckpt-every", 3,
+            "--val-every", 3, "--hellaswag-every", STEPS, "--sample-every", 0, *TRAINERS[name].flags]
+    assert_lost_evaluations_recovered(args, trained(name)[0], env(name), hellaswag_dir, tmp_path)
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_checkpoint_written_before_a_failing_evaluation(name, tiny_shards, tiny_model_file, tmp_path, env):
+    """At a step where a checkpoint and HellaSwag are both due, the checkpoint is written first: a corrupt
+    HellaSwag file ends the run with a one-line error, and that step's whole checkpoint is on disk."""
+    swag = tmp_path / "hellaswag"
+    swag.mkdir()
+    (swag / "hellaswag_val.jsonl").write_text("{not json\n")
+    out = tmp_path / "out"
+    proc = run_script(*TRAINERS[name].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 2, "--out-dir", out, "--ckpt-every", 2, "--val-every", 0,
+                      "--hellaswag-every", 2, "--sample-every", 0, *TRAINERS[name].flags, check=False,
+                      env={"HELLASWAG_DIR": str(swag), **env(name)})
+    assert_clean_error(proc, "not valid JSON")
+    assert sorted(os.listdir(out / "ckpt_0000002")) == ["model.bin", "state.npz"]
+    with np.load(out / "ckpt_0000002" / "state.npz") as z:
+        assert int(z["step"]) == 2
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread, monkeypatch):
+    """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary),
+    missing data (the default --data too: the error says how to get shards), a model file that
+    contradicts the flags or is cut short, a directory that is not a checkpoint, a damaged checkpoint
+    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags, impossible
+    batch settings and the trainer's own cases in TRAINERS (a flag's bad value, a missing or unknown
+    backend) end with a one-line error naming the problem, and write nothing; so does a run of the script
+    on bad shards, without a traceback."""
+    t = TRAINERS[name]
+    mod = importlib.import_module(t.module)
+    monkeypatch.chdir(tmp_path)  # where the default --data data/fineweb_edu does not exist
+    bad = write_bad_shards(tmp_path / "bad")
+    (bad / "model.bin").write_bytes(tiny_model_file.read_bytes()[:-4])
+    (bad / "cut.bin").write_bytes(tiny_model_file.read_bytes()[:5000])
+    tokens = np.arange(5000) % V
+    tokens[-1] = V  # the first id past the vocabulary, at the shard's end
+    write_shard(bad / "vocab_train_000001.bin", tokens)
+    tokens[-1] = 65535
+    write_shard(bad / "wide_val_000000.bin", tokens)
+    damaged = write_damaged_checkpoints(mod, tmp_path / "damaged")
+    out = tmp_path / "out"
+    # a case that does not stop as it should trains one step, not the default 18,865
+    base = ["--out-dir", str(out), *map(str, TINY + t.flags), "--steps", "1", "--ckpt-every", "0",
+            "--val-every", "0", "--hellaswag-every", "0", "--sample-every", "0"]
+    shards = str(tiny_shards)
+    cases = [
+        (["--data", str(bad / "magic_*.bin")], "magic 12345"),
+        (["--data", str(bad / "short_*.bin")], "truncated"),
+        (["--data", str(bad / "vocab_*.bin")], str(bad / "vocab_train_000001.bin"), "up to 50257",
+         "vocabulary of 50257"),
+        (["--data", shards, "--val-data", str(bad / "wide_*.bin")], str(bad / "wide_val_000000.bin"),
+         "up to 65535"),
+        (["--data", shards, "--init-from", str(tiny_model_file), "--n-layer", "3"],
+         "--n-layer 3 does not match"),
+        (["--data", shards, "--init-from", str(bad / "model.bin")], "its header implies"),
+        (["--data", shards, "--init-from", str(bad / "cut.bin")], "has 5000 bytes", "its header implies"),
+        (["--data", shards, "--resume", str(bad)], "not a checkpoint directory"),
+        (["--data", shards, "--dtype", "fp16"], "--dtype"),
+        (["--data", shards, "--total-batch-size", "500"], "not a multiple"),
+        (["--data", shards, "--eval-only"], "--eval-only needs"),
+        ([], "--data data/fineweb_edu: no such directory", "python prepro_fineweb.py", "--data synthetic"),
+        (["--data", str(tmp_path / "nothing")], "no such directory", "python prepro_fineweb.py"),
+        (["--data", shards, "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
+        (["--data", shards, "--seed", "-1"], "--seed"),
+        (["--data", shards, "--grad-clip", "nan"], "--grad-clip"),
+        (["--data", shards, "--lr", "inf"], "--lr"),
+        (["--data", shards, "--resume", "auto", "--out-dir", str(damaged["text"].parent)],
+         str(damaged["text"] / "state.npz"), "damaged"),
+    ]
+    cases += [(["--data", shards, "--resume", str(d)], str(d / "state.npz"), "damaged")
+              for d in damaged.values()]
+    cases = [(t.argv[1:] + args, *needles) for args, *needles in cases] + t.bad_inputs(shards)
+    for args, *needles in cases:
+        with pytest.raises(SystemExit) as e:
+            mod.main(base + args)
+        assert str(e.value).startswith("error: ") and all(n in str(e.value) for n in needles), \
+            (args, str(e.value))
+    assert not out.exists()
+    proc = run_script(*t.argv, "--data", bad / "magic_*.bin", "--model", "d12", *base, check=False,
+                      env=env(name))
+    assert_clean_error(proc, "magic")
+
+
+def test_jax_two_devices_match_one(trained, tiny_shards, tiny_model_file, tmp_path, env):
+    """Two CPU devices (batch 2 each, same global batch), with the layers run as a lax.scan, give the
+    one-device unrolled run's losses and grad norms (rel 1e-5: the order of the cross-device sums
+    differs); --profile writes a trace and prints the traced steps' times."""
+    out = tmp_path / "two"
+    proc = run_script(*TRAINERS["jax"].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 3, "--out-dir", out, "--ckpt-every", 0, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, "--profile", "--scan-layers",
+                      *TRAINERS["jax"].flags, "--batch-size", 2,
+                      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env("jax")})
+    assert "2 x cpu" in proc.stdout and "profile: steps 2-3" in proc.stdout
+    assert glob.glob(str(out / "profile" / "**" / "*.trace.json.gz"), recursive=True)
+    one = step_events(trained("jax")[0])[:3]
+    two = step_events(out)
+    assert len(two) == 3
+    for a, b in zip(one, two):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def test_torchfunc_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path, env):
+    """torchrun with 2 CPU processes (gloo; rank-strided rows, one micro-batch each, the same global
+    batch) gives the one-process losses and grad norms (rel 1e-5: only the order of the sums differs);
+    only rank 0 writes; --profile writes a Chrome trace and prints the op table, and the ops split into
+    forward, backward and optimizer step."""
+    out = tmp_path / "two"
+    proc = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      *TRAINERS["torchfunc"].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 3, "--out-dir", out, "--ckpt-every", 3, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, "--profile", *TRAINERS["torchfunc"].flags,
+                      env=env("torchfunc"))
+    assert "2 x cpu" in proc.stdout and "1 micro-batches" in proc.stdout
+    assert "profile: steps 2-3" in proc.stdout and "Self CPU" in proc.stdout
+    # the phase table (eager on the CPU): forward, backward and optimizer step, each with its top ops;
+    # the backward holds the weight-gradient matmuls; the norm, where it makes a phase's top rows (which
+    # ops do depends on timings: a loaded machine shuffles the small ones), is in the optimizer step
+    table = proc.stdout[proc.stdout.index("phase "):].splitlines()
+    phases = {line.split()[0]: float(line.split()[-1].rstrip("%")) for line in table
+              if line.split()[:1] in (["forward"], ["backward"], ["optimizer"]) and " all " in line}
+    assert set(phases) == {"forward", "backward", "optimizer"}, table[:5]
+    assert sum(phases.values()) == pytest.approx(100, abs=0.5) and min(phases.values()) > 0
+    start = {line.split()[0]: i for i, line in enumerate(table) if " all " in line}
+    assert any("aten::mm" in line for line in table[start["backward"]:start["optimizer"]])
+    assert all(i > start["optimizer"] for i, line in enumerate(table) if "linalg_vector_norm" in line)
+    assert glob.glob(str(out / "profile" / "trace_rank*.json"))
+    assert proc.stdout.count("step     1/3") == 1
+    one = step_events(trained("torchfunc")[0])[:3]
+    two = step_events(out)
+    assert len(two) == 3
+    for a, b in zip(one, two):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    with np.load(out / "ckpt_0000003" / "state.npz") as z:
+        assert int(z["position"]) == 3 * TRAINERS["torchfunc"].batch[2]
