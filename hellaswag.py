@@ -401,6 +401,8 @@ def main(argv=None):
                 print(f"      tokens {tokens[i].tolist()}")
                 print(f"      mask   {mask[i].tolist()}")
         return
+    if os.path.exists(args.out) and os.path.samefile(args.out, path):
+        die(f"--out {args.out} is the split file export reads: pick another")
     examples = _labelled_examples(args.split, args.limit, args.cache_dir)
     write_eval_file(args.out, [encode_example(e, encode) for e in examples])
     print(f"wrote {len(examples):,} examples to {args.out} ({os.path.getsize(args.out):,} bytes)")

@@ -363,6 +363,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    logs = [os.path.join(d, LOG_NAME) for d in args.runs]
+    if os.path.exists(args.out) and any(os.path.exists(p) and os.path.samefile(args.out, p) for p in logs):
+        die(f"-o {args.out} is a log this plot reads: pick another name")
     runs = [load_run(d) for d in args.runs]
     fig = build_figure(runs, args.smooth)
     save_figure(fig, args.out)

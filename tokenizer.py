@@ -682,12 +682,20 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+def refuse_input_as_output(args, *inputs):
+    """--out may not be one of the files the command reads: the output would destroy its own input."""
+    out = getattr(args, "out", None)
+    if out and os.path.exists(out) and any(os.path.exists(p) and os.path.samefile(out, p) for p in inputs):
+        die(f"--out {out} is a file this command reads: pick another")
+
+
 def load_tokenizer_arg(name):
     """--tokenizer: 'gpt2' (downloaded/cached, see from_gpt2) or a file written by `train`."""
     return BPETokenizer.from_gpt2() if name == "gpt2" else BPETokenizer.load(name)
 
 
 def cmd_train(args):
+    refuse_input_as_output(args, *args.input)
     t0 = time.perf_counter()
     tok = BPETokenizer.train(args.input, args.vocab_size, args.special)
     dt = time.perf_counter() - t0
@@ -697,6 +705,7 @@ def cmd_train(args):
 
 
 def cmd_encode(args):
+    refuse_input_as_output(args, args.input, args.tokenizer)
     chunks = read_chunks(args.input)
     tok = load_tokenizer_arg(args.tokenizer)
     if tok.vocab_size > 65536:
@@ -714,6 +723,7 @@ def cmd_encode(args):
 
 
 def cmd_decode(args):
+    refuse_input_as_output(args, args.input, args.tokenizer)
     tokens = read_shard(args.input)
     data = load_tokenizer_arg(args.tokenizer).decode(tokens).encode("utf-8")  # invalid UTF-8 -> U+FFFD
     if args.out:

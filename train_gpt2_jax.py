@@ -17,11 +17,15 @@ docs/FORMATS.md.
 """
 import argparse
 import contextlib
+import datetime
+import errno
 import glob
 import json
 import math
 import os
 import shutil
+import socket
+import threading
 import time
 import zipfile
 import zlib
@@ -80,10 +84,12 @@ class Config:
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
+    force: bool = False
     out_dir: str = f"out/gpt2_{FRAMEWORK}"
     ckpt_every: int = 2000
     val_every: int = 250
-    val_steps: int = 20
+    val_tokens: int = 10485760  # llm.c's 20 x 64 x 1024 x 8 GPUs, modded-nanogpt's 20 x 524288
+    val_steps: int = 0  # N: shorthand for --val-tokens N x batch size x seq len
     hellaswag_every: int = 1000
     hellaswag_limit: int = 0
     sample_every: int = 1000
@@ -98,6 +104,7 @@ class Config:
     coordinator: str = ""    # several processes: host:port of process 0 (else JAX_COORDINATOR_ADDRESS)
     num_processes: int = 0   # 0: from the environment (JAX_NUM_PROCESSES, srun, mpirun), else 1
     process_id: int = -1     # -1: from the environment (JAX_PROCESS_ID, srun, mpirun)
+    coordinator_timeout: int = 300  # seconds the processes wait for each other to join, then stop
 
 
 def die(msg):
@@ -115,11 +122,14 @@ def framework_flags(p):
     p.add_argument("--scan-layers", action="store_true",
                    help="run the layers as one lax.scan: compile time independent of depth")
     p.add_argument("--coordinator",
-                   help="several processes: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+                   help="several processes: HOST:PORT of process 0, an IPv6 host in [brackets] (default: "
+                   "$JAX_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int,
                    help="processes in the run (default: $JAX_NUM_PROCESSES, or what srun/mpirun set, else 1)")
     p.add_argument("--process-id", type=int,
                    help="this process's rank, 0 .. processes-1 (default: $JAX_PROCESS_ID, or srun/mpirun's)")
+    p.add_argument("--coordinator-timeout", type=int, help="several processes: seconds each waits for all "
+                   f"to join at the coordinator before it stops (default {Config.coordinator_timeout})")
 
 
 def parse_args(argv=None):
@@ -169,12 +179,17 @@ def parse_args(argv=None):
                    "(default 0)")
     p.add_argument("--init-from", help="an llm.c model file to start from; its header gives the model shape")
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
+                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
     p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
     p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
                    f"never (default {d.ckpt_every})")
     p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
                    f"0 = never (default {d.val_every})")
-    p.add_argument("--val-steps", type=int, help=f"batches per validation loss (default {d.val_steps})")
+    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
+                   "len sequences of the val shards, the same at any device count (default "
+                   f"{d.val_tokens})")
+    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
     p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
                    f"step's too), 0 = never (default {d.hellaswag_every})")
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
@@ -190,9 +205,15 @@ def parse_args(argv=None):
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
     for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_steps"):
+                 "val_tokens") + (("val_steps",) if "val_steps" in given else ()):
         if getattr(cfg, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive")
+    if "val_steps" in given:
+        if "val_tokens" in given:
+            die("--val-steps is a shorthand for --val-tokens: give one of them")
+        cfg.val_tokens = cfg.val_steps * cfg.batch_size * cfg.seq_len
+    if cfg.val_tokens < cfg.seq_len:
+        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every"):
         if getattr(cfg, flag) < 0:
             die(f"--{flag.replace('_', '-')} must be >= 0")
@@ -781,15 +802,18 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     for stale in (tmp, old):  # left by a run that died while saving this step
         if os.path.isdir(stale):
             shutil.rmtree(stale)
-    os.makedirs(tmp)
-    write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
                  position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
                  config=np.array(json.dumps(asdict(cfg))))
-    with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
-        np.savez(f, **state)
+    try:
+        os.makedirs(tmp)
+        write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
+        with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+            np.savez(f, **state)
+    except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
+        die(write_failure(tmp, e, tmp))
     os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
     if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
         os.replace(final, old)
@@ -808,9 +832,12 @@ def gather_state(tree):
 
 
 def latest_checkpoint(out_dir):
-    """The newest complete checkpoint directory in out_dir, or None."""
-    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
-                   if os.path.basename(d)[5:].isdigit() and os.path.isfile(os.path.join(d, "state.npz")))
+    """The newest complete checkpoint directory in out_dir, or None; a newer one without its state.npz
+    (not written by a trainer: a save renames whole checkpoints into place) is skipped with a line."""
+    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*")) if os.path.basename(d)[5:].isdigit())
+    while found and not os.path.isfile(os.path.join(found[-1], "state.npz")):
+        print(f"--resume auto: skipping {found[-1]}, which has no state.npz")
+        found.pop()
     return found[-1] if found else None
 
 
@@ -840,10 +867,17 @@ def load_checkpoint(path, cfg):
                 die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
             m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
             v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
-            state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
+            state = {}
+            for k in ("step", "shard", "position", "seed"):
+                if z[k].shape != () or z[k].dtype.kind not in "iu":
+                    die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
+                state[k] = int(z[k])
     except DAMAGED_NPZ_ERRORS as e:
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
+    for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
+        if state[k] < low:
+            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be >= {low})")
     for k in PARAM_NAMES:
         if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
             die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
@@ -863,22 +897,33 @@ VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progres
 
 
 def val_batches(cfg, loader):
-    """range(cfg.val_steps), behind a progress bar on a terminal's stderr when it is long (one process
-    draws it); a short validation, or one whose stderr goes to a log, prints nothing there."""
-    batches = range(cfg.val_steps)
-    if cfg.val_steps <= VAL_BAR_MIN_STEPS or loader.rank != 0:
-        return batches
-    return hellaswag.terminal_progress(batches, cfg.val_steps, "val")
+    """How many rows of each global batch of the validation count: the first cfg.val_tokens // T sequences
+    of the val shards, the same ones at any batch size and device count (all of every batch but the
+    last). Behind a progress bar on a terminal's stderr when there are many batches (rank 0 draws it)."""
+    rows, batch = cfg.val_tokens // cfg.seq_len, loader.B * loader.world
+    counted = [min(batch, rows - first) for first in range(0, rows, batch)]
+    if len(counted) <= VAL_BAR_MIN_STEPS or loader.rank != 0:
+        return counted
+    return hellaswag.terminal_progress(counted, len(counted), "val")
 
 
-def evaluate_val(loss_jit, params, loader, cfg, put):
-    """Mean loss over the first cfg.val_steps batches of the val shards (the loader restarts each time)."""
+def counted_loss_sum(params, x, y, counted, cfg):
+    """The sum, over the first `counted` rows of a global batch x, y (B, T), of each row's mean token loss
+    (a scalar whole on every device, even when the batch's rows are split over processes)."""
+    rows = token_losses(params, x, y, cfg).mean(-1)                               # (B,)
+    return jnp.where(jnp.arange(rows.shape[0]) < counted, rows, 0.0).sum()
+
+
+def evaluate_val(loss_sum_jit, params, loader, cfg, put):
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
+    each time): every process reads its own rows of each global batch; rows of the last batch past those
+    sequences count for nothing, so that the same weights give the same loss at any device count."""
     loader.reset()
     total = 0.0
-    for _ in val_batches(cfg, loader):
+    for counted in val_batches(cfg, loader):
         x, y = loader.next_batch()                                                 # (B,T) each
-        total += float(loss_jit(params, put(x), put(y)))
-    return total / cfg.val_steps
+        total += float(loss_sum_jit(params, put(x), put(y), counted))
+    return total / (cfg.val_tokens // cfg.seq_len)
 
 
 def evaluate_hellaswag(losses_jit, params, cfg):
@@ -977,8 +1022,12 @@ def format_state_bytes(cfg, held, world):
 def log_event(out_dir, **record):
     """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md)."""
     record["framework"] = FRAMEWORK
-    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
+        die(write_failure(path, e))
 
 
 def drop_partial_log_line(out_dir):
@@ -991,6 +1040,48 @@ def drop_partial_log_line(out_dir):
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
+
+
+def write_failure(path, e, tmp=None):
+    """The one line that says why writing `path` failed (a full disk said as such), after removing the
+    partial temporary `tmp` it leaves (a file or a folder)."""
+    if tmp is not None and os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif tmp is not None and os.path.exists(tmp):
+        os.remove(tmp)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
+    return f"cannot write {path}: {e.strerror}"
+
+
+def prepare_out_dir(cfg, master):
+    """Makes --out-dir, checked writable. One that holds a run (log.jsonl, checkpoints) is refused unless
+    this run continues it (--resume) or starts over (--force: process 0 first moves that run's files into
+    a replaced_<time> folder there, so that log.jsonl holds one run). A half line that a kill left at the
+    end of the log is cut off."""
+    out = cfg.out_dir
+    run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
+    run += [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
+    if any(name != "profile" for name in run) and not cfg.resume:
+        if not cfg.force:
+            die(f"--out-dir {out} already holds a run ({', '.join(run[:3])}{', ...' if len(run) > 3 else ''}): "
+                f"--resume auto continues it, --force starts over")
+        if master:
+            aside = os.path.join(out, f"replaced_{datetime.datetime.now():%Y%m%d_%H%M%S}")
+            os.makedirs(aside)
+            for name in run:
+                os.replace(os.path.join(out, name), os.path.join(aside, name))
+            print(f"--force: the run in {out} moved to {aside}")
+    if not master:
+        return
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".writable.tmp"), "w"):
+            pass
+        os.remove(os.path.join(out, ".writable.tmp"))
+    except OSError as e:
+        die(f"--out-dir {out}: {write_failure(out, e)}")
+    drop_partial_log_line(out)
 
 
 def logged_evals(out_dir, step):
@@ -1073,7 +1164,8 @@ def init_processes(cfg):
     device. Coordinator, process count and rank come from the flags, else from JAX_COORDINATOR_ADDRESS /
     JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax 0.10 reads only the first itself), else, in a run started by
     srun or mpirun, from their environment, which jax.distributed.initialize() reads on its own. A
-    single process (the default) starts nothing."""
+    single process (the default) starts nothing. Each process says what it waits for; when they have not
+    all joined within --coordinator-timeout seconds, one line says what to check."""
     def env_int(name, default):
         text = os.environ.get(name, "")
         if not text:
@@ -1082,24 +1174,95 @@ def init_processes(cfg):
             return int(text)
         except ValueError:
             die(f"${name} is {text!r}, not an integer")
+
+    def port_of(address, source):
+        # checked here because jax takes a malformed address for a crash (IndexError, a segfault on a
+        # port that is no number) or a silent hang (a port above 65535)
+        host, _, port = address.rpartition(":")
+        inner = host[1:-1] if host[:1] == "[" and host[-1:] == "]" else host
+        if not inner or (inner == host and ":" in host) or "[" in inner or "]" in inner:
+            die(f"{source} {address!r}: expected HOST:PORT (an IPv6 host in [brackets])")
+        if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            die(f"{source} {address!r}: the port must be a number in 1-65535")
+        return port
+
+    def join(coordinator, n, rank, waiting, check):
+        print(waiting, flush=True)
+
+        # jax's own deadline ends in a C++ abort (XLA's default missed-heartbeat callback, which
+        # jax.distributed.initialize has no way to replace) while the main thread is blocked in C++, so
+        # nothing in Python can catch it. connect() releases the GIL, so a timer thread writes the line and
+        # ends the process first; jax's deadline, a minute later, only backstops it
+        def give_up():
+            os.write(2, f"error: the processes did not all join within {cfg.coordinator_timeout} s "
+                        f"(--coordinator-timeout): {check}\n".encode())
+            os._exit(1)
+        timer = threading.Timer(cfg.coordinator_timeout, give_up)
+        timer.start()
+        try:
+            jax.distributed.initialize(coordinator, n, rank,
+                                       initialization_timeout=cfg.coordinator_timeout + 60)
+        except jax.errors.JaxRuntimeError as e:  # e.g. process 0's port taken after its check
+            die(f"joining the processes failed ({str(e).splitlines()[0][:200]}): {check}")
+        finally:
+            timer.cancel()
+
     if cfg.num_processes < 0 or cfg.process_id < -1:
         die("--num-processes must be >= 0 (0: from the environment), --process-id >= 0")
+    if cfg.coordinator_timeout <= 0:
+        die(f"--coordinator-timeout {cfg.coordinator_timeout}: must be a positive number of seconds")
     n = cfg.num_processes or env_int("JAX_NUM_PROCESSES", 0)
     launched = max(env_int("SLURM_NTASKS", 1), env_int("OMPI_COMM_WORLD_SIZE", 1))
     if n < 0:
         die(f"$JAX_NUM_PROCESSES must be >= 1, got {n}")
+    if cfg.process_id >= 0 and n == 0:
+        die(f"--process-id {cfg.process_id} needs --num-processes (or $JAX_NUM_PROCESSES), the count it "
+            "is a rank of")
+    if cfg.process_id >= n:
+        source = "--num-processes" if cfg.num_processes else "$JAX_NUM_PROCESSES"
+        die(f"--process-id {cfg.process_id} is out of range: {source} {n} needs it in [0, {n})")
     if n == 1 or (n == 0 and launched <= 1):
         return
     if n == 0:  # srun / mpirun: JAX finds the coordinator, count, rank and local devices itself
-        jax.distributed.initialize(cfg.coordinator or None)
+        if cfg.coordinator:
+            port_of(cfg.coordinator, "--coordinator")
+        join(cfg.coordinator or None, None, None,
+             f"waiting up to {cfg.coordinator_timeout} s for the {launched} processes of this srun/mpirun "
+             "launch to join",
+             "check that all of them started, that their hosts reach process 0's (firewalls), and that none "
+             "got another --coordinator or --num-processes")
         return
     coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
     rank = cfg.process_id if cfg.process_id >= 0 else env_int("JAX_PROCESS_ID", -1)
     if not coordinator:
         die(f"--num-processes {n} needs --coordinator HOST:PORT (or $JAX_COORDINATOR_ADDRESS)")
+    source = "--coordinator" if cfg.coordinator else "$JAX_COORDINATOR_ADDRESS"
+    port = port_of(coordinator, source)
     if not 0 <= rank < n:
         die(f"--num-processes {n} needs --process-id (or $JAX_PROCESS_ID) in [0, {n}), got {rank}")
-    jax.distributed.initialize(coordinator, n, rank)
+    if rank == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        # jax binds all addresses on the port, and on a port already taken it segfaults about every other
+        # time instead of raising; binding it here first (SO_REUSEADDR, as gRPC does) tells the two apart
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", int(port)))
+            except OSError as e:
+                die(f"{source} {coordinator}: process 0 cannot listen on port {port} here ({e.strerror}): "
+                    "another run, or an earlier process 0 still running, may hold it; stop that or pick "
+                    "another port")
+    if rank == 0:
+        waiting = f"for processes 1 .. {n - 1} to join the coordinator it starts at {coordinator}"
+        check = (f"check that processes 1 .. {n - 1} started with --coordinator {coordinator} and "
+                 f"--num-processes {n}, each with its own --process-id, and that their hosts reach port "
+                 f"{port} here (firewalls)")
+    else:
+        waiting = f"for the coordinator at {coordinator} (process 0 must start too)"
+        check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no "
+                 f"firewall blocks port {port} between the hosts, and that every process got --num-processes "
+                 f"{n}")
+    join(coordinator, n, rank, f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s {waiting}",
+         check)
 
 
 def place(tree, shardings):
@@ -1180,9 +1343,7 @@ def main(argv=None):
     if val_loader is None and (cfg.eval_only or cfg.val_every > 0):
         say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
     encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
-    if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        drop_partial_log_line(cfg.out_dir)
+    prepare_out_dir(cfg, master)
 
     # devices: batches split along their B axis; weights and optimizer state as --zero-stage says
     mesh = Mesh(np.array(devices), ("data",))
@@ -1206,14 +1367,14 @@ def main(argv=None):
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
     with precision, out_of_memory_is_an_error(cfg):
-        eval_loss = jax.jit(partial(loss_fn, cfg=cfg))
+        val_loss_sum = jax.jit(partial(counted_loss_sum, cfg=cfg))
         row_losses = jax.jit(partial(token_losses, cfg=cfg))
         put_eval = partial(put_rows, eval_batch)
 
         # every process runs every evaluation (their computations span all devices); one logs it
         def run_evals(params, step, val, swag):
             if val and val_loader is not None:
-                val_loss = evaluate_val(eval_loss, params, val_loader, cfg, put_eval)
+                val_loss = evaluate_val(val_loss_sum, params, val_loader, cfg, put_eval)
                 say(f"step {step:5d} | val loss {val_loss:.6f}")
                 if master:
                     log_event(cfg.out_dir, step=step, val_loss=val_loss)

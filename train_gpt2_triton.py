@@ -28,6 +28,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import errno
 import glob
 import json
 import math
@@ -94,10 +95,12 @@ class Config:
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
+    force: bool = False
     out_dir: str = f"out/gpt2_{FRAMEWORK}"
     ckpt_every: int = 2000
     val_every: int = 250
-    val_steps: int = 20
+    val_tokens: int = 10485760  # llm.c's 20 x 64 x 1024 x 8 GPUs, modded-nanogpt's 20 x 524288
+    val_steps: int = 0  # N: shorthand for --val-tokens N x batch size x seq len
     hellaswag_every: int = 1000
     hellaswag_limit: int = 0
     sample_every: int = 1000
@@ -176,12 +179,17 @@ def parse_args(argv=None):
                    "(default 0)")
     p.add_argument("--init-from", help="an llm.c model file to start from; its header gives the model shape")
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
+                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
     p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
     p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
                    f"never (default {d.ckpt_every})")
     p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
                    f"0 = never (default {d.val_every})")
-    p.add_argument("--val-steps", type=int, help=f"batches per validation loss (default {d.val_steps})")
+    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
+                   "len sequences of the val shards, the same at any device count (default "
+                   f"{d.val_tokens})")
+    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
     p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
                    f"step's too), 0 = never (default {d.hellaswag_every})")
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
@@ -197,9 +205,15 @@ def parse_args(argv=None):
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
     for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_steps"):
+                 "val_tokens") + (("val_steps",) if "val_steps" in given else ()):
         if getattr(cfg, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive")
+    if "val_steps" in given:
+        if "val_tokens" in given:
+            die("--val-steps is a shorthand for --val-tokens: give one of them")
+        cfg.val_tokens = cfg.val_steps * cfg.batch_size * cfg.seq_len
+    if cfg.val_tokens < cfg.seq_len:
+        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every"):
         if getattr(cfg, flag) < 0:
             die(f"--{flag.replace('_', '-')} must be >= 0")
@@ -1055,15 +1069,18 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     for stale in (tmp, old):  # left by a run that died while saving this step
         if os.path.isdir(stale):
             shutil.rmtree(stale)
-    os.makedirs(tmp)
-    write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
                  position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
                  config=np.array(json.dumps(asdict(cfg))))
-    with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
-        np.savez(f, **state)
+    try:
+        os.makedirs(tmp)
+        write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
+        with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+            np.savez(f, **state)
+    except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
+        die(write_failure(tmp, e, tmp))
     os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
     if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
         os.replace(final, old)
@@ -1094,9 +1111,12 @@ def gather_state(state, cfg, world):
 
 
 def latest_checkpoint(out_dir):
-    """The newest complete checkpoint directory in out_dir, or None."""
-    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*"))
-                   if os.path.basename(d)[5:].isdigit() and os.path.isfile(os.path.join(d, "state.npz")))
+    """The newest complete checkpoint directory in out_dir, or None; a newer one without its state.npz
+    (not written by a trainer: a save renames whole checkpoints into place) is skipped with a line."""
+    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*")) if os.path.basename(d)[5:].isdigit())
+    while found and not os.path.isfile(os.path.join(found[-1], "state.npz")):
+        print(f"--resume auto: skipping {found[-1]}, which has no state.npz")
+        found.pop()
     return found[-1] if found else None
 
 
@@ -1126,10 +1146,17 @@ def load_checkpoint(path, cfg):
                 die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
             m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
             v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
-            state = {k: int(z[k]) for k in ("step", "shard", "position", "seed")}
+            state = {}
+            for k in ("step", "shard", "position", "seed"):
+                if z[k].shape != () or z[k].dtype.kind not in "iu":
+                    die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
+                state[k] = int(z[k])
     except DAMAGED_NPZ_ERRORS as e:
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
+    for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
+        if state[k] < low:
+            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be >= {low})")
     for k in PARAM_NAMES:
         if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
             die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
@@ -1160,25 +1187,31 @@ VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progres
 
 
 def val_batches(cfg, loader):
-    """range(cfg.val_steps), behind a progress bar on a terminal's stderr when it is long (one process
-    draws it); a short validation, or one whose stderr goes to a log, prints nothing there."""
-    batches = range(cfg.val_steps)
-    if cfg.val_steps <= VAL_BAR_MIN_STEPS or loader.rank != 0:
-        return batches
-    return hellaswag.terminal_progress(batches, cfg.val_steps, "val")
+    """How many rows of each global batch of the validation count: the first cfg.val_tokens // T sequences
+    of the val shards, the same ones at any batch size and device count (all of every batch but the
+    last). Behind a progress bar on a terminal's stderr when there are many batches (rank 0 draws it)."""
+    rows, batch = cfg.val_tokens // cfg.seq_len, loader.B * loader.world
+    counted = [min(batch, rows - first) for first in range(0, rows, batch)]
+    if len(counted) <= VAL_BAR_MIN_STEPS or loader.rank != 0:
+        return counted
+    return hellaswag.terminal_progress(counted, len(counted), "val")
 
 
-def evaluate_val(eval_loss, params, loader, cfg, device, world):
-    """Mean loss over the first cfg.val_steps batches of the val shards (the loader restarts each time),
-    averaged over the processes, each reading its rank's rows as llm.c's loader does."""
+def evaluate_val(row_losses, weights, loader, cfg, device, world):
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
+    each time). Each process reads its rank's rows of every global batch, as llm.c's loader does; rows of
+    the last batch past those sequences count for nothing, so that the same weights give the same loss at
+    any batch size and process count."""
     loader.reset()
-    total = torch.zeros((), device=device)                                         # ()
-    for _ in val_batches(cfg, loader):
+    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
+    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
+    for counted in val_batches(cfg, loader):
         x, y = loader.next_batch()                                                 # (B,T) each
-        total += eval_loss(params, put_batch(x, device), put_batch(y, device), cfg)
+        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
+        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
     if world > 1:
         dist.all_reduce(total)
-    return total.item() / (cfg.val_steps * world)
+    return total.item() / (cfg.val_tokens // cfg.seq_len)
 
 
 def evaluate_hellaswag(row_losses_fn, params, cfg, device):
@@ -1273,8 +1306,12 @@ def log_event(out_dir, framework, **record):
     """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md); framework is
     f"triton-{backend}"."""
     record["framework"] = framework
-    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
+        die(write_failure(path, e))
 
 
 def drop_partial_log_line(out_dir):
@@ -1287,6 +1324,48 @@ def drop_partial_log_line(out_dir):
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
+
+
+def write_failure(path, e, tmp=None):
+    """The one line that says why writing `path` failed (a full disk said as such), after removing the
+    partial temporary `tmp` it leaves (a file or a folder)."""
+    if tmp is not None and os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif tmp is not None and os.path.exists(tmp):
+        os.remove(tmp)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
+    return f"cannot write {path}: {e.strerror}"
+
+
+def prepare_out_dir(cfg, master):
+    """Makes --out-dir, checked writable. One that holds a run (log.jsonl, checkpoints) is refused unless
+    this run continues it (--resume) or starts over (--force: process 0 first moves that run's files into
+    a replaced_<time> folder there, so that log.jsonl holds one run). A half line that a kill left at the
+    end of the log is cut off."""
+    out = cfg.out_dir
+    run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
+    run += [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
+    if any(name != "profile" for name in run) and not cfg.resume:
+        if not cfg.force:
+            die(f"--out-dir {out} already holds a run ({', '.join(run[:3])}{', ...' if len(run) > 3 else ''}): "
+                f"--resume auto continues it, --force starts over")
+        if master:
+            aside = os.path.join(out, f"replaced_{datetime.datetime.now():%Y%m%d_%H%M%S}")
+            os.makedirs(aside)
+            for name in run:
+                os.replace(os.path.join(out, name), os.path.join(aside, name))
+            print(f"--force: the run in {out} moved to {aside}")
+    if not master:
+        return
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".writable.tmp"), "w"):
+            pass
+        os.remove(os.path.join(out, ".writable.tmp"))
+    except OSError as e:
+        die(f"--out-dir {out}: {write_failure(out, e)}")
+    drop_partial_log_line(out)
 
 
 def logged_evals(out_dir, step):
@@ -1416,9 +1495,7 @@ def main(argv=None):
     if val_loader is None and (cfg.eval_only or cfg.val_every > 0):
         say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
     encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
-    if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        drop_partial_log_line(cfg.out_dir)
+    prepare_out_dir(cfg, master)
 
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)
@@ -1437,7 +1514,7 @@ def main(argv=None):
     with out_of_memory_is_an_error(cfg):
         def run_evals(step, val, swag):
             if val and val_loader is not None:
-                val_loss = evaluate_val(loss_fn, weights, val_loader, cfg, device, world)
+                val_loss = evaluate_val(token_losses, weights, val_loader, cfg, device, world)
                 say(f"step {step:5d} | val loss {val_loss:.6f}")
                 if master:
                     log_event(cfg.out_dir, framework, step=step, val_loss=val_loss)

@@ -184,7 +184,8 @@ def test_eval_only_shows_progress_on_a_terminal(framework, tiny_shards, tiny_mod
                                                  tmp_path, monkeypatch):
     """--eval-only with stderr on a terminal draws a bar for a long validation (over 20 batches) and one
     for HellaSwag. A validation of 20 batches or fewer, or another process than rank 0, draws none (the
-    bars stay off a stderr that is not a terminal: tests/test_data.py)."""
+    bars stay off a stderr that is not a terminal: tests/test_data.py); the last batch may count fewer
+    rows than it holds (val_batches: --val-tokens)."""
     code, _, terminal = run_with_terminal_stderr(
         *TRAINERS[framework], "--data", tiny_shards, "--init-from", tiny_model_file, "--eval-only",
         "--seq-len", T, "--batch-size", B, "--dtype", "fp32", "--val-steps", 21, "--out-dir", tmp_path,
@@ -194,10 +195,12 @@ def test_eval_only_shows_progress_on_a_terminal(framework, tiny_shards, tiny_mod
     assert re.search(r"\bval: .*/21 \[", terminal) and "hellaswag val:" in terminal, terminal[-3000:]
     mod = importlib.import_module(TRAINERS[framework][0][:-3])
     monkeypatch.setattr(sys, "stderr", Terminal())
-    for val_steps, rank, bar in ((20, 0, False), (21, 1, False), (21, 0, True)):
+    # global batches of 2 rows of 8 tokens: 40 rows fill 20, 41 rows take a 21st with one row counted
+    for rows, counted, rank, bar in ((40, [2] * 20, 0, False), (41, [2] * 20 + [1], 1, False),
+                                     (41, [2] * 20 + [1], 0, True)):
         loader = mod.DataLoader(None, 1, 8, rank=rank, world=2)
-        batches = mod.val_batches(mod.Config(val_steps=val_steps), loader)
-        assert list(batches) == list(range(val_steps)) and isinstance(batches, range) != bar
+        batches = mod.val_batches(mod.Config(val_tokens=8 * rows, seq_len=8), loader)
+        assert list(batches) == counted and isinstance(batches, list) != bar
 
 
 # tiktoken with neither its files cached nor the network: an empty cache and a proxy nobody listens on

@@ -192,8 +192,8 @@ def test_hellaswag_download_retries_and_checksum(http_server, tmp_path):
 
 def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
     """Malformed jsonl, a row without 4 endings, a missing file on the server, a --cache-dir that is a
-    file and an unknown split end with a one-line error naming the problem (no traceback from the command
-    line)."""
+    file, an unknown split and an export --out that is the split file it reads end with a one-line error
+    naming the problem (no traceback from the command line)."""
     cache = tmp_path / "cache"
     cache.mkdir()
     good = open(data_file("hellaswag/hellaswag_val_first10.jsonl")).read()
@@ -211,6 +211,11 @@ def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
                                        http_server.url], capsys)
     assert line.startswith(f"error: cannot create {cache / 'hellaswag_val.jsonl'} to download")
     assert "--split" in error_line(hellaswag.main, ["show", "--split", "dev"], capsys)
+    (cache / "hellaswag_val.jsonl").write_text(good)
+    line = error_line(hellaswag.main, ["export", "--out", cache / "hellaswag_val.jsonl", "--cache-dir",
+                                       cache], capsys)
+    assert line.startswith("error: --out ") and "the split file export reads" in line
+    assert (cache / "hellaswag_val.jsonl").read_text() == good
 
 
 # -----------------------------------------------------------------------------

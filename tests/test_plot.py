@@ -131,10 +131,11 @@ def test_resumed_run(tmp_path):
 
 
 def test_bad_input(tmp_path):
-    """A missing dir, a dir without log.jsonl, a corrupt line (the error names the file and line), an
-    event without its numbers, a log without step events, a negative --smooth and an -o that cannot be
-    written (a missing folder, below a regular file, an extension that is no format) each stop with a
-    one-line error; the command line exits non-zero without a traceback and writes no figure."""
+    """A missing dir, a dir without log.jsonl, a corrupt line (the error names the file and line), an event
+    without its numbers, a log without step events, a negative --smooth and an -o that cannot be written
+    (a missing folder, below a regular file, an extension that is no format) or that is a log it reads
+    each stop with a one-line error; the command line exits non-zero without a traceback and writes no
+    figure."""
     good = write_log(tmp_path / "good", [step_event(1, 9.0, 100)])
     (tmp_path / "empty").mkdir()
     corrupt = write_log(tmp_path / "corrupt", [step_event(1, 9.0, 100), step_event(2, 8.0, 100)])
@@ -154,12 +155,13 @@ def test_bad_input(tmp_path):
         ([str(good), "-o", str(tmp_path / "no_dir" / "fig.png")], "cannot write"),
         ([str(good), "-o", str(tmp_path / "file" / "fig.png")], f"cannot write {tmp_path}/file/fig.png: "),
         ([str(good), "-o", str(tmp_path / "fig.xyz")], "Format 'xyz' is not supported"),
+        ([str(good), "-o", str(good / "log.jsonl")], "is a log this plot reads"),
     ]
     for args, needle in cases:
         with pytest.raises(SystemExit) as e:
             pr.main(["-o", out] + args)
         assert str(e.value).startswith("error: ") and needle in str(e.value), (args, str(e.value))
-    assert not (tmp_path / "fig.png").exists()
+    assert not (tmp_path / "fig.png").exists() and read_log(good)[0]["train_loss"] == 9.0
     proc = run_script("plot_runs.py", good, corrupt, "-o", out, check=False)
     assert_clean_error(proc, "line 3")
     assert proc.stdout == "" and not (tmp_path / "fig.png").exists()

@@ -440,7 +440,8 @@ def test_cli_bench(tmp_path, capsys, monkeypatch, shakespeare):
 
 
 def test_cli_bad_input(tmp_path, monkeypatch):
-    """Bad CLI input (missing/empty file, small vocab, bad file or shard): one-line error, exit 1."""
+    """Bad CLI input (missing/empty file, small vocab, bad file or shard, an --out that is one of the
+    inputs): one-line error, exit 1, and no input replaced."""
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 50)
     (tmp_path / "empty.txt").write_text("")
@@ -469,7 +470,12 @@ def test_cli_bad_input(tmp_path, monkeypatch):
         (["decode", "--tokenizer", "gpt2", "--input", text], "not a token shard"),
         (["decode", "--tokenizer", "gpt2", "--input", tmp_path / "missing.bin"], "missing.bin"),
         (["bench", "--input", text, "--repeats", "0"], "--repeats 0"),
+        (["train", "--out", text, "--input", text, "--vocab-size", "300"], "a file this command reads"),
+        (["encode", "--out", text, "--input", text, "--tokenizer", "gpt2"], "a file this command reads"),
+        (["decode", "--out", shard, "--input", shard, "--tokenizer", "gpt2"], "a file this command reads"),
     ]
+    kept = text.read_bytes(), shard.read_bytes()
     for args, needle in cases:
         assert needle in cli_error(*args)
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "o.bin")
+    assert (text.read_bytes(), shard.read_bytes()) == kept  # an output never replaces an input

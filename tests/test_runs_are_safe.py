@@ -1,0 +1,144 @@
+"""What the GPT-2 trainers never lose, in all three: a second fresh run into an --out-dir that holds one
+is refused (--force moves the old run aside), an unwritable --out-dir and a full disk during a checkpoint
+are one line (the partial checkpoint removed, the earlier ones intact, --resume auto then continues
+exactly), a crafted state.npz is refused field by field, --resume auto says what it skips, and the val
+loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hellaswag
+import train_gpt2_jax as tj
+import train_gpt2_torchfunc as tf
+import train_gpt2_triton as tg
+from conftest import assert_clean_error, read_log, run_script, run_script_on_a_full_disk, step_events
+
+MODULES = {"jax": tj, "torchfunc": tf, "triton": tg}
+SCRIPTS = {"jax": ["train_gpt2_jax.py"], "torchfunc": ["train_gpt2_torchfunc.py"],
+           "triton": ["train_gpt2_triton.py", "torch"]}
+ARGV = {"jax": [], "torchfunc": [], "triton": ["torch"]}
+ENV = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+# a micro model on random tokens: one step in a second or two, a checkpoint of 6.5 MB (model.bin) and
+# 13 MB (state.npz)
+MICRO = ["--data", "synthetic", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16",
+         "--batch-size", "2", "--total-batch-size", "32", "--dtype", "fp32", "--val-every", "0",
+         "--hellaswag-every", "0", "--sample-every", "0", "--lr", "1e-3", "--warmup", "1"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_run_is_never_overwritten(name, tmp_path, capsys, monkeypatch, hellaswag_dir):
+    """A fresh run (no --resume) into an --out-dir that holds a run stops with one line naming --resume
+    auto and --force, and leaves the old run as it was; --force moves the old run's log and checkpoints
+    into a replaced_<time> folder, so that the new log.jsonl holds one run. An unwritable --out-dir is one
+    line. A run without val shards says in one line that it skips the val loss, when training with
+    --val-every and with --eval-only (which still scores HellaSwag)."""
+    mod, out = MODULES[name], tmp_path / "run"
+    argv = [*ARGV[name], *MICRO, "--steps", "2", "--ckpt-every", "2", "--out-dir", str(out)]
+    mod.main([*argv, "--val-every", "1"])
+    said = "no validation shards in --data synthetic (give --val-data GLOB): val loss skipped"
+    assert said in capsys.readouterr().out.splitlines()
+    before = (out / "log.jsonl").read_text()
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert str(e.value).startswith(f"error: --out-dir {out} already holds a run")
+    assert "--resume auto" in str(e.value) and "--force" in str(e.value) and "\n" not in str(e.value)
+    assert (out / "log.jsonl").read_text() == before and sorted(os.listdir(out)) == ["ckpt_0000002",
+                                                                                     "log.jsonl"]
+    mod.main([*argv, "--force", "--steps", "1", "--ckpt-every", "0"])
+    assert f"--force: the run in {out} moved to" in capsys.readouterr().out
+    assert [e["step"] for e in read_log(out)] == [1]
+    aside, = out.glob("replaced_*")
+    assert sorted(os.listdir(aside)) == ["ckpt_0000002", "log.jsonl"]
+    assert (aside / "log.jsonl").read_text() == before
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
+    mod.main([*ARGV[name], *MICRO, "--eval-only", "--hellaswag-limit", "2", "--out-dir",
+              str(tmp_path / "eval"), "--init-from", str(aside / "ckpt_0000002" / "model.bin")])
+    assert said in capsys.readouterr().out.splitlines()
+    logged = read_log(out) + read_log(aside) + read_log(tmp_path / "eval")
+    assert not any("val_loss" in e for e in logged) and any("hellaswag_acc" in e for e in logged)
+    with pytest.raises(SystemExit) as e:  # nothing can be created under /proc, root or not
+        mod.main([*ARGV[name], *MICRO, "--steps", "1", "--out-dir", "/proc/no_such_run"])
+    assert str(e.value).startswith("error: --out-dir /proc/no_such_run: cannot write")
+    assert "\n" not in str(e.value)
+
+
+def test_a_full_disk_during_a_checkpoint(tmp_path):
+    """(The Triton trainer's backend torch: save_checkpoint and write_failure are the same code in all three
+    trainers, tests/test_siblings.py.) A checkpoint that meets a full disk (here every file limited to 8
+    MB: model.bin fits, state.npz does not) ends the run with one line naming it and saying the disk is
+    full; nothing of it is left, the earlier checkpoint is intact, and --resume auto then continues from
+    it: step 2 is logged again with the same numbers (the later of the two counts, as plot_runs.py reads a
+    log)."""
+    name, out = "triton", tmp_path / "run"
+    MODULES[name].main([*ARGV[name], *MICRO, "--ckpt-every", "1", "--steps", "1", "--out-dir", str(out)])
+    first = {p.name: p.read_bytes() for p in (out / "ckpt_0000001").iterdir()}
+    args = [*SCRIPTS[name], *MICRO, "--ckpt-every", "1", "--steps", "2", "--out-dir", out, "--resume", "auto"]
+    proc = run_script_on_a_full_disk(8 << 20, *args, env=ENV)
+    assert_clean_error(proc, f"cannot write {out / 'ckpt_0000002.tmp'}", "no space left, the disk is full")
+    assert sorted(os.listdir(out)) == ["ckpt_0000001", "log.jsonl"]
+    assert {p.name: p.read_bytes() for p in (out / "ckpt_0000001").iterdir()} == first
+    run_script(*args, env=ENV)
+    timing = {"dt_ms", "tokens_per_s", "mfu", "peak_mem_gb"}
+    events = [{k: v for k, v in e.items() if k not in timing} for e in step_events(out)]
+    assert [e["step"] for e in events] == [1, 2, 2] and events[1] == events[2]
+    assert os.path.isfile(out / "ckpt_0000002" / "state.npz")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_checkpoint_fields_are_checked(name, tmp_path, capsys):
+    """A state.npz whose step, shard, position or seed is out of range (a negative step would train with
+    a negative learning rate) or not an integer scalar is refused with one line naming the field; --resume
+    auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
+    mod = MODULES[name]
+    cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
+    good = Path(mod.save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg))
+    with np.load(good / "state.npz") as z:
+        fields = dict(z)
+    cases = {"step": np.int64(-4), "shard": np.int64(-1), "position": np.int64(-1), "seed": np.int64(-7)}
+    cases = [(k, v, "out of range") for k, v in cases.items()]
+    cases += [("step", np.float64(3.0), "not an integer"), ("position", np.arange(2), "not an integer")]
+    for field, value, needle in cases:
+        bad = tmp_path / f"{field}_{needle.split()[0]}" / "ckpt_0000003"
+        bad.mkdir(parents=True)
+        (bad / "model.bin").write_bytes((good / "model.bin").read_bytes())
+        np.savez(bad / "state.npz", **{**fields, field: value})
+        with pytest.raises(SystemExit) as e:
+            mod.load_checkpoint(str(bad), cfg)
+        message = str(e.value)
+        assert message.startswith(f"error: checkpoint {bad / 'state.npz'}: {field} ") and needle in message
+    (tmp_path / "good" / "ckpt_0000004").mkdir()
+    assert mod.latest_checkpoint(str(tmp_path / "good")) == str(good)
+    said = capsys.readouterr().out.splitlines()
+    assert said == [f"--resume auto: skipping {tmp_path / 'good' / 'ckpt_0000004'}, which has no state.npz"]
+
+
+def test_val_loss_is_the_same_on_any_device_count(tiny_shards, tiny_model_file, hellaswag_dir, tmp_path,
+                                                  monkeypatch):
+    """The same weights give the same val loss (the first --val-tokens // T sequences of the val shard:
+    here 25 rows of 32 tokens, which no global batch below divides) on 1, 2 and 4 JAX devices, in 1 and
+    2 torch processes, at several batch sizes, and in every trainer: to float rounding (1e-6). The
+    one-device runs run here, the others as scripts; the two torch trainers' evaluate_val is one code
+    (tests/test_siblings.py), so torchfunc's two processes stand for both."""
+    common = ["--data", tiny_shards, "--init-from", tiny_model_file, "--eval-only", "--seq-len", 32,
+              "--total-batch-size", 128, "--val-tokens", 800, "--hellaswag-limit", 1, "--dtype", "fp32"]
+    monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
+    devices = "--xla_force_host_platform_device_count="
+    launch2 = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    runs = {("jax", 1): (None, 4, {}), ("jax", 2): ([], 2, {"XLA_FLAGS": devices + "2"}),
+            ("jax", 4): ([], 1, {"XLA_FLAGS": devices + "4"}), ("torchfunc", 1): (None, 2, {}),
+            ("torchfunc", 2): (launch2, 1, {}), ("triton", 1): (None, 4, {})}
+    losses = {}
+    for (name, count), (launch, batch, extra) in runs.items():
+        out = tmp_path / f"{name}_{count}"
+        args = [*common, "--batch-size", batch, "--out-dir", out]
+        if launch is None:
+            MODULES[name].main([*ARGV[name], *map(str, args)])
+        else:
+            env = {**ENV, "HELLASWAG_DIR": str(hellaswag_dir), **extra}
+            run_script(*launch, *SCRIPTS[name], *args, env=env)
+        losses[name, count], = (e["val_loss"] for e in read_log(out) if "val_loss" in e)
+    first = losses["jax", 1]
+    assert all(v == pytest.approx(first, rel=1e-6) for v in losses.values()), losses
