@@ -89,7 +89,6 @@ class Config:
     ckpt_every: int = 2000
     val_every: int = 250
     val_tokens: int = 10485760  # llm.c's 20 x 64 x 1024 x 8 GPUs, modded-nanogpt's 20 x 524288
-    val_steps: int = 0  # N: shorthand for --val-tokens N x batch size x seq len
     hellaswag_every: int = 1000
     hellaswag_limit: int = 0
     sample_every: int = 1000
@@ -201,17 +200,19 @@ def parse_args(argv=None):
                    "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
     given = vars(p.parse_args(argv))
     preset = given.pop("model", None)
+    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
     shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
     for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_tokens") + (("val_steps",) if "val_steps" in given else ()):
+                 "val_tokens"):
         if getattr(cfg, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive")
-    if "val_steps" in given:
-        if "val_tokens" in given:
-            die("--val-steps is a shorthand for --val-tokens: give one of them")
-        cfg.val_tokens = cfg.val_steps * cfg.batch_size * cfg.seq_len
+    if val_steps is not None:
+        if "val_tokens" in given or val_steps <= 0:
+            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
+                "given without --val-tokens")
+        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
     if cfg.val_tokens < cfg.seq_len:
         die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every"):
@@ -813,7 +814,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
         with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
-        die(write_failure(tmp, e, tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
+        die(write_failure(tmp, e))
     os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
     if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
         os.replace(final, old)
@@ -1042,13 +1044,8 @@ def drop_partial_log_line(out_dir):
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def write_failure(path, e, tmp=None):
-    """The one line that says why writing `path` failed (a full disk said as such), after removing the
-    partial temporary `tmp` it leaves (a file or a folder)."""
-    if tmp is not None and os.path.isdir(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
-    elif tmp is not None and os.path.exists(tmp):
-        os.remove(tmp)
+def write_failure(path, e):
+    """The one line that says why writing `path` failed, a full disk said as such."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
     return f"cannot write {path}: {e.strerror}"
@@ -1064,8 +1061,9 @@ def prepare_out_dir(cfg, master):
     run += [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
     if any(name != "profile" for name in run) and not cfg.resume:
         if not cfg.force:
-            die(f"--out-dir {out} already holds a run ({', '.join(run[:3])}{', ...' if len(run) > 3 else ''}): "
-                f"--resume auto continues it, --force starts over")
+            listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
+                "over")
         if master:
             aside = os.path.join(out, f"replaced_{datetime.datetime.now():%Y%m%d_%H%M%S}")
             os.makedirs(aside)
@@ -1080,7 +1078,7 @@ def prepare_out_dir(cfg, master):
             pass
         os.remove(os.path.join(out, ".writable.tmp"))
     except OSError as e:
-        die(f"--out-dir {out}: {write_failure(out, e)}")
+        die(f"--out-dir: {write_failure(out, e)}")
     drop_partial_log_line(out)
 
 

@@ -60,7 +60,7 @@ def test_a_run_is_never_overwritten(name, tmp_path, capsys, monkeypatch, hellasw
     assert not any("val_loss" in e for e in logged) and any("hellaswag_acc" in e for e in logged)
     with pytest.raises(SystemExit) as e:  # nothing can be created under /proc, root or not
         mod.main([*ARGV[name], *MICRO, "--steps", "1", "--out-dir", "/proc/no_such_run"])
-    assert str(e.value).startswith("error: --out-dir /proc/no_such_run: cannot write")
+    assert str(e.value).startswith("error: --out-dir: cannot write /proc/no_such_run: ")
     assert "\n" not in str(e.value)
 
 

@@ -276,6 +276,15 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     assert_clean_error(proc, "magic")
 
 
+def assert_same_steps(one, two, rel=1e-5):
+    """A run's first 3 steps against another's: the same losses and grad norms within rel (the order of
+    the cross-device sums differs)."""
+    assert len(two) == 3
+    for a, b in zip(one, two):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=rel)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel)
+
+
 def test_jax_two_devices_match_one(trained, tiny_shards, tiny_model_file, tmp_path, env):
     """Two CPU devices (batch 2 each, same global batch), with the layers run as a lax.scan, give the
     one-device unrolled run's losses and grad norms (rel 1e-5: the order of the cross-device sums
@@ -289,11 +298,7 @@ def test_jax_two_devices_match_one(trained, tiny_shards, tiny_model_file, tmp_pa
     assert "2 x cpu" in proc.stdout and "profile: steps 2-3" in proc.stdout
     assert glob.glob(str(out / "profile" / "**" / "*.trace.json.gz"), recursive=True)
     one = step_events(trained("jax")[0])[:3]
-    two = step_events(out)
-    assert len(two) == 3
-    for a, b in zip(one, two):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert_same_steps(one, step_events(out))
 
 
 def test_torchfunc_two_processes_match_one(trained, tiny_shards, tiny_model_file, tmp_path, env):
@@ -323,10 +328,6 @@ def test_torchfunc_two_processes_match_one(trained, tiny_shards, tiny_model_file
     assert glob.glob(str(out / "profile" / "trace_rank*.json"))
     assert proc.stdout.count("step     1/3") == 1
     one = step_events(trained("torchfunc")[0])[:3]
-    two = step_events(out)
-    assert len(two) == 3
-    for a, b in zip(one, two):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert_same_steps(one, step_events(out))
     with np.load(out / "ckpt_0000003" / "state.npz") as z:
         assert int(z["position"]) == 3 * TRAINERS["torchfunc"].batch[2]
