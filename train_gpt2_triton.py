@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import datetime
 import errno
+import functools
 import glob
 import json
 import math
@@ -47,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import hellaswag
 
@@ -2308,31 +2310,53 @@ def _matmul_configs(kernel, interpret=INTERPRET):
     """H100 configurations of kernel "mm" (forward and dX) or "dw". 16-bit inputs: BLOCK_K 64, tiles of
     128x256 / 256x128 (one program an SM, 3 stages: 144 KB) and 128x128 with 3 stages (two programs an
     SM); dW runs long K loops on few tiles: the big tiles and a 4-stage 128x128, each with every split
-    count 1..8 (_prune_dw_configs keeps the two its cost model ranks best). fp32 inputs run on the FMA
-    units (ieee) and use BLOCK_K 32 so that their stages fit: the prune functions pick the set by input
-    width. The interpreter's set: 32 or wide blocks per dimension (see _interpreter_config), dW split in
-    1 or 2."""
+    count 1..8 (_prune_dw_configs keeps the two its cost model ranks best). "mm" has each of its pointer
+    configs, and a 4-stage 128x128 one, also on the descriptor path (TMA, persistent: PER_SM programs an
+    SM). fp32 inputs run on the FMA units (ieee) and use BLOCK_K 32 so that their stages fit: the prune
+    functions pick the set by input width. The interpreter's set: 32 or wide blocks per dimension (see
+    _interpreter_config), dW split in 1 or 2, mm on either path."""
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
-                               **({"SPLIT_K": s} if kernel == "dw" else {})})
+                               **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
+                              pre_hook=_tma_block_shapes if tma else None)
                 for bm in (32, 512) for bn in (32, 512) for bk in (32, 256)
-                for s in ((1, 2) if kernel == "dw" else (1,))]
-    cfg = lambda bm, bn, bk, stages, warps, maxnreg=None, **kw: triton.Config(  # noqa: E731
+                for s in ((1, 2) if kernel == "dw" else (1,)) for tma in ((False,) if kernel == "dw" else
+                                                                          (False, True))]
+    cfg = lambda bm, bn, bk, stages, warps, maxnreg=None, tma=False, **kw: triton.Config(  # noqa: E731
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, **kw}, num_stages=stages, num_warps=warps,
-        maxnreg=maxnreg)
+        maxnreg=maxnreg, pre_hook=_tma_block_shapes if tma else None)
     if kernel == "dw":
         return [cfg(bm, bn, bk, stages, warps, SPLIT_K=s) for bm, bn, bk, stages, warps in
                 ((128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 3, 8),
                  (64, 128, 32, 3, 4)) for s in range(1, 9)]
     # (128 registers a thread: what two 8-warp programs on an SM may use; Triton 3.9 needs 109-126 here)
-    return [cfg(128, 256, 64, 3, 8), cfg(256, 128, 64, 3, 8), cfg(128, 128, 64, 3, 8, maxnreg=128),
-            cfg(128, 128, 64, 3, 4), cfg(128, 128, 32, 3, 8), cfg(64, 128, 32, 3, 4), cfg(64, 64, 32, 3, 4)]
+    pointer = [cfg(128, 256, 64, 3, 8), cfg(256, 128, 64, 3, 8), cfg(128, 128, 64, 3, 8, maxnreg=128),
+               cfg(128, 128, 64, 3, 4), cfg(128, 128, 32, 3, 8), cfg(64, 128, 32, 3, 4), cfg(64, 64, 32, 3, 4)]
+    tma = [cfg(128, 256, 64, 3, 8, tma=True, PER_SM=1), cfg(256, 128, 64, 3, 8, tma=True, PER_SM=1),
+           cfg(128, 128, 64, 4, 8, tma=True, PER_SM=1), cfg(128, 128, 64, 3, 8, 128, tma=True, PER_SM=2),
+           cfg(128, 128, 32, 3, 8, tma=True, PER_SM=1), cfg(64, 128, 32, 3, 4, tma=True, PER_SM=2)]
+    return [triton.Config({**c.kwargs, "TMA": False, "PER_SM": 1}, num_stages=c.num_stages, num_warps=c.num_warps,
+                          maxnreg=c.maxnreg) for c in pointer] + [
+        triton.Config({**c.kwargs, "TMA": True}, num_stages=c.num_stages, num_warps=c.num_warps, maxnreg=c.maxnreg,
+                      pre_hook=_tma_block_shapes) for c in tma]
+
+
+def _tma_block_shapes(nargs):
+    """A descriptor-path config's pre-hook: sets the descriptors' block shapes to the tiles of the
+    configuration about to run (the wrapper builds them before the autotuner picks one)."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_TRANS"] else [bk, bn]
+    nargs["c_desc"].block_shape = [bm, bn]
+    nargs["pre_desc"].block_shape = [bm, bn]
 
 
 def _prune_matmul_configs(configs, named_args, **kwargs):
-    """16-bit inputs get the BLOCK_K 64 (tensor core) configs, fp32 inputs the BLOCK_K 32 ones."""
+    """16-bit inputs get the BLOCK_K 64 (tensor core) configs, fp32 inputs the BLOCK_K 32 ones; the
+    descriptor-path configs only where the descriptors exist (tma_ok)."""
     block_k = 32 if named_args["a_ptr"].element_size() == 4 else 64
-    return [c for c in configs if c.kwargs["BLOCK_K"] == block_k] or configs
+    tma = bool(named_args.get("tma_ok"))
+    return [c for c in configs if c.kwargs["BLOCK_K"] == block_k and (tma or not c.kwargs.get("TMA"))] or configs
 
 
 def _interpreter_config(configs, named_args, **kwargs):
@@ -2342,7 +2366,8 @@ def _interpreter_config(configs, named_args, **kwargs):
     test shapes still run several tiles, partial tiles and several K steps."""
     want = {"BLOCK_M": 32 if named_args["M"] <= 256 else 512, "BLOCK_N": 32 if named_args["N"] <= 256 else 512,
             "BLOCK_K": 32 if named_args["K"] <= 256 else 256}
-    return [c for c in configs if all(c.kwargs[k] == v for k, v in want.items())]
+    tma = bool(named_args.get("tma_ok"))  # the matmul's descriptor path wherever it can run
+    return [c for c in configs if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
 
 
 DW_WORKSPACE_BYTES = 64 << 20  # split-K partial sums: at most 64 MiB (qkv's 7 splits at B*T = 16k take 50)
@@ -2418,16 +2443,13 @@ def _gelu_tanh(x, FAST_TANH: tl.constexpr):
     return y
 
 
-@triton.autotune(configs=_matmul_configs("mm"), key=["M", "N", "K", "stride_ak", "stride_bk", "HAS_BIAS", "GELU"],
-                 prune_configs_by=MATMUL_PRUNE, do_bench=_autotune_bench)
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
-                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                  HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then tanh-GELU, pre-activation stored to pre (M,N)].
-    Any strides: the forward reads w (out,in) as b = w.T, the input gradient reads w as it is."""
+def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 stride_cm, stride_cn, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """matmul_kernel's pointer path: this program's output tile, its operands loaded through pointers with
+    any strides (the forward reads w (out,in) as b = w.T, the input gradient reads w as it is)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) output columns
@@ -2463,6 +2485,59 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
         tl.store(c_ptr + c_offs, y, mask=c_mask)
     else:
         tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """matmul_kernel's descriptor path, on Hopper's tensor memory accelerator: a (M,K) and b read as tiles
+    by descriptors (b_desc holds w (N,K) when B_TRANS, the forward's x @ w.T, else (K,N)), c (and pre)
+    written by descriptors, edges zero-filled on load and clipped on store by the hardware. Persistent:
+    each program walks the output tiles num_programs apart in grouped order, and the flattened loop lets
+    the pipeline load the next tile's first K blocks during this tile's epilogue."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    k_steps = (K + BLOCK_K - 1) // BLOCK_K
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+        for ki in range(k_steps):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # (BM, BK)
+            if B_TRANS:
+                b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T  # (BK, BN)
+            else:
+                b = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])  # (BK, BN)
+            acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
+        if HAS_BIAS:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]  # (BM, BN)
+        if GELU:
+            pre_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(pre_desc.dtype))
+            acc = _gelu_tanh(acc, FAST_TANH)  # (BM, BN)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+@triton.autotune(configs=_matmul_configs("mm"), prune_configs_by=MATMUL_PRUNE, do_bench=_autotune_bench,
+                 key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "GELU"])
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K,
+                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok,
+                  HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr, B_TRANS: tl.constexpr,
+                  TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
+    """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then tanh-GELU, pre-activation stored to pre (M,N)]. Two
+    data paths, which the autotuner times against each other as configurations: pointer loads, one tile a
+    program (any strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the
+    descriptors a_desc..pre_desc exist, else they are None). One measured run on the H100 found neither
+    path fastest at every d12 shape (bench/matmul.py)."""
+    if TMA:
+        _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, GELU,
+                          FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                     stride_cm, stride_cn, HAS_BIAS, GELU, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -2570,19 +2645,54 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
             _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
+def _tma_ready(*tensors):
+    """The descriptors' rules: on Hopper or later (or the interpreter), 2-D tensors whose base addresses and
+    row strides are multiples of 16 bytes and whose rows are contiguous."""
+    device = tensors[0].device
+    if not INTERPRET and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
+        return False
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+               and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+
+
 def _matmul(a, b, bias=None, gelu=False):
     """c (M,N) = a (M,K) @ b (K,N) [+ bias] [GELU]; returns (c, pre-activation or None)."""
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)  # (M,N)
     pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if gelu else None  # (M,N)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    b_trans = b.stride(0) == 1 and b.stride(1) != 1  # the forward's w.T: its descriptor reads w (N,K)
+    descs = [None] * 4
+    if _tma_ready(a, b.t() if b_trans else b, c):
+        # block shapes [1, 1] until the chosen config's pre-hook sets its own
+        descs = [TensorDescriptor.from_tensor(t, [1, 1])
+                 for t in (a, b.t() if b_trans else b, c, c if pre is None else pre)]
+    sms = _num_sms(a.device)
+    grid = lambda meta: (min(sms * meta["PER_SM"] if meta["TMA"] else M * N,  # noqa: E731
+                             triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
     # unused pointers (no bias, no GELU) get c: never read nor written, since the flags compile them out
-    matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, M, N, K,
+    matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
                         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                        HAS_BIAS=bias is not None, GELU=gelu,
-                        FAST_TANH=gelu and not INTERPRET and a.dtype != torch.float32)
+                        int(descs[0] is not None), HAS_BIAS=bias is not None, GELU=gelu,
+                        FAST_TANH=gelu and not INTERPRET and a.dtype != torch.float32, B_TRANS=b_trans)
     return c, pre
+
+
+@functools.lru_cache(maxsize=None)
+def _dw_workspace_sizes(M, N, K, dtype, device):
+    """Elements of the split-K buffers (partial dw, partial db, tile counters) that serve whichever config
+    the autotuner will run at this shape: the largest need among the configs its pruning keeps (a single
+    config is run as it is); () when none splits. Cached: the pruning costs 0.3-0.9 ms of Python, which at
+    ~50 dW products a micro-batch made the H100 wait on the host (one measured run: every d12 dW took
+    0.24-0.26 ms whatever its FLOPs)."""
+    configs = matmul_dw_kernel.configs
+    if len(configs) > 1:
+        configs = DW_PRUNE["early_config_prune"](
+            configs, {"a_ptr": torch.empty(0, dtype=dtype, device=device), "M": M, "N": N, "K": K})
+    if not any(c.kwargs["SPLIT_K"] > 1 for c in configs):
+        return ()
+    sizes = [_dw_workspace(M, N, c) for c in configs]
+    return tuple(max(s[i] for s in sizes) for i in range(3))
 
 
 def _matmul_dw(dy, x, dw, db):
@@ -2591,21 +2701,16 @@ def _matmul_dw(dy, x, dw, db):
     N = x.shape[1]
     grid = lambda meta: (  # noqa: E731
         triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * meta["SPLIT_K"],)
-    # the split-K buffers serve whichever config the autotuner will run: the largest need among the
-    # configs its pruning keeps (a single config is run as it is)
-    configs = matmul_dw_kernel.configs
-    if len(configs) > 1:
-        configs = DW_PRUNE["early_config_prune"](configs, {"a_ptr": dy, "M": M, "N": N, "K": K})
     # a missing db, and the split-K buffers when no config splits, lend their pointer arguments to a
     # 1-element stand-in that the kernel never touches (a None would not survive the autotuner's
     # restore_value copies on older Triton)
     stand_in = dw.new_empty(1)  # (1,)
     ws = ws_db = count = stand_in
-    if any(c.kwargs["SPLIT_K"] > 1 for c in configs):
-        sizes = [_dw_workspace(M, N, c) for c in configs]
-        ws = dw.new_empty(max(s[0] for s in sizes))  # (tiles, SPLIT_K, BM, BN) partial dw
-        ws_db = dw.new_empty(max(s[1] for s in sizes))  # (tiles, SPLIT_K, BM) partial db
-        count = torch.empty(max(s[2] for s in sizes), dtype=torch.int32, device=dw.device)  # (tiles,) arrivals
+    sizes = _dw_workspace_sizes(M, N, K, dy.dtype, dy.device)
+    if sizes:
+        ws = dw.new_empty(sizes[0])  # (tiles, SPLIT_K, BM, BN) partial dw
+        ws_db = dw.new_empty(sizes[1])  # (tiles, SPLIT_K, BM) partial db
+        count = torch.empty(sizes[2], dtype=torch.int32, device=dw.device)  # (tiles,) arrivals
         zero_fill(count)  # our Triton kernel (below), not torch.zeros: no torch op computes in the step
     matmul_dw_kernel[grid](dy, x, dw, stand_in if db is None else db, ws, ws_db, count, M, N, K,
                            dy.stride(1), dy.stride(0), x.stride(0), x.stride(1), HAS_BIAS=db is not None)

@@ -1,0 +1,44 @@
+"""The d12 step table of bench/h100.sh: for each run under RUNS_DIR (one folder a run, holding its
+log.jsonl), mean tokens/s and MFU over the steps after the first (which compiles and autotunes), and the
+peak memory; then backend triton against torchfunc.
+
+    python bench/h100_table.py RUNS_DIR
+"""
+import json
+import os
+import sys
+
+
+def summary(log_path):
+    steps = [e for e in map(json.loads, open(log_path)) if "train_loss" in e]
+    timed = [e for e in steps if e["step"] > 1]
+    if not timed:
+        return None
+    mean = lambda key: sum(e[key] or 0.0 for e in timed) / len(timed)  # noqa: E731 (null on the CPU)
+    return dict(steps=len(steps), tokens_per_s=mean("tokens_per_s"), mfu=mean("mfu"),
+                peak_mem_gb=max(e["peak_mem_gb"] or 0.0 for e in steps), loss=steps[-1]["train_loss"])
+
+
+def main():
+    runs_dir = sys.argv[1]
+    rows = {}
+    for name in sorted(os.listdir(runs_dir)):
+        path = os.path.join(runs_dir, name, "log.jsonl")
+        if os.path.exists(path) and (s := summary(path)):
+            rows[name] = s
+    print(f"{'run':22s} {'steps':>5s} {'tokens/s':>10s} {'MFU':>7s} {'peak GB':>8s} {'last loss':>9s}")
+    for name, s in rows.items():
+        print(f"{name:22s} {s['steps']:5d} {s['tokens_per_s']:10,.0f} {100 * s['mfu']:6.1f}% "
+              f"{s['peak_mem_gb']:8.2f} {s['loss']:9.4f}")
+    tri = [s for n, s in rows.items() if n.startswith("triton")]
+    tf = [s for n, s in rows.items() if n.startswith("torchfunc")]
+    if tri and tf:
+        best_tri = max(tri, key=lambda s: s["tokens_per_s"])
+        best_tf = max(tf, key=lambda s: s["tokens_per_s"])
+        print(f"backend triton / torchfunc (best of each): "
+              f"{best_tri['tokens_per_s'] / best_tf['tokens_per_s']:.2f}x tokens/s at "
+              f"{best_tri['peak_mem_gb'] / max(best_tf['peak_mem_gb'], 1e-9):.2f}x peak memory")
+
+
+if __name__ == "__main__":
+    main()
