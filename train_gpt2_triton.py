@@ -2318,7 +2318,7 @@ def _matmul_configs(kernel, interpret=INTERPRET):
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
                                **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
-                              pre_hook=_tma_block_shapes if tma else None)
+                              pre_hook=None if kernel == "dw" else _tma_block_shapes)
                 for bm in (32, 512) for bn in (32, 512) for bk in (32, 256)
                 for s in ((1, 2) if kernel == "dw" else (1,)) for tma in ((False,) if kernel == "dw" else
                                                                           (False, True))]
@@ -2336,14 +2336,18 @@ def _matmul_configs(kernel, interpret=INTERPRET):
            cfg(128, 128, 64, 4, 8, tma=True, PER_SM=1), cfg(128, 128, 64, 3, 8, 128, tma=True, PER_SM=2),
            cfg(128, 128, 32, 3, 8, tma=True, PER_SM=1), cfg(64, 128, 32, 3, 4, tma=True, PER_SM=2)]
     return [triton.Config({**c.kwargs, "TMA": False, "PER_SM": 1}, num_stages=c.num_stages, num_warps=c.num_warps,
-                          maxnreg=c.maxnreg) for c in pointer] + [
+                          maxnreg=c.maxnreg, pre_hook=_tma_block_shapes) for c in pointer] + [
         triton.Config({**c.kwargs, "TMA": True}, num_stages=c.num_stages, num_warps=c.num_warps, maxnreg=c.maxnreg,
                       pre_hook=_tma_block_shapes) for c in tma]
 
 
 def _tma_block_shapes(nargs):
-    """A descriptor-path config's pre-hook: sets the descriptors' block shapes to the tiles of the
-    configuration about to run (the wrapper builds them before the autotuner picks one)."""
+    """Every mm config's pre-hook: sets the descriptors' block shapes, where they exist, to the tiles of
+    the configuration about to run (the wrapper builds them before the autotuner picks one). The pointer
+    path needs it too: its launch still encodes the descriptors it is passed, and [1, 1] blocks of 16-bit
+    elements are refused by the driver (one measured run)."""
+    if nargs["a_desc"] is None:
+        return
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     nargs["a_desc"].block_shape = [bm, bk]
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_TRANS"] else [bk, bn]
