@@ -20,6 +20,8 @@ def summary(log_path):
 
 
 def main():
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit("usage: python bench/h100_table.py RUNS_DIR (a folder of run folders, each with its log.jsonl)")
     runs_dir = sys.argv[1]
     rows = {}
     for name in sorted(os.listdir(runs_dir)):

@@ -30,6 +30,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=16, help="micro-batch B (rows N = B*1024)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/matmul.py: needs a CUDA GPU (it times our kernels against cuBLAS)")
     dev, dt, C, Vp = torch.device("cuda"), torch.bfloat16, 768, 50304
     N = args.batch_size * 1024
     pointer_only = lambda *tensors: False  # noqa: E731
