@@ -1,6 +1,6 @@
 """The d12 step table of bench/h100.sh: for each run under RUNS_DIR (one folder a run, holding its
-log.jsonl), mean tokens/s and MFU over the steps after the first (which compiles and autotunes), and the
-peak memory; then backend triton against torchfunc.
+log.jsonl), tokens/s and MFU over the steps after the first (which compiles and autotunes), and the peak
+memory; then backend triton against torchfunc.
 
     python bench/h100_table.py RUNS_DIR
 """
@@ -14,8 +14,11 @@ def summary(log_path):
     timed = [e for e in steps if e["step"] > 1]
     if not timed:
         return None
-    mean = lambda key: sum(e[key] or 0.0 for e in timed) / len(timed)  # noqa: E731 (null on the CPU)
-    return dict(steps=len(steps), tokens_per_s=mean("tokens_per_s"), mfu=mean("mfu"),
+    # over the summed step time, as the trainers' own "mean over N steps" line: tokens / seconds
+    seconds = sum(e["dt_ms"] for e in timed) / 1000
+    tokens = sum(e["tokens_per_s"] * e["dt_ms"] / 1000 for e in timed)
+    flops_share = sum((e["mfu"] or 0.0) * e["dt_ms"] / 1000 for e in timed)  # mfu is null on the CPU
+    return dict(steps=len(steps), tokens_per_s=tokens / seconds, mfu=flops_share / seconds,
                 peak_mem_gb=max(e["peak_mem_gb"] or 0.0 for e in steps), loss=steps[-1]["train_loss"])
 
 
