@@ -36,6 +36,7 @@ from tokenize import TokenError
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -1157,6 +1158,53 @@ def out_of_memory_is_an_error(cfg):
             f"{str(e).splitlines()[0][:200]}")
 
 
+CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
+
+
+def lost_processes(rank, world):
+    """After a collective failed: the processes that did not answer a roll call in the coordinator's
+    key-value store within CENSUS_SECONDS (each survivor writes its mark, then waits for the others'), or
+    None when the store is gone. The store is jax.distributed's client, which jax reaches only through
+    jax._src (multihost_utils does the same). Process 0 stays a second longer, so that the others read
+    the marks before its store closes."""
+    client = jax_distributed.global_state.client
+    try:
+        client.key_value_set(f"census/{rank}", "alive")
+        deadline = time.monotonic() + CENSUS_SECONDS
+        silent = list(range(world))
+        while silent and time.monotonic() < deadline:
+            marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
+            silent = [r for r in range(world) if str(r) not in marked]
+            time.sleep(0.1)
+        if rank == 0:
+            time.sleep(1)
+        return silent
+    except jax.errors.JaxRuntimeError:
+        return None
+
+
+@contextlib.contextmanager
+def a_lost_process_is_an_error():
+    """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
+    survivors' next collective: each survivor then names the lost process in one line, says how the run
+    goes on, and exits at once (jax.distributed's shutdown would wait ~90 s on the dead peer, then abort).
+    Other errors, or one after which every process answers, pass through. When process 0, which hosts
+    the coordinator, is the one lost, jax's own runtime ends the others at once, with its own message."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        rank, world = jax.process_index(), jax.process_count()
+        if world == 1 or not any(s in str(e) for s in ("Gloo", "NCCL", "Connection", "UNAVAILABLE")):
+            raise
+        silent = lost_processes(rank, world)
+        if silent == []:
+            raise
+        who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
+        os.write(2, f"error: lost process {who} of {world}: it stopped or was killed, so process {rank} stops "
+                    "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
+        os._exit(1)
+
+
 def init_processes(cfg):
     """Joins the other processes of a multi-host run through jax.distributed, before anything touches a
     device. Coordinator, process count and rank come from the flags, else from JAX_COORDINATOR_ADDRESS /
@@ -1364,7 +1412,7 @@ def main(argv=None):
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
-    with precision, out_of_memory_is_an_error(cfg):
+    with precision, out_of_memory_is_an_error(cfg), a_lost_process_is_an_error():
         val_loss_sum = jax.jit(partial(counted_loss_sum, cfg=cfg))
         row_losses = jax.jit(partial(token_losses, cfg=cfg))
         put_eval = partial(put_rows, eval_batch)

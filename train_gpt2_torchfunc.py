@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import time
 import zipfile
 import zlib
@@ -1193,8 +1194,10 @@ def due(every, step, steps):
 
 
 def setup_device(cfg):
-    """(rank, world, device): under torchrun one process per GPU (nccl) or per share of the CPU cores
-    (gloo), else one process on the GPU if there is one. Sets the matmul precision cfg.dtype promises."""
+    """(rank, world, device, store): under torchrun one process per GPU (nccl) or per share of the CPU
+    cores (gloo), else one process on the GPU if there is one; store: the run's key-value store at
+    $MASTER_ADDR:$MASTER_PORT (None for one process), which lost_processes reads. Sets the matmul
+    precision cfg.dtype promises."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -1204,17 +1207,26 @@ def setup_device(cfg):
         if world > 1:  # processes on one machine split its cores instead of oversubscribing them
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    store = None
     if world > 1:
+        if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT", "").isdigit()):
+            die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT do not say where process 0 is "
+                "(launch with torchrun, or set both)")
+        # the store env:// would make, made here so that it can be read after a failure; under torchrun
+        # its agent already serves it
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                              timeout=datetime.timedelta(minutes=30))
         # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(hours=1))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(hours=1))
         atexit.register(dist.destroy_process_group)
     # fp32 means fp32: cuBLAS and cuDNN would otherwise run fp32 matmuls on a GPU as TF32
     tf32 = cfg.dtype == "bf16"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    return rank, world, device
+    return rank, world, device, store
 
 
 @contextlib.contextmanager
@@ -1227,9 +1239,57 @@ def out_of_memory_is_an_error(cfg):
             f"{str(e).splitlines()[0][:200]}")
 
 
+CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
+
+
+def lost_processes(store, rank, world):
+    """After a collective failed: the ranks that did not answer a roll call in the run's store within
+    CENSUS_SECONDS (each survivor writes its mark, then waits for the others'), or None when the store
+    itself is gone (its host, process 0, stopped: checked with a plain connection first, since a write to a
+    closed store prints a C++ warning). Process 0 stays a second longer, so that the others read the
+    marks before its store closes."""
+    try:
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
+        store.set(f"census/{rank}", "alive")
+        deadline = time.monotonic() + CENSUS_SECONDS
+        silent = list(range(world))
+        while silent and time.monotonic() < deadline:
+            silent = [r for r in range(world) if not store.check([f"census/{r}"])]
+            time.sleep(0.1)
+        if rank == 0:
+            time.sleep(1)
+        return silent
+    except (OSError, RuntimeError, dist.DistError):
+        return None
+
+
+@contextlib.contextmanager
+def a_lost_process_is_an_error(store, rank, world):
+    """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
+    survivors' next collective: each survivor then names the lost process in one line, says how the run
+    goes on, and exits at once (a teardown of the process group could wait on the dead peer). An error
+    raised outside torch.distributed, or one after which every process answers, passes through."""
+    try:
+        yield
+    except RuntimeError as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+        if world == 1 or not where.startswith("torch.distributed"):
+            raise
+        silent = lost_processes(store, rank, world)
+        if silent == []:
+            raise
+        who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
+        os.write(2, f"error: lost process {who} of {world}: it stopped or was killed, so process {rank} stops "
+                    "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
+        os._exit(1)
+
+
 def main(argv=None):
     cfg, explicit = parse_args(argv)
-    rank, world, device = setup_device(cfg)
+    rank, world, device, store = setup_device(cfg)
     master = rank == 0
     say = print if master else (lambda *args, **kwargs: None)
 
@@ -1283,7 +1343,7 @@ def main(argv=None):
         f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
         f"{cfg.zero_stage} over {world} devices)")
 
-    with out_of_memory_is_an_error(cfg):
+    with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
         def compile_(fn, **kwargs):
             return torch.compile(fn, options=INDUCTOR_OPTIONS, **kwargs) if cfg.compile else fn
 

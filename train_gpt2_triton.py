@@ -35,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import time
 import zipfile
 import zlib
@@ -1410,8 +1411,10 @@ def due(every, step, steps):
 
 
 def setup_device(cfg):
-    """(rank, world, device): under torchrun one process per GPU (nccl) or per share of the CPU cores
-    (gloo), else one process on the GPU if there is one. Sets the matmul precision cfg.dtype promises."""
+    """(rank, world, device, store): under torchrun one process per GPU (nccl) or per share of the CPU
+    cores (gloo), else one process on the GPU if there is one; store: the run's key-value store at
+    $MASTER_ADDR:$MASTER_PORT (None for one process), which lost_processes reads. Sets the matmul
+    precision cfg.dtype promises."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -1421,17 +1424,26 @@ def setup_device(cfg):
         if world > 1:  # processes on one machine split its cores instead of oversubscribing them
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    store = None
     if world > 1:
+        if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT", "").isdigit()):
+            die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT do not say where process 0 is "
+                "(launch with torchrun, or set both)")
+        # the store env:// would make, made here so that it can be read after a failure; under torchrun
+        # its agent already serves it
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                              timeout=datetime.timedelta(minutes=30))
         # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(hours=1))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(hours=1))
         atexit.register(dist.destroy_process_group)
     # fp32 means fp32: cuBLAS and cuDNN would otherwise run fp32 matmuls on a GPU as TF32
     tf32 = cfg.dtype == "bf16"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    return rank, world, device
+    return rank, world, device, store
 
 
 @contextlib.contextmanager
@@ -1444,6 +1456,54 @@ def out_of_memory_is_an_error(cfg):
             f"{str(e).splitlines()[0][:200]}")
 
 
+CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
+
+
+def lost_processes(store, rank, world):
+    """After a collective failed: the ranks that did not answer a roll call in the run's store within
+    CENSUS_SECONDS (each survivor writes its mark, then waits for the others'), or None when the store
+    itself is gone (its host, process 0, stopped: checked with a plain connection first, since a write to a
+    closed store prints a C++ warning). Process 0 stays a second longer, so that the others read the
+    marks before its store closes."""
+    try:
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
+        store.set(f"census/{rank}", "alive")
+        deadline = time.monotonic() + CENSUS_SECONDS
+        silent = list(range(world))
+        while silent and time.monotonic() < deadline:
+            silent = [r for r in range(world) if not store.check([f"census/{r}"])]
+            time.sleep(0.1)
+        if rank == 0:
+            time.sleep(1)
+        return silent
+    except (OSError, RuntimeError, dist.DistError):
+        return None
+
+
+@contextlib.contextmanager
+def a_lost_process_is_an_error(store, rank, world):
+    """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
+    survivors' next collective: each survivor then names the lost process in one line, says how the run
+    goes on, and exits at once (a teardown of the process group could wait on the dead peer). An error
+    raised outside torch.distributed, or one after which every process answers, passes through."""
+    try:
+        yield
+    except RuntimeError as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+        if world == 1 or not where.startswith("torch.distributed"):
+            raise
+        silent = lost_processes(store, rank, world)
+        if silent == []:
+            raise
+        who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
+        os.write(2, f"error: lost process {who} of {world}: it stopped or was killed, so process {rank} stops "
+                    "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
+        os._exit(1)
+
+
 def main(argv=None):
     cfg, explicit = parse_args(argv)
     if cfg.test:
@@ -1454,7 +1514,7 @@ def main(argv=None):
         die("backend triton under TRITON_INTERPRET=1 runs fp32 only (the interpreter's bf16 dots are wrong): "
             "add --dtype fp32, or run on a GPU")
     framework = f"{FRAMEWORK}-{cfg.backend}"
-    rank, world, device = setup_device(cfg)
+    rank, world, device, store = setup_device(cfg)
     if cfg.bench_ops:
         bench_ops(cfg, ops, device)
         return
@@ -1511,7 +1571,7 @@ def main(argv=None):
         f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
         f"{cfg.zero_stage} over {world} devices)")
 
-    with out_of_memory_is_an_error(cfg):
+    with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
         def run_evals(step, val, swag):
             if val and val_loader is not None:
                 val_loss = evaluate_val(token_losses, weights, val_loader, cfg, device, world)
@@ -2371,7 +2431,8 @@ def _interpreter_config(configs, named_args, **kwargs):
     want = {"BLOCK_M": 32 if named_args["M"] <= 256 else 512, "BLOCK_N": 32 if named_args["N"] <= 256 else 512,
             "BLOCK_K": 32 if named_args["K"] <= 256 else 256}
     tma = bool(named_args.get("tma_ok"))  # the matmul's descriptor path wherever it can run
-    return [c for c in configs if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
+    return [c for c in configs
+            if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
 
 
 DW_WORKSPACE_BYTES = 64 << 20  # split-K partial sums: at most 64 MiB (qkv's 7 splits at B*T = 16k take 50)

@@ -33,11 +33,12 @@ IDENTICAL = {
         "latest_checkpoint", "DAMAGED_NPZ_ERRORS", "load_checkpoint", "HELLASWAG_MIN_WIDTH",
         "VAL_BAR_MIN_STEPS", "val_batches", "PEAK_FLOPS", "model_flops_per_token", "peak_flops",
         "drop_partial_log_line", "write_failure", "prepare_out_dir", "logged_evals", "format_step",
-        "PROFILE_STEPS", "due"],
+        "PROFILE_STEPS", "due", "CENSUS_SECONDS"],
     # the two torch trainers: processes, ZeRO-1's flat buffers, tensors to and from numpy
     ("torchfunc", "triton"): [
         "FLAT_ALIGN", "flat_layout", "flat_views", "shard_ranges", "put_batch", "to_numpy", "to_device",
-        "evaluate_val", "setup_device", "out_of_memory_is_an_error"],
+        "evaluate_val", "setup_device", "out_of_memory_is_an_error", "lost_processes",
+        "a_lost_process_is_an_error"],
     # the two that write the model as functions of a weights dict
     ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES"],
 }
@@ -62,6 +63,8 @@ DIFFERENT = {
     "evaluate_val": "JAX places batches on its mesh; the torch trainers all-reduce",
     "evaluate_hellaswag": "each framework's compiled row losses", "generate": "each framework's sampler",
     "out_of_memory_is_an_error": "each framework's out-of-memory exception",
+    "lost_processes": "the roll call in each framework's store: torch's TCPStore, jax.distributed's client",
+    "a_lost_process_is_an_error": "each framework's failed-collective exception",
     "peak_memory_gb": "JAX reads its devices' memory statistics, torch its allocator's",
     "log_event": "the Triton trainer logs triton-<backend>",
 }
