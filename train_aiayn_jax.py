@@ -19,6 +19,9 @@ function per bucket shape, compiled ahead of time, so a run compiles a handful o
 log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
 """
 import argparse
+import datetime
+import errno
+import glob
 import gzip
 import hashlib
 import json
@@ -119,6 +122,7 @@ class Config:
     # checkpoints, evaluation, output
     resume: str = ""
     out_dir: str = "out/aiayn_jax"
+    force: bool = False
     ckpt_every: int = 200
     val_every: int = 500
     average: int = 5       # the final BLEU averages the newest N checkpoints' weights
@@ -177,6 +181,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", help="checkpoint dir, or 'auto' (newest in --out-dir): its settings are "
                    "the defaults, model sizes and vocabulary fixed")
     p.add_argument("--out-dir", help=f"checkpoints, log.jsonl and hypotheses (default {Config.out_dir})")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
+                   "log.jsonl, checkpoints and hypotheses are moved into a replaced_<time> folder there first")
     p.add_argument("--ckpt-every", type=int, help="steps between checkpoints, 0 = never (the "
                    "model's recipe)")
     p.add_argument("--val-every", type=int, help="steps between validation losses, 0 = never (the "
@@ -791,14 +797,19 @@ def save_checkpoint(out_dir, step, params, m, v, batches_state, cfg, tok_path):
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    np.savez(os.path.join(tmp, "params.npz"), **{k: np.asarray(params[k], np.float32) for k in PARAM_NAMES})
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
     state.update(step=np.int64(step), epoch=np.int64(batches_state[0]), index=np.int64(batches_state[1]),
                  seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
-    np.savez(os.path.join(tmp, "state.npz"), **state)
-    shutil.copyfile(tok_path, os.path.join(tmp, TOKENIZER_FILE))
+    try:
+        os.makedirs(tmp)
+        np.savez(os.path.join(tmp, "params.npz"),
+                 **{k: np.asarray(params[k], np.float32) for k in PARAM_NAMES})
+        np.savez(os.path.join(tmp, "state.npz"), **state)
+        shutil.copyfile(tok_path, os.path.join(tmp, TOKENIZER_FILE))
+    except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        die(write_failure(tmp, e))
     if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
         shutil.rmtree(final + ".old", ignore_errors=True)
         os.replace(final, final + ".old")
@@ -875,7 +886,7 @@ def resume_config(saved, given):
     for k in fixed:
         if k in given and given[k] != getattr(saved, k):
             die(f"--{k.replace('_', '-')} {given[k]} disagrees with the checkpoint ({getattr(saved, k)})")
-    this_run = dict(resume="", eval_only=False, translate="")  # what this command does, not the saved run
+    this_run = dict(resume="", eval_only=False, translate="", force=False)  # this command, not the saved run
     return check_config(replace(saved, **{**this_run, **given}))
 
 
@@ -1065,8 +1076,13 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
             for ids in translate_ids(search, params, src, cfg)]      # an undertrained model emits
     bleu = sacrebleu.corpus_bleu(hyps, [refs])
     path = os.path.join(cfg.out_dir, f"hyp_{split}.txt")
-    with open(path + ".tmp", "w", encoding="utf-8", newline="\n") as f:
-        f.write("".join(h + "\n" for h in hyps))
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8", newline="\n") as f:
+            f.write("".join(h + "\n" for h in hyps))
+    except OSError as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        die(write_failure(path, e))
     os.replace(path + ".tmp", path)
     return bleu, path
 
@@ -1077,8 +1093,60 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
 def log_event(out_dir, **record):
     """Appends one JSON object to <out_dir>/log.jsonl (the GPT-2 trainers' keys, plus bleu)."""
     record["framework"] = FRAMEWORK
-    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a half line left is cut off when the run resumes (drop_partial_log_line)
+        die(write_failure(path, e))
+
+
+def drop_partial_log_line(out_dir):
+    """Cuts <out_dir>/log.jsonl back to its last complete line. A process killed while it appended an event
+    leaves half a line, which the next event would otherwise be glued to and lost with."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def write_failure(path, e):
+    """The one line that says why writing `path` failed, a full disk said as such."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
+    return f"cannot write {path}: {e.strerror}"
+
+
+def prepare_out_dir(cfg, resuming):
+    """Makes --out-dir, checked writable. One that holds a run (log.jsonl, checkpoints) is refused unless
+    this run continues it (resuming) or starts over (--force: that run's files are first moved into a
+    replaced_<time> folder there, so that log.jsonl holds one run). A half line that a kill left at the
+    end of the log is cut off."""
+    out = cfg.out_dir
+    run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
+    run += [name for name in ("log.jsonl", "hyp_val.txt", "hyp_test.txt")
+            if os.path.exists(os.path.join(out, name))]
+    if any(name == "log.jsonl" or name.startswith("ckpt_") for name in run) and not resuming:
+        if not cfg.force:
+            listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
+                "over")
+        aside = os.path.join(out, f"replaced_{datetime.datetime.now():%Y%m%d_%H%M%S}")
+        os.makedirs(aside)
+        for name in run:
+            os.replace(os.path.join(out, name), os.path.join(aside, name))
+        print(f"--force: the run in {out} moved to {aside}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".writable.tmp"), "w"):
+            pass
+        os.remove(os.path.join(out, ".writable.tmp"))
+    except OSError as e:
+        die(f"--out-dir: {write_failure(out, e)}")
+    drop_partial_log_line(out)
 
 
 def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, peak_mem_gb):
@@ -1149,7 +1217,7 @@ def main(argv=None):
 
 def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
     """Training (or, with --eval-only, evaluation) after main has restored any checkpoint."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    prepare_out_dir(cfg, ckpt_path is not None)
     t0 = time.perf_counter()
     if not cfg.eval_only:
         train_text = read_split(cfg, "train")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from conftest import assert_clean_error, read_log, run_script, data_file, step_events
+from conftest import assert_clean_error, read_log, run_script, run_script_on_a_full_disk, data_file, step_events
 
 import train_aiayn_jax as aiayn  # noqa: E402  (conftest puts the repository on sys.path)
 
@@ -382,6 +382,41 @@ def test_bad_input_gets_a_one_line_error(data_dir, jax_env, tmp_path):
         aiayn.main(["--translate", "Hello.", "--resume", str(tmp_path)])
     with pytest.raises(SystemExit, match="--micro-tokens 1000 cannot hold one pair of the longest bucket"):
         aiayn.parse_args(["--batch-tokens", "2000", "--micro-tokens", "1000", "--max-len", "1000"])
+
+
+def test_an_out_dir_holding_a_run_is_not_overwritten(trained, data_dir, jax_env, tmp_path):
+    """A fresh run into an --out-dir that holds a run stops with one line naming --resume auto and
+    --force, touching nothing; with --force the old run's files move into a replaced_<time> folder and
+    the new log holds the new run alone."""
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    with pytest.raises(SystemExit) as e:
+        aiayn.main([*TINY, "--data-dir", str(data_dir), "--out-dir", str(out)])
+    assert "--resume auto" in str(e.value) and "--force" in str(e.value) and "\n" not in str(e.value)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    run_script(SCRIPT, *TINY, "--data-dir", data_dir, "--out-dir", out, "--force", "--steps", 2, "--ckpt-every",
+               0, "--val-every", 0, "--bleu-split", "none", env=jax_env)
+    aside = [p for p in out.iterdir() if p.name.startswith("replaced_")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == sorted(before)
+    assert [e["step"] for e in step_events(out)] == [1, 2]
+
+
+def test_a_full_disk_during_a_checkpoint(trained, data_dir, jax_env, tmp_path):
+    """A checkpoint that meets a full disk (every file limited to the size of params.npz: state.npz, with
+    both Adam moments, does not fit) ends the run with one line naming it and saying the disk is full;
+    nothing of it is left and the checkpoint resumed from is intact."""
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(trained[0] / "ckpt_0000020", out / "ckpt_0000020")
+    first = {p.name: p.read_bytes() for p in (out / "ckpt_0000020").iterdir()}
+    limit = os.path.getsize(out / "ckpt_0000020" / "params.npz") + 4096
+    proc = run_script_on_a_full_disk(limit, SCRIPT, "--resume", "auto", "--data-dir", data_dir, "--out-dir", out,
+                                     "--steps", 21, "--ckpt-every", 1, "--val-every", 0, "--bleu-split", "none",
+                                     env=jax_env)
+    assert_clean_error(proc, f"cannot write {out / 'ckpt_0000021.tmp'}", "no space left, the disk is full")
+    assert sorted(os.listdir(out)) == ["ckpt_0000020", "log.jsonl"]
+    assert {p.name: p.read_bytes() for p in (out / "ckpt_0000020").iterdir()} == first
 
 
 def test_every_flag_has_a_help_line(monkeypatch):
