@@ -3,6 +3,7 @@ is refused (--force moves the old run aside), an unwritable --out-dir and a full
 are one line (the partial checkpoint removed, the earlier ones intact, --resume auto then continues
 exactly), a crafted state.npz is refused field by field, --resume auto says what it skips, and the val
 loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
+import json
 import os
 from pathlib import Path
 
@@ -84,6 +85,22 @@ def test_a_full_disk_during_a_checkpoint(tmp_path):
     events = [{k: v for k, v in e.items() if k not in timing} for e in step_events(out)]
     assert [e["step"] for e in events] == [1, 2, 2] and events[1] == events[2]
     assert os.path.isfile(out / "ckpt_0000002" / "state.npz")
+
+
+def test_a_full_disk_during_a_log_append(tmp_path):
+    """(log_event is the same code in all three trainers.) The log meeting a full disk (every file limited
+    to 1 KB: about four step events) ends the run with one line naming log.jsonl and saying the disk is
+    full; the lines before the failed append are whole events (the half line it left is what
+    drop_partial_log_line cuts off when the run resumes)."""
+    out = tmp_path / "run"
+    args = [*SCRIPTS["triton"], *MICRO, "--ckpt-every", "0", "--steps", "20", "--out-dir", out]
+    proc = run_script_on_a_full_disk(1024, *args, env=ENV)
+    assert_clean_error(proc, f"cannot write {out / 'log.jsonl'}", "no space left, the disk is full")
+    data = (out / "log.jsonl").read_bytes()
+    complete = data[:data.rfind(b"\n") + 1]
+    assert len(data) == 1024 and not data.endswith(b"\n")  # the failed append's half line
+    steps = [json.loads(line)["step"] for line in complete.splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and steps
 
 
 @pytest.mark.parametrize("name", MODULES)
