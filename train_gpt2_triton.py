@@ -88,6 +88,7 @@ class Config:
     total_batch_size: int = 524288
     # optimization
     steps: int = 18865
+    time_budget: float = 0.0  # seconds of step time after which the run stops early; 0 = never
     lr: float = 6e-4
     lr_decay_frac: float = 0.0
     warmup: int = 700
@@ -163,6 +164,9 @@ def parse_args(argv=None):
                    f"it (default {d.total_batch_size})")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
                    "default batch)")
+    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
+                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
+                   "step's; the lr schedule still spans --steps (default 0: run every step)")
     p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr})")
     p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
                    f"(default {d.lr_decay_frac})")
@@ -218,7 +222,8 @@ def parse_args(argv=None):
         cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
     if cfg.val_tokens < cfg.seq_len:
         die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
-    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every"):
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
+                 "time_budget"):
         if getattr(cfg, flag) < 0:
             die(f"--{flag.replace('_', '-')} must be >= 0")
     if not 0 < cfg.lr < math.inf:
@@ -1615,6 +1620,11 @@ def main(argv=None):
             loss, norm = train_step(state, xs, ys, step, cfg, profile["ops"] if profile else ops, world)
             dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
             times[step] = dt
+            # --time-budget: process 0's clock decides for all, which must stop at the same step
+            stop = [bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget]
+            if cfg.time_budget and world > 1:
+                dist.broadcast_object_list(stop, src=0)
+            last = step if stop[0] else cfg.steps
             if step == first:
                 say(f"first step: {dt:.1f} s with its one-off costs (kernel compilation and autotuning, whose "
                     f"copies of the buffers it tunes count in its memory), left out of the mean; peak memory "
@@ -1633,20 +1643,23 @@ def main(argv=None):
                 log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr,
                           dt_ms=1000 * dt, tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
             # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses nothing
-            if due(cfg.ckpt_every, step, cfg.steps):
+            if due(cfg.ckpt_every, step, last):
                 full = gather_state(state, cfg, world)  # every process: a collective at stage 1
                 if master:
                     path = save_checkpoint(cfg.out_dir, step, *map(to_numpy, full), train_loader.state(), cfg)
                     say(f"saved {path}")
                 if world > 1:  # the others wait while rank 0 writes
                     dist.barrier()
-            run_evals(step, due(cfg.val_every, step, cfg.steps), due(cfg.hellaswag_every, step, cfg.steps))
-            if master and due(cfg.sample_every, step, cfg.steps):
+            run_evals(step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
+            if master and due(cfg.sample_every, step, last):
                 seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
                 generator = torch.Generator(device=device).manual_seed(seed)
                 for i, row in enumerate(generate(weights, generator, cfg).tolist()):
                     text = encoder.decode(row[1:])
                     say(f"sample {i}: {text!r}")
+            if stop[0]:
+                say(f"--time-budget {cfg.time_budget:g} s reached: stopped after step {step} of {cfg.steps}")
+                break
 
     # the mean leaves out the first step (compilation, one-off start-up costs) and the profiled ones
     kept = [s for s in times if s > first and not (cfg.profile and s in profile_steps)]

@@ -185,6 +185,23 @@ def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellas
 
 
 @pytest.mark.parametrize("name", TRAINERS)
+def test_time_budget_stops_early_on_the_same_schedule(name, trained, tiny_shards, tiny_model_file, tmp_path,
+                                                      env):
+    """--time-budget (here far below one step) stops the run after the step that reaches it, with that
+    step's checkpoint and val loss as a last step's; the step is the 6-step run's own, digit for digit (the
+    lr schedule still spans --steps)."""
+    out = tmp_path / "out"
+    proc = run_script(*TRAINERS[name].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", STEPS, "--time-budget", 1e-9, "--out-dir", out, "--ckpt-every", 3,
+                      "--val-every", 3, "--hellaswag-every", 0, "--sample-every", 0, *TRAINERS[name].flags,
+                      env=env(name))
+    assert step_lines(proc.stdout) == step_lines(trained(name)[1])[:1]
+    assert f"--time-budget 1e-09 s reached: stopped after step 1 of {STEPS}" in proc.stdout
+    assert [(e["step"], "val_loss" in e) for e in read_log(out)] == [(1, False), (1, True)]
+    assert sorted(os.listdir(out)) == ["ckpt_0000001", "log.jsonl"]
+
+
+@pytest.mark.parametrize("name", TRAINERS)
 def test_evaluations_lost_to_a_kill_run_on_resume(name, trained, tiny_shards, hellaswag_dir, tmp_path, env):
     """A run killed after a due step's checkpoint but before its evaluations (val loss, HellaSwag) runs the
     ones log.jsonl lacks when resumed, and only those, then trains on: its log ends up equal to the
