@@ -1,6 +1,7 @@
 """The d12 step table of bench/h100.sh: for each run under RUNS_DIR (one folder a run, holding its
 log.jsonl), tokens/s and MFU over the steps after the first (which compiles and autotunes), and the peak
-memory; then backend triton against torchfunc.
+memory; each run's last val loss, and the largest gap between the runs' val losses at the steps all of
+them validated; then backend triton against torchfunc.
 
     python bench/h100_table.py RUNS_DIR
 """
@@ -10,8 +11,9 @@ import sys
 
 
 def summary(log_path):
-    steps = [e for e in map(json.loads, open(log_path)) if "train_loss" in e]
-    timed = [e for e in steps if e["step"] > 1]
+    events = list(map(json.loads, open(log_path)))
+    steps = [e for e in events if "train_loss" in e]
+    timed = [e for e in steps if e["step"] > 1] or steps  # a run of one step: that step, compile and all
     if not timed:
         return None
     # over the summed step time, as the trainers' own "mean over N steps" line: tokens / seconds
@@ -19,7 +21,8 @@ def summary(log_path):
     tokens = sum(e["tokens_per_s"] * e["dt_ms"] / 1000 for e in timed)
     flops_share = sum((e["mfu"] or 0.0) * e["dt_ms"] / 1000 for e in timed)  # mfu is null on the CPU
     return dict(steps=len(steps), tokens_per_s=tokens / seconds, mfu=flops_share / seconds,
-                peak_mem_gb=max(e["peak_mem_gb"] or 0.0 for e in steps), loss=steps[-1]["train_loss"])
+                peak_mem_gb=max(e["peak_mem_gb"] or 0.0 for e in steps), loss=steps[-1]["train_loss"],
+                val={e["step"]: e["val_loss"] for e in events if "val_loss" in e})
 
 
 def main():
@@ -35,6 +38,15 @@ def main():
     for name, s in rows.items():
         print(f"{name:22s} {s['steps']:5d} {s['tokens_per_s']:10,.0f} {100 * s['mfu']:6.1f}% "
               f"{s['peak_mem_gb']:8.2f} {s['loss']:9.4f}")
+    for name, s in rows.items():
+        if s["val"]:
+            last = max(s["val"])
+            print(f"{name}: val loss {s['val'][last]:.4f} at step {last} ({len(s['val'])} validations)")
+    common = set.intersection(*(set(s["val"]) for s in rows.values())) if rows else set()
+    if len(rows) > 1 and common:
+        gap = max(max(s["val"][k] for s in rows.values()) - min(s["val"][k] for s in rows.values())
+                  for k in common)
+        print(f"largest val-loss gap between the runs at the {len(common)} steps all validated: {gap:.2e}")
     tri = [s for n, s in rows.items() if n.startswith("triton")]
     tf = [s for n, s in rows.items() if n.startswith("torchfunc")]
     if tri and tf:
