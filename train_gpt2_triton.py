@@ -1431,12 +1431,14 @@ def setup_device(cfg):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     store = None
     if world > 1:
-        if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT", "").isdigit()):
-            die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT do not say where process 0 is "
-                "(launch with torchrun, or set both)")
+        port = os.environ.get("MASTER_PORT", "")
+        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
+                and 1 <= int(port) <= 65535):
+            die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
+                "say where process 0 is (launch with torchrun, or set both)")
         # the store env:// would make, made here so that it can be read after a failure; under torchrun
         # its agent already serves it
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world,
                               is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                               timeout=datetime.timedelta(minutes=30))
         # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it

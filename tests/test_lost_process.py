@@ -74,14 +74,18 @@ def test_survivor_names_the_lost_process(tmp_path, trainer, lost):
     assert waited < SURVIVOR_SECONDS
 
 
-@pytest.mark.parametrize("trainer", [["train_gpt2_torchfunc.py"], ["train_gpt2_triton.py", "torch"]],
-                         ids=["torchfunc", "triton"])
-def test_torch_launch_without_master_address(tmp_path, trainer):
-    """$WORLD_SIZE > 1 without $MASTER_ADDR / $MASTER_PORT (a torchrun launch done by hand) is one line
-    naming them, before anything waits for a peer (before: torch's env:// ValueError traceback)."""
+@pytest.mark.parametrize("trainer, port", [(["train_gpt2_torchfunc.py"], None),
+                                           (["train_gpt2_triton.py", "torch"], "70000")],
+                         ids=["torchfunc-no-address", "triton-port-above-65535"])
+def test_torch_launch_without_a_usable_master_address(tmp_path, trainer, port):
+    """$WORLD_SIZE > 1 without $MASTER_ADDR / $MASTER_PORT (a torchrun launch done by hand), or with a port
+    above 65535, is one line naming them, before anything waits for a peer (before: torch's env://
+    ValueError traceback)."""
     env = dict(os.environ, **ENV, RANK="0", WORLD_SIZE="2")
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
+    if port:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     proc = subprocess.run([sys.executable, *map(str, [*trainer, *TINY, "--out-dir", tmp_path / "out"])],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert_clean_error(proc, "$MASTER_ADDR", "torchrun")
+    assert_clean_error(proc, "$MASTER_ADDR", "torchrun", *([f"'{port}'", "1-65535"] if port else []))
