@@ -22,7 +22,7 @@ stage "versions"
 } 2>&1 | tee "$LOG/versions.txt"
 
 stage "matmul kernels against cuBLAS"
-timeout 120 $PY bench/matmul.py --batch-size 16 > "$LOG/matmul.txt" 2>&1 || echo "matmul bench failed: $?"
+timeout 180 $PY bench/matmul.py --batch-size 16 --configs > "$LOG/matmul.txt" 2>&1 || echo "matmul bench failed: $?"
 
 D="--data synthetic --model d12 --seq-len 1024 --dtype bf16 --total-batch-size 524288 --steps 6
    --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0"

@@ -26,9 +26,40 @@ def rel_err(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
+def config_rankings(call, kernel):
+    """[(config, the autotuner's median ms, ms of the product run alone in that config)] for the configs
+    the autotuner times at call's shape, its pick first: where the two rankings disagree, its timing is
+    not what training gets (seen at c_attn dX and attn.c_proj on the H100). Each config is pinned in turn
+    by letting the pruning keep it alone, with the autotuner's cache cleared around every call."""
+    prune = kernel.early_config_prune
+    kernel.cache.clear()
+    call()
+    picked, tuned = kernel.best_config, dict(getattr(kernel, "configs_timings", None) or {})
+    alone = {}
+    try:
+        for config in tuned:
+            kernel.cache.clear()
+            kernel.early_config_prune = lambda configs, named_args, config=config, **kwargs: [config]
+            alone[config] = median_ms(call)
+    finally:
+        kernel.early_config_prune = prune
+        kernel.cache.clear()
+    first = sorted(tuned, key=lambda c: c is not picked)
+    return [(c, tuned[c][0] if isinstance(tuned[c], (list, tuple)) else tuned[c], alone[c]) for c in first]
+
+
+def config_name(c):
+    k = c.kwargs
+    path = "tma" if k.get("TMA") else "ptr"
+    return (f"{path} {k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} s{c.num_stages} w{c.num_warps}"
+            + (f" x{k['PER_SM']}/SM" if k.get("TMA") else ""))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=16, help="micro-batch B (rows N = B*1024)")
+    p.add_argument("--configs", action="store_true", help="also, for each forward and dX product, every "
+                   "config the autotuner times: its timing against the product run alone in that config")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/matmul.py: needs a CUDA GPU (it times our kernels against cuBLAS)")
@@ -69,6 +100,11 @@ def main():
             line[f"{name} dX"] = flops / median_ms(dx_call) / 1e9
             line[f"{name} dX err"] = rel_err(dx_call(), ref_dx)
         tt._tma_ready = tma_ready
+        if args.configs:
+            for prod, call in (("fwd", ours_fwd), ("dX", lambda: tt._matmul(dy, w)[0])):
+                print(f"configs of {label} {prod}: autotuner ms | alone ms (the autotuner's pick first)")
+                for c, tuned_ms, alone_ms in config_rankings(call, tt.matmul_kernel):
+                    print(f"  {config_name(c):36s} {tuned_ms:8.4f} {alone_ms:8.4f}", flush=True)
         dw_call = lambda: tt._matmul_dw(dy, x, dw, db)  # noqa: E731
         line["ours dW"] = flops / median_ms(dw_call) / 1e9
         dw.zero_()
