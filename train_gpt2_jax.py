@@ -1462,7 +1462,7 @@ def main(argv=None):
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile_dir = os.path.join(cfg.out_dir, "profile")
-        times = {}
+        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
@@ -1476,8 +1476,9 @@ def main(argv=None):
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
                 dt = time.perf_counter() - t0
             times[step] = dt
+            spent += dt
             # --time-budget: process 0's clock decides for all, which must stop at the same step
-            stop = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget
+            stop = bool(cfg.time_budget) and spent >= cfg.time_budget
             if cfg.time_budget and jax.process_count() > 1:
                 stop = bool(multihost_utils.broadcast_one_to_all(np.array(stop)))
             last = step if stop else cfg.steps

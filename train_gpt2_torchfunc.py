@@ -1256,7 +1256,7 @@ def lost_processes(store, rank, world):
     closed store prints a C++ warning). Process 0 stays a second longer, so that the others read the
     marks before its store closes."""
     try:
-        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
+        socket.create_connection((store.host, store.port), timeout=2).close()
         store.set(f"census/{rank}", "alive")
         deadline = time.monotonic() + CENSUS_SECONDS
         silent = list(range(world))
@@ -1397,7 +1397,7 @@ def main(argv=None):
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(activities=activities) if cfg.profile else None
-        times = {}
+        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
                 profiler.start()
@@ -1409,8 +1409,9 @@ def main(argv=None):
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             dt = time.perf_counter() - t0
             times[step] = dt
+            spent += dt
             # --time-budget: process 0's clock decides for all, which must stop at the same step
-            stop = [bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget]
+            stop = [bool(cfg.time_budget) and spent >= cfg.time_budget]
             if cfg.time_budget and world > 1:
                 dist.broadcast_object_list(stop, src=0)
             last = step if stop[0] else cfg.steps

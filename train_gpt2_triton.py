@@ -1473,7 +1473,7 @@ def lost_processes(store, rank, world):
     closed store prints a C++ warning). Process 0 stays a second longer, so that the others read the
     marks before its store closes."""
     try:
-        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
+        socket.create_connection((store.host, store.port), timeout=2).close()
         store.set(f"census/{rank}", "alive")
         deadline = time.monotonic() + CENSUS_SECONDS
         silent = list(range(world))
@@ -1612,7 +1612,7 @@ def main(argv=None):
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile = None
-        times = {}
+        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
                 profile = start_profile(ops, device)
@@ -1622,8 +1622,9 @@ def main(argv=None):
             loss, norm = train_step(state, xs, ys, step, cfg, profile["ops"] if profile else ops, world)
             dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
             times[step] = dt
+            spent += dt
             # --time-budget: process 0's clock decides for all, which must stop at the same step
-            stop = [bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget]
+            stop = [bool(cfg.time_budget) and spent >= cfg.time_budget]
             if cfg.time_budget and world > 1:
                 dist.broadcast_object_list(stop, src=0)
             last = step if stop[0] else cfg.steps
@@ -2397,23 +2398,21 @@ def _matmul_configs(kernel, interpret=INTERPRET):
                 for bm in (32, 512) for bn in (32, 512) for bk in (32, 256)
                 for s in ((1, 2) if kernel == "dw" else (1,)) for tma in ((False,) if kernel == "dw" else
                                                                           (False, True))]
-    cfg = lambda bm, bn, bk, stages, warps, maxnreg=None, tma=False, **kw: triton.Config(  # noqa: E731
+    cfg = lambda bm, bn, bk, stages, warps, maxnreg=None, **kw: triton.Config(  # noqa: E731
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, **kw}, num_stages=stages, num_warps=warps,
-        maxnreg=maxnreg, pre_hook=_tma_block_shapes if tma else None)
+        maxnreg=maxnreg, pre_hook=None if kernel == "dw" else _tma_block_shapes)
     if kernel == "dw":
         return [cfg(bm, bn, bk, stages, warps, SPLIT_K=s) for bm, bn, bk, stages, warps in
                 ((128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 3, 8),
                  (64, 128, 32, 3, 4)) for s in range(1, 9)]
     # (128 registers a thread: what two 8-warp programs on an SM may use; Triton 3.9 needs 109-126 here)
-    pointer = [cfg(128, 256, 64, 3, 8), cfg(256, 128, 64, 3, 8), cfg(128, 128, 64, 3, 8, maxnreg=128),
-               cfg(128, 128, 64, 3, 4), cfg(128, 128, 32, 3, 8), cfg(64, 128, 32, 3, 4), cfg(64, 64, 32, 3, 4)]
-    tma = [cfg(128, 256, 64, 3, 8, tma=True, PER_SM=1), cfg(256, 128, 64, 3, 8, tma=True, PER_SM=1),
-           cfg(128, 128, 64, 4, 8, tma=True, PER_SM=1), cfg(128, 128, 64, 3, 8, 128, tma=True, PER_SM=2),
-           cfg(128, 128, 32, 3, 8, tma=True, PER_SM=1), cfg(64, 128, 32, 3, 4, tma=True, PER_SM=2)]
-    return [triton.Config({**c.kwargs, "TMA": False, "PER_SM": 1}, num_stages=c.num_stages, num_warps=c.num_warps,
-                          maxnreg=c.maxnreg, pre_hook=_tma_block_shapes) for c in pointer] + [
-        triton.Config({**c.kwargs, "TMA": True}, num_stages=c.num_stages, num_warps=c.num_warps, maxnreg=c.maxnreg,
-                      pre_hook=_tma_block_shapes) for c in tma]
+    pointer = [cfg(*c, TMA=False, PER_SM=1) for c in (
+        (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 3, 8, 128), (128, 128, 64, 3, 4),
+        (128, 128, 32, 3, 8), (64, 128, 32, 3, 4), (64, 64, 32, 3, 4))]
+    tma = [cfg(*c, TMA=True, PER_SM=per_sm) for *c, per_sm in (
+        (128, 256, 64, 3, 8, None, 1), (256, 128, 64, 3, 8, None, 1), (128, 128, 64, 4, 8, None, 1),
+        (128, 128, 64, 3, 8, 128, 2), (128, 128, 32, 3, 8, None, 1), (64, 128, 32, 3, 4, None, 2))]
+    return pointer + tma
 
 
 def _tma_block_shapes(nargs):
@@ -2742,14 +2741,16 @@ def _matmul(a, b, bias=None, gelu=False):
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)  # (M,N)
     pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if gelu else None  # (M,N)
     b_trans = b.stride(0) == 1 and b.stride(1) != 1  # the forward's w.T: its descriptor reads w (N,K)
+    b_rows = b.t() if b_trans else b  # row-major: what the descriptor reads
     descs = [None] * 4
-    if _tma_ready(a, b.t() if b_trans else b, c):
+    if _tma_ready(a, b_rows, c):
         # block shapes [1, 1] until the chosen config's pre-hook sets its own
-        descs = [TensorDescriptor.from_tensor(t, [1, 1])
-                 for t in (a, b.t() if b_trans else b, c, c if pre is None else pre)]
+        descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, b_rows, c, c if pre is None else pre)]
     sms = _num_sms(a.device)
-    grid = lambda meta: (min(sms * meta["PER_SM"] if meta["TMA"] else M * N,  # noqa: E731
-                             triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    def grid(meta):  # the pointer path: a program a tile; the descriptor path: PER_SM programs an SM at most
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, sms * meta["PER_SM"]) if meta["TMA"] else tiles,)
     # unused pointers (no bias, no GELU) get c: never read nor written, since the flags compile them out
     matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
                         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -78,6 +79,13 @@ def run_with_terminal_stderr(*args, env=None, timeout=600):
         reader.join(timeout=10)
         os.close(master)
     return proc.returncode, stdout, b"".join(received).decode("utf-8", errors="replace")
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now: for the multi-process runs' coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_clean_error(proc, *needles):

@@ -3,7 +3,6 @@ checkpoints moved between stages and device counts, two processes joined by jax.
 H4 C64 T64)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ import pytest
 
 import hellaswag
 import train_gpt2_jax as tg
-from conftest import REPO, read_log, run_script, step_events, step_lines
+from conftest import REPO, free_port, read_log, run_script, step_events, step_lines
 
 STEPS = 3
 # 256 tokens per step: one micro-batch of one row per device on 4 devices, of 4 rows on one device
@@ -180,12 +179,6 @@ def assert_close_checkpoints(a, b):
         for k in tg.PARAM_NAMES:
             np.testing.assert_allclose(wb[k], wa[k], rtol=0, atol=1e-5, err_msg=k)
             assert y[f"m.{k}"].shape == y[f"v.{k}"].shape == wa[k].shape
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_match_one(runs, tiny_shards, tiny_model_file, tmp_path, cache):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import train_gpt2_jax as tj
-from conftest import assert_clean_error, run_script
+from conftest import assert_clean_error, free_port, run_script
 
 TINY = ["--data", "synthetic", "--n-layer", 1, "--n-head", 2, "--n-embd", 32, "--seq-len", 16,
         "--batch-size", 2, "--total-batch-size", 32, "--steps", 1, "--val-every", 0, "--hellaswag-every", 0,
@@ -19,12 +19,6 @@ WAITING = "waiting up to"
 def run_trainer(tmp_path, *flags, timeout):
     return run_script("train_gpt2_jax.py", *TINY, "--out-dir", tmp_path / "out", *flags, env=CPU,
                       timeout=timeout, check=False)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("flags, needles", [

@@ -3,26 +3,18 @@ trainer: the torch ones over gloo, JAX over jax.distributed on the CPU) exits no
 one last line that names the lost process and says that `--resume auto` continues the run; before, a gloo
 "Connection closed by peer" traceback, or in JAX a JaxRuntimeError, a 90 s wait and a C++ abort."""
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import REPO, assert_clean_error
+from conftest import REPO, assert_clean_error, free_port
 
 TINY = ["--data", "synthetic", "--n-layer", 1, "--n-head", 2, "--n-embd", 32, "--seq-len", 16,
         "--batch-size", 2, "--total-batch-size", 64, "--steps", 100000, "--val-every", 0, "--hellaswag-every", 0,
         "--sample-every", 0, "--ckpt-every", 0]
 ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
 SURVIVOR_SECONDS = 30  # the census waits 5 s for silent processes; the rest is slack for a loaded CI machine
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(trainer, rank, port, out):
@@ -60,9 +52,7 @@ def test_survivor_names_the_lost_process(tmp_path, trainer, lost):
         else:
             pytest.fail("".join(seen))
         procs[lost].kill()
-        t0 = time.monotonic()
-        out, _ = survivor.communicate(timeout=SURVIVOR_SECONDS)
-        waited = time.monotonic() - t0
+        out, _ = survivor.communicate(timeout=SURVIVOR_SECONDS)  # or TimeoutExpired fails the test
     finally:
         for p in procs:
             p.kill()
@@ -71,7 +61,6 @@ def test_survivor_names_the_lost_process(tmp_path, trainer, lost):
     assert survivor.returncode == 1, out
     assert last.startswith(f"error: lost process {lost}") and "of 2" in last and "--resume auto" in last, out
     assert (lost == 0) == ("store is gone" in last), last
-    assert waited < SURVIVOR_SECONDS
 
 
 @pytest.mark.parametrize("trainer, port", [(["train_gpt2_torchfunc.py"], None),

@@ -4,7 +4,6 @@ by one process of the other torch trainer; the per-device bytes line; --zero-sta
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import torch
 
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import REPO, assert_clean_error, read_log, run_script, step_events, step_lines
+from conftest import REPO, assert_clean_error, free_port, read_log, run_script, step_events, step_lines
 
 TRAINERS = {"torchfunc": ["train_gpt2_torchfunc.py"], "triton": ["train_gpt2_triton.py", "torch"]}
 OTHER = {"torchfunc": "triton", "triton": "torchfunc"}
@@ -216,9 +215,7 @@ def test_rank0_decides_the_evaluations_a_resume_runs(runs, name, tiny_shards, tm
     outs = [tmp_path / "rank0", tmp_path / "rank1"]
     outs[1].mkdir()
     (outs[1] / "log.jsonl").write_text(json.dumps({"step": 1, "val_loss": 1.0}) + "\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank, out in enumerate(outs):
         env = dict(os.environ, **ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
