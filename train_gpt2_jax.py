@@ -60,6 +60,8 @@ MODEL_PRESETS = {  # name: (n_layer, n_head, n_embd)
 
 @dataclass
 class Config:
+    # gpt2: llm.c's model and AdamW; speedrun: modded-nanogpt's simplified baseline, its model and Muon
+    recipe: str = "gpt2"
     # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
     n_layer: int = 12
     n_head: int = 12
@@ -113,6 +115,18 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+RECIPES = ("gpt2", "speedrun")
+# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt, with
+# the hyperparameters of issue 24. Its lrs per parameter group; --lr sets Muon's and scales the others with
+# it.
+SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
+# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
+SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
+                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
+HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+
+
 ZERO_STAGES = (0, 1, 3)
 
 
@@ -141,6 +155,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
     framework_flags(p)
+    p.add_argument("--recipe", choices=RECIPES, help="gpt2: llm.c's GPT-2 and AdamW; speedrun: "
+                   "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied "
+                   f"soft-capped head, AdamW and Muon), {HEAD_DIM}-wide heads, and its defaults: "
+                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items())
+                   + f" (default {d.recipe})")
     p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
                    "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
                    f"{d.data})")
@@ -150,7 +169,8 @@ def parse_args(argv=None):
                    + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
                    + " (default d12)")
     p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
-    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's; "
+                   f"speedrun: --n-embd / {HEAD_DIM})")
     p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
                    "--model's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
@@ -165,12 +185,14 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
                    "reaches this many seconds, with that step's checkpoint and evaluations as the last "
                    "step's; the lr schedule still spans --steps (default 0: run every step)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
+                   "speedrun: Muon's, and the AdamW groups' in proportion: "
+                   + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + ")")
     p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
                    f"(default {d.lr_decay_frac})")
     p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
     p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay})")
+                   f"embeddings only (default {d.weight_decay}; speedrun: on every AdamW tensor)")
     p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
                    f"(default {d.grad_clip})")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
@@ -181,7 +203,8 @@ def parse_args(argv=None):
                    "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
                    "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
                    "(default 0)")
-    p.add_argument("--init-from", help="an llm.c model file to start from; its header gives the model shape")
+    p.add_argument("--init-from", help="a model file to start from, which gives the model shape: llm.c's "
+                   ".bin (gpt2), or a .safetensors file of the reference's state_dict (speedrun)")
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
     p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
                    "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
@@ -207,6 +230,8 @@ def parse_args(argv=None):
     preset = given.pop("model", None)
     val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
     shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    if given.get("recipe") == "speedrun":
+        d = replace(d, **SPEEDRUN_DEFAULTS)
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
     for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
@@ -236,6 +261,14 @@ def parse_args(argv=None):
         stages = " or ".join(map(str, ZERO_STAGES))
         jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
         die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+    if cfg.recipe == "speedrun":
+        if cfg.n_embd % HEAD_DIM:
+            die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+                f"be a multiple of {HEAD_DIM}")
+        if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+            die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+                f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+        cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     explicit = {k: given[k] for k in shape if k in given}
@@ -250,11 +283,13 @@ def apply_model_header(cfg, header, explicit):
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
         die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
             f"expected {VOCAB_SIZE}")
-    if cfg.seq_len > header["block_size"]:
-        die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
-            f"{header['block_size']}")
+    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
+        if cfg.seq_len > header["block_size"]:
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
+                f"{header['block_size']}")
+        cfg.block_size = header["block_size"]
     cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
-    cfg.block_size, cfg.padded_vocab_size = header["block_size"], header["padded_vocab_size"]
+    cfg.padded_vocab_size = header["padded_vocab_size"]
 
 
 # -----------------------------------------------------------------------------
@@ -268,6 +303,9 @@ DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.
 
 
 def param_shapes(cfg):
+    """{name: shape} of the recipe's weights, in the order of its model files."""
+    if cfg.recipe == "speedrun":
+        return speedrun_shapes(cfg)
     L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
     return {
         "wte": (Vp, C), "wpe": (T, C),
@@ -282,8 +320,10 @@ def param_shapes(cfg):
 
 
 def init_params_numpy(cfg):
-    """GPT-2 init (docs/FORMATS.md) from cfg.seed, in numpy so that every trainer starts from the same
-    weights."""
+    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
+    from the same weights."""
+    if cfg.recipe == "speedrun":
+        return init_speedrun_numpy(cfg)
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -296,6 +336,51 @@ def init_params_numpy(cfg):
             params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
     params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
     return params
+
+
+def speedrun_shapes(cfg):
+    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
+    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
+    C, Vp = cfg.n_embd, cfg.padded_vocab_size
+    shapes = {"embed.weight": (Vp, C)}
+    for i in range(cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
+        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
+        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
+    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
+    return shapes
+
+
+def muon_names(shapes):
+    """The weights Muon updates: every matrix inside the blocks (none in the gpt2 recipe, all AdamW's)."""
+    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
+
+
+def init_speedrun_numpy(cfg):
+    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
+    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
+    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".gains"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or "proj" in name:
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
+            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
+    return params
+
+
+def rotary_freq_numpy(head_dim):
+    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
+    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
+    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
+    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
+    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
 # The model is a pure function of the parameter dict. LayerNorm, GELU and the cross-entropy have
@@ -492,15 +577,35 @@ def loss_fn(params, x, y, cfg):
 # -----------------------------------------------------------------------------
 # Optimizer
 
+SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
+
+
 def lr_at(it, cfg):
-    """llm.c's schedule for 0-based iteration `it`: linear warmup, then cosine down to lr*lr_decay_frac."""
+    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
+    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
+    `steps`: eta = (1 - it/steps) / 0.7."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
+    if cfg.recipe == "speedrun":
+        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+        return min_lr + eta * (cfg.lr - min_lr)
     if it > cfg.steps:
         return min_lr
     ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
+def speedrun_lrs(it, cfg):
+    """{group: lr} of 0-based iteration `it` for the speedrun recipe's groups (SPEEDRUN_LRS): Muon's is
+    lr_at's, the AdamW groups' keep their ratios to it."""
+    scale = lr_at(it, cfg) / SPEEDRUN_LRS["muon"]
+    return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
+
+
+def adamw_group(name):
+    """The SPEEDRUN_LRS group of a tensor that AdamW updates in the speedrun recipe."""
+    return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
 
 
 def grad_accum_steps(cfg, world):
@@ -801,22 +906,146 @@ def read_model_file(path):
     return header, params
 
 
+# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
+# bits of an fp32 one); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+
+def write_safetensors(path, tensors):
+    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
+    {name: array}, in that order, written to a temporary name, then renamed."""
+    header, offset = {}, 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
+        offset += 4 * t.size
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(np.array(len(text), "<u8").tobytes() + text)
+        for t in tensors.values():
+            f.write(np.asarray(t, "<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_safetensors(path):
+    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
+    within the file."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+    if not 0 < n <= raw.size - 8:
+        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
+    try:
+        header = json.loads(raw[8:8 + n].tobytes())
+        header.pop("__metadata__", None)
+        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
+                   for k, e in header.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
+    data, tensors = raw[8 + n:], {}
+    for k, (dtype, shape, (lo, hi)) in entries.items():
+        if dtype not in SAFETENSORS_TYPES:
+            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
+        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
+        if not (fits and hi - lo == size * math.prod(shape)):
+            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
+                f"the file's {data.size} (truncated?)")
+        chunk = data[lo:hi]
+        if dtype == "BF16":
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
+        tensors[k] = t.reshape(shape)
+    return tensors
+
+
+def write_speedrun_file(path, params, cfg):
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
+    included, so that the reference loads it as it is."""
+    tensors = {}
+    for k in param_shapes(cfg):
+        tensors[k] = np.asarray(params[k], np.float32)
+        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
+            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
+    write_safetensors(path, tensors)
+
+
+def read_speedrun_file(path):
+    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
+    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
+    be there in its shape, with no other."""
+    tensors = read_safetensors(path)
+    embed = tensors.get("embed.weight")
+    if embed is None or embed.ndim != 2:
+        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
+    padded, n_embd = embed.shape
+    if n_embd % HEAD_DIM or n_layer == 0:
+        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+            f"{HEAD_DIM}, or it has no blocks")
+    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+    shapes = param_shapes(Config(recipe="speedrun", **header))
+    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+    expected = {**shapes, **freqs}
+    for k, shape in expected.items():
+        if k not in tensors:
+            die(f"model file {path} lacks tensor {k} {list(shape)}")
+        if tensors[k].shape != shape:
+            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
+    extra = [k for k in tensors if k not in expected]
+    if extra:
+        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
+    for i in range(n_layer):
+        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
+                           rtol=1e-6, atol=0):
+            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
+    return header, {k: tensors[k] for k in shapes}
+
+
+MODEL_FILES = {"gpt2": "model.bin", "speedrun": "model.safetensors"}  # a checkpoint's weights
+
+
+def read_weights(path, cfg):
+    """(header, params) of a model file of cfg.recipe: llm.c's (gpt2) or a safetensors file (speedrun); a
+    file of the other recipe gets one line that says which it is."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    llmc = head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
+    if cfg.recipe == "speedrun" and llmc:
+        die(f"{path} is an llm.c model file, the gpt2 recipe's: --recipe speedrun takes a .safetensors file")
+    if cfg.recipe == "gpt2" and not llmc and head[8:9] == b"{":  # safetensors' JSON header
+        die(f"{path} is a safetensors file, the speedrun recipe's (--recipe speedrun): --recipe gpt2 takes "
+            "an llm.c model file (.bin)")
+    return read_speedrun_file(path) if cfg.recipe == "speedrun" else read_model_file(path)
+
+
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (docs/FORMATS.md), written to a temporary name, then
-    renamed."""
+    """<out_dir>/ckpt_<step>/{model.bin or (speedrun) model.safetensors, state.npz} (docs/FORMATS.md),
+    written to a temporary name, then renamed. m holds every tensor's first moment (speedrun: AdamW's, or
+    Muon's momentum), v the AdamW tensors' second."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
         if os.path.isdir(stale):
             shutil.rmtree(stale)
-    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
-    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
+    names = list(param_shapes(cfg))
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
                  position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
                  config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
-        write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
+        write = write_speedrun_file if cfg.recipe == "speedrun" else write_model_file
+        write(os.path.join(tmp, MODEL_FILES[cfg.recipe]), params, cfg)
         with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
@@ -865,16 +1094,23 @@ def load_checkpoint(path, cfg):
             die(f"--resume auto: no checkpoint in {cfg.out_dir}")
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
-    header, params = read_model_file(os.path.join(path, "model.bin"))
+    for recipe, name in MODEL_FILES.items():
+        if recipe != cfg.recipe and os.path.isfile(os.path.join(path, name)):
+            die(f"--resume {path}: a checkpoint of the {recipe} recipe ({name}), not of --recipe "
+                f"{cfg.recipe}")
+    header, params = read_weights(os.path.join(path, MODEL_FILES[cfg.recipe]), cfg)
+    muon = muon_names({k: p.shape for k, p in params.items()})
+    adam = [k for k in params if k not in muon]  # v: AdamW's second moments
     state_file = os.path.join(path, "state.npz")
     try:
         with np.load(state_file) as z:
             missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
-            missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
+            missing += [f"m.{k}" for k in params if f"m.{k}" not in z.files]
+            missing += [f"v.{k}" for k in adam if f"v.{k}" not in z.files]
             if missing:
                 die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
-            m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
-            v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
+            m = {k: z[f"m.{k}"] for k in params}
+            v = {k: z[f"v.{k}"] for k in adam}
             state = {}
             for k in ("step", "shard", "position", "seed"):
                 if z[k].shape != () or z[k].dtype.kind not in "iu":
@@ -886,12 +1122,13 @@ def load_checkpoint(path, cfg):
     for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
         if state[k] < low:
             die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be >= {low})")
-    for k in PARAM_NAMES:
-        if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
+    for k in params:
+        moments = [m[k], v[k]] if k in v else [m[k]]
+        if any(t.shape != params[k].shape for t in moments):
             die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
                 f"the model has {params[k].shape}")
-        if m[k].dtype != np.float32 or v[k].dtype != np.float32:
-            die(f"checkpoint {path}: optimizer state for {k} is {m[k].dtype}/{v[k].dtype}, "
+        if any(t.dtype != np.float32 for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(str(t.dtype) for t in moments)}, "
                 "not float32")
     return header, params, m, v, state
 
@@ -1346,6 +1583,8 @@ def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
+    if cfg.recipe == "speedrun":
+        die("--recipe speedrun is not in train_gpt2_jax.py yet: train it with train_gpt2_torchfunc.py")
     init_processes(cfg)
     # the mesh lists each process's devices together, processes in order: the data axis then gives each
     # process one contiguous block of the global batch's rows, the block llm.c's rank `rank` of `ranks`
@@ -1363,7 +1602,7 @@ def main(argv=None):
         apply_model_header(cfg, header, explicit)
         cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
     elif cfg.init_from:
-        header, params = read_model_file(cfg.init_from)
+        header, params = read_weights(cfg.init_from, cfg)
         apply_model_header(cfg, header, explicit)
     else:
         params = init_params_numpy(cfg)

@@ -4,9 +4,12 @@ The whole model is a pure function of a dict of tensors (llm.c's tensor names, p
 along a leading L axis, no nn.Module), gradients come from torch.func.grad_and_value, AdamW is written
 with multi-tensor torch._foreach_* ops (no torch.optim), and torch.compile compiles the gradient and the
 update (on by default with CUDA). Under torchrun: data parallel over processes with torch.distributed,
-gradients all-reduced once per step. Formats, flags and logs: docs/FORMATS.md.
+gradients all-reduced once per step. Formats, flags and logs: docs/FORMATS.md. `--recipe speedrun` trains
+modded-nanogpt's simplified speedrun baseline instead (its model, AdamW and Muon; its tensors per layer,
+by the names of its state_dict, in .safetensors model files).
 
     python train_gpt2_torchfunc.py --data data/fineweb_edu                   # GPT-2 124M, llm.c recipe
+    python train_gpt2_torchfunc.py --recipe speedrun --data data/fineweb_edu # the speedrun baseline
     python train_gpt2_torchfunc.py --data synthetic --steps 20 --batch-size 32 \\
         --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
     torchrun --standalone --nproc_per_node=8 train_gpt2_torchfunc.py --data data/fineweb_edu
@@ -54,6 +57,8 @@ MODEL_PRESETS = {  # name: (n_layer, n_head, n_embd)
 
 @dataclass
 class Config:
+    # gpt2: llm.c's model and AdamW; speedrun: modded-nanogpt's simplified baseline, its model and Muon
+    recipe: str = "gpt2"
     # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
     n_layer: int = 12
     n_head: int = 12
@@ -101,6 +106,18 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+RECIPES = ("gpt2", "speedrun")
+# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt, with
+# the hyperparameters of issue 24. Its lrs per parameter group; --lr sets Muon's and scales the others with
+# it.
+SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
+# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
+SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
+                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
+HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+
+
 ZERO_STAGES = (0, 1)
 
 
@@ -119,6 +136,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
     framework_flags(p)
+    p.add_argument("--recipe", choices=RECIPES, help="gpt2: llm.c's GPT-2 and AdamW; speedrun: "
+                   "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied "
+                   f"soft-capped head, AdamW and Muon), {HEAD_DIM}-wide heads, and its defaults: "
+                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items())
+                   + f" (default {d.recipe})")
     p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
                    "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
                    f"{d.data})")
@@ -128,7 +150,8 @@ def parse_args(argv=None):
                    + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
                    + " (default d12)")
     p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
-    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's; "
+                   f"speedrun: --n-embd / {HEAD_DIM})")
     p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
                    "--model's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
@@ -143,12 +166,14 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
                    "reaches this many seconds, with that step's checkpoint and evaluations as the last "
                    "step's; the lr schedule still spans --steps (default 0: run every step)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
+                   "speedrun: Muon's, and the AdamW groups' in proportion: "
+                   + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + ")")
     p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
                    f"(default {d.lr_decay_frac})")
     p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
     p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay})")
+                   f"embeddings only (default {d.weight_decay}; speedrun: on every AdamW tensor)")
     p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
                    f"(default {d.grad_clip})")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
@@ -159,7 +184,8 @@ def parse_args(argv=None):
                    "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
                    "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
                    "(default 0)")
-    p.add_argument("--init-from", help="an llm.c model file to start from; its header gives the model shape")
+    p.add_argument("--init-from", help="a model file to start from, which gives the model shape: llm.c's "
+                   ".bin (gpt2), or a .safetensors file of the reference's state_dict (speedrun)")
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
     p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
                    "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
@@ -185,6 +211,8 @@ def parse_args(argv=None):
     preset = given.pop("model", None)
     val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
     shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    if given.get("recipe") == "speedrun":
+        d = replace(d, **SPEEDRUN_DEFAULTS)
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
     for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
@@ -214,6 +242,14 @@ def parse_args(argv=None):
         stages = " or ".join(map(str, ZERO_STAGES))
         jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
         die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+    if cfg.recipe == "speedrun":
+        if cfg.n_embd % HEAD_DIM:
+            die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+                f"be a multiple of {HEAD_DIM}")
+        if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+            die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+                f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+        cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     explicit = {k: given[k] for k in shape if k in given}
@@ -228,11 +264,13 @@ def apply_model_header(cfg, header, explicit):
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
         die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
             f"expected {VOCAB_SIZE}")
-    if cfg.seq_len > header["block_size"]:
-        die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
-            f"{header['block_size']}")
+    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
+        if cfg.seq_len > header["block_size"]:
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
+                f"{header['block_size']}")
+        cfg.block_size = header["block_size"]
     cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
-    cfg.block_size, cfg.padded_vocab_size = header["block_size"], header["padded_vocab_size"]
+    cfg.padded_vocab_size = header["padded_vocab_size"]
 
 
 # -----------------------------------------------------------------------------
@@ -246,6 +284,9 @@ DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.
 
 
 def param_shapes(cfg):
+    """{name: shape} of the recipe's weights, in the order of its model files."""
+    if cfg.recipe == "speedrun":
+        return speedrun_shapes(cfg)
     L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
     return {
         "wte": (Vp, C), "wpe": (T, C),
@@ -260,8 +301,10 @@ def param_shapes(cfg):
 
 
 def init_params_numpy(cfg):
-    """GPT-2 init (docs/FORMATS.md) from cfg.seed, in numpy so that every trainer starts from the same
-    weights."""
+    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
+    from the same weights."""
+    if cfg.recipe == "speedrun":
+        return init_speedrun_numpy(cfg)
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -274,6 +317,51 @@ def init_params_numpy(cfg):
             params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
     params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
     return params
+
+
+def speedrun_shapes(cfg):
+    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
+    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
+    C, Vp = cfg.n_embd, cfg.padded_vocab_size
+    shapes = {"embed.weight": (Vp, C)}
+    for i in range(cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
+        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
+        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
+    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
+    return shapes
+
+
+def muon_names(shapes):
+    """The weights Muon updates: every matrix inside the blocks (none in the gpt2 recipe, all AdamW's)."""
+    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
+
+
+def init_speedrun_numpy(cfg):
+    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
+    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
+    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".gains"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or "proj" in name:
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
+            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
+    return params
+
+
+def rotary_freq_numpy(head_dim):
+    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
+    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
+    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
+    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
+    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
 # The model is a pure function of a dict of weights. With --dtype bf16 those are bf16 copies of the fp32
@@ -334,9 +422,71 @@ def transformer(params, idx, cfg):
 
 
 def forward(params, idx, cfg):
-    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows."""
+    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows. The
+    speedrun model's: its own head's, soft-capped, in fp32."""
     with autocast(cfg, idx.device):
+        if cfg.recipe == "speedrun":
+            h = speedrun_transformer(params, idx, cfg)                             # (B,T,C)
+            return speedrun_logits(h, params["proj.weight"], params["proj.bias"])  # (B,T,Vp)
         return F.linear(transformer(params, idx, cfg), params["wte"])              # (B,T,Vp)
+
+
+# The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names, RMSNorm
+# with the compute dtype's machine epsilon (F.rms_norm's default there, where the residual stream is bf16),
+# rotary positions computed in fp32.
+
+ATTN_SCALE = 0.12  # the reference's, in place of 1/sqrt(128)
+SOFTCAP = 15.0
+
+
+def rotary(x):
+    """The reference's half-truncated rotary embedding of q or k (B,T,H,D), in fp32: the first D/4 pairs
+    (x1[i], x2[i]) of the halves turn by the angle t * freq[i], the last D/4 stay as they are."""
+    T, D = x.shape[1], x.shape[3]
+    freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=x.device)  # (D/4,)
+    freq = torch.cat([freq, freq.new_zeros(D // 4)])                                # (D/2,)
+    t = torch.arange(T, dtype=torch.float32, device=x.device)                      # (T,)
+    theta = torch.outer(t, freq)[None, :, None]                                    # (1,T,1,D/2)
+    cos, sin = theta.cos(), theta.sin()                                            # (1,T,1,D/2) each
+    x1, x2 = x.float().chunk(2, dim=-1)                                            # (B,T,H,D/2) each
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).type_as(x)   # (B,T,H,D)
+
+
+def speedrun_block(x, params, layer, cfg):
+    """One pre-norm block of the speedrun model, with the weights blocks.<layer>.* of params."""
+    B, T, C = x.shape
+    H, D = C // HEAD_DIM, HEAD_DIM
+    eps = torch.finfo(compute_dtype(cfg)).eps
+    w = {k[len(f"blocks.{layer}."):]: p for k, p in params.items() if k.startswith(f"blocks.{layer}.")}
+    h = F.rms_norm(x, (C,), w["norm1.gains"], eps)                                 # (B,T,C)
+    q, k, v = (F.linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).view(B, T, H, D)
+               for n in "qkv")                                                     # (B,T,H,D) each
+    q, k = (rotary(F.rms_norm(t, (D,), eps=eps)) for t in (q, k))                 # (B,T,H,D) each
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       scale=ATTN_SCALE, is_causal=True)           # (B,H,T,D)
+    y = y.transpose(1, 2).reshape(B, T, C)                                         # (B,T,C)
+    x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
+    h = F.rms_norm(x, (C,), w["norm2.gains"], eps)                                 # (B,T,C)
+    h = F.relu(F.linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"])).square()        # (B,T,4C)
+    return x + F.linear(h, w["mlp.proj.weight"], w["mlp.proj.bias"])              # (B,T,C)
+
+
+def speedrun_transformer(params, idx, cfg):
+    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm (call under autocast(cfg)); no
+    position embedding: the blocks' rotary gives the positions."""
+    C, dt = cfg.n_embd, compute_dtype(cfg)
+    eps = torch.finfo(dt).eps
+    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
+    x = F.rms_norm(params["embed.weight"][idx].to(dt), (C,), params["norm1.gains"], eps).to(dt)  # (B,T,C)
+    for layer in range(cfg.n_layer):
+        x = speedrun_block(x, params, layer, cfg)                                  # (B,T,C)
+    return F.rms_norm(x, (C,), params["norm2.gains"], eps)                         # (B,T,C)
+
+
+def speedrun_logits(h, weight, bias):
+    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W)."""
+    z = F.linear(h, weight, bias).float()                                          # (..., V)
+    return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)                      # (..., V)
 
 
 class CrossEntropy(torch.autograd.Function):
@@ -370,13 +520,19 @@ class CrossEntropy(torch.autograd.Function):
 
 
 def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T)."""
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T): over the first V
+    columns, or (speedrun, as the reference's) over all Vp."""
+    if cfg.recipe == "speedrun":
+        logits = forward(params, x, cfg)                                           # (B,T,Vp)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B,T)
     return CrossEntropy.apply(forward(params, x, cfg), y)[0]                      # (B,T)
 
 
 def loss_fn(params, x, y, cfg):
-    """Mean token loss of one batch, fp32."""
-    return token_losses(params, x, y, cfg).mean()
+    """The loss one batch contributes, fp32: the mean token loss, or (speedrun) the sum, whose gradient the
+    reference's optimizers take, so that Adam's eps acts at its scale."""
+    losses = token_losses(params, x, y, cfg)                                       # (B,T)
+    return losses.sum() if cfg.recipe == "speedrun" else losses.mean()
 
 
 def scaled_loss(weights, x, y, scale, cfg):
@@ -384,7 +540,7 @@ def scaled_loss(weights, x, y, scale, cfg):
 
 
 def grads_and_loss(weights, x, y, scale, cfg):
-    """({name: gradient}, loss) of scale x the mean loss of one micro-batch, by reverse mode through
+    """({name: gradient}, loss) of scale x the loss of one micro-batch (loss_fn's), by reverse mode through
     torch.func: the weights stay plain tensors (no requires_grad, no .grad, no autograd graph kept
     between calls), and each gradient comes back in its weight's dtype."""
     return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
@@ -393,15 +549,35 @@ def grads_and_loss(weights, x, y, scale, cfg):
 # -----------------------------------------------------------------------------
 # Optimizer
 
+SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
+
+
 def lr_at(it, cfg):
-    """llm.c's schedule for 0-based iteration `it`: linear warmup, then cosine down to lr*lr_decay_frac."""
+    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
+    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
+    `steps`: eta = (1 - it/steps) / 0.7."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
+    if cfg.recipe == "speedrun":
+        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+        return min_lr + eta * (cfg.lr - min_lr)
     if it > cfg.steps:
         return min_lr
     ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
+def speedrun_lrs(it, cfg):
+    """{group: lr} of 0-based iteration `it` for the speedrun recipe's groups (SPEEDRUN_LRS): Muon's is
+    lr_at's, the AdamW groups' keep their ratios to it."""
+    scale = lr_at(it, cfg) / SPEEDRUN_LRS["muon"]
+    return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
+
+
+def adamw_group(name):
+    """The SPEEDRUN_LRS group of a tensor that AdamW updates in the speedrun recipe."""
+    return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
 
 
 def grad_accum_steps(cfg, world):
@@ -413,23 +589,30 @@ def grad_accum_steps(cfg, world):
 
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
+SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
+MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
 
 
 def adam_scalars(step, cfg, device):
     """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled update as a device tensor, so a new lr never recompiles it."""
+    the compiled update as a device tensor, so a new lr never recompiles it; with the speedrun recipe
+    [lr of each SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t]."""
+    if cfg.recipe == "speedrun":
+        return torch.tensor([*speedrun_lrs(step - 1, cfg).values(), 1.0 - SPEEDRUN_BETA1 ** step,
+                             1.0 - SPEEDRUN_BETA2 ** step], dtype=torch.float32, device=device)
     return torch.tensor([lr_at(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
                         dtype=torch.float32, device=device)
 
 
 EMBEDDINGS = ("wte", "wpe")  # no compute-dtype copies: gathered from in fp32 (the lm head casts wte)
+TABLES = EMBEDDINGS + ("embed.weight",)  # those of either recipe
 
 
 def compute_copies(params, cfg):
     """{name: bf16 copy} of every master but the embedding tables with --dtype bf16; None in fp32."""
     if cfg.dtype == "fp32":
         return None
-    return {k: p.to(torch.bfloat16) for k, p in params.items() if k not in EMBEDDINGS}
+    return {k: p.to(torch.bfloat16) for k, p in params.items() if k not in TABLES}
 
 
 def model_weights(params, copies):
@@ -477,17 +660,88 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
 
+def newton_schulz(G, dtype):
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F
+    (spectral norm at most 1), 12 iterations of X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, which drive
+    every singular value of X toward 1; on the transposes of tall matrices, so that A is the smaller."""
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        A = X @ X.mT                                                               # (n,r',r')
+        X = 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                                 # (n,r',c')
+    return X.mT if tall else X                                                     # (n,r,c)
+
+
+def speedrun_adamw(names, params, grads, m, v, lr, bias1, bias2, coef, weight_decay):
+    """AdamW with the speedrun recipe's betas and eps on the tensors `names`, in place, as torch.optim.AdamW
+    computes it: m = lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p *= 1 - lr*wd, p -= lr mhat/(sqrt(vhat)+eps),
+    on the gradients times coef (the clipping)."""
+    p, m, v = ([d[k] for k in names] for d in (params, m, v))
+    g = torch._foreach_mul([grads[k] for k in names], coef)
+    torch._foreach_lerp_(m, g, 1.0 - SPEEDRUN_BETA1)
+    torch._foreach_mul_(v, SPEEDRUN_BETA2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - SPEEDRUN_BETA2)
+    denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
+    torch._foreach_add_(denom, SPEEDRUN_EPS)
+    update = torch._foreach_div(torch._foreach_div(m, bias1), denom)
+    torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+    torch._foreach_sub_(p, torch._foreach_mul(update, lr))
+
+
+def speedrun_muon(names, params, grads, m, lr, coef, dtype):
+    """Muon on the matrices `names`, all of one shape (r,c), in place, on the gradients times coef: the
+    momentum buffer m = lerp(m, g, 0.05), Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz
+    in `dtype` (batched over the matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update."""
+    g = torch._foreach_mul([grads[k] for k in names], coef)
+    momentum = [m[k] for k in names]
+    torch._foreach_lerp_(momentum, g, 1.0 - MUON_MOMENTUM)
+    u = torch.stack(torch._foreach_lerp(g, momentum, MUON_MOMENTUM))              # (n,r,c)
+    r, c = u.shape[1:]
+    update = newton_schulz(u, dtype).float() * max(1.0, r / c) ** 0.5             # (n,r,c)
+    p = [params[k] for k in names]
+    torch._foreach_mul_(p, 1.0 - lr * MUON_WEIGHT_DECAY)
+    torch._foreach_sub_(p, list((update * lr).unbind(0)))
+
+
+def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
+    """The speedrun recipe's step, in place, on the gradients times coef (the clipping): AdamW on the tensors
+    v holds (the embedding, the head weight, every vector), each group at its lr, and Muon on the rest, the
+    blocks' matrices, whose momentum buffers m holds; then the compute-dtype copies are refreshed. The dicts
+    hold whole tensors, or (ZeRO-1) 1-D pieces of the AdamW tensors and this process's Muon matrices whole;
+    a shard may hold none of a group."""
+    lr = dict(zip(SPEEDRUN_LRS, scalars[:4]))
+    adam = [k for k in grads if k in v]
+    for group in ("embed", "head", "vector"):
+        names = [k for k in adam if adamw_group(k) == group]
+        if names:
+            speedrun_adamw(names, params, grads, m, v, lr[group], scalars[4], scalars[5], coef,
+                           cfg.weight_decay)
+    muon = [k for k in grads if k not in v]
+    for shape in dict.fromkeys(params[k].shape for k in muon):
+        speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m, lr["muon"], coef,
+                      compute_dtype(cfg))
+    if copies is not None:
+        torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
+
+
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
 
 
 def compute_groups(cfg):
     """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
     in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): with --dtype
-    bf16 the fp32 embedding tables, then the bf16 copies of the rest; in fp32 all of them."""
+    bf16 the fp32 embedding tables, then the bf16 copies of the rest; in fp32 all of them. The speedrun
+    recipe's Muon matrices, which a process updates whole, are a last group of their own."""
+    shapes = param_shapes(cfg)
+    muon = muon_names(shapes)
+    names = [k for k in shapes if k not in muon]
     if cfg.dtype == "fp32":
-        return [(PARAM_NAMES, torch.float32)]
-    rest = [k for k in PARAM_NAMES if k not in EMBEDDINGS]
-    return [(list(EMBEDDINGS), torch.float32), (rest, torch.bfloat16)]
+        groups = [(names, torch.float32)]
+    else:
+        groups = [([k for k in names if k in TABLES], torch.float32),
+                  ([k for k in names if k not in TABLES], torch.bfloat16)]
+    return groups + ([(muon, compute_dtype(cfg))] if muon else [])
 
 
 def flat_layout(shapes, groups, world):
@@ -514,13 +768,41 @@ def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
             for k in names}
 
 
+def whole_matrix_layout(shapes, names, world, first):
+    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
+    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
+    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
+    group (shard_ranges) holds its matrices whole."""
+    order = sorted(names, key=lambda k: shapes[k], reverse=True)
+    ends, local = [0] * world, {}
+    for i, k in enumerate(order):
+        local[k] = (i % world, ends[i % world])
+        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+    stretch = max(ends)
+    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
+
+
+def state_layout(cfg, shapes, world):
+    """(groups, {name: first element}, [(first, end) of each group]): compute_groups' groups in the flat
+    buffers, laid out by flat_layout, and Muon's matrices by whole_matrix_layout after them."""
+    groups = compute_groups(cfg)
+    muon = set(muon_names(shapes))
+    split = [g for g in groups if not muon.intersection(g[0])]
+    starts, spans = flat_layout(shapes, split, world)
+    if len(split) < len(groups):
+        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
+        starts.update(more)
+        spans.append(span)
+    return groups, starts, spans
+
+
 def shard_ranges(starts, shapes, span, rank, world):
     """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
     rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
     the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
     n = (span[1] - span[0]) // world
     first, ranges = span[0] + rank * n, {}
-    for k in PARAM_NAMES:
+    for k in starts:
         if not span[0] <= starts[k] < span[1]:
             continue
         lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
@@ -535,20 +817,23 @@ GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
     losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
-    processes by collectives over the flat gradient buffer), clipped, AdamW; grad_fn / update_fn are
-    grads_and_loss / adamw_update, compiled or not; `state` is make_state's, updated in place. Returns
-    (loss, grad norm before clipping) as 0-d device tensors: nothing here waits for the device."""
+    processes by collectives over the flat gradient buffer), or (speedrun) of the sum of every token's loss,
+    clipped, then the update; grad_fn / update_fn are grads_and_loss / adamw_update or speedrun_update,
+    compiled or not; `state` is make_state's, updated in place. Returns (mean token loss, grad norm before
+    clipping) as 0-d device tensors: nothing here waits for the device."""
     weights, grads = state["weights"], state["grads"]
+    names = list(grads)
     A = x.shape[0]
-    scale = 1.0 / (A * world)
+    summed = cfg.recipe == "speedrun"
+    scale = 1.0 if summed else 1.0 / (A * world)
     with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
         micro_grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
     # fp32 sums in the flat buffer: a copy of each compute-dtype gradient
-    torch._foreach_copy_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
+    torch._foreach_copy_([grads[k] for k in names], [micro_grads[k] for k in names])
     for i in range(1, A):
         with torch.profiler.record_function(GRADIENT):
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
-        torch._foreach_add_([grads[k] for k in PARAM_NAMES], [micro_grads[k] for k in PARAM_NAMES])
+        torch._foreach_add_([grads[k] for k in names], [micro_grads[k] for k in names])
         loss = loss + micro_loss                                                   # ()
     # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
     # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
@@ -573,26 +858,28 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
     if sharded:
         for group in state["groups"]:
             dist.all_gather_single(group["weights"], group["own_weights"])
-    return loss, norm
+    return (loss / cfg.total_batch_size if summed else loss), norm
 
 
 def make_state(params, m, v, cfg, device, rank, world):
     """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
     `grads` (views of one flat buffer, `grad_buffer`) and all of the `weights` the model computes with
     (compute_groups: the fp32 masters, or bf16 copies of them). Stage 0: it also holds all of the fp32
-    masters `params`, their bf16 `copies` and AdamW's moments `m`, `v`, sums the gradients with one
-    all-reduce and updates every weight. Stage 1 (ZeRO-1): per compute group (`groups`), it keeps only its
-    shard, 1/world of the group's stretch of the flat layout, of the fp32 masters (a piece of the weights
-    themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered into it);
-    it updates that shard of the masters and of the weights (`own_weights`), and one all-gather of the
+    masters `params`, their bf16 `copies` and AdamW's moments `m`, `v` (speedrun: v of the AdamW tensors
+    only, m also Muon's momentum), sums the gradients with one all-reduce and updates every weight. Stage
+    1 (ZeRO-1): per compute group (`groups`), it keeps only its shard, 1/world of the group's stretch of
+    the flat layout (state_layout: Muon's holds whole matrices), of the fp32 masters (a piece of the
+    weights themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered into
+    it); it updates that shard of the masters and of the weights (`own_weights`), and one all-gather of the
     group's weights brings every process every update. `shard_params`, `shard_grads`, `shard_copies`, m
-    and v are then {name: 1-D piece} of the tensors in the shard; at stage 0 they are the whole tensors
-    (`params`, `grads`, `copies`, m, v), what train_step updates either way."""
+    and v are then {name: 1-D piece} of the tensors in the shard (Muon's matrices in their shapes); at
+    stage 0 they are the whole tensors (`params`, `grads`, `copies`, m, v), what train_step updates either
+    way."""
     shapes = param_shapes(cfg)
-    groups = compute_groups(cfg)
-    starts, spans = flat_layout(shapes, groups, world)
+    groups, starts, spans = state_layout(cfg, shapes, world)
+    muon = set(muon_names(shapes))
     state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes), starts
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
     if cfg.zero_stage == 0:  # this process's shard is the whole model
         state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
         state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
@@ -615,19 +902,24 @@ def make_state(params, m, v, cfg, device, rank, world):
         # one process alone reduces into its gradient buffer itself
         group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
                           torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
-        group["m"], group["v"] = (torch.zeros(n, dtype=torch.float32, device=device) for _ in "mv")  # (S,)
+        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
+        for name in sources:
+            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
+        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
+            sources["params"] = params
         ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        # the fp32 masters that are weights already hold their values
-        for name, full in (("m", m), ("v", v)) + ((("params", params),) if dtype != torch.float32 else ()):
+        for name, source in sources.items():
             for k, (lo, hi) in ranges.items():
-                flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
                 group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
+        if dtype != torch.float32:
+            pieces["own_weights"] = "shard_copies"
         for k, (lo, hi) in ranges.items():
-            state["shard_params"][k] = group["params"][lo - own:hi - own]
-            state["shard_grads"][k] = group["grads"][lo - own:hi - own]
-            state["m"][k], state["v"][k] = group["m"][lo - own:hi - own], group["v"][lo - own:hi - own]
-            if dtype != torch.float32:
-                state["shard_copies"][k] = group["own_weights"][lo - own:hi - own]
+            for name, into in pieces.items():
+                if name in group:
+                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
+                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
         state["groups"].append(group)
     state["shard_copies"] = state["shard_copies"] or None
     return state
@@ -806,22 +1098,146 @@ def read_model_file(path):
     return header, params
 
 
+# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
+# bits of an fp32 one); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+
+def write_safetensors(path, tensors):
+    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
+    {name: array}, in that order, written to a temporary name, then renamed."""
+    header, offset = {}, 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
+        offset += 4 * t.size
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(np.array(len(text), "<u8").tobytes() + text)
+        for t in tensors.values():
+            f.write(np.asarray(t, "<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_safetensors(path):
+    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
+    within the file."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+    if not 0 < n <= raw.size - 8:
+        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
+    try:
+        header = json.loads(raw[8:8 + n].tobytes())
+        header.pop("__metadata__", None)
+        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
+                   for k, e in header.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
+    data, tensors = raw[8 + n:], {}
+    for k, (dtype, shape, (lo, hi)) in entries.items():
+        if dtype not in SAFETENSORS_TYPES:
+            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
+        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
+        if not (fits and hi - lo == size * math.prod(shape)):
+            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
+                f"the file's {data.size} (truncated?)")
+        chunk = data[lo:hi]
+        if dtype == "BF16":
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
+        tensors[k] = t.reshape(shape)
+    return tensors
+
+
+def write_speedrun_file(path, params, cfg):
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
+    included, so that the reference loads it as it is."""
+    tensors = {}
+    for k in param_shapes(cfg):
+        tensors[k] = np.asarray(params[k], np.float32)
+        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
+            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
+    write_safetensors(path, tensors)
+
+
+def read_speedrun_file(path):
+    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
+    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
+    be there in its shape, with no other."""
+    tensors = read_safetensors(path)
+    embed = tensors.get("embed.weight")
+    if embed is None or embed.ndim != 2:
+        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
+    padded, n_embd = embed.shape
+    if n_embd % HEAD_DIM or n_layer == 0:
+        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+            f"{HEAD_DIM}, or it has no blocks")
+    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+    shapes = param_shapes(Config(recipe="speedrun", **header))
+    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+    expected = {**shapes, **freqs}
+    for k, shape in expected.items():
+        if k not in tensors:
+            die(f"model file {path} lacks tensor {k} {list(shape)}")
+        if tensors[k].shape != shape:
+            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
+    extra = [k for k in tensors if k not in expected]
+    if extra:
+        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
+    for i in range(n_layer):
+        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
+                           rtol=1e-6, atol=0):
+            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
+    return header, {k: tensors[k] for k in shapes}
+
+
+MODEL_FILES = {"gpt2": "model.bin", "speedrun": "model.safetensors"}  # a checkpoint's weights
+
+
+def read_weights(path, cfg):
+    """(header, params) of a model file of cfg.recipe: llm.c's (gpt2) or a safetensors file (speedrun); a
+    file of the other recipe gets one line that says which it is."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    llmc = head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
+    if cfg.recipe == "speedrun" and llmc:
+        die(f"{path} is an llm.c model file, the gpt2 recipe's: --recipe speedrun takes a .safetensors file")
+    if cfg.recipe == "gpt2" and not llmc and head[8:9] == b"{":  # safetensors' JSON header
+        die(f"{path} is a safetensors file, the speedrun recipe's (--recipe speedrun): --recipe gpt2 takes "
+            "an llm.c model file (.bin)")
+    return read_speedrun_file(path) if cfg.recipe == "speedrun" else read_model_file(path)
+
+
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin, state.npz} (docs/FORMATS.md), written to a temporary name, then
-    renamed."""
+    """<out_dir>/ckpt_<step>/{model.bin or (speedrun) model.safetensors, state.npz} (docs/FORMATS.md),
+    written to a temporary name, then renamed. m holds every tensor's first moment (speedrun: AdamW's, or
+    Muon's momentum), v the AdamW tensors' second."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
         if os.path.isdir(stale):
             shutil.rmtree(stale)
-    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
-    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
+    names = list(param_shapes(cfg))
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
                  position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
                  config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
-        write_model_file(os.path.join(tmp, "model.bin"), params, cfg)
+        write = write_speedrun_file if cfg.recipe == "speedrun" else write_model_file
+        write(os.path.join(tmp, MODEL_FILES[cfg.recipe]), params, cfg)
         with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
@@ -843,16 +1259,21 @@ def gather_state(state, cfg, world):
     group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
     if cfg.zero_stage == 0:
         return state["params"], state["m"], state["v"]
+    shapes = param_shapes(cfg)
     full = []
     for name in ("params", "m", "v"):
         buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
+        names = []
         for group in state["groups"]:
+            if name not in group:  # Muon's group has no v
+                continue
             first, end = group["span"]
             if world > 1:
                 dist.all_gather_single(buffer[first:end], group[name])
             else:
                 buffer[first:end].copy_(group[name])
-        full.append(flat_views(buffer, state["starts"], param_shapes(cfg)))
+            names += [k for k in shapes if first <= state["starts"][k] < end]
+        full.append(flat_views(buffer, state["starts"], shapes, names))
     return tuple(full)
 
 
@@ -882,16 +1303,23 @@ def load_checkpoint(path, cfg):
             die(f"--resume auto: no checkpoint in {cfg.out_dir}")
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
-    header, params = read_model_file(os.path.join(path, "model.bin"))
+    for recipe, name in MODEL_FILES.items():
+        if recipe != cfg.recipe and os.path.isfile(os.path.join(path, name)):
+            die(f"--resume {path}: a checkpoint of the {recipe} recipe ({name}), not of --recipe "
+                f"{cfg.recipe}")
+    header, params = read_weights(os.path.join(path, MODEL_FILES[cfg.recipe]), cfg)
+    muon = muon_names({k: p.shape for k, p in params.items()})
+    adam = [k for k in params if k not in muon]  # v: AdamW's second moments
     state_file = os.path.join(path, "state.npz")
     try:
         with np.load(state_file) as z:
             missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
-            missing += [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES if f"{p}.{k}" not in z.files]
+            missing += [f"m.{k}" for k in params if f"m.{k}" not in z.files]
+            missing += [f"v.{k}" for k in adam if f"v.{k}" not in z.files]
             if missing:
                 die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
-            m = {k: z[f"m.{k}"] for k in PARAM_NAMES}
-            v = {k: z[f"v.{k}"] for k in PARAM_NAMES}
+            m = {k: z[f"m.{k}"] for k in params}
+            v = {k: z[f"v.{k}"] for k in adam}
             state = {}
             for k in ("step", "shard", "position", "seed"):
                 if z[k].shape != () or z[k].dtype.kind not in "iu":
@@ -903,12 +1331,13 @@ def load_checkpoint(path, cfg):
     for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
         if state[k] < low:
             die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be >= {low})")
-    for k in PARAM_NAMES:
-        if m[k].shape != params[k].shape or v[k].shape != params[k].shape:
+    for k in params:
+        moments = [m[k], v[k]] if k in v else [m[k]]
+        if any(t.shape != params[k].shape for t in moments):
             die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
                 f"the model has {params[k].shape}")
-        if m[k].dtype != np.float32 or v[k].dtype != np.float32:
-            die(f"checkpoint {path}: optimizer state for {k} is {m[k].dtype}/{v[k].dtype}, "
+        if any(t.dtype != np.float32 for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(str(t.dtype) for t in moments)}, "
                 "not float32")
     return header, params, m, v, state
 
@@ -984,14 +1413,19 @@ def generate(params, generator, cfg):
     (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
     mask makes the not-yet-sampled zeros to the right irrelevant. Eager: 63 small forwards take less time
     than compiling one."""
-    device = params["wte"].device
+    device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
     tokens[:, 0] = EOT
     for t in range(T - 1):                                                         # token t+1 from 0..t
         with autocast(cfg, device):
-            h = transformer(params, tokens, cfg)[:, t]                             # (S,C)
-            logits = F.linear(h, params["wte"][:VOCAB_SIZE]).float()              # (S,V)
+            if cfg.recipe == "speedrun":
+                h = speedrun_transformer(params, tokens, cfg)[:, t]                # (S,C)
+                logits = speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE],
+                                         params["proj.bias"][:VOCAB_SIZE])         # (S,V)
+            else:
+                h = transformer(params, tokens, cfg)[:, t]                         # (S,C)
+                logits = F.linear(h, params["wte"][:VOCAB_SIZE]).float()          # (S,V)
         top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)                   # (S,K) each
         choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S,1)
         tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
@@ -1033,21 +1467,22 @@ def device_state_bytes(cfg, shapes, world):
     where the model computes with the masters), all of them at either stage; `grads`: the fp32 flat
     gradient buffer, plus at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all
     of them, or at stage 1 a shard of those that have bf16 copies (the fp32 ones are what the model
-    computes with, so every process holds them whole); `moments`: AdamW's m and v, all or (stage 1) a
-    shard."""
-    groups = compute_groups(cfg)
-    _, spans = flat_layout(shapes, groups, world)
+    computes with, so every process holds them whole); `moments`: AdamW's m and v and Muon's momentum
+    (speedrun), all or (stage 1) a shard."""
+    groups, _, spans = state_layout(cfg, shapes, world)
+    muon = set(muon_names(shapes))
     size = spans[-1][1]
     if cfg.zero_stage == 0:
         numel = {k: math.prod(s) for k, s in shapes.items()}
         copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
         return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
-                "moments": 2 * 4 * sum(numel.values())}
-    lengths = [(end - first, dtype) for (_, dtype), (first, end) in zip(groups, spans)]
-    return {"params": sum(2 * n for n, dtype in lengths if dtype != torch.float32),
+                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
+    lengths = [(end - first, dtype, bool(muon.intersection(names)))
+               for (names, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
             "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
-            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype in lengths),
-            "moments": 2 * 4 * size // world}
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
+            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
 
 
 def log_event(out_dir, **record):
@@ -1307,13 +1742,14 @@ def main(argv=None):
         apply_model_header(cfg, header, explicit)
         cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
     elif cfg.init_from:
-        header, params = read_model_file(cfg.init_from)
+        header, params = read_weights(cfg.init_from, cfg)
         apply_model_header(cfg, header, explicit)
     else:
         params = init_params_numpy(cfg)
-    if m is None:
+    if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+        muon = muon_names(param_shapes(cfg))
         m = {k: np.zeros_like(p) for k, p in params.items()}
-        v = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
     if cfg.eval_only and not (cfg.resume or cfg.init_from):
         die("--eval-only needs weights: give --init-from or --resume")
 
@@ -1339,16 +1775,19 @@ def main(argv=None):
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
-    n_params = sum(p.numel() for k, p in weights.items() if k != "wpe")
+    # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
+    model, table = ("speedrun GPT", "embed.weight") if cfg.recipe == "speedrun" else ("GPT-2", "wpe")
+    n_params = sum(p.numel() for k, p in weights.items() if k != table)
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"wpe) | {world} x {device_kind} | {cfg.dtype} | compile: {'on' if cfg.compile else 'off'}")
+    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+        f"{table}) | {world} x {device_kind} | {cfg.dtype} | compile: {'on' if cfg.compile else 'off'}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
+    optimizers = "AdamW and Muon" if cfg.recipe == "speedrun" else "AdamW"
     say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-        f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
-        f"{cfg.zero_stage} over {world} devices)")
+        f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
+        f"stage {cfg.zero_stage} over {world} devices)")
 
     with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
         def compile_(fn, **kwargs):
@@ -1386,7 +1825,7 @@ def main(argv=None):
 
         # compiled on the first call, that is inside step 1: its time is reported as compile time
         grad_fn = compile_(grads_and_loss, fullgraph=True)
-        update_fn = compile_(adamw_update, fullgraph=True)
+        update_fn = compile_(speedrun_update if cfg.recipe == "speedrun" else adamw_update, fullgraph=True)
 
         flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None

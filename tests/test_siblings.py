@@ -33,7 +33,12 @@ IDENTICAL = {
         "latest_checkpoint", "DAMAGED_NPZ_ERRORS", "load_checkpoint", "HELLASWAG_MIN_WIDTH",
         "VAL_BAR_MIN_STEPS", "val_batches", "PEAK_FLOPS", "model_flops_per_token", "peak_flops",
         "drop_partial_log_line", "write_failure", "prepare_out_dir", "logged_evals", "format_step",
-        "PROFILE_STEPS", "due", "CENSUS_SECONDS"],
+        "PROFILE_STEPS", "due", "CENSUS_SECONDS",
+        # the speedrun recipe: its defaults, shapes, init, schedule and model files
+        "RECIPES", "SPEEDRUN_LRS", "SPEEDRUN_DEFAULTS", "HEAD_DIM", "speedrun_shapes", "muon_names",
+        "init_speedrun_numpy", "rotary_freq_numpy", "SPEEDRUN_COOLDOWN", "speedrun_lrs", "adamw_group",
+        "SAFETENSORS_TYPES", "write_safetensors", "read_safetensors", "write_speedrun_file",
+        "read_speedrun_file", "MODEL_FILES", "read_weights"],
     # the two torch trainers: processes, ZeRO-1's flat buffers, tensors to and from numpy
     ("torchfunc", "triton"): [
         "FLAT_ALIGN", "flat_layout", "flat_views", "shard_ranges", "put_batch", "to_numpy", "to_device",
@@ -58,7 +63,8 @@ DIFFERENT = {
     "adamw_update": "a framework's function / the Triton multi-tensor kernel's wrapper",
     "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
     "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
-    "compute_groups": "torchfunc keeps its embeddings fp32", "gather_state": "each framework's collectives",
+    "compute_groups": "torchfunc keeps its embeddings fp32",
+    "state_layout": "JAX's shardings of the state / torchfunc's flat buffers, Muon's matrices whole", "gather_state": "each framework's collectives",
     "device_state_bytes": "each trainer's layout of the state",
     "evaluate_val": "JAX places batches on its mesh; the torch trainers all-reduce",
     "evaluate_hellaswag": "each framework's compiled row losses", "generate": "each framework's sampler",
