@@ -102,11 +102,25 @@ def param_shapes(T, L, C, Vp):
 # -----------------------------------------------------------------------------
 # llm.c model files: 256 int32 of header, then the tensors in PARAM_NAMES order, fp32 or bf16
 
+def is_speedrun_file(path):
+    """True for a safetensors file whose header names the speedrun model's tensors (embed.weight and
+    blocks.*), the model file of the trainers' --recipe speedrun."""
+    try:
+        with safe_open(path, "np") as f:
+            names = set(f.keys())
+    except (SafetensorError, OSError, ValueError):
+        return False
+    return "embed.weight" in names and any(k.startswith("blocks.") for k in names)
+
+
 def read_model_file(path):
     """(header dict, {name: fp32 array}) of an llm.c model file. fp32 tensors are read-only views of a
     memory map (a 1.5B model is not copied into memory at once); bf16 ones are widened to fp32."""
     if not os.path.isfile(path):
         die(f"model file {path} does not exist")
+    if is_speedrun_file(path):
+        die(f"model file {path} is a speedrun model (the trainers' --recipe speedrun): transformers has no "
+            "such model (RMSNorm, rotary, ReLU^2, an untied soft-capped head), so to-hf converts GPT-2 only")
     size = os.path.getsize(path)
     if size < 1024:
         die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")

@@ -1,165 +1,21 @@
-"""--recipe speedrun in train_gpt2_torchfunc.py: modded-nanogpt's simplified speedrun baseline, held to a
-float64 rebuild of it from stock PyTorch (nn.Module with the reference's parameter names, autograd,
-torch.optim.AdamW, Muon as its formulas read), written here; the model files' names against that module's
-state_dict, through the safetensors package; checkpoints, ZeRO-1's whole-matrix layout, and bad input.
-(This rebuild and tests/speedrun_reference.py, written at the same time on another branch, give the same
-losses on these runs within 1.5e-9.)"""
+"""--recipe speedrun in train_gpt2_torchfunc.py: modded-nanogpt's simplified speedrun baseline, held to
+tests/speedrun_reference.py (a float64 rebuild of it from stock PyTorch: nn.Module with the reference's
+parameter names, autograd, torch.optim.AdamW, Muon as its formulas read); the model files' names against
+that module's state_dict, through the safetensors package; checkpoints, ZeRO-1's whole-matrix layout, and
+bad input."""
 import math
 
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import speedrun_reference as sr
 import train_gpt2_torchfunc as tf
 from conftest import assert_clean_error, run_script, step_events
 
 V, VP = 50257, 50304
-FP32_EPS = torch.finfo(torch.float32).eps  # the fp32 trainer's RMSNorm eps, which the reference mirrors
-
-
-# -----------------------------------------------------------------------------
-# The float64 reference: train_gpt_simple.py's modules and optimizers, with issue 24's hyperparameters
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.gains = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.size(-1),), self.gains, FP32_EPS)
-
-
-class Rotary(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        freq = (1 / 1024) ** torch.linspace(0, 1, dim // 4, dtype=torch.float64)
-        self.register_buffer("angular_freq", torch.cat([freq, freq.new_zeros(dim // 4)]))
-
-    def forward(self, x):
-        theta = torch.outer(torch.arange(x.size(1), dtype=torch.float64), self.angular_freq)[None, :, None]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * theta.cos() + x2 * theta.sin(), -x1 * theta.sin() + x2 * theta.cos()), 3)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.heads = dim // 128
-        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
-        self.rotary = Rotary(128)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q, k, v = (lin(x).view(B, T, self.heads, 128) for lin in (self.q, self.k, self.v))
-        q, k = (self.rotary(F.rms_norm(t, (128,), eps=FP32_EPS)) for t in (q, k))
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           scale=0.12, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return self.proj(self.fc(x).relu().square())
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.attn, self.mlp, self.norm1, self.norm2 = Attention(dim), MLP(dim), RMSNorm(dim), RMSNorm(dim)
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers, dim):
-        super().__init__()
-        self.embed = nn.Embedding(VP, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.proj = nn.Linear(dim, VP)
-        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-
-    def forward(self, idx, targets):
-        """The summed token loss."""
-        x = self.norm1(self.embed(idx))
-        for block in self.blocks:
-            x = block(x)
-        z = self.proj(self.norm2(x))
-        logits = 15 * z * (z.square() + 225).rsqrt()
-        return F.cross_entropy(logits.view(-1, VP), targets.reshape(-1), reduction="sum")
-
-
-def reference_model(path):
-    """The float64 GPT of a speedrun model file, read with the safetensors package."""
-    state = load_file(str(path))
-    layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
-    model = GPT(layers, state["embed.weight"].shape[1]).double()
-    model.load_state_dict({k: t.double() for k, t in state.items()})
-    return model
-
-
-def newton_schulz64(G):
-    """The reference's zeropower_via_newtonschulz5, in float64."""
-    X = G.mT if G.size(-2) > G.size(-1) else G
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(12):
-        A = X @ X.mT
-        X = 2 * X + (-1.5 * A + 0.5 * A @ A) @ X
-    return X.mT if G.size(-2) > G.size(-1) else X
-
-
-def muon_step(p, momentum, lr):
-    """The reference's Muon on one matrix, in place: Nesterov momentum 0.95, weight decay 0.05."""
-    momentum.lerp_(p.grad, 0.05)
-    update = newton_schulz64(p.grad.lerp(momentum, 0.95)) * max(1, p.size(-2) / p.size(-1)) ** 0.5
-    p.mul_(1 - lr * 0.05)
-    p.sub_(lr * update)
-
-
-def read_tokens(path):
-    header = np.fromfile(path, dtype="<i4", count=256)
-    return np.fromfile(path, dtype="<u2", offset=1024)[:header[2]].astype(np.int64)
-
-
-def reference_losses(model_file, train_file, B, T, accum, steps):
-    """Per step, the mean token loss of the float64 reference trained from model_file on the shard's tokens
-    in llm.c's order, with the gradient of the summed loss."""
-    model = reference_model(model_file)
-    tokens = torch.from_numpy(read_tokens(train_file))
-    vectors = [p for name, p in model.named_parameters() if p.ndim < 2]
-    matrices = [p for name, p in model.blocks.named_parameters() if p.ndim == 2]
-    groups = [dict(params=[model.embed.weight], lr=0.7), dict(params=[model.proj.weight], lr=0.004),
-              dict(params=vectors, lr=0.015)]
-    adam = torch.optim.AdamW(groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.001)
-    base = [g["lr"] for g in adam.param_groups]
-    momenta = [torch.zeros_like(p) for p in matrices]
-    losses, pos = [], 0
-    for step in range(steps):
-        total = 0.0
-        for _ in range(accum):
-            buf = tokens[pos:pos + B * T + 1]
-            pos += B * T
-            loss = model(buf[:-1].view(B, T), buf[1:].view(B, T))
-            loss.backward()
-            total += loss.item()
-        losses.append(total / (accum * B * T))
-        eta = min(1.0, (1 - step / steps) / 0.7)
-        for group, lr in zip(adam.param_groups, base):
-            group["lr"] = lr * eta
-        adam.step()
-        with torch.no_grad():
-            for p, momentum in zip(matrices, momenta):
-                muon_step(p, momentum, 0.025 * eta)
-        model.zero_grad(set_to_none=True)
-    return losses
 
 
 # -----------------------------------------------------------------------------
@@ -242,7 +98,7 @@ def test_training_matches_the_float64_reference(runs, key, tiny_shards, one_thre
     groups, the stable-then-decay schedule), from random nonzero weights; from the recipe's init, steps
     1-3 as well, and steps 4-6 within 1e-4, where the comparison is ill-conditioned (see above)."""
     out, init = runs(key)
-    expected = reference_losses(init, tiny_shards / "tiny_train_000001.bin", B, T, ACCUM, STEPS)
+    expected = sr.train(init, [tiny_shards / "tiny_train_000001.bin"], B, T, ACCUM * B * T, STEPS)
     got = losses(out)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, expected), 1):
@@ -292,7 +148,7 @@ def test_model_file_is_the_references_state_dict(runs, one_thread):
     own state_dict (its embedding in bf16, as the reference keeps it), saved by the package, reads back
     here as it is (bf16 to fp32 exactly)."""
     out, _ = runs("recipe")
-    module = GPT(L, C)
+    module = sr.GPT(L, C)
     expected = {k: tuple(t.shape) for k, t in module.state_dict().items()}
     state = load_file(str(out / "ckpt_0000003" / "model.safetensors"))
     assert {k: tuple(t.shape) for k, t in state.items()} == expected
@@ -318,10 +174,10 @@ def test_forward_and_gradients(one_thread):
     x, y = (torch.from_numpy(np.random.default_rng(3).integers(0, V, (2, 2, 16)))[i] for i in range(2))
     params = tf.to_device(weights, torch.device("cpu"))
     grads, loss = tf.grads_and_loss(params, x, y, 1.0, cfg)
-    module = GPT(1, 256).double()
+    module = sr.GPT(1, 256).double()
     freqs = {"blocks.0.attn.rotary.angular_freq": module.blocks[0].attn.rotary.angular_freq}
     module.load_state_dict({**{k: torch.from_numpy(w).double() for k, w in weights.items()}, **freqs})
-    ref = module(x, y)
+    ref = F.cross_entropy(module(x).view(-1, VP), y.reshape(-1), reduction="sum")
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     for k, p in module.named_parameters():
@@ -344,9 +200,8 @@ def test_muon_matches_float64(shape, one_thread):
     p, g, momentum = (torch.randn(shape, generator=gen) * s for s in (0.05, 1.0, 0.3))
     params, grads, m = {"w": p.clone()}, {"w": g.clone()}, {"w": momentum.clone()}
     tf.speedrun_muon(["w"], params, grads, m, torch.tensor(0.025), torch.ones(()), torch.float32)
-    ref, ref_momentum = p.double().requires_grad_(False), momentum.double()
-    ref.grad = g.double()
-    muon_step(ref, ref_momentum, 0.025)
+    ref, ref_momentum = p.double(), momentum.double()
+    sr.muon_update(ref, g.double(), ref_momentum, 0.025, sr.MUON_WD)
     step, ref_step = params["w"].double() - p.double(), ref - p.double()
     assert ((step - ref_step).norm() / ref_step.norm()).item() < 1e-5
     assert ((m["w"].double() - ref_momentum).norm() / ref_momentum.norm()).item() < 1e-6
