@@ -107,9 +107,9 @@ def die(msg):
 
 
 RECIPES = ("gpt2", "speedrun")
-# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt, with
-# the hyperparameters of issue 24. Its lrs per parameter group; --lr sets Muon's and scales the others with
-# it.
+# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
+# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
+# others with it.
 SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
 # its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
 # and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
