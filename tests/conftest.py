@@ -253,6 +253,25 @@ def tiny_model_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def speedrun_random_file(tmp_path_factory):
+    """A speedrun model file (L2 C128, written by tests/speedrun_reference.py) in which every tensor is
+    random and nonzero, at about the scale training gives them: unlike the recipe's init (the head and
+    the projections zero), every weight gets a gradient at the first step."""
+    import speedrun_reference
+    rng = np.random.default_rng(7)
+    state = {}
+    for name, shape in speedrun_reference.state_shapes(2, 128):
+        if name.endswith("angular_freq"):
+            state[name] = speedrun_reference.rotary_freq(2 * shape[0]).numpy()
+        else:
+            std = 1.0 if name == "embed.weight" else 0.1 if len(shape) == 1 else 0.5 / math.sqrt(shape[-1])
+            state[name] = rng.standard_normal(shape) * std + (1.0 if name.endswith("gains") else 0.0)
+    path = tmp_path_factory.mktemp("speedrun") / "random_l2c128.safetensors"
+    speedrun_reference.write_model_file(path, state)
+    return path
+
+
+@pytest.fixture(scope="session")
 def hellaswag_dir(tmp_path_factory):
     """A HellaSwag cache dir holding the 10 real validation examples as hellaswag_val.jsonl."""
     d = tmp_path_factory.mktemp("hellaswag")
