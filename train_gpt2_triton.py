@@ -616,7 +616,7 @@ def _rotary_cos_sin(T, D, dtype, device):
     freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=device)  # (D/4,)
     freq = torch.cat([freq, freq.new_zeros(D // 4)]).to(dtype)  # (D/2,)
     theta = torch.outer(torch.arange(T, dtype=dtype, device=device), freq)  # (T, D/2)
-    return theta.cos(), theta.sin()
+    return theta.cos(), theta.sin()  # (T, D/2) each
 
 
 def torch_qk_norm_rotary_forward(x, eps):
@@ -659,7 +659,7 @@ def torch_scaled_attention_backward(dout, q, k, v, out, lse, scale):
 def torch_relu2_forward(pre):
     """relu(x)^2, the speedrun MLP's activation."""
     r = pre.relu()  # (N, M)
-    return r * r
+    return r * r  # (N, M)
 
 
 def torch_relu2_backward(dy, pre):
@@ -1151,20 +1151,21 @@ def speedrun_update(state, step, cfg, ops):
     lrs = speedrun_lrs(step - 1, cfg)
     p, g, m, v, copies = (state[k] for k in ("shard_params", "shard_grads", "m", "v", "shard_copies"))
 
-    def listed(names):
-        return [p[k] for k in names], [g[k] for k in names], [m[k] for k in names], (
-            [copies[k] for k in names] if copies else None)
+    def lists(names):  # the ops' lists of the params, grads, m and compute-dtype copies (or None) of names
+        return ([p[k] for k in names], [g[k] for k in names], [m[k] for k in names],
+                [copies[k] for k in names] if copies else None)
+
     adam = [k for k in g if k in v]
     for group in ("embed", "head", "vector"):
         names = [k for k in adam if adamw_group(k) == group]
         if names:
-            params, grads, ms, copied = listed(names)
+            params, grads, ms, copied = lists(names)
             ops.adamw_update(params, grads, ms, [v[k] for k in names], copied, lrs[group], SPEEDRUN_BETA1,
                              SPEEDRUN_BETA2, SPEEDRUN_EPS, [cfg.weight_decay] * len(names), step, 1.0)
     muon = [k for k in g if k not in v]
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     for shape in dict.fromkeys(p[k].shape for k in muon):
-        ops.muon_update(*listed([k for k in muon if p[k].shape == shape]), lrs["muon"], MUON_MOMENTUM,
+        ops.muon_update(*lists([k for k in muon if p[k].shape == shape]), lrs["muon"], MUON_MOMENTUM,
                         MUON_WEIGHT_DECAY, dtype)
 
 
