@@ -4495,7 +4495,8 @@ def kept_bytes(w, x, cfg, ops):
             return out
         return call
     acts = []
-    model_forward(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
+    body = speedrun_forward if cfg.recipe == "speedrun" else model_forward
+    body(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
     saved = {t.data_ptr(): t for a in acts for t in a.values()}  # distinct tensors
     kept = {}
     for ptr, t in saved.items():

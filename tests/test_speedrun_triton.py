@@ -5,6 +5,7 @@ ZeRO-1 (Newton-Schulz on whole matrices dealt round-robin) against one; a torchf
 resumed here, and one of this trainer resumed by torchfunc; backend triton refusing the recipe. The
 tolerances and shapes are tests/test_speedrun.py's, which explains them."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -259,6 +260,33 @@ def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path
     for resumed in (tmp_path / "here", tmp_path / "there"):
         assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
         assert losses(resumed) == pytest.approx(losses(out)[3:], rel=REFERENCE_RTOL)
+
+
+def test_a_bf16_step_follows_fp32(one_thread):
+    """--dtype bf16, one step of two micro-batches from random weights (one block): the model computes
+    with bf16 copies of the fp32 masters (RMSNorm's eps bf16's), its loss is within 1e-2 of fp32's and
+    every gradient points fp32's way; the update leaves the masters fp32 and the copies their rounding."""
+    cfg = replace(tiny_cfg(), n_layer=1, seq_len=16, batch_size=1, total_batch_size=32)
+    weights = random_weights(cfg, 2)
+    muon = tg.muon_names(tg.param_shapes(cfg))
+    tokens = torch.from_numpy(np.random.default_rng(3).integers(0, 50257, (2, 2, 1, 16)))  # (2, A, B, T)
+    ops = tg.backend_ops("torch", "speedrun")
+    got = {}
+    for dtype in ("fp32", "bf16"):
+        c = replace(cfg, dtype=dtype)
+        m = {k: np.zeros_like(w) for k, w in weights.items()}
+        v = {k: w for k, w in m.items() if k not in muon}
+        state = tg.make_state(weights, m, v, c, torch.device("cpu"))
+        loss, _ = tg.train_step(state, tokens[0], tokens[1], 1, c, ops, 1)
+        got[dtype] = loss, state
+    (loss32, state32), (loss16, state16) = got["fp32"], got["bf16"]
+    assert loss16 == pytest.approx(loss32, rel=1e-2)
+    for k, g in state32["grads"].items():
+        g16 = state16["grads"][k]
+        cosine = float((g * g16).sum() / (g.norm() * g16.norm()))
+        assert cosine > 0.99, f"{k}: cosine {cosine:.4f} between the bf16 and fp32 gradients"
+        assert state16["params"][k].dtype == torch.float32
+        assert torch.equal(state16["weights"][k], state16["params"][k].to(torch.bfloat16)), k
 
 
 def test_backend_triton_refuses_the_recipe():
