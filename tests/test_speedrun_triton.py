@@ -248,12 +248,16 @@ def test_zero1_matches_one_process(runs, one_thread):
 
 
 def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path, one_thread):
-    """torchfunc's speedrun checkpoint (Muon's momentum in m, no v for its matrices) resumes here with the
-    losses of this trainer's uninterrupted run, and this trainer's resumes in torchfunc with them too, in
-    fp32 from the same random init."""
+    """From the same random init, in fp32, torchfunc's run has this trainer's losses and grad norms; its
+    checkpoint of step 3 (Muon's momentum in m, no v for the matrices) resumes here with the losses of this
+    trainer's uninterrupted run, and this trainer's resumes in torchfunc with them too."""
     out, _ = runs("random")
     theirs, _ = runs("torchfunc")
     assert losses(theirs) == pytest.approx(losses(out), rel=REFERENCE_RTOL)
+    # the gradient of the summed loss, whose norm (unlike the losses: Adam and Newton-Schulz hardly see a
+    # gradient's scale) tells it from the mean's
+    norms = [[e["grad_norm"] for e in step_events(run)] for run in (out, theirs)]
+    assert norms[0] == pytest.approx(norms[1], rel=REFERENCE_RTOL)
     argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--ckpt-every", "0"]
     tg.main(["torch", *argv, "--out-dir", str(tmp_path / "here"), "--resume", str(theirs / "ckpt_0000003")])
     tf.main([*argv, "--out-dir", str(tmp_path / "there"), "--resume", str(out / "ckpt_0000003")])
