@@ -5,6 +5,9 @@ head, cross-entropy) is a forward that returns exactly what its backward needs a
 hand; the model's backward chains them per layer in reverse, under torch.no_grad(): no autograd at all.
 BACKEND picks who implements the ops, behind one interface: `torch` (plain torch ops) or `triton` (our
 kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
+`--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline the same way (RMSNorm, q and k
+normed and rotated, ReLU^2, a soft-capped untied head; AdamW and Muon), its own ops in SPEEDRUN_OP_NAMES,
+on backend torch only for now; its checkpoints are train_gpt2_torchfunc.py's.
 The file reads training-first: config, the op interface and backend torch, the model and its backward,
 optimizer, data, checkpoints, evaluation, logging and main; then backend triton's kernels; then the
 script's own tools, the self-test (--test) and the profiler (--profile, --bench-ops).
@@ -14,6 +17,7 @@ script's own tools, the self-test (--test) and the profiler (--profile, --bench-
     python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
         --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
     python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
+    python train_gpt2_triton.py torch --recipe speedrun    # the speedrun baseline, hand-derived backward
     python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 65536 --steps 5 \\
         --profile                                          # tables of steps 2-4, per op and per kernel
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel

@@ -293,6 +293,40 @@ def test_a_bf16_step_follows_fp32(one_thread):
         assert torch.equal(state16["weights"][k], state16["params"][k].to(torch.bfloat16)), k
 
 
+def allocated_bytes(tree):
+    """Bytes of the distinct storages behind the tensors in a nest of dicts and lists."""
+    storages = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, (dict, list, tuple)):
+            for item in x.values() if isinstance(x, dict) else x:
+                walk(item)
+    walk(tree)
+    return sum(storages.values())
+
+
+def test_state_is_what_device_state_bytes_counts():
+    """make_state, fp32 and bf16, alone at stage 0 and as process 1 of 2 at stage 1: it allocates what
+    device_state_bytes counts (Muon keeps one buffer, AdamW two), keeps v of the AdamW tensors only, and
+    hands the update its Muon matrices whole, in their shapes (at stage 1 those dealt to it)."""
+    for dtype in ("fp32", "bf16"):
+        for stage in (0, 1):
+            cfg = replace(tiny_cfg(), dtype=dtype, zero_stage=stage)
+            shapes = tg.param_shapes(cfg)
+            muon = tg.muon_names(shapes)
+            params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+            world = 1 + stage
+            v = {k: p for k, p in params.items() if k not in muon}
+            state = tg.make_state(params, params, v, cfg, torch.device("cpu"), world - 1, world)
+            assert allocated_bytes(state) == sum(tg.device_state_bytes(cfg, shapes, world).values())
+            assert set(state["v"]).isdisjoint(muon)
+            mine = [k for k in muon if k in state["m"]]
+            assert len(mine) == len(muon) // world
+            assert all(state["shard_params"][k].shape == shapes[k] for k in mine)
+
+
 def test_backend_triton_refuses_the_recipe():
     """Backend triton has no speedrun kernels yet: one line, before anything runs."""
     with pytest.raises(SystemExit) as e:
