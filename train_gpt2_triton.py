@@ -998,13 +998,14 @@ def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS)
     dh = torch.empty_like(h) if grads is not None else None  # (N, C)
     for r0 in range(0, N, rows):
         hc, t = h[r0:r0 + rows], targets[r0:r0 + rows]  # (n, C), (n,)
-        logits = ops.matmul_forward(hc, w[weight], bias and w[bias])  # (n, Vp)
+        logits = ops.matmul_forward(hc, w[weight], w[bias] if bias else None)  # (n, Vp)
         ops.copy_into(losses[r0:r0 + rows],
                       ops.softcap_crossentropy_forward_backward(logits, t, dloss) if speedrun else
                       ops.crossentropy_forward_backward(logits, t, cfg.vocab_size, dloss))  # (n,)
         if grads is not None:
+            dbias = grads[bias] if bias else None
             ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w[weight], grads[weight],
-                                                                bias and grads[bias]))  # (n, C)
+                                                                dbias))  # (n, C)
         del logits  # freed before the next chunk allocates its own
     return losses, dh
 
@@ -1068,10 +1069,11 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
         dy = ops.matmul_backward(dres, a["y"].view(B * T, C), b["attn.proj.weight"], g["attn.proj.weight"],
                                  g["attn.proj.bias"])  # (N, C)
         q, k = a["q"].view(B, T, H, D), a["k"].view(B, T, H, D)  # (B, T, H, D) each
-        (qr, rq), (kr, rk) = ops.qk_norm_rotary_forward(q, eps), ops.qk_norm_rotary_forward(k, eps)
+        (qr, rq), (kr, rk) = (ops.qk_norm_rotary_forward(t, eps) for t in (q, k))  # (B, T, H, D), (B, T, H)
         dq, dk, dv = ops.scaled_attention_backward(dy.view(B, T, H, D), qr, kr, a["v"].view(B, T, H, D),
                                                    a["y"], a["lse"], ATTN_SCALE)  # (B, T, H, D) x3
-        dq, dk = ops.qk_norm_rotary_backward(dq, q, rq), ops.qk_norm_rotary_backward(dk, k, rk)
+        dq = ops.qk_norm_rotary_backward(dq, q, rq)  # (B, T, H, D)
+        dk = ops.qk_norm_rotary_backward(dk, k, rk)  # (B, T, H, D)
         h, rstd = ops.rmsnorm_forward(a["res"], b["norm1.gains"], eps)  # (N, C), (N,)
         dh = ops.matmul_backward(dq.view(B * T, C), h, b["attn.q.weight"], g["attn.q.weight"],
                                  g["attn.q.bias"])  # (N, C)
