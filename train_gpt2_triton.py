@@ -5,6 +5,9 @@ head, cross-entropy) is a forward that returns exactly what its backward needs a
 hand; the model's backward chains them per layer in reverse, under torch.no_grad(): no autograd at all.
 BACKEND picks who implements the ops, behind one interface: `torch` (plain torch ops) or `triton` (our
 kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
+`--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline the same way (RMSNorm, q and k
+normed and rotated, ReLU^2, a soft-capped untied head; AdamW and Muon), its own ops in SPEEDRUN_OP_NAMES,
+on backend torch only for now; its checkpoints are train_gpt2_torchfunc.py's.
 The file reads training-first: config, the op interface and backend torch, the model and its backward,
 optimizer, data, checkpoints, evaluation, logging and main; then backend triton's kernels; then the
 script's own tools, the self-test (--test) and the profiler (--profile, --bench-ops).
@@ -14,6 +17,7 @@ script's own tools, the self-test (--test) and the profiler (--profile, --bench-
     python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
         --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
     python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
+    python train_gpt2_triton.py torch --recipe speedrun    # the speedrun baseline, hand-derived backward
     python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 65536 --steps 5 \\
         --profile                                          # tables of steps 2-4, per op and per kernel
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
@@ -311,12 +315,22 @@ OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residua
             "layernorm_backward", "matmul_forward", "matmul_gelu_forward", "matmul_backward", "gelu_forward",
             "gelu_backward", "attention_forward", "attention_backward", "crossentropy_forward_backward",
             "global_norm", "adamw_update", "zero_fill", "clip_by_norm", "sum_into", "copy_into")
+# The speedrun recipe's own computations (--recipe speedrun), beside the ops above that it shares (matmul
+# with bias, global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
+# embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
+# ReLU^2, the soft-capped cross-entropy over all columns, and Muon. Backend torch alone fills them in yet.
+SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
+                     "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
+                     "scaled_attention_forward", "scaled_attention_backward", "relu2_forward",
+                     "relu2_backward", "softcap_crossentropy_forward_backward", "muon_update")
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
 ATTN_BLOCK = 128  # query rows per step of the attention: bounds its (B, H, rows, T) fp32 scores
 CE_BLOCK = 1024   # rows per step of the cross-entropy: bounds its fp32 copies of the logits
 HEAD_ROWS = 4096  # rows per lm-head chunk: only (HEAD_ROWS, Vp) logits ever exist
+ATTN_SCALE = 0.12  # the reference's, in place of 1/sqrt(128)
+SOFTCAP = 15.0
 
 
 def _acc(dtype):
@@ -331,19 +345,28 @@ def torch_encoder_forward(idx, wte, wpe):
 
 
 def torch_encoder_backward(dx, idx, dwte, dwpe):
-    """Each row of wte the forward gathered gets back the sum of its rows of dx (a token seen twice gets
-    both); wpe's gradient is dx summed over the batch. Not index_add_ of all N rows, whose atomic adds on a
-    GPU sum a repeated token in a different order every run: sorted by token, each token's rows form one
-    run, summed as a difference of fp64 prefix sums, and each wte row is added to once: the same bits on
-    every run."""
+    """wte's gradient as torch_embedding_backward adds it; wpe's is dx summed over the batch."""
+    torch_embedding_backward(dx, idx, dwte)
+    dwpe[:dx.shape[1]] += dx.sum(0, dtype=dwpe.dtype)  # (T, C)
+
+
+def torch_embedding_forward(idx, table):
+    """x[b, t] = table[idx[b, t]] (the speedrun model's embedding: no positions)."""
+    return table[idx]  # (B, T, C)
+
+
+def torch_embedding_backward(dx, idx, dtable):
+    """Each row of the table the forward gathered gets back the sum of its rows of dx (a token seen twice
+    gets both). Not index_add_ of all N rows, whose atomic adds on a GPU sum a repeated token in a different
+    order every run: sorted by token, each token's rows form one run, summed as a difference of fp64 prefix
+    sums, and each table row is added to once: the same bits on every run."""
     B, T, C = dx.shape
     tokens, order = idx.reshape(-1).sort(stable=True)  # (N,) each
     last = torch.ones_like(tokens, dtype=torch.bool)  # (N,) the last row of each token's run
     last[:-1] = tokens[1:] != tokens[:-1]
     ends = dx.reshape(B * T, C)[order].double().cumsum(0)[last]  # (U, C) prefix sums at the runs' ends
     sums = torch.diff(ends, dim=0, prepend=torch.zeros_like(ends[:1]))  # (U, C) one sum per token
-    dwte.index_add_(0, tokens[last], sums.to(dwte.dtype))  # (Vp, C) += U distinct rows
-    dwpe[:T] += dx.sum(0, dtype=dwpe.dtype)  # (T, C)
+    dtable.index_add_(0, tokens[last], sums.to(dtable.dtype))  # (Vp, C) += U distinct rows
 
 
 def torch_layernorm_forward(x, w, b):
@@ -421,59 +444,74 @@ def _heads(qkv, n_head):
     return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
 
 
-def _causal_scores(q, k, i0):
-    """fp32 scores (B, H, n, i0+n) of the n query rows starting at row i0 against the keys up to the last
-    of them (later keys are masked for every row of the block, so they are never multiplied); -inf where
-    a key comes after its query."""
-    n, D = q.shape[2], q.shape[3]
+def _causal_scores(q, k, i0, scale):
+    """fp32 scores scale q k^T (B, H, n, i0+n) of the n query rows starting at row i0 against the keys up
+    to the last of them (later keys are masked for every row of the block, so they are never multiplied);
+    -inf where a key comes after its query."""
+    n = q.shape[2]
     i1 = i0 + n
-    s = (q @ k[:, :, :i1].transpose(-1, -2)).to(_acc(q.dtype)) * (1.0 / math.sqrt(D))  # (B, H, n, i1)
+    s = (q @ k[:, :, :i1].transpose(-1, -2)).to(_acc(q.dtype)) * scale  # (B, H, n, i1)
     rows = torch.arange(i0, i1, device=q.device)  # (n,)
     later = torch.arange(i1, device=q.device)[None, :] > rows[:, None]  # (n, i1)
     return s.masked_fill_(later, float("-inf"))
 
 
-def torch_attention_forward(qkv, n_head):
-    """Causal softmax(q k^T / sqrt(D)) v per head, ATTN_BLOCK query rows at a time. Keeps only the output
-    and each row's logsumexp of the scores, from which the backward recomputes the probabilities."""
-    B, T, C3 = qkv.shape
-    q, k, v = _heads(qkv, n_head)  # (B, H, T, D) each
-    out = torch.empty(B, T, n_head, C3 // (3 * n_head), dtype=qkv.dtype, device=qkv.device)  # (B, T, H, D)
-    lse = torch.empty(B, n_head, T, dtype=_acc(qkv.dtype), device=qkv.device)  # (B, H, T)
+def _attention_forward(q, k, v, scale):
+    """Causal softmax(scale q k^T) v of q, k, v (B, H, T, D), ATTN_BLOCK query rows at a time: the output
+    (B, T, H, D) and each row's logsumexp of the scores (B, H, T), from which a backward recomputes the
+    probabilities."""
+    B, H, T, D = q.shape
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)  # (B, T, H, D)
+    lse = torch.empty(B, H, T, dtype=_acc(q.dtype), device=q.device)  # (B, H, T)
     for i0 in range(0, T, ATTN_BLOCK):
         i1 = min(i0 + ATTN_BLOCK, T)
-        s = _causal_scores(q[:, :, i0:i1], k, i0)  # (B, H, n, i1)
+        s = _causal_scores(q[:, :, i0:i1], k, i0, scale)  # (B, H, n, i1)
         lse[:, :, i0:i1] = torch.logsumexp(s, -1)  # (B, H, n)
         p = torch.exp(s - lse[:, :, i0:i1, None])  # (B, H, n, i1)
-        out[:, i0:i1] = (p.to(qkv.dtype) @ v[:, :, :i1]).transpose(1, 2)  # (B, n, H, D)
-    return out.view(B, T, C3 // 3), lse
+        out[:, i0:i1] = (p.to(q.dtype) @ v[:, :, :i1]).transpose(1, 2)  # (B, n, H, D)
+    return out, lse
 
 
-def torch_attention_backward(dout, qkv, out, lse, n_head):
-    """With S = q k^T / sqrt(D) and P = exp(S - lse) recomputed per block of query rows:
-    dv = P^T do, dP = do v^T, dS = P * (dP - rowsum(do * out)), dq = dS k / sqrt(D), dk = dS^T q / sqrt(D).
-    (rowsum(do * out) = rowsum(P * dP): the softmax's Jacobian without forming it.)"""
-    B, T, C = dout.shape
-    D = C // n_head
-    q, k, v = _heads(qkv, n_head)  # (B, H, T, D) each
-    do = dout.view(B, T, n_head, D).transpose(1, 2)  # (B, H, T, D)
+def _attention_backward(do, q, k, v, out, lse, scale, dq, dk_out, dv_out):
+    """With S = scale q k^T and P = exp(S - lse) recomputed per block of query rows:
+    dv = P^T do, dP = do v^T, dS = P * (dP - rowsum(do * out)), dq = scale dS k, dk = scale dS^T q.
+    (rowsum(do * out) = rowsum(P * dP): the softmax's Jacobian without forming it.) do, q, k, v, out are
+    (B, H, T, D); the gradients are written into dq, dk_out, dv_out (B, T, H, D)."""
+    B, H, T, D = q.shape
     acc = lse.dtype
-    delta = (do.to(acc) * out.view(B, T, n_head, D).transpose(1, 2).to(acc)).sum(-1)  # (B, H, T)
-    dqkv = torch.empty_like(qkv)  # (B, T, 3C)
-    dq, dk_out, dv_out = dqkv.view(B, T, 3, n_head, D).unbind(2)  # (B, T, H, D) views each
-    dk = torch.zeros(B, n_head, T, D, dtype=acc, device=qkv.device)  # (B, H, T, D)
-    dv = torch.zeros(B, n_head, T, D, dtype=acc, device=qkv.device)  # (B, H, T, D)
+    delta = (do.to(acc) * out.to(acc)).sum(-1)  # (B, H, T)
+    dk = torch.zeros(B, H, T, D, dtype=acc, device=q.device)  # (B, H, T, D)
+    dv = torch.zeros(B, H, T, D, dtype=acc, device=q.device)  # (B, H, T, D)
     for i0 in range(0, T, ATTN_BLOCK):
         i1 = min(i0 + ATTN_BLOCK, T)
-        p = torch.exp(_causal_scores(q[:, :, i0:i1], k, i0) - lse[:, :, i0:i1, None])  # (B, H, n, i1)
+        p = torch.exp(_causal_scores(q[:, :, i0:i1], k, i0, scale) - lse[:, :, i0:i1, None])  # (B, H, n, i1)
         do_blk = do[:, :, i0:i1]  # (B, H, n, D)
-        dv[:, :, :i1] += (p.to(qkv.dtype).transpose(-1, -2) @ do_blk).to(acc)  # (B, H, i1, D)
+        dv[:, :, :i1] += (p.to(q.dtype).transpose(-1, -2) @ do_blk).to(acc)  # (B, H, i1, D)
         dp = (do_blk @ v[:, :, :i1].transpose(-1, -2)).to(acc)  # (B, H, n, i1)
-        ds = (p * (dp - delta[:, :, i0:i1, None]) / math.sqrt(D)).to(qkv.dtype)  # (B, H, n, i1)
+        ds = (p * (dp - delta[:, :, i0:i1, None]) * scale).to(q.dtype)  # (B, H, n, i1)
         dq[:, i0:i1] = (ds @ k[:, :, :i1]).transpose(1, 2)  # (B, n, H, D)
         dk[:, :, :i1] += (ds.transpose(-1, -2) @ q[:, :, i0:i1]).to(acc)  # (B, H, i1, D)
     dk_out.copy_(dk.transpose(1, 2))  # (B, T, H, D)
     dv_out.copy_(dv.transpose(1, 2))  # (B, T, H, D)
+
+
+def torch_attention_forward(qkv, n_head):
+    """Causal softmax(q k^T / sqrt(D)) v per head of the fused projection qkv (B, T, 3C). Keeps only the
+    output and each row's logsumexp of the scores."""
+    B, T, C3 = qkv.shape
+    q, k, v = _heads(qkv, n_head)  # (B, H, T, D) each
+    out, lse = _attention_forward(q, k, v, 1.0 / math.sqrt(q.shape[-1]))  # (B, T, H, D), (B, H, T)
+    return out.view(B, T, C3 // 3), lse
+
+
+def torch_attention_backward(dout, qkv, out, lse, n_head):
+    """_attention_backward with scale 1/sqrt(D), the gradients written into the thirds of dqkv (B, T, 3C)."""
+    B, T, C = dout.shape
+    D = C // n_head
+    dqkv = torch.empty_like(qkv)  # (B, T, 3C)
+    dq, dk, dv = dqkv.view(B, T, 3, n_head, D).unbind(2)  # (B, T, H, D) views each
+    _attention_backward(dout.view(B, T, n_head, D).transpose(1, 2), *_heads(qkv, n_head),
+                        out.view(B, T, n_head, D).transpose(1, 2), lse, 1.0 / math.sqrt(D), dq, dk, dv)
     return dqkv
 
 
@@ -542,11 +580,152 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
             copies[i].copy_(p)
 
 
-def op_table(backend, ops):
-    """A backend's op namespace from {op name: function}, which must fill in OP_NAMES exactly."""
-    missing, unknown = sorted(set(OP_NAMES) - set(ops)), sorted(set(ops) - set(OP_NAMES))
+def torch_rmsnorm_forward(x, w, eps):
+    """y = x * rstd * w over the last dim, rstd = 1 / sqrt(mean(x^2) + eps), computed in fp32; w None: no
+    gain (q and k over a head). Returns (y, rstd (...,) fp32)."""
+    xf = x.to(_acc(x.dtype))  # (..., C)
+    rstd = torch.rsqrt((xf * xf).mean(-1) + eps)  # (...,)
+    y = xf * rstd[..., None]  # (..., C)
+    return (y if w is None else y * w.to(xf.dtype)).to(x.dtype), rstd
+
+
+def torch_residual_rmsnorm_forward(res, h, w, eps):
+    """x = res + h (the residual stream, in the compute dtype), then RMSNorm of x: (x, y, rstd)."""
+    x = res + h  # (N, C)
+    y, rstd = torch_rmsnorm_forward(x, w, eps)  # (N, C), (N,)
+    return x, y, rstd
+
+
+def torch_rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
+    """With xhat = x * rstd and g = dy * w (g = dy without gain), the gradient through the normalization is
+    dx = rstd * (g - xhat * mean(g * xhat)); dw += sum over rows of dy * xhat (dw None without gain). dres,
+    the gradient that reaches x around the norm through the residual add, is added to dx."""
+    acc = rstd.dtype
+    dyf = dy.to(acc)  # (..., C)
+    xhat = x.to(acc) * rstd[..., None]  # (..., C)
+    g = dyf
+    if w is not None:
+        dw += (dyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(dw.dtype)  # (C,)
+        g = dyf * w.to(acc)  # (..., C)
+    dx = rstd[..., None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))  # (..., C)
+    if dres is not None:
+        dx += dres.to(acc)
+    return dx.to(x.dtype)
+
+
+def _rotary_cos_sin(T, D, dtype, device):
+    """cos and sin (T, D/2) in `dtype` of the angles t * freq of the speedrun model's half-truncated rotary:
+    freq = (1/1024)^linspace(0, 1) over the first D/4 pairs, in fp32 as the reference's buffer holds them,
+    and 0 over the last D/4 (those pairs are not rotated)."""
+    freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=device)  # (D/4,)
+    freq = torch.cat([freq, freq.new_zeros(D // 4)]).to(dtype)  # (D/2,)
+    theta = torch.outer(torch.arange(T, dtype=dtype, device=device), freq)  # (T, D/2)
+    return theta.cos(), theta.sin()  # (T, D/2) each
+
+
+def torch_qk_norm_rotary_forward(x, eps):
+    """q or k (B, T, H, D): RMS-normed over each head without gain, xhat = x * rstd, then rotated per
+    position t: with halves xhat1, xhat2, y = (xhat1 cos + xhat2 sin, -xhat1 sin + xhat2 cos), theta = t
+    freq; in fp32. Returns (y (B, T, H, D), rstd (B, T, H) fp32)."""
+    B, T, H, D = x.shape
+    xhat, rstd = torch_rmsnorm_forward(x.to(_acc(x.dtype)), None, eps)  # (B, T, H, D), (B, T, H)
+    cos, sin = (t[:, None] for t in _rotary_cos_sin(T, D, xhat.dtype, x.device))  # (T, 1, D/2) each
+    x1, x2 = xhat.chunk(2, dim=-1)  # (B, T, H, D/2) each
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).to(x.dtype), rstd  # (B, T, H, D)
+
+
+def torch_qk_norm_rotary_backward(dy, x, rstd):
+    """The rotation is orthogonal: dxhat = R^T dy, (dy1 cos - dy2 sin, dy1 sin + dy2 cos); then the
+    RMSNorm backward without gain, dx = rstd * (dxhat - xhat * mean(dxhat * xhat))."""
+    B, T, H, D = x.shape
+    cos, sin = (t[:, None] for t in _rotary_cos_sin(T, D, rstd.dtype, x.device))  # (T, 1, D/2) each
+    dy1, dy2 = dy.to(rstd.dtype).chunk(2, dim=-1)  # (B, T, H, D/2) each
+    dxhat = torch.cat((dy1 * cos - dy2 * sin, dy1 * sin + dy2 * cos), -1)  # (B, T, H, D)
+    return torch_rmsnorm_backward(dxhat, x, None, rstd, None)  # (B, T, H, D)
+
+
+def torch_scaled_attention_forward(q, k, v, scale):
+    """Causal softmax(scale q k^T) v per head of q, k, v (B, T, H, D): (out (B, T, H*D), lse (B, H, T))."""
+    B, T, H, D = q.shape
+    out, lse = _attention_forward(*(t.transpose(1, 2) for t in (q, k, v)), scale)  # (B, T, H, D), (B, H, T)
+    return out.view(B, T, H * D), lse
+
+
+def torch_scaled_attention_backward(dout, q, k, v, out, lse, scale):
+    """_attention_backward of torch_scaled_attention_forward: (dq, dk, dv), (B, T, H, D) each."""
+    B, T, H, D = q.shape
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # (B, T, H, D) each
+    heads = (t.view(B, T, H, D).transpose(1, 2) for t in (dout, q, k, v, out))  # (B, H, T, D) each
+    _attention_backward(*heads, lse, scale, dq, dk, dv)
+    return dq, dk, dv
+
+
+def torch_relu2_forward(pre):
+    """relu(x)^2, the speedrun MLP's activation."""
+    r = pre.relu()  # (N, M)
+    return r * r  # (N, M)
+
+
+def torch_relu2_backward(dy, pre):
+    """d relu(x)^2 / dx = 2 relu(x)."""
+    return dy * 2 * pre.relu()  # (N, M)
+
+
+def torch_softcap_crossentropy_forward_backward(z, targets, dloss):
+    """The soft-capped logits c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2) in fp32, and loss = logsumexp(c) -
+    c[target] over ALL Vp columns (as the reference's); z is overwritten with the loss's gradient,
+    dloss (softmax(c) - onehot(target)) dc/dz, dc/dz = SOFTCAP^3 / (z^2 + SOFTCAP^2)^(3/2), CE_BLOCK rows at
+    a time so the fp32 temporaries stay small. Returns the losses (N,) in fp32."""
+    N = z.shape[0]
+    losses = torch.empty(N, dtype=_acc(z.dtype), device=z.device)  # (N,)
+    for r0 in range(0, N, CE_BLOCK):
+        r1 = min(r0 + CE_BLOCK, N)
+        zf = z[r0:r1].to(losses.dtype)  # (n, Vp)
+        rs = torch.rsqrt(zf.square() + SOFTCAP**2)  # (n, Vp)
+        c = SOFTCAP * zf * rs  # (n, Vp)
+        t = targets[r0:r1, None]  # (n, 1)
+        lse = torch.logsumexp(c, -1, keepdim=True)  # (n, 1)
+        losses[r0:r1] = (lse - c.gather(1, t))[:, 0]  # (n,)
+        dc = c.sub_(lse).exp_()  # (n, Vp) softmax (in place: fp32 temporaries reused)
+        dc.scatter_add_(1, t, torch.full_like(dc[:, :1], -1.0))  # (n, Vp) minus the one-hot target
+        z[r0:r1] = dc.mul_(rs.pow_(3).mul_(dloss * SOFTCAP**3))  # (n, Vp)
+    return losses
+
+
+def newton_schulz(G, dtype):
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F
+    (spectral norm at most 1), 12 iterations of X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, which drive
+    every singular value of X toward 1; on the transposes of tall matrices, so that A is the smaller."""
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        A = X @ X.mT                                                               # (n,r',r')
+        X = 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                                 # (n,r',c')
+    return X.mT if tall else X                                                     # (n,r,c)
+
+
+def torch_muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype):
+    """Muon in place on lists of fp32 matrices of one shape (r, c): the momentum buffer m = lerp(m, g,
+    1 - momentum), Nesterov's u = lerp(g, m, momentum), orthogonalized by newton_schulz in `dtype` (batched
+    over the matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr wd, p -= lr update; then the compute-dtype
+    copies (None in fp32) are refreshed from the updated masters."""
+    torch._foreach_lerp_(ms, grads, 1.0 - momentum)
+    u = torch.stack(torch._foreach_lerp(grads, ms, momentum))  # (n, r, c)
+    r, c = u.shape[1:]
+    update = newton_schulz(u, dtype).to(u.dtype) * max(1.0, r / c) ** 0.5  # (n, r, c)
+    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_sub_(params, list((update * lr).unbind(0)))
+    if copies is not None:
+        torch._foreach_copy_(copies, params)
+
+
+def op_table(backend, ops, names=OP_NAMES):
+    """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or
+    SPEEDRUN_OP_NAMES) exactly."""
+    missing, unknown = sorted(set(names) - set(ops)), sorted(set(ops) - set(names))
     if missing or unknown:
-        raise TypeError(f"backend {backend}: ops missing {missing}, ops not in OP_NAMES {unknown}")
+        raise TypeError(f"backend {backend}: ops missing {missing}, ops not in the interface {unknown}")
     return SimpleNamespace(**ops)
 
 
@@ -563,14 +742,31 @@ TORCH_OPS = op_table("torch", dict(
     zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
     copy_into=torch_copy_into,
 ))
+TORCH_SPEEDRUN_OPS = op_table("torch", dict(
+    embedding_forward=torch_embedding_forward, embedding_backward=torch_embedding_backward,
+    rmsnorm_forward=torch_rmsnorm_forward, residual_rmsnorm_forward=torch_residual_rmsnorm_forward,
+    rmsnorm_backward=torch_rmsnorm_backward,
+    qk_norm_rotary_forward=torch_qk_norm_rotary_forward,
+    qk_norm_rotary_backward=torch_qk_norm_rotary_backward,
+    scaled_attention_forward=torch_scaled_attention_forward,
+    scaled_attention_backward=torch_scaled_attention_backward,
+    relu2_forward=torch_relu2_forward, relu2_backward=torch_relu2_backward,
+    softcap_crossentropy_forward_backward=torch_softcap_crossentropy_forward_backward,
+    muon_update=torch_muon_update,
+), SPEEDRUN_OP_NAMES)
 
 
-def backend_ops(name):
-    """The op namespace of backend `name` (TRITON_OPS is defined with the kernels, after main). Backend
-    triton's kernels need a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+def backend_ops(name, recipe="gpt2"):
+    """The op namespace of backend `name` (TRITON_OPS is defined with the kernels, after main) for `recipe`:
+    OP_NAMES, and for speedrun SPEEDRUN_OP_NAMES too, which backend torch alone has yet. Backend triton's
+    kernels need a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    if name == "triton" and recipe == "speedrun":
+        die("backend triton has no kernels for --recipe speedrun yet: run it with backend torch")
     if name == "triton" and not INTERPRET and not torch.cuda.is_available():
         die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
             "TRITON_INTERPRET=1 (slow, fp32 only)")
+    if recipe == "speedrun":
+        return SimpleNamespace(**vars(TORCH_OPS), **vars(TORCH_SPEEDRUN_OPS))
     return TORCH_OPS if name == "torch" else TRITON_OPS
 
 
@@ -708,21 +904,75 @@ def model_forward(w, idx, cfg, ops, acts=None):
     return h  # (N, C) ln_f's output
 
 
+# The speedrun model (--recipe speedrun), as tests/speedrun_reference.py computes it, on the same ops where
+# they fit and SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (above)
+# in channels of the residual stream: res (C), q and k before their norm (C each), v (C), the attention's
+# output y (C) and its row logsumexp, res2 (C) and the MLP's pre-activation (4C): 10 C, as GPT-2's. The
+# norms' outputs, the rotated q and k and relu(pre)^2 are recomputed by the backward; the embedding's
+# rows and the final residual with their norms' statistics are kept once.
+
+def speedrun_forward(w, idx, cfg, ops, acts=None):
+    """Embedding, its RMSNorm, the L blocks and the final RMSNorm for token ids idx (B, T): returns the
+    final norm's output (B*T, C), the head's input. RMSNorm's eps is the compute dtype's machine epsilon
+    (the reference's F.rms_norm default). With a list `acts`, what the backward needs (see above)."""
+    B, T = idx.shape
+    C, L, H, D = cfg.n_embd, cfg.n_layer, cfg.n_embd // HEAD_DIM, HEAD_DIM
+    emb = ops.embedding_forward(idx, w["embed.weight"]).view(B * T, C)  # (N, C)
+    eps = torch.finfo(emb.dtype).eps
+    res, rstd = ops.rmsnorm_forward(emb, w["norm1.gains"], eps)  # (N, C) residual stream, (N,)
+    if acts is not None:
+        acts.append(dict(emb=emb, rstd=rstd))
+    h, _ = ops.rmsnorm_forward(res, w["blocks.0.norm1.gains"], eps)  # (N, C)
+    for l in range(L):
+        b = {k[len(f"blocks.{l}."):]: t for k, t in w.items() if k.startswith(f"blocks.{l}.")}
+        q, k, v = (ops.matmul_forward(h, b[f"attn.{n}.weight"], b[f"attn.{n}.bias"])
+                   for n in "qkv")  # (N, C) each
+        qr, _ = ops.qk_norm_rotary_forward(q.view(B, T, H, D), eps)  # (B, T, H, D)
+        kr, _ = ops.qk_norm_rotary_forward(k.view(B, T, H, D), eps)  # (B, T, H, D)
+        y, lse = ops.scaled_attention_forward(qr, kr, v.view(B, T, H, D), ATTN_SCALE)  # (B, T, C), (B, H, T)
+        h = ops.matmul_forward(y.view(B * T, C), b["attn.proj.weight"], b["attn.proj.bias"])  # (N, C)
+        res2, h, _ = ops.residual_rmsnorm_forward(res, h, b["norm2.gains"], eps)  # (N, C) x2
+        pre = ops.matmul_forward(h, b["mlp.fc.weight"], b["mlp.fc.bias"])  # (N, 4C)
+        h = ops.matmul_forward(ops.relu2_forward(pre), b["mlp.proj.weight"], b["mlp.proj.bias"])  # (N, C)
+        # the residual add closing this block is fused with the norm opening the next (or the final one)
+        gains = w[f"blocks.{l + 1}.norm1.gains"] if l + 1 < L else w["norm2.gains"]
+        res3, h, rstd = ops.residual_rmsnorm_forward(res2, h, gains, eps)  # (N, C) x2, (N,)
+        if acts is not None:
+            acts.append(dict(res=res, q=q, k=k, v=v, y=y, lse=lse, res2=res2, pre=pre))
+        res = res3  # (N, C)
+    if acts is not None:
+        acts.append(dict(res=res, rstd=rstd))
+    return h  # (N, C) the final norm's output
+
+
+def speedrun_logits(z):
+    """The head's soft cap, 15 z / sqrt(z^2 + 15^2), in fp32 (evaluation and sampling; training's is in
+    softcap_crossentropy_forward_backward)."""
+    z = z.float()  # (..., V)
+    return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)  # (..., V)
+
+
 @torch.no_grad()
 def forward(params, idx, cfg):
-    """GPT-2's logits (B, T, Vp) for token ids idx (B, T); params are the weights in the compute dtype."""
+    """The logits (B, T, Vp) for token ids idx (B, T); params are the weights in the compute dtype. GPT-2's
+    lm head is tied to wte; the speedrun model's has its own weight and bias, and its logits are soft-capped
+    fp32."""
     B, T = idx.shape
-    ops = backend_ops(cfg.backend)
+    ops = backend_ops(cfg.backend, cfg.recipe)
+    if cfg.recipe == "speedrun":
+        h = speedrun_forward(params, idx, cfg, ops)  # (N, C)
+        z = ops.matmul_forward(h, params["proj.weight"], params["proj.bias"])  # (N, Vp)
+        return speedrun_logits(z).view(B, T, -1)  # (B, T, Vp)
     h = model_forward(params, idx, cfg, ops)  # (N, C)
     return ops.matmul_forward(h, params["wte"], None).view(B, T, -1)  # (B, T, Vp) lm head tied to wte
 
 
 @torch.no_grad()
 def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B, T) in fp32 over the first V logits only, HEAD_ROWS rows of logits at a
-    time (the cross-entropy op's gradient output is simply dropped)."""
-    ops = backend_ops(cfg.backend)
-    h = model_forward(params, x, cfg, ops)  # (N, C)
+    """Per-token cross-entropy (B, T) in fp32 over the first V logits only (speedrun: over all Vp),
+    HEAD_ROWS rows of logits at a time (the cross-entropy op's gradient output is simply dropped)."""
+    ops = backend_ops(cfg.backend, cfg.recipe)
+    h = (speedrun_forward if cfg.recipe == "speedrun" else model_forward)(params, x, cfg, ops)  # (N, C)
     losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
     return losses.view(x.shape)  # (B, T)
 
@@ -736,19 +986,26 @@ def loss_fn(params, x, y, cfg):
 # Backward: the model's own, chaining the ops' hand-derived backwards in reverse
 
 def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
-    """The tied lm head and the loss, forward and backward at once, `rows` rows at a time: logits = h wte^T;
-    the cross-entropy overwrites them with dlogits; then dh = dlogits wte and dwte += dlogits^T h. Returns
-    (losses (N,) fp32, dh (N, C)); with grads None, only the losses (dh None)."""
+    """The lm head and the loss, forward and backward at once, `rows` rows at a time: logits = h W^T (+ b);
+    the cross-entropy overwrites them with dlogits; then dh = dlogits W and dW += dlogits^T h (db += its
+    column sums). GPT-2's head is tied to wte, without bias, its loss over the first V columns; the speedrun
+    model's is proj.weight and proj.bias, its loss soft-capped, over all Vp. Returns (losses (N,) fp32, dh
+    (N, C)); with grads None, only the losses (dh None)."""
     N = h.shape[0]
+    speedrun = cfg.recipe == "speedrun"
+    weight, bias = ("proj.weight", "proj.bias") if speedrun else ("wte", None)
     losses = torch.empty(N, dtype=_acc(h.dtype), device=h.device)  # (N,)
     dh = torch.empty_like(h) if grads is not None else None  # (N, C)
     for r0 in range(0, N, rows):
-        hc = h[r0:r0 + rows]  # (n, C)
-        logits = ops.matmul_forward(hc, w["wte"], None)  # (n, Vp)
-        ops.copy_into(losses[r0:r0 + rows], ops.crossentropy_forward_backward(
-            logits, targets[r0:r0 + rows], cfg.vocab_size, dloss))  # (n,)
+        hc, t = h[r0:r0 + rows], targets[r0:r0 + rows]  # (n, C), (n,)
+        logits = ops.matmul_forward(hc, w[weight], w[bias] if bias else None)  # (n, Vp)
+        ops.copy_into(losses[r0:r0 + rows],
+                      ops.softcap_crossentropy_forward_backward(logits, t, dloss) if speedrun else
+                      ops.crossentropy_forward_backward(logits, t, cfg.vocab_size, dloss))  # (n,)
         if grads is not None:
-            ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w["wte"], grads["wte"], None))
+            dbias = grads[bias] if bias else None
+            ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w[weight], grads[weight],
+                                                                dbias))  # (n, C)
         del logits  # freed before the next chunk allocates its own
     return losses, dh
 
@@ -786,14 +1043,60 @@ def model_backward(dh, idx, w, grads, acts, cfg, ops):
     ops.encoder_backward(dres.view(B, T, C), idx, g["wte"], g["wpe"])
 
 
+def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
+    """speedrun_forward in reverse, from dh (N, C), the gradient of the final norm's output: that norm,
+    then per block the MLP and the attention, then the embedding's norm and the embedding. Pops each
+    block's saved tensors off `acts` as it goes; the norms' outputs, the rotated q and k and relu(pre)^2
+    are recomputed."""
+    B, T = idx.shape
+    C, H, D = cfg.n_embd, cfg.n_embd // HEAD_DIM, HEAD_DIM
+    a = acts.pop()
+    eps = torch.finfo(a["res"].dtype).eps
+    dres = ops.rmsnorm_backward(dh, a["res"], w["norm2.gains"], a["rstd"], grads["norm2.gains"])  # (N, C)
+    for l in reversed(range(cfg.n_layer)):
+        a = acts.pop()
+        b, g = ({k[len(f"blocks.{l}."):]: t for k, t in d.items() if k.startswith(f"blocks.{l}.")}
+                for d in (w, grads))
+        # MLP: res3 = res2 + proj(relu(fc(norm2(res2)))^2)
+        h, rstd = ops.rmsnorm_forward(a["res2"], b["norm2.gains"], eps)  # (N, C), (N,)
+        dr = ops.matmul_backward(dres, ops.relu2_forward(a["pre"]), b["mlp.proj.weight"],
+                                 g["mlp.proj.weight"], g["mlp.proj.bias"])  # (N, 4C)
+        dpre = ops.relu2_backward(dr, a["pre"])  # (N, 4C)
+        dh = ops.matmul_backward(dpre, h, b["mlp.fc.weight"], g["mlp.fc.weight"], g["mlp.fc.bias"])  # (N, C)
+        dres = ops.rmsnorm_backward(dh, a["res2"], b["norm2.gains"], rstd, g["norm2.gains"],
+                                    dres=dres)  # (N, C) reaches res2 both ways
+        # attention: res2 = res + proj(attention(rotary(norm(q)), rotary(norm(k)), v)), q k v of norm1(res)
+        dy = ops.matmul_backward(dres, a["y"].view(B * T, C), b["attn.proj.weight"], g["attn.proj.weight"],
+                                 g["attn.proj.bias"])  # (N, C)
+        q, k = a["q"].view(B, T, H, D), a["k"].view(B, T, H, D)  # (B, T, H, D) each
+        (qr, rq), (kr, rk) = (ops.qk_norm_rotary_forward(t, eps) for t in (q, k))  # (B, T, H, D), (B, T, H)
+        dq, dk, dv = ops.scaled_attention_backward(dy.view(B, T, H, D), qr, kr, a["v"].view(B, T, H, D),
+                                                   a["y"], a["lse"], ATTN_SCALE)  # (B, T, H, D) x3
+        dq = ops.qk_norm_rotary_backward(dq, q, rq)  # (B, T, H, D)
+        dk = ops.qk_norm_rotary_backward(dk, k, rk)  # (B, T, H, D)
+        h, rstd = ops.rmsnorm_forward(a["res"], b["norm1.gains"], eps)  # (N, C), (N,)
+        dh = ops.matmul_backward(dq.view(B * T, C), h, b["attn.q.weight"], g["attn.q.weight"],
+                                 g["attn.q.bias"])  # (N, C)
+        for n, d in (("k", dk), ("v", dv)):  # h feeds all three projections: their gradients add up
+            dh += ops.matmul_backward(d.view(B * T, C), h, b[f"attn.{n}.weight"], g[f"attn.{n}.weight"],
+                                      g[f"attn.{n}.bias"])  # (N, C)
+        dres = ops.rmsnorm_backward(dh, a["res"], b["norm1.gains"], rstd, g["norm1.gains"],
+                                    dres=dres)  # (N, C)
+    a = acts.pop()
+    demb = ops.rmsnorm_backward(dres, a["emb"], w["norm1.gains"], a["rstd"], grads["norm1.gains"])  # (N, C)
+    ops.embedding_backward(demb.view(B, T, C), idx, grads["embed.weight"])
+
+
 def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
-    """One micro-batch (x, y (B, T) int64): forward, loss, backward. Adds the gradient of dloss * (sum of
-    the token losses) into grads; returns the token losses (N,) in fp32."""
+    """One micro-batch (x, y (B, T) int64): forward, loss, backward, of GPT-2 or (--recipe speedrun) the
+    speedrun model. Adds the gradient of dloss * (sum of the token losses) into grads; returns the token
+    losses (N,) in fp32."""
+    speedrun = cfg.recipe == "speedrun"
     acts = []
-    h = model_forward(w, x, cfg, ops, acts)  # (N, C)
+    h = (speedrun_forward if speedrun else model_forward)(w, x, cfg, ops, acts)  # (N, C)
     losses, dh = head_forward_backward(h, y.reshape(-1), w, grads, cfg, ops, dloss, head_rows)  # (N,), (N, C)
     del h
-    model_backward(dh, x, w, grads, acts, cfg, ops)
+    (speedrun_backward if speedrun else model_backward)(dh, x, w, grads, acts, cfg, ops)
     return losses
 
 
@@ -840,6 +1143,36 @@ def grad_accum_steps(cfg, world):
 
 
 BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
+SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
+MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
+
+
+def speedrun_update(state, step, cfg, ops):
+    """The speedrun recipe's update of optimizer step `step` (1-based), in place, on this process's shard:
+    AdamW (adamw_update with the recipe's betas and eps, weight decay --weight-decay) on the tensors v holds
+    (the embedding, the head weight, every vector), each SPEEDRUN_LRS group at its lr; Muon (muon_update,
+    batched by shape, Newton-Schulz in the compute dtype) on the rest, the blocks' matrices, whose momentum
+    buffers m holds; both refresh the compute-dtype copies. The dicts hold whole tensors, or (ZeRO-1) 1-D
+    pieces of the AdamW tensors and this process's Muon matrices whole; a shard may hold none of a group."""
+    lrs = speedrun_lrs(step - 1, cfg)
+    p, g, m, v, copies = (state[k] for k in ("shard_params", "shard_grads", "m", "v", "shard_copies"))
+
+    def lists(names):  # the ops' lists of the params, grads, m and compute-dtype copies (or None) of names
+        return ([p[k] for k in names], [g[k] for k in names], [m[k] for k in names],
+                [copies[k] for k in names] if copies else None)
+
+    adam = [k for k in g if k in v]
+    for group in ("embed", "head", "vector"):
+        names = [k for k in adam if adamw_group(k) == group]
+        if names:
+            params, grads, ms, copied = lists(names)
+            ops.adamw_update(params, grads, ms, [v[k] for k in names], copied, lrs[group], SPEEDRUN_BETA1,
+                             SPEEDRUN_BETA2, SPEEDRUN_EPS, [cfg.weight_decay] * len(names), step, 1.0)
+    muon = [k for k in g if k not in v]
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    for shape in dict.fromkeys(p[k].shape for k in muon):
+        ops.muon_update(*lists([k for k in muon if p[k].shape == shape]), lrs["muon"], MUON_MOMENTUM,
+                        MUON_WEIGHT_DECAY, dtype)
 
 
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
@@ -847,9 +1180,13 @@ FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every sh
 
 def compute_groups(cfg):
     """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
-    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): here a single
-    group, bf16 copies of every tensor, or with --dtype fp32 the fp32 masters themselves."""
-    return [(PARAM_NAMES, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)]
+    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): bf16 copies of
+    every tensor, or with --dtype fp32 the fp32 masters themselves. The speedrun recipe's Muon matrices,
+    which a process updates whole, are a last group of their own."""
+    shapes = param_shapes(cfg)
+    muon = muon_names(shapes)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    return [([k for k in shapes if k not in muon], dtype)] + ([(muon, dtype)] if muon else [])
 
 
 def flat_layout(shapes, groups, world):
@@ -876,6 +1213,34 @@ def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
             for k in names}
 
 
+def whole_matrix_layout(shapes, names, world, first):
+    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
+    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
+    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
+    group (shard_ranges) holds its matrices whole."""
+    order = sorted(names, key=lambda k: shapes[k], reverse=True)
+    ends, local = [0] * world, {}
+    for i, k in enumerate(order):
+        local[k] = (i % world, ends[i % world])
+        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+    stretch = max(ends)
+    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
+
+
+def state_layout(cfg, shapes, world):
+    """(groups, {name: first element}, [(first, end) of each group]): compute_groups' groups in the flat
+    buffers, laid out by flat_layout, and Muon's matrices by whole_matrix_layout after them."""
+    groups = compute_groups(cfg)
+    muon = set(muon_names(shapes))
+    split = [g for g in groups if not muon.intersection(g[0])]
+    starts, spans = flat_layout(shapes, split, world)
+    if len(split) < len(groups):
+        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
+        starts.update(more)
+        spans.append(span)
+    return groups, starts, spans
+
+
 def shard_ranges(starts, shapes, span, rank, world):
     """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
     rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
@@ -895,20 +1260,23 @@ def shard_ranges(starts, shapes, span, rank, world):
 def train_step(state, xs, ys, step, cfg, ops, world):
     """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): each one's forward and
     hand-written backward add into the fp32 gradients, scaled so that they sum to the gradient of the mean
-    token loss over all A x world micro-batches; one all-reduce of the flat gradient buffer (at stage 1 a
-    reduce-scatter); clipping by global norm; AdamW (at stage 1 on this process's shard, then an all-gather
-    of the weights). No autograd anywhere: grad mode is off and no tensor requires grad.
-    Everything but the collectives (and at stage 1 the sum of the shards' squared norms) runs through
-    `ops` (the loss sum, the zeroing and clipping of the gradients too), and the clipping coefficient is
-    computed on the device: the host waits once, at the end, to read the loss and the norm. Returns (train
-    loss, grad norm before clipping) as floats."""
+    token loss over all A x world micro-batches (speedrun: of the summed token loss); one all-reduce of the
+    flat gradient buffer (at stage 1 a reduce-scatter); clipping by global norm; AdamW, or speedrun_update
+    (at stage 1 on this process's shard, then an all-gather of the weights). No autograd anywhere: grad
+    mode is off and no tensor requires grad. Everything but the collectives (and at stage 1 the sum of the
+    shards' squared norms) runs through `ops` (the loss sum, the zeroing and clipping of the gradients too),
+    and the clipping coefficient is computed on the device: the host waits once, at the end, to read the
+    loss and the norm. Returns (train loss, grad norm before clipping) as floats."""
     w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
     ops.zero_fill(flat)
-    dloss = 1.0 / (xs[0].numel() * len(xs) * world)
+    share = 1.0 / (xs[0].numel() * len(xs) * world)  # each token's share of the mean loss
+    # the speedrun recipe's optimizers take the gradient of the summed loss, so that Adam's eps and
+    # Newton-Schulz's 1e-7 act at its scale, as the reference's do
+    dloss = 1.0 if cfg.recipe == "speedrun" else share
     loss = torch.empty((), dtype=torch.float32, device=xs.device)  # () the mean token loss
     ops.zero_fill(loss)
     for x, y in zip(xs, ys):
-        ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), dloss)
+        ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), share)
     # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
     # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
     # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
@@ -932,10 +1300,13 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     if cfg.grad_clip > 0:
         for group in state["groups"]:
             ops.clip_by_norm(group["grads"], norm, cfg.grad_clip)
-    copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
-    ops.adamw_update([state["shard_params"][k] for k in names], g, [state["m"][k] for k in names],
-                     [state["v"][k] for k in names], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
-                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
+    if cfg.recipe == "speedrun":
+        speedrun_update(state, step, cfg, ops)
+    else:
+        copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
+        ops.adamw_update([state["shard_params"][k] for k in names], g, [state["m"][k] for k in names],
+                         [state["v"][k] for k in names], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
+                         [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
     if sharded:
         for group in state["groups"]:
             dist.all_gather_single(group["weights"], group["own_weights"])
@@ -946,27 +1317,28 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
     """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
     `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes) and all of the weights `weights`
     the model computes with (compute_groups: bf16 copies of the masters, or the fp32 masters themselves).
-    Stage 0: it also holds all of the fp32 masters `params` and AdamW's moments `m`, `v`, sums the
-    gradients with one all-reduce and updates every weight. Stage 1 (ZeRO-1): per compute group
-    (`groups`), it keeps only its shard, 1/world of the group's stretch of the flat layout, of the fp32
-    masters (a piece of the weights themselves where they are fp32), of m and v and of the summed
-    gradients (reduce-scattered into it); it updates that shard of the masters and of the weights
-    (`own_weights`), and one all-gather of the group's weights brings every process every update.
-    `shard_params`, `shard_grads`, `shard_copies`, m and v are then {name: 1-D piece} of the tensors in the
-    shard; at stage 0 they are the whole tensors (`params`, `grads`, `weights` or None, m, v), what train_step
-    updates either way."""
+    Stage 0: it also holds all of the fp32 masters `params` and the moments `m`, `v` (speedrun: v of the
+    AdamW tensors only, m also Muon's momentum), sums the gradients with one all-reduce and updates every
+    weight. Stage 1 (ZeRO-1): per compute group (`groups`), it keeps only its shard, 1/world of the group's
+    stretch of the flat layout (state_layout: Muon's holds whole matrices), of the fp32 masters (a piece of
+    the weights themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered
+    into it); it updates that shard of the masters and of the weights (`own_weights`), and one all-gather
+    of the group's weights brings every process every update. `shard_params`, `shard_grads`,
+    `shard_copies`, m and v are then {name: 1-D piece} of the tensors in the shard (Muon's matrices whole,
+    in their shapes); at stage 0 they are the whole tensors (`params`, `grads`, `weights` or None, m, v),
+    what train_step updates either way."""
     shapes = param_shapes(cfg)
-    groups = compute_groups(cfg)
-    starts, spans = flat_layout(shapes, groups, world)
+    groups, starts, spans = state_layout(cfg, shapes, world)
+    muon = set(muon_names(shapes))
     state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes), starts
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
     if cfg.zero_stage == 0:  # this process's shard is the whole model, its one group the whole buffer
         state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
         state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()}
                             if cfg.dtype == "bf16" else state["params"])
         state.update(shard_params=state["params"], shard_grads=state["grads"],
                      shard_copies=state["weights"] if cfg.dtype == "bf16" else None,
-                     groups=[{"span": spans[0], "grads": state["grad_buffer"]}])
+                     groups=[{"span": (0, spans[-1][1]), "grads": state["grad_buffer"]}])
         return state
     state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
     for (names, dtype), (first, end) in zip(groups, spans):
@@ -984,19 +1356,24 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
         # one process alone reduces into its gradient buffer itself
         group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
                           torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
-        group["m"], group["v"] = (torch.zeros(n, dtype=torch.float32, device=device) for _ in "mv")  # (S,)
+        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
+        for name in sources:
+            group[name] = torch.zeros(n, dtype=torch.float32, device=device)  # (S,)
+        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
+            sources["params"] = params
         ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        # the fp32 masters that are weights already hold their values
-        for name, full in (("m", m), ("v", v)) + ((("params", params),) if dtype != torch.float32 else ()):
+        for name, source in sources.items():
             for k, (lo, hi) in ranges.items():
-                flat = np.asarray(full[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
                 group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
+        if dtype != torch.float32:
+            pieces["own_weights"] = "shard_copies"
         for k, (lo, hi) in ranges.items():
-            state["shard_params"][k] = group["params"][lo - own:hi - own]
-            state["shard_grads"][k] = group["grads"][lo - own:hi - own]
-            state["m"][k], state["v"][k] = group["m"][lo - own:hi - own], group["v"][lo - own:hi - own]
-            if dtype != torch.float32:
-                state["shard_copies"][k] = group["own_weights"][lo - own:hi - own]
+            for name, into in pieces.items():
+                if name in group:
+                    piece = group[name][lo - own:hi - own]  # (hi-lo,)
+                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
         state["groups"].append(group)
     state["shard_copies"] = state["shard_copies"] or None
     return state
@@ -1336,16 +1713,21 @@ def gather_state(state, cfg, world):
     group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
     if cfg.zero_stage == 0:
         return state["params"], state["m"], state["v"]
+    shapes = param_shapes(cfg)
     full = []
     for name in ("params", "m", "v"):
-        buffer = torch.empty_like(state["grad_buffer"])  # (P,)
+        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
+        names = []
         for group in state["groups"]:
+            if name not in group:  # Muon's group has no v
+                continue
             first, end = group["span"]
             if world > 1:
                 dist.all_gather_single(buffer[first:end], group[name])
             else:
                 buffer[first:end].copy_(group[name])
-        full.append(flat_views(buffer, state["starts"], param_shapes(cfg)))
+            names += [k for k in shapes if first <= state["starts"][k] < end]
+        full.append(flat_views(buffer, state["starts"], shapes, names))
     return tuple(full)
 
 
@@ -1485,14 +1867,20 @@ def generate(params, generator, cfg):
     """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
     (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
     mask makes the not-yet-sampled zeros to the right irrelevant."""
-    ops = backend_ops(cfg.backend)
-    device = params["wte"].device
+    ops = backend_ops(cfg.backend, cfg.recipe)
+    speedrun = cfg.recipe == "speedrun"
+    device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)  # (S, T)
     tokens[:, 0] = EOT
     for t in range(T - 1):  # token t+1 from 0..t
-        h = model_forward(params, tokens, cfg, ops).view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
-        logits = ops.matmul_forward(h, params["wte"], None)[:, :VOCAB_SIZE].float()  # (S, V)
+        h = (speedrun_forward if speedrun else model_forward)(params, tokens, cfg, ops)  # (S*T, C)
+        h = h.view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
+        if speedrun:
+            z = ops.matmul_forward(h, params["proj.weight"], params["proj.bias"])  # (S, Vp)
+            logits = speedrun_logits(z[:, :VOCAB_SIZE])  # (S, V)
+        else:
+            logits = ops.matmul_forward(h, params["wte"], None)[:, :VOCAB_SIZE].float()  # (S, V)
         top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)  # (S, K) each
         choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
         tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
@@ -1533,20 +1921,22 @@ def device_state_bytes(cfg, shapes, world):
     computes with the masters), all of them at either stage; `grads`: the fp32 flat gradient buffer, plus
     at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all of them, or at stage 1
     a shard of those that have bf16 copies (with --dtype fp32 the masters are what the model computes
-    with, so every process holds them whole); `moments`: AdamW's m and v, all or (stage 1) a shard."""
-    groups = compute_groups(cfg)
-    _, spans = flat_layout(shapes, groups, world)
+    with, so every process holds them whole); `moments`: AdamW's m and v and Muon's momentum (speedrun),
+    all or (stage 1) a shard."""
+    groups, _, spans = state_layout(cfg, shapes, world)
+    muon = set(muon_names(shapes))
     size = spans[-1][1]
     if cfg.zero_stage == 0:
         numel = {k: math.prod(s) for k, s in shapes.items()}
         copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
         return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
-                "moments": 2 * 4 * sum(numel.values())}
-    lengths = [(end - first, dtype) for (_, dtype), (first, end) in zip(groups, spans)]
-    return {"params": sum(2 * n for n, dtype in lengths if dtype != torch.float32),
+                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
+    lengths = [(end - first, dtype, bool(muon.intersection(names)))
+               for (names, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
             "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
-            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype in lengths),
-            "moments": 2 * 4 * size // world}
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
+            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
 
 
 def log_event(out_dir, framework, **record):
@@ -1755,9 +2145,7 @@ def main(argv=None):
         return
     if cfg.recipe == "speedrun" and cfg.backend == "triton":
         die("backend triton has no kernels for --recipe speedrun yet: run it with backend torch")
-    if cfg.recipe == "speedrun":
-        die("--recipe speedrun is not in train_gpt2_triton.py yet: train it with train_gpt2_torchfunc.py")
-    ops = backend_ops(cfg.backend)
+    ops = backend_ops(cfg.backend, cfg.recipe)
     if cfg.backend == "triton" and INTERPRET and cfg.dtype == "bf16":
         die("backend triton under TRITON_INTERPRET=1 runs fp32 only (the interpreter's bf16 dots are wrong): "
             "add --dtype fp32, or run on a GPU")
@@ -1780,9 +2168,10 @@ def main(argv=None):
         apply_model_header(cfg, header, explicit)
     else:
         params = init_params_numpy(cfg)
-    if m is None:
+    if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+        muon = muon_names(param_shapes(cfg))
         m = {k: np.zeros_like(p) for k, p in params.items()}
-        v = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
     if cfg.eval_only and not (cfg.resume or cfg.init_from):
         die("--eval-only needs weights: give --init-from or --resume")
 
@@ -1808,16 +2197,19 @@ def main(argv=None):
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
-    n_params = sum(p.numel() for k, p in weights.items() if k != "wpe")
+    # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
+    model, table = ("speedrun GPT", "embed.weight") if cfg.recipe == "speedrun" else ("GPT-2", "wpe")
+    n_params = sum(p.numel() for k, p in weights.items() if k != table)
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"wpe) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
+    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+        f"{table}) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
+    optimizers = "AdamW and Muon" if cfg.recipe == "speedrun" else "AdamW"
     say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-        f"masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB (ZeRO stage "
-        f"{cfg.zero_stage} over {world} devices)")
+        f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
+        f"stage {cfg.zero_stage} over {world} devices)")
 
     with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
         def run_evals(step, val, swag):
@@ -4109,7 +4501,8 @@ def kept_bytes(w, x, cfg, ops):
             return out
         return call
     acts = []
-    model_forward(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
+    body = speedrun_forward if cfg.recipe == "speedrun" else model_forward
+    body(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
     saved = {t.data_ptr(): t for a in acts for t in a.values()}  # distinct tensors
     kept = {}
     for ptr, t in saved.items():

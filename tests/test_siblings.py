@@ -43,7 +43,9 @@ IDENTICAL = {
     ("torchfunc", "triton"): [
         "FLAT_ALIGN", "flat_layout", "flat_views", "shard_ranges", "put_batch", "to_numpy", "to_device",
         "evaluate_val", "setup_device", "out_of_memory_is_an_error", "lost_processes",
-        "a_lost_process_is_an_error"],
+        "a_lost_process_is_an_error", "gather_state",
+        # the speedrun recipe: its model's constants, Muon's orthogonalization, ZeRO-1's whole matrices
+        "ATTN_SCALE", "SOFTCAP", "newton_schulz", "whole_matrix_layout", "state_layout"],
     # the two that write the model as functions of a weights dict
     ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES"],
 }
@@ -64,7 +66,11 @@ DIFFERENT = {
     "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
     "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
     "compute_groups": "torchfunc keeps its embeddings fp32",
-    "state_layout": "JAX's shardings of the state / torchfunc's flat buffers, Muon's matrices whole", "gather_state": "each framework's collectives",
+    "state_layout": "JAX's shardings of the state / the torch trainers' flat buffers, Muon's matrices whole",
+    "gather_state": "each framework's collectives",
+    "speedrun_update": "torchfunc's compiled multi-tensor update of its dicts / the op interface's "
+                       "adamw_update and muon_update on the training state",
+    "speedrun_logits": "torchfunc's head with F.linear / the soft cap alone, after the op interface's matmul",
     "device_state_bytes": "each trainer's layout of the state",
     "evaluate_val": "JAX places batches on its mesh; the torch trainers all-reduce",
     "evaluate_hellaswag": "each framework's compiled row losses", "generate": "each framework's sampler",

@@ -1,0 +1,365 @@
+"""--recipe speedrun in train_gpt2_triton.py, backend torch: each speedrun op's hand-derived backward
+against torch.autograd in float64; training held to the float64 outside reference
+(tests/speedrun_reference.py) per step, from the recipe's init and from random weights; two processes at
+ZeRO-1 (Newton-Schulz on whole matrices dealt round-robin) against one; a torchfunc speedrun checkpoint
+resumed here, and one of this trainer resumed by torchfunc; a bf16 step against fp32; no autograd in a
+step; the state make_state holds; backend triton refusing the recipe. The tolerances and shapes are
+tests/test_speedrun.py's, which explains them."""
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import speedrun_reference as ref
+import train_gpt2_torchfunc as tf
+import train_gpt2_triton as tg
+from conftest import run_script, step_events
+
+OPS = tg.TORCH_SPEEDRUN_OPS
+F64 = torch.float64
+EPS64 = torch.finfo(F64).eps
+
+L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6
+FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,
+         "--total-batch-size", ACCUM * B * T, "--steps", STEPS, "--dtype", "fp32", "--val-every", 0,
+         "--hellaswag-every", 0, "--sample-every", 0]
+ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+# tests/test_speedrun.py's, and why: fp32 against float64 per step; from the recipe's init, steps 4-6 are
+# ill-conditioned (the second step's gradients of the blocks' projections are numerically of low rank, and
+# Newton-Schulz magnifies their fp32 error); two processes at stage 1 against one add the micro-batches'
+# gradients in the same fp32 additions
+REFERENCE_RTOL, ILL_CONDITIONED_RTOL, ZERO1_RTOL = 1e-5, 1e-4, 1e-6
+OP_RTOL = 1e-10  # float64, hand backward against autograd
+
+
+# -----------------------------------------------------------------------------
+# Each op against autograd, float64
+
+def leaf(*shape, seed, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=F64) * scale + shift).requires_grad_(True)
+
+
+def assert_close(got, want, what):
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < OP_RTOL, f"{what}: relative error {err:.2e}"
+
+
+def reference_rotary(x):
+    """tests/speedrun_reference.py's Rotary, without the module: x (B, T, H, D)."""
+    freq = ref.rotary_freq(x.shape[3]).to(F64)  # (D/2,)
+    theta = torch.outer(torch.arange(x.shape[1], dtype=F64), freq)[None, :, None]  # (1, T, 1, D/2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * theta.cos() + x2 * theta.sin(), -x1 * theta.sin() + x2 * theta.cos()], dim=-1)
+
+
+def test_rmsnorm_against_autograd():
+    """RMSNorm with a gain, alone and after a residual add, and its backward with the residual's gradient
+    added (dx and dgain)."""
+    res, h, w, dy, dres = leaf(6, 24, seed=0), leaf(6, 24, seed=1), leaf(24, seed=2, scale=0.3, shift=1.0), \
+        leaf(6, 24, seed=3), leaf(6, 24, seed=4)
+    x = res + h
+    want = F.rms_norm(x, (24,), w, EPS64)
+    want.backward(dy)
+    with torch.no_grad():
+        xs, y, rstd = OPS.residual_rmsnorm_forward(res, h, w, EPS64)
+        assert_close(xs, x, "residual")
+        assert_close(y, want, "rmsnorm forward")
+        assert_close(OPS.rmsnorm_forward(x, w, EPS64)[0], want, "rmsnorm forward")
+        dw = torch.zeros(24, dtype=F64)
+        dx = OPS.rmsnorm_backward(dy, x, w, rstd, dw, dres=dres)
+    assert_close(dx, res.grad + dres, "rmsnorm dx")
+    assert_close(dw, w.grad, "rmsnorm dgain")
+
+
+def test_qk_norm_rotary_against_autograd():
+    """q or k normed over each 128-wide head without gain, then half-truncated rotary, at 40 positions."""
+    x, dy = leaf(2, 40, 3, 128, seed=5, scale=2.0), leaf(2, 40, 3, 128, seed=6)
+    want = reference_rotary(F.rms_norm(x, (128,), eps=EPS64))
+    want.backward(dy)
+    with torch.no_grad():
+        y, rstd = OPS.qk_norm_rotary_forward(x, EPS64)
+        dx = OPS.qk_norm_rotary_backward(dy, x, rstd)
+    assert_close(y, want, "qk norm rotary forward")
+    assert_close(dx, x.grad, "qk norm rotary dx")
+
+
+def test_scaled_attention_against_autograd(monkeypatch):
+    """Causal attention with scale 0.12 over separate q, k, v (B, T, H, D); with blocks of 16 query rows,
+    so that the blockwise forward and backward run over several blocks of a 40-token sequence."""
+    monkeypatch.setattr(tg, "ATTN_BLOCK", 16)
+    q, k, v, do = (leaf(2, 40, 3, 8, seed=s) for s in (7, 8, 9, 10))
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                          scale=tg.ATTN_SCALE).transpose(1, 2).reshape(2, 40, 24)
+    want.backward(do.view(2, 40, 24))
+    with torch.no_grad():
+        out, lse = OPS.scaled_attention_forward(q, k, v, tg.ATTN_SCALE)
+        grads = OPS.scaled_attention_backward(do.view(2, 40, 24), q, k, v, out, lse, tg.ATTN_SCALE)
+    assert_close(out, want, "attention forward")
+    for name, got, t in zip("qkv", grads, (q, k, v)):
+        assert_close(got, t.grad, f"attention d{name}")
+
+
+def test_relu2_and_embedding_against_autograd():
+    """relu(x)^2 and the embedding's gather, with a token repeated (its rows of dx summed)."""
+    pre, dy = leaf(5, 12, seed=11), leaf(5, 12, seed=12)
+    want = F.relu(pre).square()
+    want.backward(dy)
+    with torch.no_grad():
+        assert_close(OPS.relu2_forward(pre), want, "relu2 forward")
+        assert_close(OPS.relu2_backward(dy, pre), pre.grad, "relu2 dx")
+    table, dx = leaf(9, 12, seed=13), leaf(2, 4, 12, seed=14)
+    idx = torch.tensor([[3, 1, 3, 0], [8, 3, 1, 5]])
+    table[idx].backward(dx)
+    with torch.no_grad():
+        assert_close(OPS.embedding_forward(idx, table), table[idx], "embedding forward")
+        dtable = torch.zeros(9, 12, dtype=F64)
+        OPS.embedding_backward(dx, idx, dtable)
+    assert_close(dtable, table.grad, "embedding dtable")
+
+
+def test_softcap_crossentropy_against_autograd(monkeypatch):
+    """The soft-capped logits' cross-entropy over all columns, dloss times its gradient written over z;
+    with blocks of 3 rows, so that the loop over row blocks runs more than once."""
+    monkeypatch.setattr(tg, "CE_BLOCK", 3)
+    z = leaf(7, 50, seed=15, scale=20.0)  # well into the cap's bend
+    targets = torch.tensor([0, 49, 3, 3, 17, 25, 8])
+    losses = F.cross_entropy(ref.softcap(z), targets, reduction="none")
+    (0.37 * losses.sum()).backward()
+    with torch.no_grad():
+        dz = z.detach().clone()
+        got = OPS.softcap_crossentropy_forward_backward(dz, targets, 0.37)
+    assert_close(got, losses, "softcap cross-entropy losses")
+    assert_close(dz, z.grad, "softcap cross-entropy dz")
+
+
+def test_muon_update_is_the_references():
+    """muon_update on two tall matrices and (separately) a wide one: the momentum, the update and the
+    decayed weights of tests/speedrun_reference.py's Muon, on float64 copies."""
+    for shape in ((12, 5), (5, 12)):
+        ps = [leaf(*shape, seed=20 + i).detach() for i in range(2)]
+        gs = [leaf(*shape, seed=30 + i).detach() for i in range(2)]
+        ms = [leaf(*shape, seed=40 + i).detach() for i in range(2)]
+        want_p, want_m = [p.clone() for p in ps], [m.clone() for m in ms]
+        for p, g, m in zip(want_p, gs, want_m):
+            ref.muon_update(p, g, m, 0.02, tg.MUON_WEIGHT_DECAY)
+        OPS.muon_update(ps, gs, ms, None, 0.02, tg.MUON_MOMENTUM, tg.MUON_WEIGHT_DECAY, F64)
+        for got, want in zip(ps + ms, want_p + want_m):
+            assert_close(got, want, f"muon {shape}")
+
+
+def test_the_speedrun_ops_are_listed_once():
+    """Backend torch's speedrun table fills in SPEEDRUN_OP_NAMES exactly; --recipe speedrun's namespace
+    holds those and OP_NAMES."""
+    assert sorted(vars(OPS)) == sorted(tg.SPEEDRUN_OP_NAMES)
+    assert sorted(vars(tg.backend_ops("torch", "speedrun"))) == sorted(tg.OP_NAMES + tg.SPEEDRUN_OP_NAMES)
+
+
+# -----------------------------------------------------------------------------
+# Training runs, against the float64 reference and the sibling trainer
+
+def tiny_cfg():
+    cfg, _ = tg.parse_args(["torch", "--recipe", "speedrun", "--n-layer", str(L), "--n-embd", str(C),
+                            "--seed", "0", "--dtype", "fp32"])
+    return cfg
+
+
+def random_weights(cfg, seed):
+    """Every tensor random and nonzero, at about the scale training gives them (test_speedrun.py's)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, shape in tg.param_shapes(cfg).items():
+        std = 1.0 if k == "embed.weight" else 0.1 if len(shape) == 1 else 0.5 / math.sqrt(shape[-1])
+        out[k] = (rng.standard_normal(shape) * std + (1.0 if k.endswith("gains") else 0.0)).astype(np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_shards, tmp_path_factory):
+    """runs(key) -> (out dir, init file), each run made once, when first asked for: "recipe" (--seed 0,
+    its init also written as a model file, checkpoints every 3 steps) and "random" (random_weights,
+    checkpoint at step 3) of this trainer; "zero1" the "recipe" run's checkpoint of step 3 resumed by two
+    processes at stage 1; "torchfunc" train_gpt2_torchfunc.py's run from the "random" init file, its
+    checkpoints every 3 steps too."""
+    done = {}
+
+    def get(key):
+        if key not in done:
+            out = tmp_path_factory.mktemp(key)
+            init = out.parent / f"{key}_init.safetensors"
+            cfg = tiny_cfg()
+            tg.write_speedrun_file(str(init), tg.init_params_numpy(cfg) if key == "recipe" else
+                                   random_weights(cfg, 1), cfg)
+            argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(out), "--ckpt-every", "3"]
+            if key == "zero1":  # each process one micro-batch of the one-process run's two
+                run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train_gpt2_triton.py", "torch", *argv, "--zero-stage", "1",
+                           "--resume", get("recipe")[0] / "ckpt_0000003", env=ENV)
+            elif key == "torchfunc":
+                tf.main([*argv, "--init-from", str(init)])
+            else:
+                tg.main(["torch", *argv, "--init-from", str(init)])
+            done[key] = out, init
+        return done[key]
+    return get
+
+
+def losses(out):
+    return [e["train_loss"] for e in step_events(out)]
+
+
+@pytest.mark.parametrize("key", ["recipe", "random"])
+def test_training_matches_the_float64_reference(runs, key, tiny_shards, one_thread):
+    """In fp32, each step's train loss is within 1e-5 of the float64 reference's over 6 steps of two
+    micro-batches (the gradient of their summed token loss, Muon and AdamW's three groups, the schedule),
+    from random nonzero weights; from the recipe's init steps 1-3 too, steps 4-6 within 1e-4."""
+    out, init = runs(key)
+    expected = ref.train(str(init), [str(tiny_shards / "tiny_train_000001.bin")], B, T, ACCUM * B * T, STEPS)
+    got = losses(out)
+    assert len(got) == STEPS
+    for step, (a, b) in enumerate(zip(got, expected), 1):
+        rtol = ILL_CONDITIONED_RTOL if key == "recipe" and step > 3 else REFERENCE_RTOL
+        assert a == pytest.approx(b, rel=rtol), f"step {step}: {a} against {b}"
+    assert got[-1] < got[0] - 0.5  # it learns
+
+
+def test_zero1_matches_one_process(runs, one_thread):
+    """Two processes at ZeRO-1 resume the one-process run's step-3 checkpoint: the one process's losses of
+    steps 4-6, and the same checkpoint at step 6 (weights, m of every tensor, v of the AdamW ones only),
+    to the order of the gradients' sums."""
+    out, _ = runs("recipe")
+    zero1, _ = runs("zero1")
+    assert [e["step"] for e in step_events(zero1)] == [4, 5, 6]
+    assert losses(zero1) == pytest.approx(losses(out)[3:], rel=ZERO1_RTOL)
+    shapes = tg.param_shapes(tiny_cfg())
+    muon = set(tg.muon_names(shapes))
+    with np.load(out / "ckpt_0000006" / "state.npz") as x, np.load(zero1 / "ckpt_0000006" / "state.npz") as y:
+        assert x.files == y.files
+        assert {k for k in x.files if k.startswith("v.")} == {f"v.{k}" for k in shapes if k not in muon}
+        for k in x.files:
+            if k != "config":
+                np.testing.assert_allclose(y[k], x[k], rtol=0, atol=1e-6 * np.abs(x[k]).max(), err_msg=k)
+    _, a = tg.read_weights(str(out / "ckpt_0000006" / "model.safetensors"), tiny_cfg())
+    _, b = tg.read_weights(str(zero1 / "ckpt_0000006" / "model.safetensors"), tiny_cfg())
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-6 * np.abs(a[k]).max() + 1e-30, err_msg=k)
+
+
+def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path, one_thread):
+    """From the same random init, in fp32, torchfunc's run has this trainer's losses and grad norms; its
+    checkpoint of step 3 (Muon's momentum in m, no v for the matrices) resumes here with the losses of this
+    trainer's uninterrupted run, and this trainer's resumes in torchfunc with them too."""
+    out, _ = runs("random")
+    theirs, _ = runs("torchfunc")
+    assert losses(theirs) == pytest.approx(losses(out), rel=REFERENCE_RTOL)
+    # the gradient of the summed loss, whose norm (unlike the losses: Adam and Newton-Schulz hardly see a
+    # gradient's scale) tells it from the mean's
+    norms = [[e["grad_norm"] for e in step_events(run)] for run in (out, theirs)]
+    assert norms[0] == pytest.approx(norms[1], rel=REFERENCE_RTOL)
+    argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--ckpt-every", "0"]
+    tg.main(["torch", *argv, "--out-dir", str(tmp_path / "here"), "--resume", str(theirs / "ckpt_0000003")])
+    tf.main([*argv, "--out-dir", str(tmp_path / "there"), "--resume", str(out / "ckpt_0000003")])
+    for resumed in (tmp_path / "here", tmp_path / "there"):
+        assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
+        assert losses(resumed) == pytest.approx(losses(out)[3:], rel=REFERENCE_RTOL)
+
+
+def test_a_bf16_step_follows_fp32(one_thread):
+    """--dtype bf16, one step of two micro-batches from random weights (one block): the model computes
+    with bf16 copies of the fp32 masters (RMSNorm's eps bf16's), its loss is within 1e-2 of fp32's and
+    every gradient points fp32's way; the update leaves the masters fp32 and the copies their rounding."""
+    cfg = replace(tiny_cfg(), n_layer=1, seq_len=16, batch_size=1, total_batch_size=32)
+    weights = random_weights(cfg, 2)
+    muon = tg.muon_names(tg.param_shapes(cfg))
+    tokens = torch.from_numpy(np.random.default_rng(3).integers(0, 50257, (2, 2, 1, 16)))  # (2, A, B, T)
+    ops = tg.backend_ops("torch", "speedrun")
+    got = {}
+    for dtype in ("fp32", "bf16"):
+        c = replace(cfg, dtype=dtype)
+        m = {k: np.zeros_like(w) for k, w in weights.items()}
+        v = {k: w for k, w in m.items() if k not in muon}
+        state = tg.make_state(weights, m, v, c, torch.device("cpu"))
+        loss, _ = tg.train_step(state, tokens[0], tokens[1], 1, c, ops, 1)
+        got[dtype] = loss, state
+    (loss32, state32), (loss16, state16) = got["fp32"], got["bf16"]
+    assert loss16 == pytest.approx(loss32, rel=1e-2)
+    for k, g in state32["grads"].items():
+        g16 = state16["grads"][k]
+        cosine = float((g * g16).sum() / (g.norm() * g16.norm()))
+        assert cosine > 0.99, f"{k}: cosine {cosine:.4f} between the bf16 and fp32 gradients"
+        assert state16["params"][k].dtype == torch.float32
+        assert torch.equal(state16["weights"][k], state16["params"][k].to(torch.bfloat16)), k
+
+
+def test_no_autograd_in_a_training_step(monkeypatch, one_thread):
+    """A speedrun step records nothing for autograd: with the masters made to require grad, autograd's
+    entry points are never called and no op saves a tensor for backward (a saved-tensor hook that raises
+    proves it), yet the step updates every weight."""
+    cfg = replace(tiny_cfg(), n_layer=1, seq_len=16, batch_size=1, total_batch_size=16)
+    weights = random_weights(cfg, 4)
+    muon = tg.muon_names(tg.param_shapes(cfg))
+    m = {k: np.zeros_like(w) for k, w in weights.items()}
+    state = tg.make_state(weights, m, {k: w for k, w in m.items() if k not in muon}, cfg, torch.device("cpu"))
+    for t in state["params"].values():
+        t.requires_grad_(True)  # so that any op run with grad mode on would record a graph
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("autograd was called")
+
+    def pack(t):
+        raise AssertionError("an op saved a tensor for backward")
+
+    for module, name in ((torch.autograd, "grad"), (torch.autograd, "backward"), (torch.Tensor, "backward")):
+        monkeypatch.setattr(module, name, forbidden)
+    tokens = torch.from_numpy(np.random.default_rng(5).integers(0, 50257, (2, 1, 1, 16)))  # (2, A, B, T)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, norm = tg.train_step(state, *tokens, 1, cfg, tg.backend_ops("torch", "speedrun"), 1)
+    assert math.isfinite(loss) and norm > 0
+    for k, t in state["params"].items():
+        assert t.grad is None and not np.array_equal(t.detach().numpy(), weights[k]), k
+
+
+def allocated_bytes(tree):
+    """Bytes of the distinct storages behind the tensors in a nest of dicts and lists."""
+    storages = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, (dict, list, tuple)):
+            for item in x.values() if isinstance(x, dict) else x:
+                walk(item)
+    walk(tree)
+    return sum(storages.values())
+
+
+def test_state_is_what_device_state_bytes_counts():
+    """make_state, fp32 and bf16, alone at stage 0 and as process 1 of 2 at stage 1: it allocates what
+    device_state_bytes counts (Muon keeps one buffer, AdamW two), keeps v of the AdamW tensors only, and
+    hands the update its Muon matrices whole, in their shapes (at stage 1 those dealt to it)."""
+    for dtype in ("fp32", "bf16"):
+        for stage in (0, 1):
+            cfg = replace(tiny_cfg(), dtype=dtype, zero_stage=stage)
+            shapes = tg.param_shapes(cfg)
+            muon = tg.muon_names(shapes)
+            params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+            world = 1 + stage
+            v = {k: p for k, p in params.items() if k not in muon}
+            state = tg.make_state(params, params, v, cfg, torch.device("cpu"), world - 1, world)
+            assert allocated_bytes(state) == sum(tg.device_state_bytes(cfg, shapes, world).values())
+            assert set(state["v"]).isdisjoint(muon)
+            mine = [k for k in muon if k in state["m"]]
+            assert len(mine) == len(muon) // world
+            assert all(state["shard_params"][k].shape == shapes[k] for k in mine)
+
+
+def test_backend_triton_refuses_the_recipe():
+    """Backend triton has no speedrun kernels yet: one line, before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        tg.main(["triton", "--recipe", "speedrun", "--data", "synthetic"])
+    message = str(e.value)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "backend triton has no kernels for --recipe speedrun" in message
