@@ -45,7 +45,7 @@ IDENTICAL = {
         "evaluate_val", "setup_device", "out_of_memory_is_an_error", "lost_processes",
         "a_lost_process_is_an_error"],
     # the two that write the model as functions of a weights dict
-    ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES"],
+    ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES", "TABLES", "ATTN_SCALE", "SOFTCAP"],
 }
 # Names two or more trainers define differently, on purpose.
 DIFFERENT = {
@@ -64,7 +64,8 @@ DIFFERENT = {
     "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
     "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
     "compute_groups": "torchfunc keeps its embeddings fp32",
-    "state_layout": "JAX's shardings of the state / torchfunc's flat buffers, Muon's matrices whole", "gather_state": "each framework's collectives",
+    "state_layout": "JAX's shardings of the state / torchfunc's flat buffers, Muon's matrices whole",
+    "gather_state": "each framework's collectives",
     "device_state_bytes": "each trainer's layout of the state",
     "evaluate_val": "JAX places batches on its mesh; the torch trainers all-reduce",
     "evaluate_hellaswag": "each framework's compiled row losses", "generate": "each framework's sampler",
@@ -73,6 +74,15 @@ DIFFERENT = {
     "a_lost_process_is_an_error": "each framework's failed-collective exception",
     "peak_memory_gb": "JAX reads its devices' memory statistics, torch its allocator's",
     "log_event": "the Triton trainer logs triton-<backend>",
+    # the speedrun recipe's model and optimizers (JAX and torchfunc)
+    "rotary": "the speedrun model in each framework",
+    "speedrun_block": "the speedrun model in each framework",
+    "speedrun_transformer": "the speedrun model in each framework",
+    "speedrun_logits": "the speedrun model in each framework",
+    "newton_schulz": "jnp with a fori_loop / torch",
+    "speedrun_adamw": "JAX returns one tensor's new state / torchfunc's multi-tensor ops in place",
+    "speedrun_muon": "JAX returns the new weights and buffers / torchfunc updates them in place",
+    "speedrun_update": "JAX returns the new state / torchfunc updates it in place (and its compute copies)",
 }
 
 
