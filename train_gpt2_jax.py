@@ -757,25 +757,33 @@ def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
     return p * (1.0 - lr * weight_decay) - lr * update, m, v
 
 
-def speedrun_muon(names, params, grads, m, lr, dtype):
+def speedrun_muon(names, params, grads, m, lr, dtype, deal):
     """Muon on the matrices `names`, all of one shape (r,c): the momentum buffer m = lerp(m, g, 0.05),
     Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz in `dtype` (batched over the
-    matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update. Returns ({name: new p},
-    {name: new m}) of `names`."""
+    matrices, dealt over the devices by the sharding `deal` when their count divides, else whole on each)
+    and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update. Returns ({name: new p}, {name: new
+    m}) of `names`."""
     g = jnp.stack([grads[k] for k in names])                                       # (n,r,c)
     momentum = jnp.stack([m[k] for k in names])                                    # (n,r,c)
     momentum = momentum + (1.0 - MUON_MOMENTUM) * (g - momentum)                   # (n,r,c)
     u = momentum - (1.0 - MUON_MOMENTUM) * (momentum - g)                          # (n,r,c)
     r, c = u.shape[1:]
-    update = newton_schulz(u, dtype).astype(jnp.float32) * max(1.0, r / c) ** 0.5  # (n,r,c)
+    if deal is None:
+        update = newton_schulz(u, dtype)                                           # (n,r,c)
+    else:  # pinned on both sides: XLA would otherwise split the iterations like the weights they update
+        if len(names) % deal.mesh.size:
+            deal = NamedSharding(deal.mesh, PartitionSpec())
+        constrain = partial(jax.lax.with_sharding_constraint, shardings=deal)
+        update = constrain(newton_schulz(constrain(u), dtype))                     # (n,r,c)
+    update = update.astype(jnp.float32) * max(1.0, r / c) ** 0.5                   # (n,r,c)
     p = jnp.stack([params[k] for k in names]) * (1.0 - lr * MUON_WEIGHT_DECAY) - lr * update  # (n,r,c)
     return {k: p[i] for i, k in enumerate(names)}, {k: momentum[i] for i, k in enumerate(names)}
 
 
-def speedrun_update(params, grads, m, v, scalars, cfg):
+def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
     """The speedrun recipe's step: AdamW on the tensors v holds (the embedding, the head weight, every
     vector), each group at its lr, and Muon on the rest, the blocks' matrices, whose momentum buffers m
-    holds. Returns new (params, m, v)."""
+    holds (dealt over the devices by `deal`: speedrun_muon). Returns new (params, m, v)."""
     lr = {group: scalars[i] for i, group in enumerate(SPEEDRUN_LRS)}
     new_params, new_m, new_v = {}, {}, {}
     for k in v:
@@ -785,7 +793,7 @@ def speedrun_update(params, grads, m, v, scalars, cfg):
     muon = [k for k in grads if k not in v]
     for shape in dict.fromkeys(params[k].shape for k in muon):
         p, momentum = speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m,
-                                    lr["muon"], compute_dtype(cfg))
+                                    lr["muon"], compute_dtype(cfg), deal)
         new_params.update(p)
         new_m.update(momentum)
     return {k: new_params[k] for k in params}, {k: new_m[k] for k in m}, new_v
@@ -837,9 +845,12 @@ def state_layout(cfg, mesh):
     inside a step, whole on every device (the batch, not the model, is what the devices split). Stage 1
     splits the masters that have copies: the fp32 ones are what the model computes with. From stage 1 the
     gradient accumulator is split like the moments: XLA sums each micro-batch's gradient over the devices
-    inside the accumulation loop anyway (stage 0's compiled step all-reduces in the loop), and a reduce-
-    scatter into a slice moves half the bytes of an all-reduce into a whole copy, so stage 1 here also
-    gets ZeRO-2's gradient saving."""
+    inside the accumulation loop anyway (stage 0's compiled step all-reduces in the loop), and a
+    reduce-scatter into a slice moves half the bytes of an all-reduce into a whole copy, so stage 1 here
+    also gets ZeRO-2's gradient saving. "matrices" (speedrun, from stage 1): how Muon deals each shape's
+    stack of matrices over the devices, each device orthogonalizing its own matrices whole, as torchfunc's
+    ZeRO-1 deals them (a matrix split along rows would have XLA sum partial products across devices, in
+    bf16 with --dtype bf16); None at stage 0, where every device updates every matrix."""
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
@@ -849,7 +860,8 @@ def state_layout(cfg, mesh):
             "grads": split if cfg.zero_stage >= 1 else whole,
             "moments": split if cfg.zero_stage >= 1 else whole,
             "copies": {k: replicated for k in copied},
-            "weights": whole}
+            "weights": whole,
+            "matrices": NamedSharding(mesh, PartitionSpec("data")) if cfg.zero_stage >= 1 else None}
 
 
 def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
@@ -886,8 +898,10 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     # are whole, no communication); out_shardings gathers those whole again, and stage 1's new bf16
     # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
     params = constrain(params, layout["moments"])
-    update = speedrun_update if summed else adamw_update
-    params, m, v = update(params, grads, m, v, scalars, cfg)
+    if summed:
+        params, m, v = speedrun_update(params, grads, m, v, scalars, cfg, layout["matrices"])
+    else:
+        params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
     loss = jnp.sum(losses) / cfg.total_batch_size if summed else jnp.sum(losses)
     return params, m, v, cast_copies(params, copies, cfg), loss, norm
 
