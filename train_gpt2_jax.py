@@ -6,9 +6,11 @@ clipping, AdamW) is a single jitted function whose parameter and optimizer buffe
 are updated in place. With more than one device it trains data parallel over a Mesh (batches sharded;
 --zero-stage 1 splits the AdamW moments over the devices, --zero-stage 3 the weights and gradients too),
 on one host or several (one process per host, joined by jax.distributed). Formats, flags and logs:
-docs/FORMATS.md.
+docs/FORMATS.md. `--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline instead (its model,
+AdamW and Muon; its tensors per layer, by the names of its state_dict, in .safetensors model files).
 
     python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
+    python train_gpt2_jax.py --recipe speedrun --data data/fineweb_edu       # the speedrun baseline
     python train_gpt2_jax.py --data synthetic --steps 20 --batch-size 32 \\
         --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
     python train_gpt2_jax.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
@@ -135,7 +137,7 @@ def framework_flags(p):
     p.add_argument("--attn", choices=["auto", "cudnn", "xla"], help="attention kernel; auto: cuDNN's flash "
                    "attention on an NVIDIA GPU in bf16, else XLA's (default auto)")
     p.add_argument("--scan-layers", action="store_true",
-                   help="run the layers as one lax.scan: compile time independent of depth")
+                   help="run the layers as one lax.scan: compile time independent of depth (gpt2 recipe)")
     p.add_argument("--coordinator",
                    help="several processes: HOST:PORT of process 0, an IPv6 host in [brackets] (default: "
                    "$JAX_COORDINATOR_ADDRESS)")
@@ -743,6 +745,7 @@ def newton_schulz(G, dtype):
     def iteration(_, X):
         A = X @ X.mT                                                               # (n,r',r')
         return 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                              # (n,r',c')
+    # a loop, not 12 unrolled copies: each shape's update compiles one body (CPU compile time)
     X = jax.lax.fori_loop(0, NEWTON_SCHULZ_STEPS, iteration, X)                    # (n,r',c')
     return X.mT if tall else X                                                     # (n,r,c)
 
@@ -766,6 +769,7 @@ def speedrun_muon(names, params, grads, m, lr, dtype, deal):
     g = jnp.stack([grads[k] for k in names])                                       # (n,r,c)
     momentum = jnp.stack([m[k] for k in names])                                    # (n,r,c)
     momentum = momentum + (1.0 - MUON_MOMENTUM) * (g - momentum)                   # (n,r,c)
+    # torch.lerp's form for a weight >= 0.5: end - (end - start) * (1 - weight)
     u = momentum - (1.0 - MUON_MOMENTUM) * (momentum - g)                          # (n,r,c)
     r, c = u.shape[1:]
     if deal is None:
