@@ -6,9 +6,11 @@ clipping, AdamW) is a single jitted function whose parameter and optimizer buffe
 are updated in place. With more than one device it trains data parallel over a Mesh (batches sharded;
 --zero-stage 1 splits the AdamW moments over the devices, --zero-stage 3 the weights and gradients too),
 on one host or several (one process per host, joined by jax.distributed). Formats, flags and logs:
-docs/FORMATS.md.
+docs/FORMATS.md. `--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline instead (its model,
+AdamW and Muon; its tensors per layer, by the names of its state_dict, in .safetensors model files).
 
     python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
+    python train_gpt2_jax.py --recipe speedrun --data data/fineweb_edu       # the speedrun baseline
     python train_gpt2_jax.py --data synthetic --steps 20 --batch-size 32 \\
         --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
     python train_gpt2_jax.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
@@ -135,7 +137,7 @@ def framework_flags(p):
     p.add_argument("--attn", choices=["auto", "cudnn", "xla"], help="attention kernel; auto: cuDNN's flash "
                    "attention on an NVIDIA GPU in bf16, else XLA's (default auto)")
     p.add_argument("--scan-layers", action="store_true",
-                   help="run the layers as one lax.scan: compile time independent of depth")
+                   help="run the layers as one lax.scan: compile time independent of depth (gpt2 recipe)")
     p.add_argument("--coordinator",
                    help="several processes: HOST:PORT of process 0, an IPv6 host in [brackets] (default: "
                    "$JAX_COORDINATOR_ADDRESS)")
@@ -559,19 +561,98 @@ def transformer(params, idx, cfg):
 
 
 def forward(params, idx, cfg):
-    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows."""
+    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows. The
+    speedrun model's: its own head's, soft-capped, in fp32."""
+    if cfg.recipe == "speedrun":
+        h = speedrun_transformer(params, idx, cfg)                                 # (B,T,C)
+        return speedrun_logits(h, params["proj.weight"], params["proj.bias"])      # (B,T,Vp)
     h = transformer(params, idx, cfg)                                              # (B,T,C)
     return h @ params["wte"].astype(h.dtype).T                                     # (B,T,Vp)
 
 
+# The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names (cast
+# to the compute dtype here, so that evaluation can hand in the fp32 masters), RMSNorm with the compute
+# dtype's machine epsilon (what the reference's F.rms_norm uses where the residual stream is bf16), rotary
+# positions computed in fp32. Plain autodiff throughout.
+
+ATTN_SCALE = 0.12  # the reference's, in place of 1/sqrt(128)
+SOFTCAP = 15.0
+
+
+def rms_norm(x, w, eps):
+    """RMSNorm over the last axis with gain w (None: no gain), statistics in fp32, out in x's dtype."""
+    xf = x.astype(jnp.float32)                                                     # (..., C)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)  # (..., C)
+    return (y if w is None else y * w.astype(jnp.float32)).astype(x.dtype)         # (..., C)
+
+
+def rotary(x):
+    """The reference's half-truncated rotary embedding of q or k (B,T,H,D), in fp32: the first D/4 pairs
+    (x1[i], x2[i]) of the halves turn by the angle t * freq[i], the last D/4 stay as they are."""
+    T, D = x.shape[1], x.shape[3]
+    freq = (1 / 1024) ** jnp.linspace(0, 1, D // 4, dtype=jnp.float32)           # (D/4,)
+    freq = jnp.concatenate([freq, jnp.zeros(D // 4, jnp.float32)])                 # (D/2,)
+    t = jnp.arange(T, dtype=jnp.float32)                                           # (T,)
+    theta = jnp.outer(t, freq)[None, :, None]                                      # (1,T,1,D/2)
+    cos, sin = jnp.cos(theta), jnp.sin(theta)                                      # (1,T,1,D/2) each
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)                          # (B,T,H,D/2) each
+    return jnp.concatenate((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).astype(x.dtype)  # (B,T,H,D)
+
+
+def speedrun_block(x, params, layer, cfg):
+    """One pre-norm block of the speedrun model, with the weights blocks.<layer>.* of params."""
+    B, T, C = x.shape
+    H, D = C // HEAD_DIM, HEAD_DIM
+    dt = compute_dtype(cfg)
+    eps = jnp.finfo(dt).eps
+    prefix = f"blocks.{layer}."
+    w = {k[len(prefix):]: p.astype(dt) for k, p in params.items() if k.startswith(prefix)}
+    h = rms_norm(x, w["norm1.gains"], eps)                                         # (B,T,C)
+    q, k, v = (linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).reshape(B, T, H, D)
+               for n in "qkv")                                                     # (B,T,H,D) each
+    q, k = (rotary(rms_norm(t, None, eps)) for t in (q, k))                        # (B,T,H,D) each
+    y = jax.nn.dot_product_attention(q, k, v, scale=ATTN_SCALE, is_causal=True,
+                                     implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
+    x = x + linear(y.reshape(B, T, C), w["attn.proj.weight"], w["attn.proj.bias"])  # (B,T,C)
+    h = rms_norm(x, w["norm2.gains"], eps)                                         # (B,T,C)
+    h = jnp.square(jax.nn.relu(linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"])))  # (B,T,4C)
+    return x + linear(h, w["mlp.proj.weight"], w["mlp.proj.bias"])                # (B,T,C)
+
+
+def speedrun_transformer(params, idx, cfg):
+    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm, in the compute dtype; no
+    position embedding: the blocks' rotary gives the positions."""
+    dt = compute_dtype(cfg)
+    eps = jnp.finfo(dt).eps
+    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
+    x = jnp.take(params["embed.weight"], idx, axis=0).astype(dt)                  # (B,T,C)
+    x = rms_norm(x, params["norm1.gains"], eps)                                    # (B,T,C)
+    for layer in range(cfg.n_layer):
+        x = speedrun_block(x, params, layer, cfg)                                  # (B,T,C)
+    return rms_norm(x, params["norm2.gains"], eps)                                 # (B,T,C)
+
+
+def speedrun_logits(h, weight, bias):
+    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W)."""
+    z = linear(h, weight.astype(h.dtype), bias.astype(h.dtype)).astype(jnp.float32)  # (..., V)
+    return SOFTCAP * z * jax.lax.rsqrt(jnp.square(z) + SOFTCAP**2)                 # (..., V)
+
+
 def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T)."""
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T): over the first V
+    columns, or (speedrun, as the reference's) over all Vp."""
+    if cfg.recipe == "speedrun":
+        logits = forward(params, x, cfg)                                           # (B,T,Vp)
+        target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]  # (B,T)
+        return jax.nn.logsumexp(logits, axis=-1) - target_logit                    # (B,T)
     return cross_entropy(forward(params, x, cfg), y)                               # (B,T)
 
 
 def loss_fn(params, x, y, cfg):
-    """Mean token loss of one batch, fp32."""
-    return jnp.mean(token_losses(params, x, y, cfg))
+    """The loss one batch contributes, fp32: the mean token loss, or (speedrun) the sum, whose gradient the
+    reference's optimizers take, so that Adam's eps acts at its scale."""
+    losses = token_losses(params, x, y, cfg)                                       # (B,T)
+    return jnp.sum(losses) if cfg.recipe == "speedrun" else jnp.mean(losses)
 
 
 # -----------------------------------------------------------------------------
@@ -617,18 +698,24 @@ def grad_accum_steps(cfg, world):
 
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
+SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
+MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
 
 
 def adam_scalars(step, cfg):
     """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled step as data, so a new lr never recompiles it."""
+    the compiled step as data, so a new lr never recompiles it; with the speedrun recipe [lr of each
+    SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t]."""
+    if cfg.recipe == "speedrun":
+        return np.array([*speedrun_lrs(step - 1, cfg).values(), 1.0 - SPEEDRUN_BETA1 ** step,
+                         1.0 - SPEEDRUN_BETA2 ** step], dtype=np.float32)
     return np.array([lr_at(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
                     dtype=np.float32)
 
 
 def global_norm(grads):
     """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
-    norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(grads[k]))) for k in PARAM_NAMES])  # (16,)
+    norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g))) for g in grads.values()])  # (n,)
     return jnp.sqrt(jnp.sum(jnp.square(norms)))
 
 
@@ -644,6 +731,76 @@ def adamw_update(params, grads, m, v, scalars, cfg):
         decay = cfg.weight_decay if k in DECAY_NAMES else 0.0
         new_params[k] = params[k] - lr * (update + decay * params[k])
     return new_params, new_m, new_v
+
+
+def newton_schulz(G, dtype):
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F
+    (spectral norm at most 1), 12 iterations of X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, which drive
+    every singular value of X toward 1; on the transposes of tall matrices, so that A is the smaller."""
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.astype(dtype).mT if tall else G.astype(dtype)                            # (n,r',c')
+    norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(-2, -1), keepdims=True))  # (n,1,1)
+    X = X / (norm + 1e-7).astype(dtype)                                            # (n,r',c')
+
+    def iteration(_, X):
+        A = X @ X.mT                                                               # (n,r',r')
+        return 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                              # (n,r',c')
+    # a loop, not 12 unrolled copies: each shape's update compiles one body (CPU compile time)
+    X = jax.lax.fori_loop(0, NEWTON_SCHULZ_STEPS, iteration, X)                    # (n,r',c')
+    return X.mT if tall else X                                                     # (n,r,c)
+
+
+def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
+    """AdamW with the speedrun recipe's betas and eps on one tensor, as torch.optim.AdamW computes it: m =
+    lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p *= 1 - lr*wd, p -= lr mhat/(sqrt(vhat)+eps). Returns the new
+    (p, m, v)."""
+    m = m + (1.0 - SPEEDRUN_BETA1) * (g - m)
+    v = SPEEDRUN_BETA2 * v + (1.0 - SPEEDRUN_BETA2) * g * g
+    update = (m / bias1) / (jnp.sqrt(v / bias2) + SPEEDRUN_EPS)
+    return p * (1.0 - lr * weight_decay) - lr * update, m, v
+
+
+def speedrun_muon(names, params, grads, m, lr, dtype, deal):
+    """Muon on the matrices `names`, all of one shape (r,c): the momentum buffer m = lerp(m, g, 0.05),
+    Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz in `dtype` (batched over the
+    matrices, dealt over the devices by the sharding `deal` when their count divides, else whole on each)
+    and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update. Returns ({name: new p}, {name: new
+    m}) of `names`."""
+    g = jnp.stack([grads[k] for k in names])                                       # (n,r,c)
+    momentum = jnp.stack([m[k] for k in names])                                    # (n,r,c)
+    momentum = momentum + (1.0 - MUON_MOMENTUM) * (g - momentum)                   # (n,r,c)
+    # torch.lerp's form for a weight >= 0.5: end - (end - start) * (1 - weight)
+    u = momentum - (1.0 - MUON_MOMENTUM) * (momentum - g)                          # (n,r,c)
+    r, c = u.shape[1:]
+    if deal is None:
+        update = newton_schulz(u, dtype)                                           # (n,r,c)
+    else:  # pinned on both sides: XLA would otherwise split the iterations like the weights they update
+        if len(names) % deal.mesh.size:
+            deal = NamedSharding(deal.mesh, PartitionSpec())
+        constrain = partial(jax.lax.with_sharding_constraint, shardings=deal)
+        update = constrain(newton_schulz(constrain(u), dtype))                     # (n,r,c)
+    update = update.astype(jnp.float32) * max(1.0, r / c) ** 0.5                   # (n,r,c)
+    p = jnp.stack([params[k] for k in names]) * (1.0 - lr * MUON_WEIGHT_DECAY) - lr * update  # (n,r,c)
+    return {k: p[i] for i, k in enumerate(names)}, {k: momentum[i] for i, k in enumerate(names)}
+
+
+def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
+    """The speedrun recipe's step: AdamW on the tensors v holds (the embedding, the head weight, every
+    vector), each group at its lr, and Muon on the rest, the blocks' matrices, whose momentum buffers m
+    holds (dealt over the devices by `deal`: speedrun_muon). Returns new (params, m, v)."""
+    lr = {group: scalars[i] for i, group in enumerate(SPEEDRUN_LRS)}
+    new_params, new_m, new_v = {}, {}, {}
+    for k in v:
+        new_params[k], new_m[k], new_v[k] = speedrun_adamw(params[k], grads[k], m[k], v[k],
+                                                           lr[adamw_group(k)], scalars[4], scalars[5],
+                                                           cfg.weight_decay)
+    muon = [k for k in grads if k not in v]
+    for shape in dict.fromkeys(params[k].shape for k in muon):
+        p, momentum = speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m,
+                                    lr["muon"], compute_dtype(cfg), deal)
+        new_params.update(p)
+        new_m.update(momentum)
+    return {k: new_params[k] for k in params}, {k: new_m[k] for k in m}, new_v
 
 
 # ZeRO over the mesh's "data" axis, written as shardings only: the state arrays carry a NamedSharding,
@@ -666,6 +823,7 @@ def zero_spec(shape, world):
 
 
 EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no compute-dtype copies
+TABLES = EMBEDDINGS + ("embed.weight",)  # those of either recipe
 
 
 def copied_names(cfg):
@@ -674,7 +832,7 @@ def copied_names(cfg):
     model computes with the masters themselves."""
     if cfg.zero_stage != 1 or cfg.dtype == "fp32":
         return []
-    return [k for k in PARAM_NAMES if k not in EMBEDDINGS]
+    return [k for k in param_shapes(cfg) if k not in TABLES]
 
 
 def cast_copies(params, names, cfg):
@@ -686,13 +844,17 @@ def cast_copies(params, names, cfg):
 def state_layout(cfg, mesh):
     """Where each piece of training state lives at cfg.zero_stage, as {name: NamedSharding} per piece:
     "masters" (the fp32 weights), "grads" (the fp32 gradient accumulator of a step), "moments" (AdamW's m
-    and v, one sharding for both), "copies" (the bf16 weights stage 1 keeps across steps, always whole);
-    "weights" is the compute copies' sharding inside a step, whole on every device (the batch, not the
-    model, is what the devices split). Stage 1 splits the masters that have copies: the fp32 ones are
-    what the model computes with. From stage 1 the gradient accumulator is split like the moments: XLA
-    sums each micro-batch's gradient over the devices inside the accumulation loop anyway (stage 0's
-    compiled step all-reduces in the loop), and a reduce-scatter into a slice moves half the bytes of an
-    all-reduce into a whole copy, so stage 1 here also gets ZeRO-2's gradient saving."""
+    and v, one sharding for both; speedrun: v of the AdamW tensors only, m also Muon's momentum), "copies"
+    (the bf16 weights stage 1 keeps across steps, always whole); "weights" is the compute copies' sharding
+    inside a step, whole on every device (the batch, not the model, is what the devices split). Stage 1
+    splits the masters that have copies: the fp32 ones are what the model computes with. From stage 1 the
+    gradient accumulator is split like the moments: XLA sums each micro-batch's gradient over the devices
+    inside the accumulation loop anyway (stage 0's compiled step all-reduces in the loop), and a
+    reduce-scatter into a slice moves half the bytes of an all-reduce into a whole copy, so stage 1 here
+    also gets ZeRO-2's gradient saving. "matrices" (speedrun, from stage 1): how Muon deals each shape's
+    stack of matrices over the devices, each device orthogonalizing its own matrices whole, as torchfunc's
+    ZeRO-1 deals them (a matrix split along rows would have XLA sum partial products across devices, in
+    bf16 with --dtype bf16); None at stage 0, where every device updates every matrix."""
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
@@ -702,29 +864,33 @@ def state_layout(cfg, mesh):
             "grads": split if cfg.zero_stage >= 1 else whole,
             "moments": split if cfg.zero_stage >= 1 else whole,
             "copies": {k: replicated for k in copied},
-            "weights": whole}
+            "weights": whole,
+            "matrices": NamedSharding(mesh, PartitionSpec("data")) if cfg.zero_stage >= 1 else None}
 
 
 def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
-    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A
-    micro-batch losses (each micro-batch's gradient scaled by 1/A and summed in fp32), clipped to
-    cfg.grad_clip, then AdamW. `layout` (state_layout) places the state; at stage 0 every constraint
-    below says "replicated" and changes nothing. `copies` are stage 1's bf16 weights ({} otherwise).
-    Returns (params, m, v, copies, loss, grad_norm before clipping)."""
+    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A micro-batch
+    losses (each micro-batch's gradient scaled by 1/A and summed in fp32), or (speedrun) of the sum of
+    every token's loss, clipped to cfg.grad_clip, then AdamW (speedrun: speedrun_update). `layout`
+    (state_layout) places the state; at stage 0 every constraint below says "replicated" and changes
+    nothing. `copies` are stage 1's bf16 weights ({} otherwise). Returns (params, m, v, copies, mean token
+    loss, grad_norm before clipping)."""
     A = x.shape[0]
+    summed = cfg.recipe == "speedrun"
+    scale = 1.0 if summed else 1.0 / A
     constrain = jax.lax.with_sharding_constraint
     # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
     # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch.
     # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes. Stage 1
     # has them already, from the last update.
     dt = compute_dtype(cfg)
-    weights = constrain({k: copies[k] if k in copies else p if k in EMBEDDINGS else p.astype(dt)
+    weights = constrain({k: copies[k] if k in copies else p if k in TABLES else p.astype(dt)
                          for k, p in params.items()}, layout["weights"])
 
     def micro_step(acc, batch):
-        loss, grads = jax.value_and_grad(lambda w: loss_fn(w, batch[0], batch[1], cfg) / A)(weights)
+        loss, grads = jax.value_and_grad(lambda w: loss_fn(w, batch[0], batch[1], cfg) * scale)(weights)
         grads = constrain({k: g.astype(jnp.float32) for k, g in grads.items()}, layout["grads"])
-        return {k: acc[k] + grads[k] for k in PARAM_NAMES}, loss
+        return {k: acc[k] + grads[k] for k in acc}, loss
 
     zeros = constrain({k: jnp.zeros_like(p) for k, p in params.items()}, layout["grads"])
     grads, losses = jax.lax.scan(micro_step, zeros, (x, y))                       # fp32 dict, (A,)
@@ -736,8 +902,12 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     # are whole, no communication); out_shardings gathers those whole again, and stage 1's new bf16
     # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
     params = constrain(params, layout["moments"])
-    params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
-    return params, m, v, cast_copies(params, copies, cfg), jnp.sum(losses), norm
+    if summed:
+        params, m, v = speedrun_update(params, grads, m, v, scalars, cfg, layout["matrices"])
+    else:
+        params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
+    loss = jnp.sum(losses) / cfg.total_batch_size if summed else jnp.sum(losses)
+    return params, m, v, cast_copies(params, copies, cfg), loss, norm
 
 
 # -----------------------------------------------------------------------------
@@ -1201,9 +1371,15 @@ def generate(params, key, cfg):
 
     def sample_next(t, carry):                                                     # token t+1 from 0..t
         tokens, key = carry
-        h = jax.lax.dynamic_index_in_dim(transformer(params, tokens, cfg), t, axis=1,
-                                         keepdims=False)                          # (S,C)
-        logits = (h @ params["wte"][:VOCAB_SIZE].astype(h.dtype).T).astype(jnp.float32)  # (S,V)
+        if cfg.recipe == "speedrun":
+            h = jax.lax.dynamic_index_in_dim(speedrun_transformer(params, tokens, cfg), t, axis=1,
+                                             keepdims=False)                      # (S,C)
+            logits = speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE],
+                                     params["proj.bias"][:VOCAB_SIZE])             # (S,V)
+        else:
+            h = jax.lax.dynamic_index_in_dim(transformer(params, tokens, cfg), t, axis=1,
+                                             keepdims=False)                      # (S,C)
+            logits = (h @ params["wte"][:VOCAB_SIZE].astype(h.dtype).T).astype(jnp.float32)  # (S,V)
         top_logits, top_ids = jax.lax.top_k(logits, TOP_K)                        # (S,K) each
         key, sub = jax.random.split(key)
         choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
@@ -1244,24 +1420,26 @@ def peak_flops(device_name, dtype):
 def device_state_bytes(cfg, shapes, world):
     """Bytes of training state that ONE device holds at cfg.zero_stage over `world` devices, for the
     tensors of `shapes`: {"params": compute-dtype copies kept across steps, "grads": the fp32 gradient
-    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v}. "params" counts
+    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v, speedrun's Muon
+    momentum}. "params" counts
     stage 1's bf16 copies only: at the other stages (and in fp32) the model's bf16 copies live only inside
     a step. Split as state_layout splits them; a tensor without an axis the device count divides counts
     whole."""
     def held(shape, split, size=4):
         axis = shard_axis(shape, world) if split else None
         return size * math.prod(shape) // (world if axis is not None else 1)
-    copied = copied_names(cfg)
+    copied, muon = copied_names(cfg), set(muon_names(shapes))
     return {"params": sum(held(shapes[k], False, 2) for k in copied),
             "grads": sum(held(s, cfg.zero_stage >= 1) for s in shapes.values()),
             "masters": sum(held(s, cfg.zero_stage == 3 or k in copied) for k, s in shapes.items()),
-            "moments": 2 * sum(held(s, cfg.zero_stage >= 1) for s in shapes.values())}
+            "moments": sum((1 if k in muon else 2) * held(s, cfg.zero_stage >= 1) for k, s in shapes.items())}
 
 
 def format_state_bytes(cfg, held, world):
+    optimizers = "AdamW and Muon" if cfg.recipe == "speedrun" else "AdamW"
     return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | "
-            f"fp32 masters {held['masters'] / 1e6:.1f} MB | AdamW moments {held['moments'] / 1e6:.1f} MB "
-            f"(ZeRO stage {cfg.zero_stage} over {world} devices)")
+            f"fp32 masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} "
+            f"MB (ZeRO stage {cfg.zero_stage} over {world} devices)")
 
 
 def log_event(out_dir, **record):
@@ -1570,21 +1748,23 @@ def put_rows(sharding, rows):
 def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
     """train_step jitted with the state's shardings from `layout` (donated: updated in place), batches
     split by `step_batch`, and compiled ahead for `grad_accum` micro-batches of the global batch.
-    `state` is (params, m, v, copies), or arrays shaped and placed like them."""
-    state_shardings = (layout["masters"], layout["moments"], layout["moments"], layout["copies"])
+    `state` is (params, m, v, copies), or arrays shaped and placed like them (speedrun: v of the AdamW
+    tensors only)."""
+    v_shardings = {k: layout["moments"][k] for k in state[2]}
+    state_shardings = (layout["masters"], layout["moments"], v_shardings, layout["copies"])
     step_jit = jax.jit(partial(train_step, cfg=cfg, layout=layout), donate_argnums=(0, 1, 2, 3),
                        in_shardings=state_shardings + (step_batch, step_batch, replicated),
                        out_shardings=state_shardings + (replicated, replicated))
     batch = (grad_accum, cfg.batch_size * step_batch.mesh.size, cfg.seq_len)
     batch_spec = jax.ShapeDtypeStruct(batch, jnp.int32, sharding=step_batch)      # (A,B,T)
-    scalar_spec = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=replicated)
+    scalar_spec = jax.ShapeDtypeStruct(adam_scalars(1, cfg).shape, jnp.float32, sharding=replicated)
     return step_jit.lower(*state, batch_spec, batch_spec, scalar_spec).compile()
 
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
-    if cfg.recipe == "speedrun":
-        die("--recipe speedrun is not in train_gpt2_jax.py yet: train it with train_gpt2_torchfunc.py")
+    if cfg.recipe == "speedrun" and cfg.scan_layers:
+        die("--scan-layers: the speedrun model's layers are separate tensors (no L axis) to scan over")
     init_processes(cfg)
     # the mesh lists each process's devices together, processes in order: the data axis then gives each
     # process one contiguous block of the global batch's rows, the block llm.c's rank `rank` of `ranks`
@@ -1606,9 +1786,10 @@ def main(argv=None):
         apply_model_header(cfg, header, explicit)
     else:
         params = init_params_numpy(cfg)
-    if m is None:
+    if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+        muon = muon_names(param_shapes(cfg))
         m = {k: np.zeros_like(p) for k, p in params.items()}
-        v = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
     if cfg.eval_only and not (cfg.resume or cfg.init_from):
         die("--eval-only needs weights: give --init-from or --resume")
     cfg.attn = resolve_attention(cfg, platform)
@@ -1642,13 +1823,15 @@ def main(argv=None):
     step_batch = NamedSharding(mesh, PartitionSpec(None, "data"))                  # (A,B,T)
     eval_batch = NamedSharding(mesh, PartitionSpec("data"))                        # (B,T)
     params = place(params, layout["masters"])
-    m, v = place(m, layout["moments"]), place(v, layout["moments"])
+    m, v = place(m, layout["moments"]), place(v, {k: layout["moments"][k] for k in v})
     # stage 1's bf16 weights, cast on the devices as every update casts them
     copies = jax.jit(partial(cast_copies, names=list(layout["copies"]), cfg=cfg),
                      out_shardings=layout["copies"])(params)
-    n_params = sum(p.size for k, p in params.items() if k != "wpe")
-    say(f"GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"wpe) | {world} x {devices[0].device_kind} in {ranks} process(es) | {cfg.dtype} | "
+    # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
+    model, table = ("speedrun GPT", "embed.weight") if cfg.recipe == "speedrun" else ("GPT-2", "wpe")
+    n_params = sum(p.size for k, p in params.items() if k != table)
+    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
+        f"{table}) | {world} x {devices[0].device_kind} in {ranks} process(es) | {cfg.dtype} | "
         f"attention: {cfg.attn}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")

@@ -38,16 +38,16 @@ IDENTICAL = {
         "RECIPES", "SPEEDRUN_LRS", "SPEEDRUN_DEFAULTS", "HEAD_DIM", "speedrun_shapes", "muon_names",
         "init_speedrun_numpy", "rotary_freq_numpy", "SPEEDRUN_COOLDOWN", "speedrun_lrs", "adamw_group",
         "SAFETENSORS_TYPES", "write_safetensors", "read_safetensors", "write_speedrun_file",
-        "read_speedrun_file", "MODEL_FILES", "read_weights"],
+        "read_speedrun_file", "MODEL_FILES", "read_weights", "ATTN_SCALE", "SOFTCAP"],
     # the two torch trainers: processes, ZeRO-1's flat buffers, tensors to and from numpy
     ("torchfunc", "triton"): [
         "FLAT_ALIGN", "flat_layout", "flat_views", "shard_ranges", "put_batch", "to_numpy", "to_device",
         "evaluate_val", "setup_device", "out_of_memory_is_an_error", "lost_processes",
         "a_lost_process_is_an_error", "gather_state",
-        # the speedrun recipe: its model's constants, Muon's orthogonalization, ZeRO-1's whole matrices
-        "ATTN_SCALE", "SOFTCAP", "newton_schulz", "whole_matrix_layout", "state_layout"],
+        # the speedrun recipe: Muon's orthogonalization, ZeRO-1's whole matrices
+        "newton_schulz", "whole_matrix_layout", "state_layout"],
     # the two that write the model as functions of a weights dict
-    ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES"],
+    ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES", "TABLES"],
 }
 # Names two or more trainers define differently, on purpose.
 DIFFERENT = {
@@ -68,9 +68,6 @@ DIFFERENT = {
     "compute_groups": "torchfunc keeps its embeddings fp32",
     "state_layout": "JAX's shardings of the state / the torch trainers' flat buffers, Muon's matrices whole",
     "gather_state": "each framework's collectives",
-    "speedrun_update": "torchfunc's compiled multi-tensor update of its dicts / the op interface's "
-                       "adamw_update and muon_update on the training state",
-    "speedrun_logits": "torchfunc's head with F.linear / the soft cap alone, after the op interface's matmul",
     "device_state_bytes": "each trainer's layout of the state",
     "evaluate_val": "JAX places batches on its mesh; the torch trainers all-reduce",
     "evaluate_hellaswag": "each framework's compiled row losses", "generate": "each framework's sampler",
@@ -79,6 +76,17 @@ DIFFERENT = {
     "a_lost_process_is_an_error": "each framework's failed-collective exception",
     "peak_memory_gb": "JAX reads its devices' memory statistics, torch its allocator's",
     "log_event": "the Triton trainer logs triton-<backend>",
+    # the speedrun recipe's model and optimizers (JAX and torchfunc)
+    "rotary": "the speedrun model in each framework",
+    "speedrun_block": "the speedrun model in each framework",
+    "speedrun_transformer": "the speedrun model in each framework",
+    "speedrun_logits": "the speedrun model in each framework (the Triton trainer's: the soft cap alone, "
+                       "after the op interface's matmul)",
+    "newton_schulz": "jnp with a fori_loop / torch",
+    "speedrun_adamw": "JAX returns one tensor's new state / torchfunc's multi-tensor ops in place",
+    "speedrun_muon": "JAX returns the new weights and buffers / torchfunc updates them in place",
+    "speedrun_update": "JAX returns the new state / torchfunc updates it in place (and its compute copies) / "
+                       "the Triton trainer through the op interface's adamw_update and muon_update",
 }
 
 
