@@ -253,22 +253,24 @@ def tiny_model_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def speedrun_random_file(tmp_path_factory):
-    """A speedrun model file (L2 C128, written by tests/speedrun_reference.py) in which every tensor is
-    random and nonzero, at about the scale training gives them: unlike the recipe's init (the head and
-    the projections zero), every weight gets a gradient at the first step."""
+def speedrun_reference_losses(tiny_shards):
+    """losses(model_file) -> the per-step mean losses of tests/speedrun_reference.py's float64 run that the
+    speedrun tests hold each trainer to (6 steps of 2 micro-batches of 1 x 32 tokens of tiny_shards' train
+    shard) from that speedrun model file: run once per test process for each distinct set of weights (the
+    trainers' tests start from the same inits), a few seconds each."""
+    import hashlib
     import speedrun_reference
-    rng = np.random.default_rng(7)
-    state = {}
-    for name, shape in speedrun_reference.state_shapes(2, 128):
-        if name.endswith("angular_freq"):
-            state[name] = speedrun_reference.rotary_freq(2 * shape[0]).numpy()
-        else:
-            std = 1.0 if name == "embed.weight" else 0.1 if len(shape) == 1 else 0.5 / math.sqrt(shape[-1])
-            state[name] = rng.standard_normal(shape) * std + (1.0 if name.endswith("gains") else 0.0)
-    path = tmp_path_factory.mktemp("speedrun") / "random_l2c128.safetensors"
-    speedrun_reference.write_model_file(path, state)
-    return path
+    from safetensors.numpy import load_file
+    done = {}
+
+    def losses(path):
+        tensors = load_file(str(path))
+        key = hashlib.sha256(b"".join(k.encode() + np.asarray(tensors[k], np.float32).tobytes()
+                                      for k in sorted(tensors))).hexdigest()
+        if key not in done:
+            done[key] = speedrun_reference.train(path, [tiny_shards / "tiny_train_000001.bin"], 1, 32, 64, 6)
+        return done[key]
+    return losses
 
 
 @pytest.fixture(scope="session")

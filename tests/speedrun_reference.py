@@ -264,12 +264,10 @@ def accumulate(model, loader, accum):
     return total
 
 
-def train(model_file, train_files, B, T, total_batch, steps, dtype=torch.float64, return_model=False,
-          schedule_steps=None):
+def train(model_file, train_files, B, T, total_batch, steps, dtype=torch.float64, return_model=False):
     """Per-step mean train loss of `steps` steps of total_batch tokens (total_batch / (B*T) micro-batches
-    of (B, T) from llm.c shards, in llm.c's order), from a speedrun model file. The lr schedule spans
-    schedule_steps (default: steps; math.inf keeps every lr at its base value, as a trainer's
-    --lr-decay-frac 1 does). With return_model=True, (losses, the trained model)."""
+    of (B, T) from llm.c shards, in llm.c's order), from a speedrun model file. With return_model=True,
+    (losses, the trained model)."""
     model = load_model(model_file, dtype)
     adamw, muon = make_optimizers(model)
     assert total_batch % (B * T) == 0
@@ -278,5 +276,5 @@ def train(model_file, train_files, B, T, total_batch, steps, dtype=torch.float64
     for step in range(steps):
         model.zero_grad(set_to_none=True)
         losses.append(accumulate(model, loader, accum) / total_batch)
-        optimizer_step(adamw, muon, step, schedule_steps or steps)
+        optimizer_step(adamw, muon, step, steps)
     return (losses, model) if return_model else losses

@@ -123,12 +123,12 @@ def losses(out):
 
 
 @pytest.mark.parametrize("key", ["recipe", "random"])
-def test_training_matches_the_float64_reference(runs, inits, key, tiny_shards, one_thread):
+def test_training_matches_the_float64_reference(runs, inits, key, speedrun_reference_losses, one_thread):
     """In fp32, each step's train loss is within 1e-5 of the float64 reference's over 6 steps of two
     micro-batches (the summed token loss's gradient, Muon on the blocks' matrices, AdamW's three groups,
     the stable-then-decay schedule): from random nonzero weights, and from the recipe's init by --seed
     (the reference's init_state_dict of the same seed) in steps 1-3, steps 4-6 within 1e-4."""
-    expected = ref.train(inits[key], [tiny_shards / "tiny_train_000001.bin"], B, T, ACCUM * B * T, STEPS)
+    expected = speedrun_reference_losses(inits[key])
     got = losses(runs(key)[0])
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, expected), 1):
@@ -193,10 +193,12 @@ def assert_close_checkpoints(a, b):
                 assert_close(x[k], y[k], k)
 
 
-def test_checkpoints_move_between_torchfunc_and_jax(runs):
+def test_checkpoints_move_between_torchfunc_and_jax(runs, tiny_shards, tmp_path, one_thread):
     """torchfunc's step-3 checkpoint, resumed in JAX, prints and logs torchfunc's uninterrupted steps 4-6
     (fp32, to 1e-6) and saves at step 6 the checkpoint torchfunc saved; JAX's uninterrupted run saves it
-    too, and torchfunc reads JAX's step-3 checkpoint as its own (its losses of steps 4-6 are JAX's)."""
+    too, and torchfunc resumes JAX's step-3 checkpoint: its steps 4-6 are JAX's. With
+    tests/test_speedrun_triton.py's checkpoints between torchfunc and the Triton trainer, a speedrun run
+    passes between any two of the three trainers."""
     tf_out, _ = runs("tf")
     out, stdout = runs("tf>jax")
     assert [e["step"] for e in step_events(out)] == [4, 5, 6]
@@ -213,6 +215,10 @@ def test_checkpoints_move_between_torchfunc_and_jax(runs):
     assert (header["n_layer"], state["step"], state["position"]) == (L, 3, 3 * ACCUM * B * T)
     assert list(params) == list(tf.param_shapes(cfg)) and set(v) == set(params) - set(
         tf.muon_names({k: p.shape for k, p in params.items()}))
+    tf.main([*map(str, FLAGS), "--data", str(tiny_shards), "--dtype", "fp32", "--resume",
+             str(jax_out / "ckpt_0000003"), "--ckpt-every", "0", "--out-dir", str(tmp_path / "jax>tf")])
+    assert [e["step"] for e in step_events(tmp_path / "jax>tf")] == [4, 5, 6]
+    assert losses(tmp_path / "jax>tf") == pytest.approx(losses(jax_out)[3:], rel=CROSS_RTOL)
 
 def test_bad_input(tiny_shards, tiny_model_file, tmp_path):
     """One line and a non-zero exit, before any training: an llm.c model file given to --recipe speedrun
