@@ -1,6 +1,6 @@
 """The test suite: every implementation against the others and against outside references.
 
-    python test_parity.py                 # everything (CPU: about 10 minutes on 2 cores, 2 workers)
+    python test_parity.py                 # everything (CPU: about 11 minutes on 2 cores, 2 workers)
     python test_parity.py -k tokenizer    # a selection (pytest -k syntax)
     python test_parity.py --list          # what each test checks, grouped by component
     pytest                                # the same tests under plain pytest

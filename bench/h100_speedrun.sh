@@ -7,7 +7,8 @@
 #     bash bench/h100_speedrun.sh LOGDIR
 #     SKIP="gpt2_jax_b64" bash bench/h100_speedrun.sh LOGDIR   # leaves out the named runs
 # EXTRA adds flags to every run (later flags win): e.g. a dry run on the CPU with
-#     EXTRA="--n-layer 2 --n-embd 128 --n-head 1 --dtype fp32 --batch-size 2 --total-batch-size 2048 --steps 2"
+#     EXTRA="--n-layer 2 --n-embd 128 --n-head 1 --dtype fp32 --batch-size 2 \
+#            --total-batch-size 2048 --steps 2"
 set -uo pipefail
 LOG=${1:?usage: bash bench/h100_speedrun.sh LOGDIR}
 mkdir -p "$LOG/runs"
@@ -21,7 +22,8 @@ run() {  # run NAME TRAINER ARGS...: one d12 run, its log.jsonl under LOGDIR/run
     local name=$1; shift
     case " ${SKIP:-} " in *" $name "*) echo "skipped: $name"; return;; esac
     echo "== $name ($((SECONDS - T0)) s)"
-    timeout 120 $PY "$@" $D ${EXTRA:-} --out-dir "$LOG/runs/$name" > "$LOG/$name.txt" 2>&1 || echo "$name failed: $?"
+    timeout 90 $PY "$@" $D ${EXTRA:-} --out-dir "$LOG/runs/$name" > "$LOG/$name.txt" 2>&1 \
+        || echo "$name failed: $?"
     tail -2 "$LOG/$name.txt"
 }
 run speedrun_jax_b32 train_gpt2_jax.py --recipe speedrun --batch-size 32

@@ -34,9 +34,9 @@ def main():
         path = os.path.join(runs_dir, name, "log.jsonl")
         if os.path.exists(path) and (s := summary(path)):
             rows[name] = s
-    print(f"{'run':22s} {'steps':>5s} {'tokens/s':>10s} {'MFU':>7s} {'peak GB':>8s} {'last loss':>9s}")
+    print(f"{'run':25s} {'steps':>5s} {'tokens/s':>10s} {'MFU':>7s} {'peak GB':>8s} {'last loss':>9s}")
     for name, s in rows.items():
-        print(f"{name:22s} {s['steps']:5d} {s['tokens_per_s']:10,.0f} {100 * s['mfu']:6.1f}% "
+        print(f"{name:25s} {s['steps']:5d} {s['tokens_per_s']:10,.0f} {100 * s['mfu']:6.1f}% "
               f"{s['peak_mem_gb']:8.2f} {s['loss']:9.4f}")
     for name, s in rows.items():
         if s["val"]:
