@@ -861,6 +861,10 @@ def rotary_freq_numpy(head_dim):
     return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
+def compute_dtype(cfg):
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
 # What the forward keeps for the backward, per layer and sequence at d12, T=1024 in bf16 ((T, C) = 1.5 MiB):
 #   res   (T, C)   the residual stream entering the layer (the embedding for layer 0)      1.5 MiB
 #   qkv   (T, 3C)  the attention's input projection                                         4.5 MiB
@@ -1169,10 +1173,9 @@ def speedrun_update(state, step, cfg, ops):
             ops.adamw_update(params, grads, ms, [v[k] for k in names], copied, lrs[group], SPEEDRUN_BETA1,
                              SPEEDRUN_BETA2, SPEEDRUN_EPS, [cfg.weight_decay] * len(names), step, 1.0)
     muon = [k for k in g if k not in v]
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     for shape in dict.fromkeys(p[k].shape for k in muon):
         ops.muon_update(*lists([k for k in muon if p[k].shape == shape]), lrs["muon"], MUON_MOMENTUM,
-                        MUON_WEIGHT_DECAY, dtype)
+                        MUON_WEIGHT_DECAY, compute_dtype(cfg))
 
 
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
@@ -1185,7 +1188,7 @@ def compute_groups(cfg):
     which a process updates whole, are a last group of their own."""
     shapes = param_shapes(cfg)
     muon = muon_names(shapes)
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    dtype = compute_dtype(cfg)
     return [([k for k in shapes if k not in muon], dtype)] + ([(muon, dtype)] if muon else [])
 
 
@@ -4624,7 +4627,7 @@ def time_ms(fn, device):
 def bench_cases(cfg, ops, device):
     """(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work) at the model's
     shapes: N = B*T rows, and HEAD_ROWS rows for the lm head and the loss, as the training step runs them."""
-    dt = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    dt = compute_dtype(cfg)
     B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
                          cfg.padded_vocab_size)
     N, R = B * T, min(B * T, HEAD_ROWS)
