@@ -108,6 +108,42 @@ def step_events(out_dir):
     return [e for e in read_log(out_dir) if "train_loss" in e]
 
 
+def train_losses(out_dir):
+    """The train loss of each step a run logged, in order."""
+    return [e["train_loss"] for e in step_events(out_dir)]
+
+
+def allocated_bytes(tree):
+    """Bytes of the distinct storages behind the torch tensors anywhere in a nest of dicts, lists and tuples
+    (what a trainer's make_state allocates, against its device_state_bytes)."""
+    import torch
+    storages = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            for item in x.values():
+                walk(item)
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+    walk(tree)
+    return sum(storages.values())
+
+
+def speedrun_random_weights(shapes, seed):
+    """{name: fp32 array} of the speedrun model's shapes with every tensor random and nonzero, at about the
+    scale training gives them: unlike the recipe's init (the head and projections zero), every weight gets
+    a gradient at the first step."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, shape in shapes.items():
+        std = 1.0 if k == "embed.weight" else 0.1 if len(shape) == 1 else 0.5 / math.sqrt(shape[-1])
+        out[k] = (rng.standard_normal(shape) * std + (1.0 if k.endswith("gains") else 0.0)).astype(np.float32)
+    return out
+
+
 # the keys of a step's log.jsonl event (evaluations add val_loss, hellaswag_acc, hellaswag_acc_norm), as
 # docs/FORMATS.md ("What a run prints and logs") gives them
 STEP_KEYS = {"step", "train_loss", "grad_norm", "lr", "dt_ms", "tokens_per_s", "mfu", "peak_mem_gb",

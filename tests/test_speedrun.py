@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import speedrun_reference as sr
 import train_gpt2_torchfunc as tf
-from conftest import assert_clean_error, run_script, step_events
+from conftest import (allocated_bytes, assert_clean_error, run_script, speedrun_random_weights,
+                      step_events, train_losses)
 
 V, VP = 50257, 50304
 
@@ -49,22 +50,13 @@ def tiny_cfg(**kw):
     return tf.Config(**{**vars(cfg), **kw})
 
 
-def random_weights(cfg, seed):
-    """Every tensor random and nonzero, at about the scale training gives them."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for k, shape in tf.param_shapes(cfg).items():
-        std = 1.0 if k == "embed.weight" else 0.1 if len(shape) == 1 else 0.5 / math.sqrt(shape[-1])
-        out[k] = (rng.standard_normal(shape) * std + (1.0 if k.endswith("gains") else 0.0)).astype(np.float32)
-    return out
-
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory):
     """runs(key) -> (out dir, init file) of a run of FLAGS on tiny_shards, each made once, when first
     asked for: "recipe" from --seed 0 (its init also written as a model file for the reference),
-    checkpoints at steps 3 and 6; "random" from random_weights; "zero1" the "recipe" run's checkpoint of
-    step 3 resumed by two processes at stage 1."""
+    checkpoints at steps 3 and 6; "random" from speedrun_random_weights; "zero1" the "recipe" run's
+    checkpoint of step 3 resumed by two processes at stage 1."""
     done = {}
 
     def get(key):
@@ -72,7 +64,8 @@ def runs(tiny_shards, tmp_path_factory):
             out = tmp_path_factory.mktemp(key)
             init = out.parent / f"{key}_init.safetensors"
             cfg = tiny_cfg()
-            weights = random_weights(cfg, 1) if key == "random" else tf.init_params_numpy(cfg)
+            shapes = tf.param_shapes(cfg)
+            weights = speedrun_random_weights(shapes, 1) if key == "random" else tf.init_params_numpy(cfg)
             tf.write_speedrun_file(str(init), weights, cfg)
             argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(out)]
             argv += ["--init-from", str(init)] if key == "random" else ["--seed", "0"]
@@ -87,9 +80,6 @@ def runs(tiny_shards, tmp_path_factory):
     return get
 
 
-def losses(out):
-    return [e["train_loss"] for e in step_events(out)]
-
 
 @pytest.mark.parametrize("key", ["recipe", "random"])
 def test_training_matches_the_float64_reference(runs, key, speedrun_reference_losses, one_thread):
@@ -99,7 +89,7 @@ def test_training_matches_the_float64_reference(runs, key, speedrun_reference_lo
     1-3 as well, and steps 4-6 within 1e-4, where the comparison is ill-conditioned (see above)."""
     out, init = runs(key)
     expected = speedrun_reference_losses(init)
-    got = losses(out)
+    got = train_losses(out)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, expected), 1):
         rtol = ILL_CONDITIONED_RTOL if key == "recipe" and step > 3 else REFERENCE_RTOL
@@ -135,10 +125,10 @@ def test_resume_and_zero1(runs, tiny_shards, tmp_path, one_thread):
     tf.main([*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(tmp_path), "--resume",
              str(out / "ckpt_0000003"), "--ckpt-every", "0"])
     assert [e["step"] for e in step_events(tmp_path)] == [4, 5, 6]
-    assert losses(tmp_path) == losses(out)[3:]
+    assert train_losses(tmp_path) == train_losses(out)[3:]
     zero1, _ = runs("zero1")
     assert [e["step"] for e in step_events(zero1)] == [4, 5, 6]
-    assert losses(zero1) == pytest.approx(losses(out)[3:], rel=ZERO1_RTOL)
+    assert train_losses(zero1) == pytest.approx(train_losses(out)[3:], rel=ZERO1_RTOL)
     assert_same_checkpoint(out / "ckpt_0000006", zero1 / "ckpt_0000006", 1e-6)
 
 
@@ -170,7 +160,7 @@ def test_forward_and_gradients(one_thread):
     within 1e-6 and 1e-5 (relative) of the float64 module's autograd; in bf16 (bf16 copies of all but the
     fp32 embedding) the mean loss within 0.05 and the gradients pointing the same way."""
     cfg = tiny_cfg(n_embd=256, n_head=2, n_layer=1)
-    weights = random_weights(cfg, 2)
+    weights = speedrun_random_weights(tf.param_shapes(cfg), 2)
     x, y = (torch.from_numpy(np.random.default_rng(3).integers(0, V, (2, 2, 16)))[i] for i in range(2))
     params = tf.to_device(weights, torch.device("cpu"))
     grads, loss = tf.grads_and_loss(params, x, y, 1.0, cfg)
@@ -240,19 +230,6 @@ def test_flags_init_and_schedule():
     assert tf.speedrun_lrs(0, cfg) == tf.SPEEDRUN_LRS
     assert tf.speedrun_lrs(99, cfg) == pytest.approx({g: lr * eta[99] for g, lr in tf.SPEEDRUN_LRS.items()})
 
-
-def allocated_bytes(tree):
-    """Bytes of the distinct storages behind the tensors in a nest of dicts and lists."""
-    storages = {}
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif isinstance(x, (dict, list, tuple)):
-            for item in x.values() if isinstance(x, dict) else x:
-                walk(item)
-    walk(tree)
-    return sum(storages.values())
 
 
 def test_zero1_layout():

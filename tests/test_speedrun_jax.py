@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 import speedrun_reference as ref
 import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
-from conftest import REPO, assert_clean_error, run_script, step_events, step_lines
+from conftest import REPO, assert_clean_error, run_script, step_events, step_lines, train_losses
 
 L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6  # test_speedrun.py's shapes: 64 tokens a step
 FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,
@@ -118,9 +118,6 @@ def runs(inits, tiny_shards, tmp_path_factory):
     return get
 
 
-def losses(out):
-    return [e["train_loss"] for e in step_events(out)]
-
 
 @pytest.mark.parametrize("key", ["recipe", "random"])
 def test_training_matches_the_float64_reference(runs, inits, key, speedrun_reference_losses, one_thread):
@@ -129,7 +126,7 @@ def test_training_matches_the_float64_reference(runs, inits, key, speedrun_refer
     the stable-then-decay schedule): from random nonzero weights, and from the recipe's init by --seed
     (the reference's init_state_dict of the same seed) in steps 1-3, steps 4-6 within 1e-4."""
     expected = speedrun_reference_losses(inits[key])
-    got = losses(runs(key)[0])
+    got = train_losses(runs(key)[0])
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, expected), 1):
         rtol = ILL_CONDITIONED_RTOL if key == "recipe" and step > 3 else REFERENCE_RTOL
@@ -202,13 +199,13 @@ def test_checkpoints_move_between_torchfunc_and_jax(runs, tiny_shards, tmp_path,
     tf_out, _ = runs("tf")
     out, stdout = runs("tf>jax")
     assert [e["step"] for e in step_events(out)] == [4, 5, 6]
-    assert losses(out) == pytest.approx(losses(tf_out)[3:], rel=CROSS_RTOL)
+    assert train_losses(out) == pytest.approx(train_losses(tf_out)[3:], rel=CROSS_RTOL)
     printed = [float(line[1].split()[1]) for line in step_lines(stdout)]
-    assert printed == pytest.approx(losses(tf_out)[3:], rel=CROSS_RTOL)
+    assert printed == pytest.approx(train_losses(tf_out)[3:], rel=CROSS_RTOL)
     assert_close_checkpoints(tf_out / "ckpt_0000006", out / "ckpt_0000006")
 
     jax_out, _ = runs("random")
-    assert losses(jax_out) == pytest.approx(losses(tf_out), rel=CROSS_RTOL)
+    assert train_losses(jax_out) == pytest.approx(train_losses(tf_out), rel=CROSS_RTOL)
     assert_close_checkpoints(tf_out / "ckpt_0000006", jax_out / "ckpt_0000006")
     cfg, _ = tf.parse_args(list(map(str, FLAGS)))
     header, params, m, v, state = tf.load_checkpoint(str(jax_out / "ckpt_0000003"), cfg)
@@ -218,7 +215,7 @@ def test_checkpoints_move_between_torchfunc_and_jax(runs, tiny_shards, tmp_path,
     tf.main([*map(str, FLAGS), "--data", str(tiny_shards), "--dtype", "fp32", "--resume",
              str(jax_out / "ckpt_0000003"), "--ckpt-every", "0", "--out-dir", str(tmp_path / "jax>tf")])
     assert [e["step"] for e in step_events(tmp_path / "jax>tf")] == [4, 5, 6]
-    assert losses(tmp_path / "jax>tf") == pytest.approx(losses(jax_out)[3:], rel=CROSS_RTOL)
+    assert train_losses(tmp_path / "jax>tf") == pytest.approx(train_losses(jax_out)[3:], rel=CROSS_RTOL)
 
 def test_bad_input(tiny_shards, tiny_model_file, tmp_path):
     """One line and a non-zero exit, before any training: an llm.c model file given to --recipe speedrun

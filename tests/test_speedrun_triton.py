@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import speedrun_reference as ref
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import run_script, step_events
+from conftest import allocated_bytes, run_script, speedrun_random_weights, step_events, train_losses
 
 OPS = tg.TORCH_SPEEDRUN_OPS
 F64 = torch.float64
@@ -167,20 +167,11 @@ def tiny_cfg():
     return cfg
 
 
-def random_weights(cfg, seed):
-    """Every tensor random and nonzero, at about the scale training gives them (test_speedrun.py's)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for k, shape in tg.param_shapes(cfg).items():
-        std = 1.0 if k == "embed.weight" else 0.1 if len(shape) == 1 else 0.5 / math.sqrt(shape[-1])
-        out[k] = (rng.standard_normal(shape) * std + (1.0 if k.endswith("gains") else 0.0)).astype(np.float32)
-    return out
-
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory):
     """runs(key) -> (out dir, init file), each run made once, when first asked for: "recipe" (--seed 0,
-    its init also written as a model file, checkpoints every 3 steps) and "random" (random_weights,
+    its init also written as a model file, checkpoints every 3 steps) and "random" (speedrun_random_weights,
     checkpoint at step 3) of this trainer; "zero1" the "recipe" run's checkpoint of step 3 resumed by two
     processes at stage 1; "torchfunc" train_gpt2_torchfunc.py's run from the "random" init file, its
     checkpoints every 3 steps too."""
@@ -192,7 +183,7 @@ def runs(tiny_shards, tmp_path_factory):
             init = out.parent / f"{key}_init.safetensors"
             cfg = tiny_cfg()
             tg.write_speedrun_file(str(init), tg.init_params_numpy(cfg) if key == "recipe" else
-                                   random_weights(cfg, 1), cfg)
+                                   speedrun_random_weights(tg.param_shapes(cfg), 1), cfg)
             argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(out), "--ckpt-every", "3"]
             if key == "zero1":  # each process one micro-batch of the one-process run's two
                 run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -207,9 +198,6 @@ def runs(tiny_shards, tmp_path_factory):
     return get
 
 
-def losses(out):
-    return [e["train_loss"] for e in step_events(out)]
-
 
 @pytest.mark.parametrize("key", ["recipe", "random"])
 def test_training_matches_the_float64_reference(runs, key, speedrun_reference_losses, one_thread):
@@ -218,7 +206,7 @@ def test_training_matches_the_float64_reference(runs, key, speedrun_reference_lo
     from random nonzero weights; from the recipe's init steps 1-3 too, steps 4-6 within 1e-4."""
     out, init = runs(key)
     expected = speedrun_reference_losses(init)
-    got = losses(out)
+    got = train_losses(out)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, expected), 1):
         rtol = ILL_CONDITIONED_RTOL if key == "recipe" and step > 3 else REFERENCE_RTOL
@@ -233,7 +221,7 @@ def test_zero1_matches_one_process(runs, one_thread):
     out, _ = runs("recipe")
     zero1, _ = runs("zero1")
     assert [e["step"] for e in step_events(zero1)] == [4, 5, 6]
-    assert losses(zero1) == pytest.approx(losses(out)[3:], rel=ZERO1_RTOL)
+    assert train_losses(zero1) == pytest.approx(train_losses(out)[3:], rel=ZERO1_RTOL)
     shapes = tg.param_shapes(tiny_cfg())
     muon = set(tg.muon_names(shapes))
     with np.load(out / "ckpt_0000006" / "state.npz") as x, np.load(zero1 / "ckpt_0000006" / "state.npz") as y:
@@ -254,7 +242,7 @@ def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path
     trainer's uninterrupted run, and this trainer's resumes in torchfunc with them too."""
     out, _ = runs("random")
     theirs, _ = runs("torchfunc")
-    assert losses(theirs) == pytest.approx(losses(out), rel=REFERENCE_RTOL)
+    assert train_losses(theirs) == pytest.approx(train_losses(out), rel=REFERENCE_RTOL)
     # the gradient of the summed loss, whose norm (unlike the losses: Adam and Newton-Schulz hardly see a
     # gradient's scale) tells it from the mean's
     norms = [[e["grad_norm"] for e in step_events(run)] for run in (out, theirs)]
@@ -264,7 +252,7 @@ def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path
     tf.main([*argv, "--out-dir", str(tmp_path / "there"), "--resume", str(out / "ckpt_0000003")])
     for resumed in (tmp_path / "here", tmp_path / "there"):
         assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
-        assert losses(resumed) == pytest.approx(losses(out)[3:], rel=REFERENCE_RTOL)
+        assert train_losses(resumed) == pytest.approx(train_losses(out)[3:], rel=REFERENCE_RTOL)
 
 
 def test_a_bf16_step_follows_fp32(one_thread):
@@ -272,7 +260,7 @@ def test_a_bf16_step_follows_fp32(one_thread):
     with bf16 copies of the fp32 masters (RMSNorm's eps bf16's), its loss is within 1e-2 of fp32's and
     every gradient points fp32's way; the update leaves the masters fp32 and the copies their rounding."""
     cfg = replace(tiny_cfg(), n_layer=1, seq_len=16, batch_size=1, total_batch_size=32)
-    weights = random_weights(cfg, 2)
+    weights = speedrun_random_weights(tg.param_shapes(cfg), 2)
     muon = tg.muon_names(tg.param_shapes(cfg))
     tokens = torch.from_numpy(np.random.default_rng(3).integers(0, 50257, (2, 2, 1, 16)))  # (2, A, B, T)
     ops = tg.backend_ops("torch", "speedrun")
@@ -299,7 +287,7 @@ def test_no_autograd_in_a_training_step(monkeypatch, one_thread):
     entry points are never called and no op saves a tensor for backward (a saved-tensor hook that raises
     proves it), yet the step updates every weight."""
     cfg = replace(tiny_cfg(), n_layer=1, seq_len=16, batch_size=1, total_batch_size=16)
-    weights = random_weights(cfg, 4)
+    weights = speedrun_random_weights(tg.param_shapes(cfg), 4)
     muon = tg.muon_names(tg.param_shapes(cfg))
     m = {k: np.zeros_like(w) for k, w in weights.items()}
     state = tg.make_state(weights, m, {k: w for k, w in m.items() if k not in muon}, cfg, torch.device("cpu"))
@@ -321,19 +309,6 @@ def test_no_autograd_in_a_training_step(monkeypatch, one_thread):
     for k, t in state["params"].items():
         assert t.grad is None and not np.array_equal(t.detach().numpy(), weights[k]), k
 
-
-def allocated_bytes(tree):
-    """Bytes of the distinct storages behind the tensors in a nest of dicts and lists."""
-    storages = {}
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif isinstance(x, (dict, list, tuple)):
-            for item in x.values() if isinstance(x, dict) else x:
-                walk(item)
-    walk(tree)
-    return sum(storages.values())
 
 
 def test_state_is_what_device_state_bytes_counts():

@@ -13,7 +13,8 @@ import torch
 
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import REPO, assert_clean_error, free_port, read_log, run_script, step_events, step_lines
+from conftest import (REPO, allocated_bytes, assert_clean_error, free_port, read_log, run_script, step_events,
+                      step_lines)
 
 TRAINERS = {"torchfunc": ["train_gpt2_torchfunc.py"], "triton": ["train_gpt2_triton.py", "torch"]}
 OTHER = {"torchfunc": "triton", "triton": "torchfunc"}
@@ -140,22 +141,6 @@ def test_stage1_checkpoint_resumes_in_the_other_trainer(runs, name, tiny_shards,
     assert_same_steps(step_events(runs(name, "zero1")[0])[1:], step_events(tmp_path),
                       OTHER_TRAINER_LOSS_RTOL, first=2, norm_rtol=OTHER_TRAINER_NORM_RTOL)
 
-
-def allocated_bytes(tree):
-    """Bytes of the distinct storages behind the tensors anywhere in a nest of dicts, lists and tuples."""
-    storages = {}
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif isinstance(x, dict):
-            for item in x.values():
-                walk(item)
-        elif isinstance(x, (list, tuple)):
-            for item in x:
-                walk(item)
-    walk(tree)
-    return sum(storages.values())
 
 
 @pytest.mark.parametrize("mod", [tf, tg], ids=TRAINERS)
