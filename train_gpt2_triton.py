@@ -321,8 +321,9 @@ OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residua
 # ReLU^2, the soft-capped cross-entropy over all columns, and Muon. Backend torch alone fills them in yet.
 SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
                      "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
-                     "scaled_attention_forward", "scaled_attention_backward", "relu2_forward",
-                     "relu2_backward", "softcap_crossentropy_forward_backward", "muon_update")
+                     "scaled_attention_forward", "scaled_attention_backward", "matmul_relu2_forward",
+                     "relu2_forward", "relu2_backward", "softcap_crossentropy_forward_backward",
+                     "muon_update")
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -666,6 +667,12 @@ def torch_relu2_forward(pre):
     return r * r  # (N, M)
 
 
+def torch_matmul_relu2_forward(x, w, b):
+    """(relu(pre)^2, pre) with pre = x @ w.T + b: the speedrun MLP's fc and its activation."""
+    pre = torch.addmm(b, x, w.t())  # (N, M)
+    return torch_relu2_forward(pre), pre
+
+
 def torch_relu2_backward(dy, pre):
     """d relu(x)^2 / dx = 2 relu(x)."""
     return dy * 2 * pre.relu()  # (N, M)
@@ -750,6 +757,7 @@ TORCH_SPEEDRUN_OPS = op_table("torch", dict(
     qk_norm_rotary_backward=torch_qk_norm_rotary_backward,
     scaled_attention_forward=torch_scaled_attention_forward,
     scaled_attention_backward=torch_scaled_attention_backward,
+    matmul_relu2_forward=torch_matmul_relu2_forward,
     relu2_forward=torch_relu2_forward, relu2_backward=torch_relu2_backward,
     softcap_crossentropy_forward_backward=torch_softcap_crossentropy_forward_backward,
     muon_update=torch_muon_update,
@@ -936,8 +944,8 @@ def speedrun_forward(w, idx, cfg, ops, acts=None):
         y, lse = ops.scaled_attention_forward(qr, kr, v.view(B, T, H, D), ATTN_SCALE)  # (B, T, C), (B, H, T)
         h = ops.matmul_forward(y.view(B * T, C), b["attn.proj.weight"], b["attn.proj.bias"])  # (N, C)
         res2, h, _ = ops.residual_rmsnorm_forward(res, h, b["norm2.gains"], eps)  # (N, C) x2
-        pre = ops.matmul_forward(h, b["mlp.fc.weight"], b["mlp.fc.bias"])  # (N, 4C)
-        h = ops.matmul_forward(ops.relu2_forward(pre), b["mlp.proj.weight"], b["mlp.proj.bias"])  # (N, C)
+        h, pre = ops.matmul_relu2_forward(h, b["mlp.fc.weight"], b["mlp.fc.bias"])  # (N, 4C) x2
+        h = ops.matmul_forward(h, b["mlp.proj.weight"], b["mlp.proj.bias"])  # (N, C)
         # the residual add closing this block is fused with the norm opening the next (or the final one)
         gains = w[f"blocks.{l + 1}.norm1.gains"] if l + 1 < L else w["norm2.gains"]
         res3, h, rstd = ops.residual_rmsnorm_forward(res2, h, gains, eps)  # (N, C) x2, (N,)
@@ -2143,9 +2151,9 @@ def a_lost_process_is_an_error(store, rank, world):
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
-    if cfg.recipe == "speedrun" and (cfg.test or cfg.bench_ops):
-        die(f"--{'test' if cfg.test else 'bench-ops'} covers the gpt2 recipe's ops only (the speedrun ops' "
-            "backwards are held to autograd by tests/test_speedrun_triton.py)")
+    if cfg.recipe == "speedrun" and cfg.test and cfg.backend == "torch":
+        die("--test --recipe speedrun checks backend triton's kernels against backend torch (backend torch's "
+            "speedrun ops are held to autograd by tests/test_speedrun_triton.py)")
     if cfg.test:
         run_self_test(cfg)
         return
@@ -2393,10 +2401,10 @@ def _row_blocks(C, tile=ROW_TILE):
     return block_c, max(1, tile // block_c)
 
 
-# --- Embedding: x[b, t] = wte[idx[b, t]] + wpe[t] ---------------------------------------------------------
+# --- Embedding: x[b, t] = wte[idx[b, t]] + wpe[t] (the speedrun model's: table[idx[b, t]], no positions) ---
 
 @triton.jit
-def _encoder_forward_kernel(idx_ptr, wte_ptr, wpe_ptr, out_ptr, N, T, C,
+def _encoder_forward_kernel(idx_ptr, wte_ptr, wpe_ptr, out_ptr, N, T, C, HAS_WPE: tl.constexpr,
                             BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
     rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local rows
@@ -2404,24 +2412,31 @@ def _encoder_forward_kernel(idx_ptr, wte_ptr, wpe_ptr, out_ptr, N, T, C,
     row_mask = rows < N - row0
     mask = row_mask[:, None] & (cols < C)[None, :]                                  # (R, BC)
     tok = tl.load(idx_ptr + row0 + rows, mask=row_mask, other=0)                    # (R,) int64
-    pos = (row0 + rows) % T                                                         # (R,) int64
-    e = tl.load(wte_ptr + tok[:, None] * C + cols[None, :], mask=mask, other=0.0)   # (R, BC) dt
-    p = tl.load(wpe_ptr + pos[:, None] * C + cols[None, :], mask=mask, other=0.0)   # (R, BC) dt
-    x = e.to(tl.float32) + p.to(tl.float32)                                         # (R, BC) fp32
+    x = tl.load(wte_ptr + tok[:, None] * C + cols[None, :], mask=mask, other=0.0)   # (R, BC) dt
+    if HAS_WPE:
+        pos = (row0 + rows) % T                                                     # (R,) int64
+        p = tl.load(wpe_ptr + pos[:, None] * C + cols[None, :], mask=mask, other=0.0)  # (R, BC) dt
+        x = x.to(tl.float32) + p.to(tl.float32)                                     # (R, BC) fp32
     tl.store(out_ptr + row0 * C + rows[:, None] * C + cols[None, :], x.to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
 def encoder_forward(idx, wte, wpe):
-    """idx (B,T) int64, wte (Vp,C) dt, wpe (maxT,C) dt -> x (B,T,C) dt."""
+    """idx (B,T) int64, wte (Vp,C) dt, wpe (maxT,C) dt or None -> x (B,T,C) dt."""
     B, T = idx.shape
     C = wte.shape[1]
     x = torch.empty((B, T, C), dtype=wte.dtype, device=wte.device)                  # (B, T, C) dt
     block_c, block_rows = _row_blocks(C)
     grid = (triton.cdiv(B * T, block_rows),)
-    _encoder_forward_kernel[grid](idx, wte, wpe, x, B * T, T, C, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
+    _encoder_forward_kernel[grid](idx, wte, wte if wpe is None else wpe, x, B * T, T, C,
+                                  HAS_WPE=wpe is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
                                   num_warps=ROW_WARPS)
     return x
+
+
+def embedding_forward(idx, table):
+    """idx (B,T) int64, table (Vp,C) dt -> x (B,T,C) dt: the speedrun model's rows, without positions."""
+    return encoder_forward(idx, table, None)
 
 
 # The token gradient dwte[v] += sum of dx over the rows whose token is v must not race when a token repeats,
@@ -2551,8 +2566,8 @@ def _encoder_wpe_backward_kernel(dx_ptr, dwpe_ptr, B, T, C, BLOCK_T: tl.constexp
     tl.store(dwpe_ptr + offs, tl.load(dwpe_ptr + offs, mask=mask, other=0.0) + acc, mask=mask)
 
 
-def encoder_backward(dx, idx, dwte, dwpe):
-    """dx (B,T,C) dt, idx (B,T) int64; dwte (Vp,C) fp32 += token gradients, dwpe (maxT,C) fp32 +=."""
+def embedding_backward(dx, idx, dtable):
+    """dx (B,T,C) dt, idx (B,T) int64; dtable (Vp,C) fp32 += each token's rows of dx."""
     B, T, C = dx.shape
     N = B * T
     order = torch.empty(N, dtype=torch.int32, device=dx.device)       # (N,) rows sorted by (token, row)
@@ -2562,20 +2577,30 @@ def encoder_backward(dx, idx, dwte, dwpe):
     _encoder_sort_kernel[(triton.cdiv(N, ENC_SORT_BLOCK_N),)](
         idx, order, sorted_tok, N, BLOCK_N=ENC_SORT_BLOCK_N, BLOCK_M=ENC_SORT_BLOCK_M, STAGES=ENC_SORT_STAGES)
     n_cblocks = triton.cdiv(C, ENC_BLOCK_C)
-    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dwte, carry, N, C,
+    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dtable, carry, N, C,
                                                      SLOTS=ENC_SLOTS, BLOCK_C=ENC_BLOCK_C,
                                                      num_warps=ENC_WARPS)
-    _encoder_carry_kernel[(tiles, n_cblocks)](carry, sorted_tok, dwte, N, C, SLOTS=ENC_SLOTS,
+    _encoder_carry_kernel[(tiles, n_cblocks)](carry, sorted_tok, dtable, N, C, SLOTS=ENC_SLOTS,
                                               TILES=ENC_CARRY_TILES, BLOCK_C=ENC_BLOCK_C)
-    _encoder_wpe_backward_kernel[(triton.cdiv(T, ENC_WPE_BLOCK_T), n_cblocks)](
+
+
+def encoder_backward(dx, idx, dwte, dwpe):
+    """dx (B,T,C) dt, idx (B,T) int64; dwte (Vp,C) fp32 += token gradients, dwpe (maxT,C) fp32 +=."""
+    B, T, C = dx.shape
+    embedding_backward(dx, idx, dwte)
+    _encoder_wpe_backward_kernel[(triton.cdiv(T, ENC_WPE_BLOCK_T), triton.cdiv(C, ENC_BLOCK_C))](
         dx, dwpe, B, T, C, BLOCK_T=ENC_WPE_BLOCK_T, BLOCK_C=ENC_BLOCK_C, STAGES=ENC_WPE_STAGES)
 
 
-# --- LayerNorm, optionally fused with the residual add before it ------------------------------------------
+# --- LayerNorm, and (RMS) the speedrun model's RMSNorm, optionally fused with the residual add before it ---
+# RMSNorm is LayerNorm without the mean and the bias: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps). The
+# same kernels compute both (RMS a constexpr, so each compiles without the other's arithmetic); RMSNorm
+# stores no mean and adds no dbias.
 
 @triton.jit
 def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_ptr, rstd_ptr, N, C, eps,
-                              HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                              HAS_RESIDUAL: tl.constexpr, RMS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
     row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
     rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local rows
     cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
@@ -2591,30 +2616,37 @@ def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_
         x = (x.to(tl.float32) + h.to(tl.float32)).to(xsum_ptr.dtype.element_ty)
         tl.store(xsum_ptr + base + offs, x, mask=mask)
     x = x.to(tl.float32)
-    mean = tl.sum(x, axis=1) / C                                                    # (R,) fp32
-    # padded lanes are zeroed so that they stay out of the variance (C = 768 in a 1024-wide block)
-    xc = tl.where(mask, x - mean[:, None], 0.0)                                     # (R, BC)
+    if RMS:
+        xc = x                                                                      # (R, BC) masked 0
+    else:
+        mean = tl.sum(x, axis=1) / C                                                # (R,) fp32
+        # padded lanes are zeroed so that they stay out of the variance (C = 768 in a 1024-wide block)
+        xc = tl.where(mask, x - mean[:, None], 0.0)                                 # (R, BC)
+        tl.store(mean_ptr + row0 + rows, mean, mask=row_mask)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / C + eps)                              # (R,) fp32
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)              # (BC,)
-    b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)              # (BC,)
-    y = xc * rstd[:, None] * w[None, :] + b[None, :]                                # (R, BC) fp32
+    y = xc * rstd[:, None] * w[None, :]                                             # (R, BC) fp32
+    if not RMS:
+        y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row0 + rows, mean, mask=row_mask)
     tl.store(rstd_ptr + row0 + rows, rstd, mask=row_mask)
 
 
-def _layernorm_forward(x, h, w, b):
-    """LayerNorm over the last axis of x, or of x + h when h is given: (x + h or None, y, mean, rstd)."""
+def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
+    """LayerNorm (RMSNorm with rms: mean None, b unused) over the last axis of x, or of x + h when h is
+    given: (x + h or None, y, mean, rstd)."""
     C = x.shape[-1]
     N = x.numel() // C
     xsum = torch.empty_like(x) if h is not None else None                           # (..., C) dt
     y = torch.empty_like(x)                                                         # (..., C) dt
-    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)          # (...,) fp32
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)          # (...,) fp32
+    mean = None if rms else torch.empty_like(rstd)                                  # (...,) fp32
     block_c, block_rows = _row_blocks(C)
+    # unused pointers (no residual, RMS's mean and bias) get ones the flags compile out
     _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
-        x, h if h is not None else x, w, b, xsum if h is not None else y, y, mean, rstd, N, C, LN_EPS,
-        HAS_RESIDUAL=h is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
+        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y,
+        rstd if rms else mean, rstd, N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows,
+        BLOCK_C=block_c, num_warps=ROW_WARPS)
     return xsum, y, mean, rstd
 
 
@@ -2631,8 +2663,8 @@ def residual_layernorm_forward(res, h, w, b):
 
 @triton.jit
 def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, partial_ptr,
-                               N, C, rows_per_program, HAS_DRES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                               BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+                               N, C, rows_per_program, HAS_DRES: tl.constexpr, RMS: tl.constexpr,
+                               BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     # dx for a contiguous range of rows, plus this range's partial dgamma/dbeta: partial[0, pid] and
     # partial[1, pid], summed over the programs by _layernorm_param_grad_kernel (no atomics on the weights).
     # The row loop is pipelined: the tiles of the next STAGES-1 steps load while this one is computed.
@@ -2652,16 +2684,23 @@ def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_pt
         offs = rows[:, None] * C + cols[None, :]                                    # (R, BC) int32
         dy = tl.load(dy_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)    # (R, BC)
         x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)      # (R, BC)
-        mean = tl.load(mean_ptr + row0 + rows, mask=row_mask, other=0.0)            # (R,)
         rstd = tl.load(rstd_ptr + row0 + rows, mask=row_mask, other=0.0)            # (R,)
         # padded lanes load dy = w = 0, so g, g * xhat and dy * xhat are 0 there whatever xhat holds
-        xhat = (x - mean[:, None]) * rstd[:, None]                                  # (R, BC)
+        if RMS:
+            xhat = x * rstd[:, None]                                                # (R, BC)
+        else:
+            mean = tl.load(mean_ptr + row0 + rows, mask=row_mask, other=0.0)        # (R,)
+            xhat = (x - mean[:, None]) * rstd[:, None]                              # (R, BC)
         g = dy * w[None, :]                                                         # (R, BC) dL/dxhat
         # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = g * rstd - (xhat * c1 + c2), with the row
-        # scalars folded first: two fused multiply-adds per element instead of four operations
-        c2 = tl.sum(g, axis=1) / C * rstd                                           # (R,) rstd mean(g)
+        # scalars folded first: two fused multiply-adds per element instead of four operations (RMSNorm's
+        # has no mean(g) term: c2 = 0)
         c1 = tl.sum(g * xhat, axis=1) / C * rstd                                    # (R,) rstd mean(g xhat)
-        dx = g * rstd[:, None] - (xhat * c1[:, None] + c2[:, None])                 # (R, BC)
+        if RMS:
+            dx = g * rstd[:, None] - xhat * c1[:, None]                             # (R, BC)
+        else:
+            c2 = tl.sum(g, axis=1) / C * rstd                                       # (R,) rstd mean(g)
+            dx = g * rstd[:, None] - (xhat * c1[:, None] + c2[:, None])             # (R, BC)
         if HAS_DRES:
             dx += tl.load(dres_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + base + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -2669,12 +2708,13 @@ def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_pt
         db_acc += dy
     P = tl.num_programs(0)
     tl.store(partial_ptr + pid * C + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-    tl.store(partial_ptr + (P + pid) * C + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    if not RMS:
+        tl.store(partial_ptr + (P + pid) * C + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 @triton.jit
-def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, BLOCK_P: tl.constexpr,
-                                 BLOCK_C: tl.constexpr):
+def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, HAS_BIAS: tl.constexpr,
+                                 BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     # dw[c] += sum over programs of partial[0, :, c] (db from partial[1]), in a fixed order
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
     col_mask = cols < C
@@ -2685,16 +2725,31 @@ def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, BLOCK_P: tl.
         mask = (parts < P - p0)[:, None] & col_mask[None, :]                        # (BP, BC)
         offs = (p0 + parts)[:, None] * C + cols[None, :]                            # (BP, BC)
         dw_acc += tl.load(partial_ptr + offs, mask=mask, other=0.0)
-        db_acc += tl.load(partial_ptr + P * C + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db_acc += tl.load(partial_ptr + P * C + offs, mask=mask, other=0.0)
     dw = tl.load(dw_ptr + cols, mask=col_mask, other=0.0) + tl.sum(dw_acc, axis=0)  # (BC,)
-    db = tl.load(db_ptr + cols, mask=col_mask, other=0.0) + tl.sum(db_acc, axis=0)  # (BC,)
     tl.store(dw_ptr + cols, dw, mask=col_mask)
-    tl.store(db_ptr + cols, db, mask=col_mask)
+    if HAS_BIAS:
+        db = tl.load(db_ptr + cols, mask=col_mask, other=0.0) + tl.sum(db_acc, axis=0)  # (BC,)
+        tl.store(db_ptr + cols, db, mask=col_mask)
+
+
+def rmsnorm_forward(x, w, eps):
+    """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
+    _, y, _, rstd = _layernorm_forward(x, None, w, None, eps, rms=True)
+    return y, rstd
+
+
+def residual_rmsnorm_forward(res, h, w, eps):
+    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, RMSNorm(x) (N,C) dt, rstd (N) fp32)."""
+    x, y, _, rstd = _layernorm_forward(res, h, w, None, eps, rms=True)
+    return x, y, rstd
 
 
 def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     """dy, x (N,C) dt; w (C); mean, rstd (N) fp32; dw, db (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt
-    (dx includes dres: the residual stream's gradient flowing through the fused add)."""
+    (dx includes dres: the residual stream's gradient flowing through the fused add). With mean and db
+    None, RMSNorm's backward."""
     C = x.shape[-1]
     N = x.numel() // C
     dx = torch.empty_like(x)                                                        # (..., C) dt
@@ -2703,13 +2758,22 @@ def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     # depends on N only
     rows_per_program = block_rows * triton.cdiv(N, block_rows * LN_BWD_PROGRAMS)
     P = triton.cdiv(N, rows_per_program)
-    partial = torch.empty((2, P, C), dtype=torch.float32, device=x.device)          # (2, P, C) fp32
-    _layernorm_backward_kernel[(P,)](dy, x, w, mean, rstd, dres if dres is not None else dy, dx, partial,
-                                     N, C, rows_per_program, HAS_DRES=dres is not None, BLOCK_ROWS=block_rows,
-                                     BLOCK_C=block_c, STAGES=LN_BWD_STAGES, num_warps=LN_BWD_WARPS)
+    rms = mean is None
+    partial = torch.empty((1 if rms else 2, P, C), dtype=torch.float32, device=x.device)  # (2 or 1, P, C)
+    _layernorm_backward_kernel[(P,)](dy, x, w, rstd if rms else mean, rstd, dres if dres is not None else dy,
+                                     dx, partial, N, C, rows_per_program, HAS_DRES=dres is not None, RMS=rms,
+                                     BLOCK_ROWS=block_rows, BLOCK_C=block_c, STAGES=LN_BWD_STAGES,
+                                     num_warps=LN_BWD_WARPS)
     _layernorm_param_grad_kernel[(triton.cdiv(C, LN_REDUCE_BLOCK_C),)](
-        partial, dw, db, P, C, BLOCK_P=LN_REDUCE_BLOCK_P, BLOCK_C=LN_REDUCE_BLOCK_C)
+        partial, dw, dw if rms else db, P, C, HAS_BIAS=not rms, BLOCK_P=LN_REDUCE_BLOCK_P,
+        BLOCK_C=LN_REDUCE_BLOCK_C)
     return dx
+
+
+def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
+    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, RMSNorm's
+    (dx includes dres, as layernorm_backward's)."""
+    return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
 
 
 # --- tanh-GELU: gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) ------------------------------
@@ -2768,18 +2832,71 @@ def gelu_backward(dy, pre):
     return dpre
 
 
-# --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
+# --- relu(x)^2, the speedrun MLP's activation ----------------------------------------------------------------
+# (the forward after the fc matmul is its epilogue, matmul_relu2_forward; the backward recomputes it here)
 
 @triton.jit
-def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, BLOCK_V: tl.constexpr):
+def _relu2_forward_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    r = tl.maximum(tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32), 0.0)  # (BL,)
+    tl.store(y_ptr + start + offs, (r * r).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _relu2_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    r = tl.maximum(tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32), 0.0)  # (BL,)
+    dy = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)        # (BL,)
+    tl.store(dx_ptr + start + offs, (dy * 2.0 * r).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def relu2_forward(pre):
+    """pre (N,M) dt -> relu(pre)^2 (N,M) dt."""
+    y = torch.empty_like(pre)                                                       # (N, M) dt
+    n = pre.numel()
+    _relu2_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return y
+
+
+def relu2_backward(dy, pre):
+    """dy (N,M), pre (N,M) dt -> dpre = dy * 2 relu(pre) (N,M) dt."""
+    dpre = torch.empty_like(pre)                                                    # (N, M) dt
+    n = pre.numel()
+    _relu2_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, BLOCK=ELEM_BLOCK,
+                                                          num_warps=ELEM_WARPS)
+    return dpre
+
+
+# --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
+# The speedrun model's head soft-caps its logits first, c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2), and takes the
+# loss over all Vp columns (V = Vp): the same kernel with the cap (a constexpr) applied as each logit is
+# loaded and its derivative, SOFTCAP^3 / (z^2 + SOFTCAP^2)^(3/2), multiplied into the gradient.
+
+@triton.jit
+def _softcap(z, CAP: tl.constexpr):
+    # (c, dc/dz) of fp32 z
+    rs = tl.rsqrt(z * z + CAP * CAP)
+    return CAP * z * rs, CAP * CAP * CAP * rs * rs * rs
+
+
+@triton.jit
+def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
     # one row: pass 1 streams the V real logits with an online logsumexp (a running max and a sum rescaled
     # when the max grows, one exp per logit); pass 2 overwrites the row with dloss * (softmax - onehot),
-    # and zeros in the padded columns V..Vp-1. Nothing but the row's two scalars is kept in fp32.
+    # and zeros in the padded columns V..Vp-1. Nothing but the row's two scalars is kept in fp32. CAP > 0:
+    # the soft-capped logits' (the cap recomputed in pass 2 rather than stored).
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * Vp
     cols = tl.arange(0, BLOCK_V)                                                    # (BV,)
     target = tl.load(targets_ptr + row)                                             # scalar int64
     target_logit = tl.load(logits_ptr + target).to(tl.float32)                      # read before pass 2
+    if CAP > 0:
+        target_logit, _ = _softcap(target_logit, CAP)
     run_max = tl.full((), float("-inf"), tl.float32)                                # scalar fp32
     run_sum = tl.full((), 0.0, tl.float32)                                          # scalar fp32
     # loads are masked at Vp (a multiple of 16 at 50304, so 16-byte vector loads) and the padded columns
@@ -2787,6 +2904,8 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, BLOC
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols                                                               # (BV,)
         x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)         # (BV,)
+        if CAP > 0:
+            x, _ = _softcap(x, CAP)
         x = tl.where(c < V, x, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(x, axis=0))   # finite: every block holds a real logit
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
@@ -2795,7 +2914,11 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, BLOC
     for v0 in range(0, Vp, BLOCK_V):
         c = v0 + cols                                                               # (BV,)
         x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)          # (BV,)
-        grad = tl.exp(x - lse) - (c == target).to(tl.float32)                       # (BV,)
+        if CAP > 0:
+            x, dc = _softcap(x, CAP)
+            grad = (tl.exp(x - lse) - (c == target).to(tl.float32)) * dc            # (BV,)
+        else:
+            grad = tl.exp(x - lse) - (c == target).to(tl.float32)                   # (BV,)
         grad = tl.where(c < V, grad * dloss, 0.0)
         tl.store(logits_ptr + c, grad.to(logits_ptr.dtype.element_ty), mask=c < Vp)
     tl.store(losses_ptr + row, lse - target_logit)
@@ -2808,7 +2931,19 @@ def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V)
     Vp = logits.shape[-1]
     N = logits.numel() // Vp
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
-    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, BLOCK_V=block_v, num_warps=CE_WARPS)
+    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, CAP=0.0, BLOCK_V=block_v,
+                               num_warps=CE_WARPS)
+    return losses
+
+
+def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
+    """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
+    OVERWRITES z with dloss * (softmax(c) - onehot) dc/dz. block_v as in crossentropy_forward_backward."""
+    Vp = z.shape[-1]
+    N = z.numel() // Vp
+    losses = torch.empty(N, dtype=torch.float32, device=z.device)                   # (N,) fp32
+    _crossentropy_kernel[(N,)](z, targets, losses, Vp, Vp, dloss, CAP=SOFTCAP, BLOCK_V=block_v,
+                               num_warps=CE_WARPS)
     return losses
 
 
@@ -3160,8 +3295,20 @@ def _gelu_tanh(x, FAST_TANH: tl.constexpr):
 
 
 @triton.jit
+def _activation(x, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
+    """The matmul epilogue's activation of fp32 x: tanh-GELU (ACT 1, GPT-2's MLP) or relu(x)^2 (ACT 2, the
+    speedrun model's)."""
+    if ACT == 1:
+        y = _gelu_tanh(x, FAST_TANH)
+    else:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    return y
+
+
+@triton.jit
 def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                 stride_cm, stride_cn, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr,
+                 stride_cm, stride_cn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  EVEN_K: tl.constexpr):
     """matmul_kernel's pointer path: this program's output tile, its operands loaded through pointers with
@@ -3193,10 +3340,10 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
         acc += bias[None, :]  # (BM, BN)
     c_offs = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn  # (BM, BN)
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
-    if GELU:
+    if ACT != 0:
         # both outputs rounded first, so the fp32 accumulator is dead before the stores' layout changes
         pre = acc.to(pre_ptr.dtype.element_ty)  # (BM, BN)
-        y = _gelu_tanh(acc, FAST_TANH).to(c_ptr.dtype.element_ty)  # (BM, BN)
+        y = _activation(acc, ACT, FAST_TANH).to(c_ptr.dtype.element_ty)  # (BM, BN)
         tl.store(pre_ptr + c_offs, pre, mask=c_mask)
         tl.store(c_ptr + c_offs, y, mask=c_mask)
     else:
@@ -3205,7 +3352,7 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
 
 @triton.jit
 def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """matmul_kernel's descriptor path, on Hopper's tensor memory accelerator: a (M,K) and b read as tiles
     by descriptors (b_desc holds w (N,K) when B_TRANS, the forward's x @ w.T, else (K,N)), c (and pre)
@@ -3228,32 +3375,33 @@ def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRA
         if HAS_BIAS:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]  # (BM, BN)
-        if GELU:
+        if ACT != 0:
             pre_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(pre_desc.dtype))
-            acc = _gelu_tanh(acc, FAST_TANH)  # (BM, BN)
+            acc = _activation(acc, ACT, FAST_TANH)  # (BM, BN)
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
 @triton.autotune(configs=_matmul_configs("mm"), prune_configs_by=MATMUL_PRUNE, do_bench=_autotune_bench,
-                 key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "GELU"])
+                 key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "ACT"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok,
-                  HAS_BIAS: tl.constexpr, GELU: tl.constexpr, FAST_TANH: tl.constexpr, B_TRANS: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, B_TRANS: tl.constexpr,
                   TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
-    """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then tanh-GELU, pre-activation stored to pre (M,N)]. Two
+    """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then an activation (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the
+    pre-activation stored to pre (M,N)]. Two
     data paths, which the autotuner times against each other as configurations: pointer loads, one tile a
     program (any strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the
     descriptors a_desc..pre_desc exist, else they are None). One measured run on the H100 found neither
     path fastest at every d12 shape (bench/matmul.py)."""
     if TMA:
-        _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, GELU,
+        _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
                           FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     stride_cm, stride_cn, HAS_BIAS, GELU, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+                     stride_cm, stride_cn, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -3371,12 +3519,16 @@ def _tma_ready(*tensors):
                and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
-def _matmul(a, b, bias=None, gelu=False):
-    """c (M,N) = a (M,K) @ b (K,N) [+ bias] [GELU]; returns (c, pre-activation or None)."""
+ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # matmul_kernel's ACT codes
+
+
+def _matmul(a, b, bias=None, activation=None):
+    """c (M,N) = a (M,K) @ b (K,N) [+ bias] [activation: "gelu" or "relu2"]; returns (c, pre-activation or
+    None)."""
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)  # (M,N)
-    pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if gelu else None  # (M,N)
+    pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if activation else None  # (M,N)
     b_trans = b.stride(0) == 1 and b.stride(1) != 1  # the forward's w.T: its descriptor reads w (N,K)
     b_rows = b.t() if b_trans else b  # row-major: what the descriptor reads
     descs = [None] * 4
@@ -3388,11 +3540,12 @@ def _matmul(a, b, bias=None, gelu=False):
     def grid(meta):  # the pointer path: a program a tile; the descriptor path: PER_SM programs an SM at most
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (min(tiles, sms * meta["PER_SM"]) if meta["TMA"] else tiles,)
-    # unused pointers (no bias, no GELU) get c: never read nor written, since the flags compile them out
+    # unused pointers (no bias, no activation) get c: never read nor written, since the flags compile them out
     matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
                         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                        int(descs[0] is not None), HAS_BIAS=bias is not None, GELU=gelu,
-                        FAST_TANH=gelu and not INTERPRET and a.dtype != torch.float32, B_TRANS=b_trans)
+                        int(descs[0] is not None), HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
+                        FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32,
+                        B_TRANS=b_trans)
     return c, pre
 
 
@@ -3441,7 +3594,12 @@ def matmul_forward(x, w, b):
 
 def matmul_gelu_forward(x, w, b):
     """(gelu_tanh(pre), pre), pre (N,M) = x @ w.T + b: the MLP's first layer, keeping pre for backward."""
-    return _matmul(x, w.t(), b, gelu=True)
+    return _matmul(x, w.t(), b, activation="gelu")
+
+
+def matmul_relu2_forward(x, w, b):
+    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre for backward."""
+    return _matmul(x, w.t(), b, activation="relu2")
 
 
 def matmul_backward(dy, x, w, dw, db):
@@ -4015,7 +4173,7 @@ def op_inputs(dt, rdt, device):
     def randint(high, *shape):
         return torch.randint(high, shape, generator=gen).to(device)  # shape, int64
 
-    return SimpleNamespace(rand=rand, randint=randint, dt=dt, device=device)
+    return SimpleNamespace(rand=rand, randint=randint, dt=dt, rdt=rdt, device=device)
 
 
 def case_encoder(ops, r, B, T, C, H):
@@ -4130,16 +4288,74 @@ def case_step_ops(ops, r, B, T, C, H):
     return dict(zeroed=zeroed, clipped=clipped, kept=kept, acc=acc, copied=copied)
 
 
+def case_embedding(ops, r, B, T, C, H):
+    Vp = B * T + 3
+    idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
+    table = r.rand(Vp, C)  # (Vp, C)
+    x = ops.embedding_forward(idx, table)  # (B, T, C)
+    dtable = r.rand(Vp, C, acc=True)  # (Vp, C) filled: the backward adds into it
+    ops.embedding_backward(r.rand(B, T, C), idx, dtable)
+    return dict(x=x, dtable=dtable)
+
+
+def case_rmsnorm(ops, r, B, T, C, H):
+    eps = torch.finfo(r.rdt).eps  # the model's: the tested dtype's, in the reference too
+    x, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0)  # (N, C), (C,)
+    y, rstd = ops.rmsnorm_forward(x, w, eps)  # (N, C), (N,)
+    dw = r.rand(C, acc=True)  # (C,)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw)  # (N, C)
+    return dict(y=y, rstd=rstd, dx=dx, dw=dw)
+
+
+def case_residual_rmsnorm(ops, r, B, T, C, H):
+    eps = torch.finfo(r.rdt).eps
+    res, h, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C), r.rand(C, shift=1.0)  # (N, C) x2
+    x, y, rstd = ops.residual_rmsnorm_forward(res, h, w, eps)  # (N, C) x2, (N,)
+    dw = r.rand(C, acc=True)  # (C,)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw, dres=r.rand(B * T, C))  # (N, C)
+    return dict(x=x, y=y, rstd=rstd, dx=dx, dw=dw)
+
+
+def case_matmul_relu2(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C), r.rand(4 * C, C, scale=C ** -0.5), r.rand(4 * C)  # (N, C), (4C, C), (4C,)
+    y, pre = ops.matmul_relu2_forward(x, w, b)  # (N, 4C) each
+    dpre = ops.relu2_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
+    return dict(y=y, pre=pre, dpre=dpre)
+
+
+def case_relu2(ops, r, B, T, C, H):
+    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
+    y = ops.relu2_forward(pre)  # (N, 4C)
+    return dict(y=y, dpre=ops.relu2_backward(r.rand(B * T, 4 * C), pre))
+
+
+def case_softcap_crossentropy(ops, r, B, T, C, H):
+    Vp = 5 * C + 8
+    z = r.rand(B * T, Vp, scale=30.0)  # (N, Vp) well into the cap's bend
+    targets = r.randint(Vp, B * T)  # (N,)
+    losses = ops.softcap_crossentropy_forward_backward(z, targets, 1.0 / (B * T))  # (N,)
+    return dict(losses=losses, dz=z)
+
+
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
             ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
             ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
             ("gelu fwd+bwd", case_gelu), ("attention fwd+bwd", case_attention),
             ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
+# --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
+SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
+                     ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
+                     ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
+                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy)]
 
 
-def self_test_config():
-    """A tiny GPT-2 for the whole-model check: odd sizes, T below block_size, a small padded vocab."""
+def self_test_config(recipe):
+    """A tiny model of the recipe for the whole-model check: odd sizes (the speedrun model's width is its
+    one 128-wide head), T below block_size, a small padded vocab."""
+    if recipe == "speedrun":
+        return Config(recipe=recipe, n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61, padded_vocab_size=64,
+                      seq_len=9, batch_size=2)
     return Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
                   seq_len=9, batch_size=2)
 
@@ -4148,12 +4364,13 @@ def self_test_model_data(r, cfg):
     """Random weights (scaled so every path carries signal) and two micro-batches of tokens."""
     w = {}
     for name, shape in param_shapes(cfg).items():
-        if name.startswith("ln"):
-            w[name] = r.rand(*shape, scale=0.2, shift=1.0 if name.endswith(".w") else 0.0)
-        elif name.endswith(".b"):
+        if name.startswith("ln") or name.endswith("gains"):
+            w[name] = r.rand(*shape, scale=0.2, shift=1.0 if name.endswith((".w", "gains")) else 0.0)
+        elif name.endswith((".b", ".bias")):
             w[name] = r.rand(*shape, scale=0.1)
         else:
-            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe") else shape[-1] ** -0.5)
+            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe", "embed.weight") else
+                             shape[-1] ** -0.5)
     batches = [(r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len),
                 r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len)) for _ in range(2)]
     return w, batches
@@ -4161,8 +4378,8 @@ def self_test_model_data(r, cfg):
 
 def case_model(backend, r, cfg):
     """Logits of the first micro-batch, mean loss and all gradients over both, through this file's model
-    on `backend` (the lm head in chunks of 5 rows, so that chunks end inside a sequence)."""
-    ops = backend_ops(backend)
+    of cfg's recipe on `backend` (the lm head in chunks of 5 rows, so that chunks end inside a sequence)."""
+    ops = backend_ops(backend, cfg.recipe)
     w, batches = self_test_model_data(r, cfg)
     grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
     x0 = batches[0][0]
@@ -4250,30 +4467,32 @@ def run_self_test(cfg):
 
 def _run_self_test(cfg):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ops = backend_ops(cfg.backend)
+    ops = backend_ops(cfg.backend, cfg.recipe)
+    cases = SPEEDRUN_OP_CASES if cfg.recipe == "speedrun" else OP_CASES
     if cfg.backend == "torch":
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
     else:
-        ref_ops, ref_model = TORCH_OPS, lambda r, c: case_model("torch", r, c)
+        ref_ops, ref_model = backend_ops("torch", cfg.recipe), lambda r, c: case_model("torch", r, c)
         # bf16 on a GPU only: the interpreter multiplies bf16 wrongly
         dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" and not INTERPRET else [])
     ref_name = "torch.autograd" if cfg.backend == "torch" else "backend torch"
     # compiled kernels would autotune (compile and time every configuration) at each test shape: minutes
     pinned = cfg.backend == "triton" and not INTERPRET
-    print(f"--test: backend {cfg.backend} against {ref_name} (run in fp64) on {device}"
+    print(f"--test: backend {cfg.backend}, the {cfg.recipe} recipe's ops, against {ref_name} (run in fp64) on "
+          f"{device}"
           + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
     f64 = torch.float64
     rows = []
     with torch.no_grad(), first_configs(pinned):
         for dt in dtypes:
-            for name, case in OP_CASES:
+            for name, case in cases:
                 results = []
                 for shape in TEST_SHAPES:
                     got = case(ops, op_inputs(dt, dt, device), *shape)
                     want = case(ref_ops, op_inputs(f64, dt, device), *shape)
                     results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
                 rows.append((name, dt, results))
-            tcfg = self_test_config()
+            tcfg = self_test_config(cfg.recipe)
             got = case_model(cfg.backend, op_inputs(dt, dt, device), tcfg)
             want = ref_model(op_inputs(f64, dt, device), tcfg)
             rows.append(("model loss and logits", dt,
