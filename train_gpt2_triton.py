@@ -4531,7 +4531,7 @@ def op_work(name, args, kwargs, out):
     and for the others the bytes they must read and write. Achieved TFLOP/s and GB/s are measured
     against these."""
     outs = out if isinstance(out, tuple) else (out,)
-    if name in ("matmul_forward", "matmul_gelu_forward"):
+    if name in ("matmul_forward", "matmul_gelu_forward", "matmul_relu2_forward"):
         x, w = args[0], args[1]
         return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
     if name == "matmul_backward":
@@ -4540,16 +4540,29 @@ def op_work(name, args, kwargs, out):
     if name in ("attention_forward", "attention_backward"):
         B, T, C3 = args[0 if name == "attention_forward" else 1].shape
         return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
+    if name in ("scaled_attention_forward", "scaled_attention_backward"):
+        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
+        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
+        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
+        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
     if name == "encoder_forward":
         idx, x = args[0], outs[0]
         return 0, _nbytes(idx) + 2 * _nbytes(x) + _nbytes(args[2][:idx.shape[1]])
-    if name == "encoder_backward":
-        dx, idx, dwte, dwpe = args
+    if name in ("encoder_backward", "embedding_backward"):
+        dx, idx, dwte = args[:3]
         rows = dx.numel() * dwte.element_size()  # the wte rows it updates, read and written
-        return 0, _nbytes(dx, idx) + 2 * rows + 2 * dx[0].numel() * dwpe.element_size()
+        wpe = 2 * dx[0].numel() * args[3].element_size() if name == "encoder_backward" else 0
+        return 0, _nbytes(dx, idx) + 2 * rows + wpe
+    if name == "embedding_forward":
+        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
     if name == "layernorm_backward":  # dw, db (and dres) are read and written
         return 0, _nbytes(*args[:5], *args[7:], out, *kwargs.values()) + 2 * _nbytes(*args[5:7])
-    if name == "crossentropy_forward_backward":  # logits read, then overwritten
+    if name == "rmsnorm_backward":  # dw (and dres) are read and written
+        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
+    if name == "add_into":  # acc read and written
+        return 0, 3 * _nbytes(args[1])
+    if name in ("crossentropy_forward_backward", "softcap_crossentropy_forward_backward"):
         return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
     if name == "global_norm":
         return 0, _nbytes(*args[0])
@@ -4957,6 +4970,84 @@ def bench_cases(cfg, ops, device):
     return cases
 
 
+def speedrun_bench_cases(cfg, ops, device):
+    """bench_cases of --recipe speedrun: its own ops at its shapes, each against backend torch's (PyTorch
+    ops; F.scaled_dot_product_attention for the attention)."""
+    dt = compute_dtype(cfg)
+    B, T, C, Vp, L = cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
+    H, D = C // HEAD_DIM, HEAD_DIM
+    N, R = B * T, min(B * T, HEAD_ROWS)
+    eps = torch.finfo(dt).eps
+    t = TORCH_SPEEDRUN_OPS
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    idx = torch.randint(cfg.vocab_size, (B, T), device=device)  # (B, T)
+    table, dtable = rand(Vp, C), rand(Vp, C, dtype=torch.float32)  # (Vp, C) each
+    x, h, dy, w = rand(N, C), rand(N, C), rand(N, C), rand(C)  # (N, C) x3, (C,)
+    dw = rand(C, dtype=torch.float32)  # (C,)
+    _, rstd = ops.rmsnorm_forward(x, w, eps)  # (N,)
+    q, k, v, dq = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)  # (B, T, H, D) each
+    _, qrstd = ops.qk_norm_rotary_forward(q, eps)  # (B, T, H)
+    dout = rand(B, T, C)  # (B, T, C)
+    xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
+    pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
+    z, targets = rand(R, Vp), torch.randint(Vp, (R,), device=device)  # (R, Vp), (R,)
+    heads = [s.transpose(1, 2) for s in (q, k, v)]  # (B, H, T, D) each
+
+    def sdpa_forward_backward():
+        with torch.enable_grad():
+            leaves = [_leaf(s) for s in heads]
+            o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=ATTN_SCALE)  # (B, H, T, D)
+            o.backward(dout.view(B, T, H, D).transpose(1, 2))
+
+    cases = [
+        ("embedding_forward", f"{B}x{T}x{C}", lambda: ops.embedding_forward(idx, table),
+         "F.embedding", lambda: F.embedding(idx, table), (idx, table)),
+        ("embedding_backward", f"{B}x{T}x{C}", lambda: ops.embedding_backward(dy.view(B, T, C), idx, dtable),
+         "sort + cumsum + index_add_", lambda: t.embedding_backward(dy.view(B, T, C), idx, dtable),
+         (dy.view(B, T, C), idx, dtable)),
+        ("rmsnorm_forward", f"{N}x{C}", lambda: ops.rmsnorm_forward(x, w, eps),
+         "backend torch (fp32 rsqrt)", lambda: t.rmsnorm_forward(x, w, eps), (x, w, eps)),
+        ("residual_rmsnorm_forward", f"{N}x{C}", lambda: ops.residual_rmsnorm_forward(x, h, w, eps),
+         "add + backend torch's", lambda: t.residual_rmsnorm_forward(x, h, w, eps), (x, h, w, eps)),
+        ("rmsnorm_backward", f"{N}x{C}", lambda: ops.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
+         "backend torch (fp32)", lambda: t.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
+         (dy, x, w, rstd, dw, h)),
+        ("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_forward(q, eps),
+         "backend torch (fp32)", lambda: t.qk_norm_rotary_forward(q, eps), (q, eps)),
+        ("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_backward(dq, q, qrstd),
+         "backend torch (fp32)", lambda: t.qk_norm_rotary_backward(dq, q, qrstd), (dq, q, qrstd)),
+        ("scaled_attention_forward", f"{B}x{H}x{T}x{D}",
+         lambda: ops.scaled_attention_forward(q, k, v, ATTN_SCALE), "SDPA causal",
+         lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE), (q, k, v)),
+        ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
+         lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(q, k, v, ATTN_SCALE),
+                                               ATTN_SCALE),
+         "SDPA causal fwd+bwd", sdpa_forward_backward, None),
+        ("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", lambda: ops.matmul_relu2_forward(xf, wf, bf),
+         "F.linear + relu + square", lambda: F.relu(F.linear(xf, wf, bf)).square(), (xf, wf, bf)),
+        ("relu2_forward", f"{N}x{4 * C}", lambda: ops.relu2_forward(pre), "relu + square",
+         lambda: F.relu(pre).square(), (pre,)),
+        ("relu2_backward", f"{N}x{4 * C}", lambda: ops.relu2_backward(dpre, pre), "backend torch",
+         lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
+        ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
+         lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
+         "backend torch (fp32, 1k rows a step)", lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0),
+         (z, targets, 1.0)),
+        ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
+    ]
+    for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
+        ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
+        gs, ms = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
+        args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
+        cases.append(("muon_update", f"{n} x {r}x{c}", lambda args=args: ops.muon_update(*args),
+                      "backend torch (batched torch.bmm)", lambda args=args: t.muon_update(*args), args))
+    return cases
+
+
 COPY_BYTES = 1 << 30  # the copy that measures memory bandwidth: 1 GiB, far beyond any cache
 
 
@@ -4977,7 +5068,8 @@ def bench_ops(cfg, ops, device):
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
     print(f"{'op':<30} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
           f"{'rate':>12} {'speed-up':>8}")
-    for name, shape, ours, torch_label, theirs, args in bench_cases(cfg, ops, device):
+    cases = (speedrun_bench_cases if cfg.recipe == "speedrun" else bench_cases)(cfg, ops, device)
+    for name, shape, ours, torch_label, theirs, args in cases:
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
             B, T, C = cfg.batch_size, cfg.seq_len, cfg.n_embd

@@ -1,9 +1,12 @@
-"""--recipe speedrun in train_gpt2_triton.py, backend torch: each speedrun op's hand-derived backward
+"""--recipe speedrun in train_gpt2_triton.py. Backend torch: each speedrun op's hand-derived backward
 against torch.autograd in float64; training held to the float64 outside reference
 (tests/speedrun_reference.py) per step, from the recipe's init and from random weights; two processes at
 ZeRO-1 (Newton-Schulz on whole matrices dealt round-robin) against one; a torchfunc speedrun checkpoint
 resumed here, and one of this trainer resumed by torchfunc; a bf16 step against fp32; no autograd in a
-step; the state make_state holds; backend triton refusing the recipe. The tolerances and shapes are
+step; the state make_state holds. Backend triton (in Triton's interpreter without a GPU, fp32): training
+held to the float64 reference and to backend torch per step, its checkpoint resumed by backend torch and
+by torchfunc, --bench-ops over its speedrun ops; its kernels op by op (--test --recipe speedrun) and a
+step without torch compute ops are in tests/test_triton.py. The tolerances and shapes are
 tests/test_speedrun.py's, which explains them."""
 import math
 from dataclasses import replace
@@ -152,10 +155,14 @@ def test_muon_update_is_the_references():
 
 
 def test_the_speedrun_ops_are_listed_once():
-    """Backend torch's speedrun table fills in SPEEDRUN_OP_NAMES exactly; --recipe speedrun's namespace
-    holds those and OP_NAMES."""
-    assert sorted(vars(OPS)) == sorted(tg.SPEEDRUN_OP_NAMES)
-    assert sorted(vars(tg.backend_ops("torch", "speedrun"))) == sorted(tg.OP_NAMES + tg.SPEEDRUN_OP_NAMES)
+    """Both backends' speedrun tables fill in SPEEDRUN_OP_NAMES exactly; --recipe speedrun's namespace
+    holds those and OP_NAMES, each backend's own."""
+    assert sorted(vars(OPS)) == sorted(vars(tg.TRITON_SPEEDRUN_OPS)) == sorted(tg.SPEEDRUN_OP_NAMES)
+    for backend, table in (("torch", OPS), ("triton", tg.TRITON_SPEEDRUN_OPS)):
+        ops = vars(tg.backend_ops(backend, "speedrun"))
+        assert sorted(ops) == sorted(tg.OP_NAMES + tg.SPEEDRUN_OP_NAMES)
+        assert all(ops[k] is f for k, f in vars(table).items())
+        assert ops["matmul_forward"] is vars(tg.backend_ops(backend))["matmul_forward"]
 
 
 # -----------------------------------------------------------------------------
@@ -172,9 +179,9 @@ def tiny_cfg():
 def runs(tiny_shards, tmp_path_factory):
     """runs(key) -> (out dir, init file), each run made once, when first asked for: "recipe" (--seed 0,
     its init also written as a model file, checkpoints every 3 steps) and "random" (speedrun_random_weights,
-    checkpoint at step 3) of this trainer; "zero1" the "recipe" run's checkpoint of step 3 resumed by two
-    processes at stage 1; "torchfunc" train_gpt2_torchfunc.py's run from the "random" init file, its
-    checkpoints every 3 steps too."""
+    checkpoint at step 3) of this trainer, backend torch; "triton" the "random" run on backend triton;
+    "zero1" the "recipe" run's checkpoint of step 3 resumed by two processes at stage 1; "torchfunc"
+    train_gpt2_torchfunc.py's run from the "random" init file, its checkpoints every 3 steps too."""
     done = {}
 
     def get(key):
@@ -192,7 +199,7 @@ def runs(tiny_shards, tmp_path_factory):
             elif key == "torchfunc":
                 tf.main([*argv, "--init-from", str(init)])
             else:
-                tg.main(["torch", *argv, "--init-from", str(init)])
+                tg.main(["triton" if key == "triton" else "torch", *argv, "--init-from", str(init)])
             done[key] = out, init
         return done[key]
     return get
@@ -253,6 +260,49 @@ def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path
     for resumed in (tmp_path / "here", tmp_path / "there"):
         assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
         assert train_losses(resumed) == pytest.approx(train_losses(out)[3:], rel=REFERENCE_RTOL)
+
+
+def test_backend_triton_matches_the_reference_and_backend_torch(runs, speedrun_reference_losses, one_thread):
+    """Backend triton, fp32, from the random init: every step's train loss within 1e-5 of the float64
+    reference's, and its losses and grad norms within 1e-5 of backend torch's run (the same computation, its
+    sums in other orders)."""
+    out, init = runs("triton")
+    torch_run, _ = runs("random")
+    events, theirs = step_events(out), step_events(torch_run)
+    assert [e["framework"] for e in events] == ["triton-triton"] * STEPS
+    for step, (a, b) in enumerate(zip(train_losses(out), speedrun_reference_losses(init)), 1):
+        assert a == pytest.approx(b, rel=REFERENCE_RTOL), f"step {step}: {a} against {b}"
+    for key in ("train_loss", "grad_norm"):
+        assert [e[key] for e in events] == pytest.approx([e[key] for e in theirs], rel=REFERENCE_RTOL), key
+
+
+def test_a_triton_checkpoint_resumes_in_backend_torch_and_torchfunc(runs, tiny_shards, tmp_path, one_thread):
+    """Backend triton's checkpoint of step 3 resumes in backend torch and in train_gpt2_torchfunc.py with
+    backend triton's own losses of steps 4-6."""
+    out, _ = runs("triton")
+    argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--ckpt-every", "0", "--resume",
+            str(out / "ckpt_0000003")]
+    tg.main(["torch", *argv, "--out-dir", str(tmp_path / "torch")])
+    tf.main([*argv, "--out-dir", str(tmp_path / "torchfunc")])
+    for resumed in (tmp_path / "torch", tmp_path / "torchfunc"):
+        assert [e["step"] for e in step_events(resumed)] == [4, 5, 6]
+        assert train_losses(resumed) == pytest.approx(train_losses(out)[3:], rel=REFERENCE_RTOL)
+
+
+def test_bench_ops_lists_every_speedrun_kernel(capsys, monkeypatch, one_thread):
+    """--bench-ops --recipe speedrun times every speedrun op of backend triton (the attention's backward
+    with its forward; Muon once per shape it batches over) against the PyTorch ops it replaces."""
+    monkeypatch.setattr(tg, "BENCH_WARMUP", 1)
+    monkeypatch.setattr(tg, "BENCH_REPS", 1)
+    monkeypatch.setattr(tg, "COPY_BYTES", 1 << 16)
+    cfg = replace(tiny_cfg(), backend="triton", n_layer=1, seq_len=16, batch_size=1, vocab_size=61,
+                  padded_vocab_size=64)
+    tg.bench_ops(cfg, tg.backend_ops("triton", "speedrun"), torch.device("cpu"))
+    out = capsys.readouterr().out
+    benched = [line.split()[0] for line in out.splitlines() if " | " in line and line.endswith("x")]
+    assert set(benched) == (set(tg.SPEEDRUN_OP_NAMES) - {"scaled_attention_backward"}
+                            | {"scaled_attention_forward+backward"})
+    assert benched.count("muon_update") == 3
 
 
 def test_a_bf16_step_follows_fp32(one_thread):
@@ -331,10 +381,11 @@ def test_state_is_what_device_state_bytes_counts():
             assert all(state["shard_params"][k].shape == shapes[k] for k in mine)
 
 
-def test_backend_triton_refuses_the_recipe():
-    """Backend triton has no speedrun kernels yet: one line, before anything runs."""
+def test_backend_torch_refuses_the_speedrun_self_test():
+    """--test --recipe speedrun checks backend triton against backend torch; backend torch's speedrun ops
+    are held to autograd here: one line, before anything runs."""
     with pytest.raises(SystemExit) as e:
-        tg.main(["triton", "--recipe", "speedrun", "--data", "synthetic"])
+        tg.main(["torch", "--recipe", "speedrun", "--test"])
     message = str(e.value)
     assert message.startswith("error: ") and "\n" not in message
-    assert "backend triton has no kernels for --recipe speedrun" in message
+    assert "--test --recipe speedrun checks backend triton's kernels" in message

@@ -177,20 +177,21 @@ def small_shard(tmp_path, cfg, n=4096):
 
 
 def test_triton_self_test_covers_every_kernel(capsys, one_thread):
-    """`triton --test`: every op of backend triton (forward and backward, the step's zero/clip/sum/copy)
-    matches backend torch run in fp64 at 4 shapes with odd sizes (fp32 rel 1e-4; bf16 3e-2 on a GPU), and
-    so do the whole model's loss, logits and 16 gradients (the interpreter splits the weight gradient
-    over the rows past 32 rows: the split-K path runs); and the run launched every Triton kernel that the
-    file launches anywhere."""
+    """`triton --test`, and with --recipe speedrun: every op of backend triton (forward and backward, the
+    step's zero/clip/sum/copy, the speedrun recipe's own ops) matches backend torch run in fp64 at 4 shapes
+    with odd sizes (fp32 rel 1e-4; bf16 3e-2 on a GPU), and so do each recipe's whole model's loss, logits
+    and gradients (the interpreter splits the weight gradient over the rows past 32 rows: the split-K path
+    runs); and the two runs launched every Triton kernel that the file launches anywhere."""
     launches = []
-    with tg.timed_kernels(DEVICE, launches, []):
-        tg.main(["triton", "--test"])
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if " pass " in line or " FAIL " in line]
     dtypes = 2 if ON_GPU else 1
-    assert len(rows) == dtypes * (len(tg.OP_CASES) + 2) and all(" pass " in row for row in rows), out
-    for name, _ in tg.OP_CASES:
-        assert sum(row.startswith(name + " ") for row in rows) == dtypes, name
+    for recipe, cases in (("gpt2", tg.OP_CASES), ("speedrun", tg.SPEEDRUN_OP_CASES)):
+        with tg.timed_kernels(DEVICE, launches, []):
+            tg.main(["triton", "--recipe", recipe, "--test"])
+        out = capsys.readouterr().out
+        rows = [line for line in out.splitlines() if " pass " in line or " FAIL " in line]
+        assert len(rows) == dtypes * (len(cases) + 2) and all(" pass " in row for row in rows), out
+        for name, _ in cases:
+            assert sum(row.startswith(name + " ") for row in rows) == dtypes, name
     source = open(tg.__file__).read()
     launched_in_file = set(re.findall(r"\b(\w+)\[", source)) & set(tg.launched_kernels())
     assert len(launched_in_file) >= 20 and {launch[1] for launch in launches} == launched_in_file
@@ -222,8 +223,9 @@ ALLOWED_IN_STEP = {  # allocation, views, and reading the step's loss and norm o
     "aten::_local_scalar_dense"}
 
 
-def step_torch_ops(monkeypatch, ops):
-    """{aten op: count} that one training step of a small model with `ops` runs, leaving out those inside
+def step_torch_ops(monkeypatch, ops, recipe="gpt2"):
+    """{aten op: count} that one training step of a small model of `recipe` with `ops` runs (the speedrun
+    model one 128-wide head wide), leaving out those inside
     a Triton kernel's launch (the interpreter copies its arguments to the host and back: a compiled launch
     runs no torch op) and inside the multi-tensor kernels' argument table (Python ints: sizes, addresses
     and weight decays, made into a tensor on the host and copied to the device)."""
@@ -237,9 +239,12 @@ def step_torch_ops(monkeypatch, ops):
     monkeypatch.setattr(GridExecutor, "__call__", labelled("excluded", GridExecutor.__call__))
     monkeypatch.setattr(tg, "_tensor_table", labelled("excluded", tg._tensor_table))
     cfg = small_cfg(batch_size=5)  # 40 rows: more than one interpreter block, so dW splits over the rows
+    if recipe == "speedrun":
+        cfg = tg.Config(**{**vars(cfg), "recipe": recipe, "n_layer": 1, "n_head": 1, "n_embd": tg.HEAD_DIM})
     params = tg.init_params_numpy(cfg)
+    muon = tg.muon_names(tg.param_shapes(cfg))
     state = tg.make_state(params, {k: np.zeros_like(p) for k, p in params.items()},
-                          {k: np.zeros_like(p) for k, p in params.items()}, cfg, DEVICE)
+                          {k: np.zeros_like(p) for k, p in params.items() if k not in muon}, cfg, DEVICE)
     xs = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len), device=DEVICE)  # (A, B, T)
     ys = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len), device=DEVICE)  # (A, B, T)
     if ON_GPU:  # the first call at each shape autotunes: Triton's benchmarking clones and zeroes buffers
@@ -268,6 +273,16 @@ def test_no_torch_compute_op_in_a_triton_step(monkeypatch, one_thread):
     assert set(ops) <= ALLOWED_IN_STEP, sorted(set(ops) - ALLOWED_IN_STEP)
     torch_ops = step_torch_ops(monkeypatch, tg.TORCH_OPS)
     assert {"aten::mm", "aten::addmm", "aten::zero_", "aten::sum"} <= set(torch_ops) - ALLOWED_IN_STEP
+
+
+def test_no_torch_compute_op_in_a_triton_speedrun_step(monkeypatch, one_thread):
+    """The same for a step of the speedrun recipe (its own ops, AdamW's three groups and Muon's
+    Newton-Schulz): backend triton runs no torch compute op, backend torch does."""
+    ops = step_torch_ops(monkeypatch, tg.backend_ops("triton", "speedrun"), "speedrun")
+    assert ops.get("aten::item") == 2
+    assert set(ops) <= ALLOWED_IN_STEP, sorted(set(ops) - ALLOWED_IN_STEP)
+    torch_ops = step_torch_ops(monkeypatch, tg.backend_ops("torch", "speedrun"), "speedrun")
+    assert {"aten::mm", "aten::addmm", "aten::rsqrt", "aten::_foreach_lerp_"} <= set(torch_ops) - ALLOWED_IN_STEP
 
 
 def test_triton_profile_tables(tmp_path, capsys, monkeypatch, one_thread):
