@@ -2987,8 +2987,9 @@ MUON_PARTIALS_BLOCK = 256  # the norm's chunk partials per loop step: a d12 (307
 
 @triton.jit
 def _lerp(start, end, w):
-    # torch's lerp as its vectorized CPU kernel computes it: fma(w, end - start, start) for w < 0.5, else
-    # fma(w - 1, end - start, end) (exact at w = 1), so that fp32 agrees bit for bit where fma is exact
+    # torch's lerp as its CPU (vectorized) and CUDA kernels compute it, one fused multiply-add each:
+    # start + w (end - start) for w < 0.5, else end - (1 - w) (end - start) (exact at w = 1), w in fp32
+    # as torch casts it, so that fp32 results agree bit for bit
     small = w < 0.5
     return tl.fma(tl.where(small, w, w - 1.0), end - start, tl.where(small, start, end))
 
