@@ -318,12 +318,13 @@ OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residua
 # The speedrun recipe's own computations (--recipe speedrun), beside the ops above that it shares (matmul
 # with bias, global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
 # embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
-# ReLU^2, the soft-capped cross-entropy over all columns, and Muon. Backend torch alone fills them in yet.
+# ReLU^2, the soft-capped cross-entropy over all columns, Muon, and the sum of the input gradients of q, k
+# and v (add_into).
 SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
                      "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
                      "scaled_attention_forward", "scaled_attention_backward", "matmul_relu2_forward",
                      "relu2_forward", "relu2_backward", "softcap_crossentropy_forward_backward",
-                     "muon_update")
+                     "muon_update", "add_into")
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -727,6 +728,11 @@ def torch_muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dty
         torch._foreach_copy_(copies, params)
 
 
+def torch_add_into(acc, x):
+    """acc += x (same shape and dtype): h feeds q, k and v, so their input gradients add up."""
+    acc += x
+
+
 def op_table(backend, ops, names=OP_NAMES):
     """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or
     SPEEDRUN_OP_NAMES) exactly."""
@@ -760,7 +766,7 @@ TORCH_SPEEDRUN_OPS = op_table("torch", dict(
     matmul_relu2_forward=torch_matmul_relu2_forward,
     relu2_forward=torch_relu2_forward, relu2_backward=torch_relu2_backward,
     softcap_crossentropy_forward_backward=torch_softcap_crossentropy_forward_backward,
-    muon_update=torch_muon_update,
+    muon_update=torch_muon_update, add_into=torch_add_into,
 ), SPEEDRUN_OP_NAMES)
 
 
@@ -1090,8 +1096,8 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
         dh = ops.matmul_backward(dq.view(B * T, C), h, b["attn.q.weight"], g["attn.q.weight"],
                                  g["attn.q.bias"])  # (N, C)
         for n, d in (("k", dk), ("v", dv)):  # h feeds all three projections: their gradients add up
-            dh += ops.matmul_backward(d.view(B * T, C), h, b[f"attn.{n}.weight"], g[f"attn.{n}.weight"],
-                                      g[f"attn.{n}.bias"])  # (N, C)
+            ops.add_into(dh, ops.matmul_backward(d.view(B * T, C), h, b[f"attn.{n}.weight"],
+                                                 g[f"attn.{n}.weight"], g[f"attn.{n}.bias"]))  # (N, C)
         dres = ops.rmsnorm_backward(dh, a["res"], b["norm1.gains"], rstd, g["norm1.gains"],
                                     dres=dres)  # (N, C)
     a = acts.pop()
@@ -3100,6 +3106,187 @@ def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_de
                              CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(len(params)),
                              num_warps=MT_WARPS)
 
+
+# --- Muon: momentum, Newton-Schulz on the matmul kernels, the update ---------------------------------------
+# muon_update (torch_muon_update's semantics) over n matrices of one shape (r, c) in four steps: (1) one
+# multi-tensor launch updates the momentum buffers and writes Nesterov's u into a stacked (n, r, c) work
+# buffer in the Newton-Schulz dtype, with each chunk's sum of squares of u as stored, so that the Frobenius
+# norms cost no second pass over u; (2) one launch divides each matrix by its norm, each program summing
+# its matrix's chunk partials in order; (3) Newton-Schulz per matrix on _matmul, the combinations by
+# _axpby_kernel, in place in the work buffer; (4) one multi-tensor launch applies the update to the fp32
+# masters and refreshes their compute-dtype copies.
+
+MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps ...
+MUON_WARPS = 8                               # ... the interpreter takes wide blocks (fewer programs)
+MUON_PARTIALS_BLOCK = 256  # the norm's chunk partials per loop step: a d12 (3072, 768) matrix has 144
+
+
+@triton.jit
+def _lerp(start, end, w):
+    # torch's lerp as its CPU (vectorized) and CUDA kernels compute it, one fused multiply-add each:
+    # start + w (end - start) for w < 0.5, else end - (1 - w) (end - start) (exact at w = 1), w in fp32
+    # as torch casts it, so that fp32 results agree bit for bit
+    small = w < 0.5
+    return tl.fma(tl.where(small, w, w - 1.0), end - start, tl.where(small, start, end))
+
+
+@triton.jit
+def _muon_momentum_kernel(table_ptr, n_tensors, u_ptr, sumsq_ptr, w_m, w_u, ALIGNED: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, grad, m pointers. Every matrix has one shape, so the matrix of first
+    # chunk f is f / (its chunk count), and its u is that matrix of the stacked buffer u (n, r, c)
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    u_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        g = tl.load(g_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        m = _lerp(tl.load(m_ptr + o + offs, mask=mask, other=0.0), g, w_m)         # (BL,) fp32
+        u = _lerp(g, m, w_u).to(u_ptr.dtype.element_ty)                             # (BL,) Nesterov's
+        tl.store(m_ptr + o + offs, m, mask=mask)
+        tl.store(u_ptr + o + offs, u, mask=mask)
+        acc += u.to(tl.float32) * u.to(tl.float32)  # the norm of u as Newton-Schulz reads it (masked: 0)
+    tl.store(sumsq_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _muon_normalize_kernel(x_ptr, sumsq_ptr, numel, chunks, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    # x (n, numel) /= ||x[i]||_F + 1e-7 over grid (n, blocks): every program of matrix i sums its `chunks`
+    # partials in the same order, so all of them divide by the same bits. The norm and the denominator are
+    # rounded to x's dtype as torch rounds them (a bf16 norm in bf16 Newton-Schulz)
+    i = tl.program_id(0).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)                                                  # (BP,)
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)                                    # (BP,)
+    for p0 in range(0, chunks, BLOCK_P):
+        acc += tl.load(sumsq_ptr + i * chunks + p0 + offs_p, mask=offs_p < chunks - p0, other=0.0)
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    denom = (norm + 1e-7).to(x_ptr.dtype.element_ty).to(tl.float32)
+    start = tl.program_id(1).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < numel - start
+    x = tl.load(x_ptr + i * numel + start + offs, mask=mask, other=0.0).to(tl.float32)  # (BL,)
+    tl.store(x_ptr + i * numel + start + offs, tl.div_rn(x, denom).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _axpby_kernel(out_ptr, x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
+    # out may be x or y: each element is read before it is written, by the same program
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    y = tl.load(y_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    tl.store(out_ptr + start + offs, (a * x + b * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr,
+                        ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, param, copy pointers; the orthogonalized update of the matrix is x's,
+    # found as in _muon_momentum_kernel
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    if HAS_COPY:
+        c_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
+        if ALIGNED:
+            c_ptr = tl.multiple_of(c_ptr, 16)
+    x_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        p = tl.load(p_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        update = tl.load(x_ptr + o + offs, mask=mask, other=0.0).to(tl.float32) * scale  # (BL,)
+        # torch's order of roundings: p * decay, then minus lr * update
+        p = p * decay - update * lr                                                 # (BL,) fp32
+        tl.store(p_ptr + o + offs, p, mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def axpby(out, a, x, b, y):
+    """out = a x + b y elementwise (out, x, y contiguous with as many elements; out may be x or y), in fp32
+    and rounded once to out's dtype."""
+    _flat_check("axpby", out, x, y)
+    if not out.numel() == x.numel() == y.numel():
+        raise ValueError(f"axpby: {x.numel()} and {y.numel()} elements into {out.numel()}")
+    _axpby_kernel[(triton.cdiv(out.numel(), MUON_BLOCK),)](out, x, y, out.numel(), a, b, BLOCK=MUON_BLOCK,
+                                                           num_warps=MUON_WARPS)
+
+
+def add_into(acc, x):
+    """acc += x (same shape and dtype, contiguous), rounded once: h feeds q, k and v, so their input
+    gradients add up."""
+    if acc.shape != x.shape or acc.dtype != x.dtype:
+        raise ValueError(f"add_into: {x.dtype} {tuple(x.shape)} into {acc.dtype} {tuple(acc.shape)}")
+    axpby(acc, 1.0, acc, 1.0, x)
+
+
+def _newton_schulz(x):
+    """newton_schulz's iterations in place on one normalized matrix x (r, c), contiguous, in its dtype. A
+    tall x runs them on its transpose, as the reference does, without moving it: with X = x^T the
+    reference's step X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since
+    A = x^T x and so B are symmetric. A symmetric A needs only its upper half computed (half of A = X X^T's
+    flops, and of A @ A's); whether a triangular variant of the matmul kernel pays is left for measurement
+    on a GPU."""
+    tall = x.shape[0] > x.shape[1]
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        A, _ = _matmul(x.t(), x) if tall else _matmul(x, x.t())                    # (k, k), k = min(r, c)
+        AA, _ = _matmul(A, A)                                                       # (k, k)
+        axpby(A, -1.5, A, 0.5, AA)                                                  # (k, k) B, over A
+        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (r, c)
+        axpby(x, 2.0, x, 1.0, Bx)                                                   # (r, c)
+
+
+def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
+    """Muon in place, as torch_muon_update: lists of fp32 matrices of one shape (r, c), m = lerp(m, g,
+    1 - momentum), u = lerp(g, m, momentum) orthogonalized by Newton-Schulz in `dtype` (fp32 or bf16),
+    p = p (1 - lr wd) - lr max(1, r/c)^0.5 update; `copies` (bf16, or None) get the updated params rounded
+    to bf16. chunk and block as in global_norm."""
+    if dtype not in (torch.float32, torch.bfloat16) or params[0].dim() != 2:
+        raise ValueError(f"muon_update: fp32 or bf16 Newton-Schulz on matrices, got {dtype} on "
+                         f"{tuple(params[0].shape)}")
+    _check_tensors("muon_update params/grads/m", [*params, *grads, *ms], (torch.float32,),
+                   params[:1] * (3 * len(params)))
+    if copies is not None:
+        _check_tensors("muon_update copies", copies, (torch.bfloat16,), params)
+    n, (r, c) = len(params), params[0].shape
+    u = torch.empty((n, r, c), dtype=dtype, device=params[0].device)  # (n, r, c) u, then its update
+    table, chunks, aligned = _tensor_table([grads, ms], chunk=chunk)
+    sumsq = torch.empty(chunks, dtype=torch.float32, device=u.device)  # (chunks,) fp32 partial sums of u^2
+    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned,
+                                     CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(n),
+                                     num_warps=MT_WARPS)
+    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n,
+                                                                BLOCK=MUON_BLOCK, BLOCK_P=MUON_PARTIALS_BLOCK,
+                                                                num_warps=MUON_WARPS)
+    for i in range(n):  # the matmul kernel is 2-D: one matrix at a time
+        _newton_schulz(u[i])
+    table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
+    _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
+                                   HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
+                                   BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
+
 # -----------------------------------------------------------------------------
 # Triton kernels: shared helpers
 
@@ -4337,6 +4524,31 @@ def case_softcap_crossentropy(ops, r, B, T, C, H):
     return dict(losses=losses, dz=z)
 
 
+def case_muon(ops, r, B, T, C, H):
+    """Muon on a wide shape and a tall one (Newton-Schulz on the transpose), two steps (the second from
+    the first's momentum). The masters are small (scale 0.02, the update's order), so that an error in
+    the orthogonalized update shows in them and is not lost below their own size."""
+    out = {}
+    for name, shape in (("wide", (C, 3 * C + 1)), ("tall", (4 * C, C))):
+        params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
+        ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]
+        copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
+        for _ in range(2):
+            grads = [r.rand(*shape, acc=True) for _ in range(2)]
+            ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
+        for i in range(2):
+            out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
+                        f"{name} copy{i}": params[i] if copies is None else copies[i]})
+    return out
+
+
+def case_add_into(ops, r, B, T, C, H):
+    """acc += x in the compute dtype, as the speedrun model adds q's, k's and v's input gradients."""
+    acc = r.rand(B * T, C)  # (N, C)
+    ops.add_into(acc, r.rand(B * T, C))
+    return dict(acc=acc)
+
+
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
             ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
             ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
@@ -4347,7 +4559,8 @@ OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layern
 SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
                      ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
                      ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
-                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy)]
+                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
+                     ("muon_update x2", case_muon), ("add_into", case_add_into)]
 
 
 def self_test_config(recipe):
