@@ -3453,9 +3453,11 @@ def matmul_backward(dy, x, w, dw, db):
 
 # -----------------------------------------------------------------------------
 # Triton kernels: causal flash attention
-# Rows of qkv (B,T,3C) hold q, k, v side by side and head h is the D-wide slice h*D of each: the kernels
-# read them in place through strides. Softmax runs in base 2 with the scale folded in (qk_scale =
-# log2(e)/sqrt(D)); lse is saved in natural log. No (T,T) tensor exists: scores live in registers.
+# q, k and v come as three base pointers that share their strides over batch and position, head h being
+# the D-wide slice h*D of a row: the thirds of GPT-2's fused projection qkv (B,T,3C), or the speedrun's
+# separate (B,T,H,D) tensors, read in place either way; their gradients are written with the same
+# strides. Softmax runs in base 2 with the scale folded in (qk_scale = scale * log2(e), GPT-2's scale being
+# 1/sqrt(D)); lse is saved in natural log. No (T,T) tensor exists: scores live in registers.
 
 def _attention_configs(kernel, interpret=INTERPRET):
     """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq". H100, D=64, 16-bit: the
@@ -3466,19 +3468,22 @@ def _attention_configs(kernel, interpret=INTERPRET):
     a multiple of the streamed one, so the diagonal splits into whole sub-blocks (static_assert in the
     kernels). _prune_attention_configs tells the sets apart by their stage count."""
     if interpret:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv" else {"BLOCK_M": 32, "BLOCK_N": 16})]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
+                              else {"BLOCK_M": 32, "BLOCK_N": 16})]
     sizes16 = {"fwd": [(128, 64, 4), (128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)],
                "dkdv": [(64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)],
                "dq": [(128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)]}[kernel]
     sizes32 = {"fwd": [(64, 32, 8), (32, 32, 4), (64, 16, 4)], "dkdv": [(16, 32, 4)],
                "dq": [(64, 32, 8), (32, 32, 4), (64, 16, 4)]}[kernel]
-    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w) for bm, bn, w in sizes16]
-            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w) for bm, bn, w in sizes32])
+    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w)
+             for bm, bn, w in sizes16]
+            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w)
+               for bm, bn, w in sizes32])
 
 
 def _prune_attention_configs(configs, named_args, **kwargs):
     """16-bit inputs get the 3-stage (tensor core) configs, fp32 inputs the 2-stage (FMA) ones."""
-    stages = 2 if named_args["qkv_ptr"].element_size() == 4 else 3
+    stages = 2 if named_args["q_ptr"].element_size() == 4 else 3
     return [c for c in configs if c.num_stages == stages] or configs
 
 
@@ -3510,8 +3515,8 @@ def _store_rows(base, x, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: t
 
 @triton.jit
 def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DIAGONAL: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """Online softmax over the key blocks [lo, hi): rescales the running output acc (BM,BD), sum l_i and
     max m_i (BM,) by exp2(m_old - m_new) whenever the max grows. DIAGONAL blocks straddle the causal
     boundary (and maybe T): they mask scores of keys after the query and load keys with a row check."""
@@ -3534,7 +3539,7 @@ def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t
 
 @triton.autotune(configs=_attention_configs("fwd"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
-def attn_fwd_kernel(qkv_ptr, out_ptr, lse_ptr, T, H, C, qk_scale, stride_qkv_b, stride_qkv_t, stride_out_b,
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
                     stride_out_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head). Keys strictly before the block need no mask;
@@ -3545,17 +3550,17 @@ def attn_fwd_kernel(qkv_ptr, out_ptr, lse_ptr, T, H, C, qk_scale, stride_qkv_b, 
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k and v
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
     # a finite start: a row whose first keys are all masked keeps m = -1e30 and p = exp2(-inf) = 0, no NaN
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # (BM,) running max (log2 units)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,) running sum of exp2(s - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD) running p @ v
-    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, q_base + C, q_base + 2 * C, offs_m, 0, start_m, T,
-                                   stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
-    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, q_base + C, q_base + 2 * C, offs_m, start_m,
-                                   tl.minimum(start_m + BLOCK_M, T), T, stride_qkv_t, qk_scale, HEAD_DIM,
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
+                                   stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, start_m,
+                                   tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM,
                                    BLOCK_D, BLOCK_M, BLOCK_N, True)
     out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM
     _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, HEAD_DIM, BLOCK_D)
@@ -3582,7 +3587,7 @@ def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stri
 
 
 @triton.jit
-def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_qkv_t,
+def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_t,
                       stride_do_t, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dK, dV of one key block (BN,BD) over the query blocks [lo, hi), in transposed form (keys x queries)
@@ -3590,7 +3595,7 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
     dK += dS^T Q. Queries past T read q = dO = lse = delta = 0 and so add exactly 0."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-        q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+        q = _load_rows(q_base, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
         do = _load_rows(do_base, offs_m, stride_do_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
         lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,) log2 units
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
@@ -3602,16 +3607,15 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")  # (BN, BD)
         dp_t = tl.dot(v, tl.trans(do), zeros, input_precision="ieee")  # (BN, BM)
         ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")  # (BN, BD) (scale applied once at the end)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")  # (BN, BD) scaled once at the end
     return dk, dv
 
 
 @triton.autotune(configs=_attention_configs("dkdv"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
-def attn_bwd_dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C, sm_scale, qk_scale,
-                         stride_qkv_b, stride_qkv_t, stride_dout_b, stride_dout_t,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, sm_scale,
+                         qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_N keys of one (batch, head), their dK and dV written once (no atomics). Only
     queries at or after the block see it: the BLOCK_N diagonal queries with the causal mask, the rest
     without. Program ids already run the longest (first) key blocks first."""
@@ -3620,34 +3624,35 @@ def attn_bwd_dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, 
     start_n = tl.program_id(1) * BLOCK_N
     b = pid_bh // H
     h = pid_bh % H
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and grads
     do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-    k = _load_rows(q_base + C, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
-    v = _load_rows(q_base + 2 * C, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    k = _load_rows(k_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    v = _load_rows(v_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     lse_row = lse_ptr + pid_bh * T
     delta_row = delta_ptr + pid_bh * T
     diag_hi = tl.minimum(start_n + BLOCK_N, T)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, start_n, diag_hi,
-                               T, stride_qkv_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, diag_hi, T, T,
-                               stride_qkv_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
-    dq_base = dqkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM  # dqkv has qkv's layout
-    _store_rows(dq_base + C, dk * sm_scale, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
-    _store_rows(dq_base + 2 * C, dv, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n,
+                               diag_hi, T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                               BLOCK_N, True)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T,
+                               T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                               False)
+    _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_qkv_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DIAGONAL: tl.constexpr):
+def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-        k = _load_rows(k_base, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
-        v = _load_rows(v_base, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        k = _load_rows(k_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
         zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         s = tl.dot(q, tl.trans(k), zeros, input_precision="ieee") * qk_scale  # (BM, BN) log2 units
         p = tl.exp2(s - lse2[:, None])  # (BM, BN)
@@ -3661,10 +3666,9 @@ def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, st
 
 @triton.autotune(configs=_attention_configs("dq"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
-def attn_bwd_dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C, sm_scale, qk_scale,
-                       stride_qkv_b, stride_qkv_t, stride_dout_b, stride_dout_t,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, T, H, sm_scale, qk_scale,
+                       stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head), their dQ written once (recomputing P costs one
     more dot than atomics in the dK/dV kernel, and keeps the result deterministic)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -3672,21 +3676,20 @@ def attn_bwd_dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C,
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and dq
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
     do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
                     HEAD_DIM, BLOCK_D, True)  # (BM, BD)
     lse2 = tl.load(lse_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,)
     delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD)
-    dq = _attn_bwd_keys(dq, q, do, lse2, delta, q_base + C, q_base + 2 * C, offs_m, 0, start_m, T,
-                        stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
-    dq = _attn_bwd_keys(dq, q, do, lse2, delta, q_base + C, q_base + 2 * C, offs_m, start_m,
-                        tl.minimum(start_m + BLOCK_M, T), T, stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D,
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
+                        stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, start_m,
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM, BLOCK_D,
                         BLOCK_M, BLOCK_N, True)
-    dq_base = dqkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
-    _store_rows(dq_base, dq * sm_scale, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, HEAD_DIM, BLOCK_D)
 
 
 ATTN_DELTA_BLOCK = 64  # rows a program in attn_bwd_delta_kernel: memory-bound, no tuning needed
@@ -3696,38 +3699,83 @@ def _head_block(D):
     return max(16, triton.next_power_of_2(D))  # tl.dot needs power-of-2 sides of at least 16
 
 
-def attention_forward(qkv, n_head):
-    """Causal self-attention of qkv (B,T,3C): out (B,T,C) and the row logsumexp lse (B,H,T) fp32."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    D = C // n_head
-    out = torch.empty((B, T, C), dtype=qkv.dtype, device=qkv.device)  # (B,T,C)
-    lse = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # (B,H,T)
-    grid = lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
-    attn_fwd_kernel[grid](qkv, out, lse, T, n_head, C, math.log2(math.e) / math.sqrt(D), qkv.stride(0),
-                          qkv.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=_head_block(D))
+def _flash_forward(q, k, v, B, T, H, D, scale):
+    """attn_fwd_kernel over q, k, v sharing their strides, head h at h*D of a row: out (B,T,H*D) in q's
+    dtype and the row logsumexp lse (B,H,T) fp32."""
+    out = torch.empty((B, T, H * D), dtype=q.dtype, device=q.device)  # (B,T,H*D)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
+    grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
+    attn_fwd_kernel[grid](q, k, v, out, lse, T, H, math.log2(math.e) * scale, q.stride(0), q.stride(1),
+                          out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=_head_block(D))
     return out, lse
 
 
-def attention_backward(dout, qkv, out, lse, n_head):
-    """dqkv (B,T,3C) from dout (B,T,C), the forward's qkv, out and lse (B,H,T): three kernels (delta,
-    dK/dV, dQ), each output element written exactly once."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    D = C // n_head
+def _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale):
+    """The gradients dq, dk, dv, laid out like q, k, v, from dout and out (B,T,H*D) rows and lse (B,H,T):
+    three kernels (delta, dK/dV, dQ), each output element written exactly once."""
     BD = _head_block(D)
-    delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # (B,H,T)
-    attn_bwd_delta_kernel[(B * n_head, triton.cdiv(T, ATTN_DELTA_BLOCK))](
-        out, dout, delta, T, n_head, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
+    attn_bwd_delta_kernel[(B * H, triton.cdiv(T, ATTN_DELTA_BLOCK))](
+        out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
-    dqkv = torch.empty_like(qkv)  # (B,T,3C) every element written by one of the two kernels below
-    args = (qkv, dout, lse, delta, dqkv, T, n_head, C, 1.0 / math.sqrt(D), math.log2(math.e) / math.sqrt(D),
-            qkv.stride(0), qkv.stride(1), dout.stride(0), dout.stride(1))
-    attn_bwd_dkdv_kernel[lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_N"]))](
-        *args, HEAD_DIM=D, BLOCK_D=BD)
-    attn_bwd_dq_kernel[lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_M"]))](
-        *args, HEAD_DIM=D, BLOCK_D=BD)
+    rest = (T, H, scale, math.log2(math.e) * scale, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1))
+    attn_bwd_dkdv_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_N"]))](
+        q, k, v, dout, lse, delta, dk, dv, *rest, HEAD_DIM=D, BLOCK_D=BD)
+    attn_bwd_dq_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))](
+        q, k, v, dout, lse, delta, dq, *rest, HEAD_DIM=D, BLOCK_D=BD)
+
+
+def _thirds(qkv):
+    """The q, k, v (B,T,C) views of the fused projection's rows (B,T,3C), or of its gradient's."""
+    C = qkv.shape[-1] // 3
+    return qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+
+
+def attention_forward(qkv, n_head):
+    """Causal self-attention of qkv (B,T,3C): out (B,T,C) and the row logsumexp lse (B,H,T) fp32."""
+    B, T, C3 = qkv.shape
+    D = C3 // (3 * n_head)
+    return _flash_forward(*_thirds(qkv), B, T, n_head, D, 1.0 / math.sqrt(D))
+
+
+def attention_backward(dout, qkv, out, lse, n_head):
+    """dqkv (B,T,3C) from dout (B,T,C), the forward's qkv, out and lse (B,H,T)."""
+    B, T, C3 = qkv.shape
+    D = C3 // (3 * n_head)
+    dqkv = torch.empty_like(qkv)  # (B,T,3C) qkv's layout: its thirds share the strides of qkv's
+    _flash_backward(dout, *_thirds(qkv), out, lse, *_thirds(dqkv), B, T, n_head, D, 1.0 / math.sqrt(D))
     return dqkv
+
+
+def _check_heads(name, qkv, rows):
+    """The kernels address head h at h*D of a row, its elements one apart, and q, k, v through one set of
+    strides: q, k, v (B,T,H,D) strided alike, with strides (D, 1) over (H, D); `rows` (B,T,H*D) of unit
+    stride over the last axis."""
+    D = qkv[0].shape[-1]
+    if (len({t.stride() for t in qkv}) > 1 or qkv[0].stride()[2:] != (D, 1)
+            or any(t.stride(2) != 1 for t in rows)):
+        raise ValueError(f"{name}: expected q, k, v (B, T, H, D) with one set of strides ending (D, 1) and "
+                         f"rows of unit stride, got strides {[t.stride() for t in (*qkv, *rows)]}")
+
+
+def scaled_attention_forward(q, k, v, scale):
+    """Causal softmax(scale q k^T) v per head of q, k, v (B,T,H,D): (out (B,T,H*D), lse (B,H,T) fp32)."""
+    B, T, H, D = q.shape
+    _check_heads("scaled_attention_forward", (q, k, v), ())
+    return _flash_forward(q, k, v, B, T, H, D, scale)
+
+
+def scaled_attention_backward(dout, q, k, v, out, lse, scale):
+    """(dq, dk, dv) (B,T,H,D) each, with q's strides, from dout and the forward's out, (B,T,H*D) or
+    (B,T,H,D), its q, k, v and lse (B,H,T)."""
+    B, T, H, D = q.shape
+    dout, out = dout.view(B, T, H * D), out.view(B, T, H * D)  # (B,T,H*D) each
+    _check_heads("scaled_attention_backward", (q, k, v), (dout, out))
+    # the kernels write all three through q's strides
+    dq, dk, dv = (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
+                  for _ in range(3))  # (B,T,H,D) each
+    _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale)
+    return dq, dk, dv
 
 
 # The training step's own kernels: with them, torch only allocates memory and makes views in backend
@@ -4390,8 +4438,8 @@ def _dot_kernel_flops(name, a):
     dots = {"attn_fwd_kernel": 2, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}.get(name)
     if dots is None:
         return None
-    B, T, C3 = a["qkv_ptr"].shape
-    return dots * B * T * T * (C3 // 3)
+    q = a["q_ptr"]  # (B, T, C) view of qkv, or (B, T, H, D)
+    return dots * q.shape[1] * q.numel()
 
 
 def kernel_work(name, a):
