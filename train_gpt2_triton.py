@@ -3778,6 +3778,113 @@ def scaled_attention_backward(dout, q, k, v, out, lse, scale):
     return dq, dk, dv
 
 
+# --- q and k: RMSNorm over each head, then the half-truncated rotary embedding ---------------------------
+# A row is one head of D values, x (B,T,H,D) contiguous: row r = (b*T + t)*H + h sits at position
+# t = (r // H) % T. The rotation pairs element j with element D/2 + j, so the kernels load a row as its
+# two halves, two (rows, D/2) tiles. The angles theta = t * freq_j are computed here, not read from a
+# (T, D/2) table: backend torch builds cos and sin inside every step (_rotary_cos_sin), and a table built
+# in torch would be a torch compute op in backend triton's step (a cached one, one more buffer kept per
+# shape); an exp2, a cos and a sin per pair cost nothing in a memory-bound kernel.
+
+# whole heads per program: QK_TILE elements, 32 heads at D = 128 with 8 warps, 16 elements per thread (8
+# of each half); the interpreter takes wide tiles (fewer programs)
+QK_TILE = 1 << 16 if INTERPRET else 4096
+QK_WARPS = 8
+
+
+@triton.jit
+def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
+    """cos and sin (R, BH) fp32 of theta = t * freq_j at the positions of the flat head indices rows (R,),
+    pairs j = cols (BH,): freq_j = (1/1024)^(j / (D/4 - 1)) over the first D/4 pairs (at D = 4 torch's
+    linspace(0, 1, 1) is [0]: freq 1), 0 over the last D/4 (cos 1, sin 0: those pairs are not rotated)."""
+    quarter = HEAD_DIM // 4
+    t = ((rows // H) % T).to(tl.float32)                                           # (R,) positions
+    freq = tl.exp2(cols.to(tl.float32) * (-10.0 / tl.maximum(quarter - 1, 1)))     # (BH,) fp32
+    freq = tl.where(cols < quarter, freq, 0.0)                                      # (BH,)
+    theta = t[:, None] * freq[None, :]                                              # (R, BH) fp32, as torch's
+    # tl.cos and tl.sin may compile to the GPU's approximate instructions, accurate near 0 only: reduce
+    # theta to [-pi, pi] first, 2 pi split in two (6.28125 has 8 bits, so turns * 6.28125 is exact)
+    turns = tl.floor(theta * 0.15915494309189535 + 0.5)                             # (R, BH) nearest 2 pi
+    r = (theta - turns * 6.28125) - turns * 1.9353071795864769e-3                   # (R, BH) in [-pi, pi]
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _qk_norm_rotary_forward_kernel(x_ptr, y_ptr, rstd_ptr, N, T, H, eps, HEAD_DIM: tl.constexpr,
+                                   BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local heads
+    cols = tl.arange(0, BLOCK_H)                                                    # (BH,) pairs
+    row_mask = rows < N - row0
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
+    base = row0 * HEAD_DIM                                                          # int64 scalar
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]                                 # (R, BH) int32, 1st half
+    x1 = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)          # (R, BH)
+    x2 = tl.load(x_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)  # (R,)
+    x1 = x1 * rstd[:, None]                                                         # (R, BH) xhat
+    x2 = x2 * rstd[:, None]                                                         # (R, BH)
+    cos, sin = _rotary_cos_sin_tile(row0 + rows, T, H, cols, HEAD_DIM)              # (R, BH) each
+    y1 = x1 * cos + x2 * sin                                                        # (R, BH)
+    y2 = x2 * cos - x1 * sin                                                        # (R, BH)
+    tl.store(y_ptr + base + offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + base + HEAD_DIM // 2 + offs, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row0 + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _qk_norm_rotary_backward_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, N, T, H, HEAD_DIM: tl.constexpr,
+                                    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # the rotation is orthogonal: dxhat = R^T dy; then RMSNorm's backward without gain,
+    # dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), xhat recomputed from x and the saved rstd
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local heads
+    cols = tl.arange(0, BLOCK_H)                                                    # (BH,) pairs
+    row_mask = rows < N - row0
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
+    base = row0 * HEAD_DIM                                                          # int64 scalar
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]                                 # (R, BH) int32, 1st half
+    dy1 = tl.load(dy_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)        # (R, BH)
+    dy2 = tl.load(dy_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.load(rstd_ptr + row0 + rows, mask=row_mask, other=0.0)                # (R,) fp32
+    x1 = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]  # (R, BH) xhat
+    x2 = tl.load(x_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    cos, sin = _rotary_cos_sin_tile(row0 + rows, T, H, cols, HEAD_DIM)              # (R, BH) each
+    g1 = dy1 * cos - dy2 * sin                                                      # (R, BH) dxhat
+    g2 = dy1 * sin + dy2 * cos                                                      # (R, BH)
+    mean = (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) / HEAD_DIM           # (R,)
+    dx1 = rstd[:, None] * (g1 - x1 * mean[:, None])                                 # (R, BH)
+    dx2 = rstd[:, None] * (g2 - x2 * mean[:, None])                                 # (R, BH)
+    tl.store(dx_ptr + base + offs, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + base + HEAD_DIM // 2 + offs, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rotary_forward(x, eps):
+    """q or k (B,T,H,D) contiguous -> (y (B,T,H,D) in x's dtype, rstd (B,T,H) fp32): each head RMS-normed
+    without gain, then rotated by its position's angles, in fp32."""
+    _flat_check("qk_norm_rotary_forward", x)
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)                                                         # (B,T,H,D)
+    rstd = torch.empty((B, T, H), dtype=torch.float32, device=x.device)             # (B,T,H) fp32
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_forward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        num_warps=QK_WARPS)
+    return y, rstd
+
+
+def qk_norm_rotary_backward(dy, x, rstd):
+    """dx (B,T,H,D) in x's dtype from dy and the forward's x (B,T,H,D), contiguous, and rstd (B,T,H)."""
+    _flat_check("qk_norm_rotary_backward", dy, x, rstd)
+    B, T, H, D = x.shape
+    dx = torch.empty_like(x)                                                        # (B,T,H,D)
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_backward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        num_warps=QK_WARPS)
+    return dx
+
+
 # The training step's own kernels: with them, torch only allocates memory and makes views in backend
 # triton's step (the gradients are views of one flat fp32 buffer, so one launch zeroes or clips them all).
 
@@ -4176,6 +4283,26 @@ def case_step_ops(ops, r, B, T, C, H):
     copied = r.rand(B * T + 2, C)  # (N+2, C)
     ops.copy_into(copied[1:B * T + 1], r.rand(B * T, C))
     return dict(zeroed=zeroed, clipped=clipped, kept=kept, acc=acc, copied=copied)
+
+
+def case_scaled_attention(ops, r, B, T, C, H):
+    """The speedrun's attention: separate q, k, v of H heads of HEAD_DIM (C unused), scale ATTN_SCALE. At
+    T = 1 the softmax over a single key is constant: dq and dk are zero up to rounding, and an error
+    relative to rounding means nothing, so only dv is checked there."""
+    q, k, v = (r.rand(B, T, H, HEAD_DIM, scale=1.5) for _ in range(3))  # (B, T, H, D) each
+    out, lse = ops.scaled_attention_forward(q, k, v, ATTN_SCALE)  # (B, T, H*D), (B, H, T)
+    dq, dk, dv = ops.scaled_attention_backward(r.rand(B, T, H * HEAD_DIM), q, k, v, out, lse,
+                                               ATTN_SCALE)  # (B, T, H, D) each
+    return dict(out=out, lse=lse, dv=dv, **(dict(dq=dq, dk=dk) if T > 1 else {}))
+
+
+def case_qk_norm_rotary(ops, r, B, T, C, H):
+    """q or k of H heads of HEAD_DIM (C unused): RMSNorm over each head and the rotary at positions
+    0..T-1, forward and backward, with the model's eps (the dtype's machine epsilon)."""
+    x = r.rand(B, T, H, HEAD_DIM, scale=2.0, shift=0.5)  # (B, T, H, D)
+    y, rstd = ops.qk_norm_rotary_forward(x, torch.finfo(r.dt).eps)  # (B, T, H, D), (B, T, H)
+    dx = ops.qk_norm_rotary_backward(r.rand(B, T, H, HEAD_DIM), x, rstd)  # (B, T, H, D)
+    return dict(y=y, rstd=rstd, dx=dx)
 
 
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
