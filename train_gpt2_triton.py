@@ -3781,10 +3781,10 @@ def scaled_attention_backward(dout, q, k, v, out, lse, scale):
 # --- q and k: RMSNorm over each head, then the half-truncated rotary embedding ---------------------------
 # A row is one head of D values, x (B,T,H,D) contiguous: row r = (b*T + t)*H + h sits at position
 # t = (r // H) % T. The rotation pairs element j with element D/2 + j, so the kernels load a row as its
-# two halves, two (rows, D/2) tiles. The angles theta = t * freq_j are computed here, not read from a
-# (T, D/2) table: backend torch builds cos and sin inside every step (_rotary_cos_sin), and a table built
-# in torch would be a torch compute op in backend triton's step (a cached one, one more buffer kept per
-# shape); an exp2, a cos and a sin per pair cost nothing in a memory-bound kernel.
+# two halves, two (rows, D/2) tiles. The angles theta = t * freq_j are computed in the kernels, not read
+# from a (T, D/2) cos/sin table: torch would build that table inside the step (backend torch's
+# _rotary_cos_sin does, in every forward and backward), and backend triton's step runs no torch compute
+# op; an exp2, a cos and a sin per pair cost nothing in a memory-bound kernel.
 
 # whole heads per program: QK_TILE elements, 32 heads at D = 128 with 8 warps, 16 elements per thread (8
 # of each half); the interpreter takes wide tiles (fewer programs)
@@ -3803,7 +3803,8 @@ def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
     freq = tl.where(cols < quarter, freq, 0.0)                                      # (BH,)
     theta = t[:, None] * freq[None, :]                                              # (R, BH) fp32, as torch's
     # tl.cos and tl.sin may compile to the GPU's approximate instructions, accurate near 0 only: reduce
-    # theta to [-pi, pi] first, 2 pi split in two (6.28125 has 8 bits, so turns * 6.28125 is exact)
+    # theta to [-pi, pi] first, 2 pi split in two: 6.28125 has 8 significant bits, so turns * 6.28125 is
+    # exact (for turns below 2^16, theta below 4e5) and only the small part's product rounds
     turns = tl.floor(theta * 0.15915494309189535 + 0.5)                             # (R, BH) nearest 2 pi
     r = (theta - turns * 6.28125) - turns * 1.9353071795864769e-3                   # (R, BH) in [-pi, pi]
     return tl.cos(r), tl.sin(r)
