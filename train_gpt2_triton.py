@@ -771,17 +771,14 @@ TORCH_SPEEDRUN_OPS = op_table("torch", dict(
 
 
 def backend_ops(name, recipe="gpt2"):
-    """The op namespace of backend `name` (TRITON_OPS is defined with the kernels, after main) for `recipe`:
-    OP_NAMES, and for speedrun SPEEDRUN_OP_NAMES too, which backend torch alone has yet. Backend triton's
-    kernels need a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    if name == "triton" and recipe == "speedrun":
-        die("backend triton has no kernels for --recipe speedrun yet: run it with backend torch")
+    """The op namespace of backend `name` (TRITON_OPS and TRITON_SPEEDRUN_OPS are defined with the kernels,
+    after main) for `recipe`: OP_NAMES, and for speedrun SPEEDRUN_OP_NAMES too. Backend triton's kernels
+    need a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
     if name == "triton" and not INTERPRET and not torch.cuda.is_available():
         die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
             "TRITON_INTERPRET=1 (slow, fp32 only)")
-    if recipe == "speedrun":
-        return SimpleNamespace(**vars(TORCH_OPS), **vars(TORCH_SPEEDRUN_OPS))
-    return TORCH_OPS if name == "torch" else TRITON_OPS
+    ops, own = (TORCH_OPS, TORCH_SPEEDRUN_OPS) if name == "torch" else (TRITON_OPS, TRITON_SPEEDRUN_OPS)
+    return SimpleNamespace(**vars(ops), **vars(own)) if recipe == "speedrun" else ops
 
 
 # -----------------------------------------------------------------------------
@@ -2334,8 +2331,9 @@ def main(argv=None):
 # Triton kernels
 #
 # Backend `triton`: the op interface filled in by our own kernels, in three groups: first the memory-bound
-# ops (embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW), then the two that hold the FLOPs
-# (matmul with fused epilogues, causal flash attention), then the training step's own four small kernels
+# ops (embedding, LayerNorm and RMSNorm, GELU and ReLU^2, cross-entropy, global norm, AdamW, Muon's
+# elementwise work), then the two that hold the FLOPs (matmul with fused epilogues, causal flash
+# attention, with the speedrun model's q/k norm and rotary after it), then the training step's own small kernels
 # (zeroing and clipping the gradients, summing the loss, copying a chunk's rows into place), so that no
 # torch op computes anything on the device in backend triton's step: torch allocates memory, makes views,
 # and builds the multi-tensor kernels' small pointer tables on the host. Without a GPU, TRITON_INTERPRET=1
@@ -3243,19 +3241,19 @@ def add_into(acc, x):
 
 
 def _newton_schulz(x):
-    """newton_schulz's iterations in place on one normalized matrix x (r, c), contiguous, in its dtype. A
-    tall x runs them on its transpose, as the reference does, without moving it: with X = x^T the
-    reference's step X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since
-    A = x^T x and so B are symmetric. A symmetric A needs only its upper half computed (half of A = X X^T's
-    flops, and of A @ A's); whether a triangular variant of the matmul kernel pays is left for measurement
-    on a GPU."""
-    tall = x.shape[0] > x.shape[1]
+    """newton_schulz's iterations in place on normalized matrices x (n, r, c), contiguous, in their dtype,
+    each step's products batched over the n matrices (one launch each). Tall matrices run them on their
+    transposes, as the reference does, without moving them: with X = x^T the reference's step
+    X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since A = x^T x and so B
+    are symmetric. A symmetric A needs only its upper half computed (half of A = X X^T's flops, and of
+    A @ A's); whether a triangular variant of the matmul kernel pays is left for measurement on a GPU."""
+    tall = x.shape[1] > x.shape[2]
     for _ in range(NEWTON_SCHULZ_STEPS):
-        A, _ = _matmul(x.t(), x) if tall else _matmul(x, x.t())                    # (k, k), k = min(r, c)
-        AA, _ = _matmul(A, A)                                                       # (k, k)
-        axpby(A, -1.5, A, 0.5, AA)                                                  # (k, k) B, over A
-        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (r, c)
-        axpby(x, 2.0, x, 1.0, Bx)                                                   # (r, c)
+        A, _ = _matmul(x.mT, x) if tall else _matmul(x, x.mT)                      # (n, k, k), k = min(r, c)
+        AA, _ = _matmul(A, A)                                                       # (n, k, k)
+        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
+        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (n, r, c)
+        axpby(x, 2.0, x, 1.0, Bx)                                                   # (n, r, c)
 
 
 def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
@@ -3280,8 +3278,7 @@ def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, ch
     _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n,
                                                                 BLOCK=MUON_BLOCK, BLOCK_P=MUON_PARTIALS_BLOCK,
                                                                 num_warps=MUON_WARPS)
-    for i in range(n):  # the matmul kernel is 2-D: one matrix at a time
-        _newton_schulz(u[i])
+    _newton_schulz(u)
     table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
     _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
                                    HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
@@ -3341,6 +3338,10 @@ def _num_sms(device):
 # main loop: what the K=768 layers need, whose main loop is only 12 steps of 64. One measured run (cuBLAS
 # 0.9x at long K, 0.5-0.75x at K=768 with one program an SM and the epilogue exposed) set these choices.
 
+INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
+INTERPRETER_WIDE = 128  # the interpreter's dimensions of at least this size take one wide block
+
+
 def _matmul_configs(kernel, interpret=INTERPRET):
     """H100 configurations of kernel "mm" (forward and dX) or "dw". 16-bit inputs: BLOCK_K 64, tiles of
     128x256 / 256x128 (one program an SM, 3 stages: 144 KB) and 128x128 with 3 stages (two programs an
@@ -3348,13 +3349,13 @@ def _matmul_configs(kernel, interpret=INTERPRET):
     count 1..8 (_prune_dw_configs keeps the two its cost model ranks best). "mm" has each of its pointer
     configs, and a 4-stage 128x128 one, also on the descriptor path (TMA, persistent: PER_SM programs an
     SM). fp32 inputs run on the FMA units (ieee) and use BLOCK_K 32 so that their stages fit: the prune
-    functions pick the set by input width. The interpreter's set: 32 or wide blocks per dimension (see
+    functions pick the set by input width. The interpreter's set: blocks of 32 to 512 per dimension (see
     _interpreter_config), dW split in 1 or 2, mm on either path."""
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
                                **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
                               pre_hook=None if kernel == "dw" else _tma_block_shapes)
-                for bm in (32, 512) for bn in (32, 512) for bk in (32, 256)
+                for bm in INTERPRETER_BLOCKS for bn in INTERPRETER_BLOCKS for bk in INTERPRETER_BLOCKS[:-1]
                 for s in ((1, 2) if kernel == "dw" else (1,)) for tma in ((False,) if kernel == "dw" else
                                                                           (False, True))]
     cfg = lambda bm, bn, bk, stages, warps, maxnreg=None, **kw: triton.Config(  # noqa: E731
@@ -3398,11 +3399,14 @@ def _prune_matmul_configs(configs, named_args, **kwargs):
 
 def _interpreter_config(configs, named_args, **kwargs):
     """The interpreter's one config for a shape (a single survivor is run without benchmarking). Its cost
-    is Python overhead per program and per loop step, not arithmetic: a dimension over 256 gets a wide
-    block (the lm head's 50304 columns take 99 programs, not 1572), smaller ones 32 so that the small
-    test shapes still run several tiles, partial tiles and several K steps."""
-    want = {"BLOCK_M": 32 if named_args["M"] <= 256 else 512, "BLOCK_N": 32 if named_args["N"] <= 256 else 512,
-            "BLOCK_K": 32 if named_args["K"] <= 256 else 256}
+    is Python overhead per program and per loop step, not arithmetic: a dimension of INTERPRETER_WIDE or
+    more gets one block as wide as it, up to 512 (256 along K): the lm head's 50304 columns take 99
+    programs, not 1572, and the speedrun model's 128-wide products one (Muon's Newton-Schulz runs 36 a
+    matrix); smaller ones take 32, so that the small test shapes still run several tiles, partial tiles
+    and several K steps."""
+    dims = {"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]}
+    want = {k: min(INTERPRETER_BLOCKS[-2 if k == "BLOCK_K" else -1], triton.next_power_of_2(d))
+            if d >= INTERPRETER_WIDE else 32 for k, d in dims.items()}
     tma = bool(named_args.get("tma_ok"))  # the matmul's descriptor path wherever it can run
     return [c for c in configs
             if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
@@ -3573,6 +3577,7 @@ def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRA
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K,
+                  stride_ab, stride_bb, stride_cb,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok,
                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, B_TRANS: tl.constexpr,
                   TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -3582,13 +3587,16 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
     data paths, which the autotuner times against each other as configurations: pointer loads, one tile a
     program (any strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the
     descriptors a_desc..pre_desc exist, else they are None). One measured run on the H100 found neither
-    path fastest at every d12 shape (bench/matmul.py)."""
+    path fastest at every d12 shape (bench/matmul.py). A batch of products (Muon's Newton-Schulz over the
+    matrices of one shape) runs on the pointer path, grid axis 1 the batch, its strides stride_ab..cb."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
                           FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
-        _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     stride_cm, stride_cn, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+        batch = tl.program_id(1).to(tl.int64)
+        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb, bias_ptr,
+                     pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                     stride_cn, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -3711,13 +3719,14 @@ ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # matmul_kernel's ACT codes
 
 def _matmul(a, b, bias=None, activation=None):
     """c (M,N) = a (M,K) @ b (K,N) [+ bias] [activation: "gelu" or "relu2"]; returns (c, pre-activation or
-    None)."""
-    M, K = a.shape
-    N = b.shape[1]
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)  # (M,N)
+    None). Or a batch of them: a (n,M,K) @ b (n,K,N) -> c (n,M,N), no bias or activation."""
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    c = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device)  # (M,N) or (n,M,N)
     pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if activation else None  # (M,N)
-    b_trans = b.stride(0) == 1 and b.stride(1) != 1  # the forward's w.T: its descriptor reads w (N,K)
-    b_rows = b.t() if b_trans else b  # row-major: what the descriptor reads
+    b_trans = b.stride(-2) == 1 and b.stride(-1) != 1  # the forward's w.T: its descriptor reads w (N,K)
+    b_rows = b.mT if b_trans else b  # row-major: what the descriptor reads
     descs = [None] * 4
     if _tma_ready(a, b_rows, c):
         # block shapes [1, 1] until the chosen config's pre-hook sets its own
@@ -3726,10 +3735,12 @@ def _matmul(a, b, bias=None, activation=None):
 
     def grid(meta):  # the pointer path: a program a tile; the descriptor path: PER_SM programs an SM at most
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(tiles, sms * meta["PER_SM"]) if meta["TMA"] else tiles,)
+        return (min(tiles, sms * meta["PER_SM"]), 1) if meta["TMA"] else (tiles, batch)
     # unused pointers (no bias, no activation) get c: never read nor written, since the flags compile them out
+    batch_strides = (a.stride(0), b.stride(0), c.stride(0)) if a.dim() == 3 else (0, 0, 0)
     matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
-                        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+                        *batch_strides, a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2),
+                        c.stride(-1),
                         int(descs[0] is not None), HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
                         FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32,
                         B_TRANS=b_trans)
@@ -3798,9 +3809,11 @@ def matmul_backward(dy, x, w, dw, db):
 
 # -----------------------------------------------------------------------------
 # Triton kernels: causal flash attention
-# Rows of qkv (B,T,3C) hold q, k, v side by side and head h is the D-wide slice h*D of each: the kernels
-# read them in place through strides. Softmax runs in base 2 with the scale folded in (qk_scale =
-# log2(e)/sqrt(D)); lse is saved in natural log. No (T,T) tensor exists: scores live in registers.
+# q, k and v come as three base pointers that share their strides over batch and position, head h being
+# the D-wide slice h*D of a row: the thirds of GPT-2's fused projection qkv (B,T,3C), or the speedrun's
+# separate (B,T,H,D) tensors, read in place either way; their gradients are written with the same
+# strides. Softmax runs in base 2 with the scale folded in (qk_scale = scale * log2(e), GPT-2's scale being
+# 1/sqrt(D)); lse is saved in natural log. No (T,T) tensor exists: scores live in registers.
 
 def _attention_configs(kernel, interpret=INTERPRET):
     """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq". H100, D=64, 16-bit: the
@@ -3811,19 +3824,22 @@ def _attention_configs(kernel, interpret=INTERPRET):
     a multiple of the streamed one, so the diagonal splits into whole sub-blocks (static_assert in the
     kernels). _prune_attention_configs tells the sets apart by their stage count."""
     if interpret:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv" else {"BLOCK_M": 32, "BLOCK_N": 16})]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
+                              else {"BLOCK_M": 32, "BLOCK_N": 16})]
     sizes16 = {"fwd": [(128, 64, 4), (128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)],
                "dkdv": [(64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)],
                "dq": [(128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)]}[kernel]
     sizes32 = {"fwd": [(64, 32, 8), (32, 32, 4), (64, 16, 4)], "dkdv": [(16, 32, 4)],
                "dq": [(64, 32, 8), (32, 32, 4), (64, 16, 4)]}[kernel]
-    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w) for bm, bn, w in sizes16]
-            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w) for bm, bn, w in sizes32])
+    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w)
+             for bm, bn, w in sizes16]
+            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w)
+               for bm, bn, w in sizes32])
 
 
 def _prune_attention_configs(configs, named_args, **kwargs):
     """16-bit inputs get the 3-stage (tensor core) configs, fp32 inputs the 2-stage (FMA) ones."""
-    stages = 2 if named_args["qkv_ptr"].element_size() == 4 else 3
+    stages = 2 if named_args["q_ptr"].element_size() == 4 else 3
     return [c for c in configs if c.num_stages == stages] or configs
 
 
@@ -3855,8 +3871,8 @@ def _store_rows(base, x, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: t
 
 @triton.jit
 def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DIAGONAL: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """Online softmax over the key blocks [lo, hi): rescales the running output acc (BM,BD), sum l_i and
     max m_i (BM,) by exp2(m_old - m_new) whenever the max grows. DIAGONAL blocks straddle the causal
     boundary (and maybe T): they mask scores of keys after the query and load keys with a row check."""
@@ -3879,7 +3895,7 @@ def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t
 
 @triton.autotune(configs=_attention_configs("fwd"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
-def attn_fwd_kernel(qkv_ptr, out_ptr, lse_ptr, T, H, C, qk_scale, stride_qkv_b, stride_qkv_t, stride_out_b,
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
                     stride_out_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head). Keys strictly before the block need no mask;
@@ -3890,17 +3906,17 @@ def attn_fwd_kernel(qkv_ptr, out_ptr, lse_ptr, T, H, C, qk_scale, stride_qkv_b, 
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k and v
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
     # a finite start: a row whose first keys are all masked keeps m = -1e30 and p = exp2(-inf) = 0, no NaN
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # (BM,) running max (log2 units)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,) running sum of exp2(s - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD) running p @ v
-    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, q_base + C, q_base + 2 * C, offs_m, 0, start_m, T,
-                                   stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
-    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, q_base + C, q_base + 2 * C, offs_m, start_m,
-                                   tl.minimum(start_m + BLOCK_M, T), T, stride_qkv_t, qk_scale, HEAD_DIM,
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
+                                   stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, start_m,
+                                   tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM,
                                    BLOCK_D, BLOCK_M, BLOCK_N, True)
     out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM
     _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, HEAD_DIM, BLOCK_D)
@@ -3927,7 +3943,7 @@ def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stri
 
 
 @triton.jit
-def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_qkv_t,
+def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_t,
                       stride_do_t, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dK, dV of one key block (BN,BD) over the query blocks [lo, hi), in transposed form (keys x queries)
@@ -3935,7 +3951,7 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
     dK += dS^T Q. Queries past T read q = dO = lse = delta = 0 and so add exactly 0."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-        q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+        q = _load_rows(q_base, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
         do = _load_rows(do_base, offs_m, stride_do_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
         lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,) log2 units
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
@@ -3947,16 +3963,15 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")  # (BN, BD)
         dp_t = tl.dot(v, tl.trans(do), zeros, input_precision="ieee")  # (BN, BM)
         ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")  # (BN, BD) (scale applied once at the end)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")  # (BN, BD) scaled once at the end
     return dk, dv
 
 
 @triton.autotune(configs=_attention_configs("dkdv"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
-def attn_bwd_dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C, sm_scale, qk_scale,
-                         stride_qkv_b, stride_qkv_t, stride_dout_b, stride_dout_t,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, sm_scale,
+                         qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_N keys of one (batch, head), their dK and dV written once (no atomics). Only
     queries at or after the block see it: the BLOCK_N diagonal queries with the causal mask, the rest
     without. Program ids already run the longest (first) key blocks first."""
@@ -3965,34 +3980,35 @@ def attn_bwd_dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, 
     start_n = tl.program_id(1) * BLOCK_N
     b = pid_bh // H
     h = pid_bh % H
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and grads
     do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-    k = _load_rows(q_base + C, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
-    v = _load_rows(q_base + 2 * C, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    k = _load_rows(k_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    v = _load_rows(v_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     lse_row = lse_ptr + pid_bh * T
     delta_row = delta_ptr + pid_bh * T
     diag_hi = tl.minimum(start_n + BLOCK_N, T)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, start_n, diag_hi,
-                               T, stride_qkv_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_row, delta_row, offs_n, diag_hi, T, T,
-                               stride_qkv_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
-    dq_base = dqkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM  # dqkv has qkv's layout
-    _store_rows(dq_base + C, dk * sm_scale, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
-    _store_rows(dq_base + 2 * C, dv, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n,
+                               diag_hi, T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                               BLOCK_N, True)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T,
+                               T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                               False)
+    _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_qkv_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DIAGONAL: tl.constexpr):
+def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-        k = _load_rows(k_base, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
-        v = _load_rows(v_base, offs_n, stride_qkv_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        k = _load_rows(k_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
         zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         s = tl.dot(q, tl.trans(k), zeros, input_precision="ieee") * qk_scale  # (BM, BN) log2 units
         p = tl.exp2(s - lse2[:, None])  # (BM, BN)
@@ -4006,10 +4022,9 @@ def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, st
 
 @triton.autotune(configs=_attention_configs("dq"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
-def attn_bwd_dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C, sm_scale, qk_scale,
-                       stride_qkv_b, stride_qkv_t, stride_dout_b, stride_dout_t,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, T, H, sm_scale, qk_scale,
+                       stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head), their dQ written once (recomputing P costs one
     more dot than atomics in the dK/dV kernel, and keeps the result deterministic)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -4017,21 +4032,20 @@ def attn_bwd_dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, H, C,
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and dq
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_base, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
     do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
                     HEAD_DIM, BLOCK_D, True)  # (BM, BD)
     lse2 = tl.load(lse_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,)
     delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD)
-    dq = _attn_bwd_keys(dq, q, do, lse2, delta, q_base + C, q_base + 2 * C, offs_m, 0, start_m, T,
-                        stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
-    dq = _attn_bwd_keys(dq, q, do, lse2, delta, q_base + C, q_base + 2 * C, offs_m, start_m,
-                        tl.minimum(start_m + BLOCK_M, T), T, stride_qkv_t, qk_scale, HEAD_DIM, BLOCK_D,
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
+                        stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, start_m,
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM, BLOCK_D,
                         BLOCK_M, BLOCK_N, True)
-    dq_base = dqkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HEAD_DIM
-    _store_rows(dq_base, dq * sm_scale, offs_m, stride_qkv_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, HEAD_DIM, BLOCK_D)
 
 
 ATTN_DELTA_BLOCK = 64  # rows a program in attn_bwd_delta_kernel: memory-bound, no tuning needed
@@ -4041,38 +4055,191 @@ def _head_block(D):
     return max(16, triton.next_power_of_2(D))  # tl.dot needs power-of-2 sides of at least 16
 
 
-def attention_forward(qkv, n_head):
-    """Causal self-attention of qkv (B,T,3C): out (B,T,C) and the row logsumexp lse (B,H,T) fp32."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    D = C // n_head
-    out = torch.empty((B, T, C), dtype=qkv.dtype, device=qkv.device)  # (B,T,C)
-    lse = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # (B,H,T)
-    grid = lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
-    attn_fwd_kernel[grid](qkv, out, lse, T, n_head, C, math.log2(math.e) / math.sqrt(D), qkv.stride(0),
-                          qkv.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=_head_block(D))
+def _flash_forward(q, k, v, B, T, H, D, scale):
+    """attn_fwd_kernel over q, k, v sharing their strides, head h at h*D of a row: out (B,T,H*D) in q's
+    dtype and the row logsumexp lse (B,H,T) fp32."""
+    out = torch.empty((B, T, H * D), dtype=q.dtype, device=q.device)  # (B,T,H*D)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
+    grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
+    attn_fwd_kernel[grid](q, k, v, out, lse, T, H, math.log2(math.e) * scale, q.stride(0), q.stride(1),
+                          out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=_head_block(D))
     return out, lse
 
 
-def attention_backward(dout, qkv, out, lse, n_head):
-    """dqkv (B,T,3C) from dout (B,T,C), the forward's qkv, out and lse (B,H,T): three kernels (delta,
-    dK/dV, dQ), each output element written exactly once."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    D = C // n_head
+def _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale):
+    """The gradients dq, dk, dv, laid out like q, k, v, from dout and out (B,T,H*D) rows and lse (B,H,T):
+    three kernels (delta, dK/dV, dQ), each output element written exactly once."""
     BD = _head_block(D)
-    delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # (B,H,T)
-    attn_bwd_delta_kernel[(B * n_head, triton.cdiv(T, ATTN_DELTA_BLOCK))](
-        out, dout, delta, T, n_head, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
+    attn_bwd_delta_kernel[(B * H, triton.cdiv(T, ATTN_DELTA_BLOCK))](
+        out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
-    dqkv = torch.empty_like(qkv)  # (B,T,3C) every element written by one of the two kernels below
-    args = (qkv, dout, lse, delta, dqkv, T, n_head, C, 1.0 / math.sqrt(D), math.log2(math.e) / math.sqrt(D),
-            qkv.stride(0), qkv.stride(1), dout.stride(0), dout.stride(1))
-    attn_bwd_dkdv_kernel[lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_N"]))](
-        *args, HEAD_DIM=D, BLOCK_D=BD)
-    attn_bwd_dq_kernel[lambda meta: (B * n_head, triton.cdiv(T, meta["BLOCK_M"]))](
-        *args, HEAD_DIM=D, BLOCK_D=BD)
+    rest = (T, H, scale, math.log2(math.e) * scale, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1))
+    attn_bwd_dkdv_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_N"]))](
+        q, k, v, dout, lse, delta, dk, dv, *rest, HEAD_DIM=D, BLOCK_D=BD)
+    attn_bwd_dq_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))](
+        q, k, v, dout, lse, delta, dq, *rest, HEAD_DIM=D, BLOCK_D=BD)
+
+
+def _thirds(qkv):
+    """The q, k, v (B,T,C) views of the fused projection's rows (B,T,3C), or of its gradient's."""
+    C = qkv.shape[-1] // 3
+    return qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+
+
+def attention_forward(qkv, n_head):
+    """Causal self-attention of qkv (B,T,3C): out (B,T,C) and the row logsumexp lse (B,H,T) fp32."""
+    B, T, C3 = qkv.shape
+    D = C3 // (3 * n_head)
+    return _flash_forward(*_thirds(qkv), B, T, n_head, D, 1.0 / math.sqrt(D))
+
+
+def attention_backward(dout, qkv, out, lse, n_head):
+    """dqkv (B,T,3C) from dout (B,T,C), the forward's qkv, out and lse (B,H,T)."""
+    B, T, C3 = qkv.shape
+    D = C3 // (3 * n_head)
+    dqkv = torch.empty_like(qkv)  # (B,T,3C) qkv's layout: its thirds share the strides of qkv's
+    _flash_backward(dout, *_thirds(qkv), out, lse, *_thirds(dqkv), B, T, n_head, D, 1.0 / math.sqrt(D))
     return dqkv
+
+
+def _check_heads(name, qkv, rows):
+    """The kernels address head h at h*D of a row, its elements one apart, and q, k, v through one set of
+    strides: q, k, v (B,T,H,D) strided alike, with strides (D, 1) over (H, D); `rows` (B,T,H*D) of unit
+    stride over the last axis."""
+    D = qkv[0].shape[-1]
+    if (len({t.stride() for t in qkv}) > 1 or qkv[0].stride()[2:] != (D, 1)
+            or any(t.stride(2) != 1 for t in rows)):
+        raise ValueError(f"{name}: expected q, k, v (B, T, H, D) with one set of strides ending (D, 1) and "
+                         f"rows of unit stride, got strides {[t.stride() for t in (*qkv, *rows)]}")
+
+
+def scaled_attention_forward(q, k, v, scale):
+    """Causal softmax(scale q k^T) v per head of q, k, v (B,T,H,D): (out (B,T,H*D), lse (B,H,T) fp32)."""
+    B, T, H, D = q.shape
+    _check_heads("scaled_attention_forward", (q, k, v), ())
+    return _flash_forward(q, k, v, B, T, H, D, scale)
+
+
+def scaled_attention_backward(dout, q, k, v, out, lse, scale):
+    """(dq, dk, dv) (B,T,H,D) each, with q's strides, from dout and the forward's out, (B,T,H*D) or
+    (B,T,H,D), its q, k, v and lse (B,H,T)."""
+    B, T, H, D = q.shape
+    dout, out = dout.view(B, T, H * D), out.view(B, T, H * D)  # (B,T,H*D) each
+    _check_heads("scaled_attention_backward", (q, k, v), (dout, out))
+    # the kernels write all three through q's strides
+    dq, dk, dv = (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
+                  for _ in range(3))  # (B,T,H,D) each
+    _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale)
+    return dq, dk, dv
+
+
+# --- q and k: RMSNorm over each head, then the half-truncated rotary embedding ---------------------------
+# A row is one head of D values, x (B,T,H,D) contiguous: row r = (b*T + t)*H + h sits at position
+# t = (r // H) % T. The rotation pairs element j with element D/2 + j, so the kernels load a row as its
+# two halves, two (rows, D/2) tiles. The angles theta = t * freq_j are computed in the kernels, not read
+# from a (T, D/2) cos/sin table: torch would build that table inside the step (backend torch's
+# _rotary_cos_sin does, in every forward and backward), and backend triton's step runs no torch compute
+# op; an exp2, a cos and a sin per pair cost nothing in a memory-bound kernel.
+
+# whole heads per program: QK_TILE elements, 32 heads at D = 128 with 8 warps, 16 elements per thread (8
+# of each half); the interpreter takes wide tiles (fewer programs)
+QK_TILE = 1 << 16 if INTERPRET else 4096
+QK_WARPS = 8
+
+
+@triton.jit
+def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
+    """cos and sin (R, BH) fp32 of theta = t * freq_j at the positions of the flat head indices rows (R,),
+    pairs j = cols (BH,): freq_j = (1/1024)^(j / (D/4 - 1)) over the first D/4 pairs (at D = 4 torch's
+    linspace(0, 1, 1) is [0]: freq 1), 0 over the last D/4 (cos 1, sin 0: those pairs are not rotated)."""
+    quarter = HEAD_DIM // 4
+    t = ((rows // H) % T).to(tl.float32)                                           # (R,) positions
+    freq = tl.exp2(cols.to(tl.float32) * (-10.0 / tl.maximum(quarter - 1, 1)))     # (BH,) fp32
+    freq = tl.where(cols < quarter, freq, 0.0)                                      # (BH,)
+    theta = t[:, None] * freq[None, :]                                              # (R, BH) fp32, as torch's
+    # tl.cos and tl.sin may compile to the GPU's approximate instructions, accurate near 0 only: reduce
+    # theta to [-pi, pi] first, 2 pi split in two: 6.28125 has 8 significant bits, so turns * 6.28125 is
+    # exact (for turns below 2^16, theta below 4e5) and only the small part's product rounds
+    turns = tl.floor(theta * 0.15915494309189535 + 0.5)                             # (R, BH) nearest 2 pi
+    r = (theta - turns * 6.28125) - turns * 1.9353071795864769e-3                   # (R, BH) in [-pi, pi]
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _qk_norm_rotary_forward_kernel(x_ptr, y_ptr, rstd_ptr, N, T, H, eps, HEAD_DIM: tl.constexpr,
+                                   BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local heads
+    cols = tl.arange(0, BLOCK_H)                                                    # (BH,) pairs
+    row_mask = rows < N - row0
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
+    base = row0 * HEAD_DIM                                                          # int64 scalar
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]                                 # (R, BH) int32, 1st half
+    x1 = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)          # (R, BH)
+    x2 = tl.load(x_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)  # (R,)
+    x1 = x1 * rstd[:, None]                                                         # (R, BH) xhat
+    x2 = x2 * rstd[:, None]                                                         # (R, BH)
+    cos, sin = _rotary_cos_sin_tile(row0 + rows, T, H, cols, HEAD_DIM)              # (R, BH) each
+    y1 = x1 * cos + x2 * sin                                                        # (R, BH)
+    y2 = x2 * cos - x1 * sin                                                        # (R, BH)
+    tl.store(y_ptr + base + offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + base + HEAD_DIM // 2 + offs, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row0 + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _qk_norm_rotary_backward_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, N, T, H, HEAD_DIM: tl.constexpr,
+                                    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # the rotation is orthogonal: dxhat = R^T dy; then RMSNorm's backward without gain,
+    # dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), xhat recomputed from x and the saved rstd
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local heads
+    cols = tl.arange(0, BLOCK_H)                                                    # (BH,) pairs
+    row_mask = rows < N - row0
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
+    base = row0 * HEAD_DIM                                                          # int64 scalar
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]                                 # (R, BH) int32, 1st half
+    dy1 = tl.load(dy_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)        # (R, BH)
+    dy2 = tl.load(dy_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.load(rstd_ptr + row0 + rows, mask=row_mask, other=0.0)                # (R,) fp32
+    x1 = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]  # (R, BH) xhat
+    x2 = tl.load(x_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    cos, sin = _rotary_cos_sin_tile(row0 + rows, T, H, cols, HEAD_DIM)              # (R, BH) each
+    g1 = dy1 * cos - dy2 * sin                                                      # (R, BH) dxhat
+    g2 = dy1 * sin + dy2 * cos                                                      # (R, BH)
+    mean = (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) / HEAD_DIM           # (R,)
+    dx1 = rstd[:, None] * (g1 - x1 * mean[:, None])                                 # (R, BH)
+    dx2 = rstd[:, None] * (g2 - x2 * mean[:, None])                                 # (R, BH)
+    tl.store(dx_ptr + base + offs, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + base + HEAD_DIM // 2 + offs, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rotary_forward(x, eps):
+    """q or k (B,T,H,D) contiguous -> (y (B,T,H,D) in x's dtype, rstd (B,T,H) fp32): each head RMS-normed
+    without gain, then rotated by its position's angles, in fp32."""
+    _flat_check("qk_norm_rotary_forward", x)
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)                                                         # (B,T,H,D)
+    rstd = torch.empty((B, T, H), dtype=torch.float32, device=x.device)             # (B,T,H) fp32
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_forward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        num_warps=QK_WARPS)
+    return y, rstd
+
+
+def qk_norm_rotary_backward(dy, x, rstd):
+    """dx (B,T,H,D) in x's dtype from dy and the forward's x (B,T,H,D), contiguous, and rstd (B,T,H)."""
+    _flat_check("qk_norm_rotary_backward", dy, x, rstd)
+    B, T, H, D = x.shape
+    dx = torch.empty_like(x)                                                        # (B,T,H,D)
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_backward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        num_warps=QK_WARPS)
+    return dx
 
 
 # The training step's own kernels: with them, torch only allocates memory and makes views in backend
@@ -4176,6 +4343,17 @@ TRITON_OPS = op_table("triton", dict(
     global_norm=global_norm, adamw_update=adamw_update,
     zero_fill=zero_fill, clip_by_norm=clip_by_norm, sum_into=sum_into, copy_into=copy_into,
 ))
+
+TRITON_SPEEDRUN_OPS = op_table("triton", dict(
+    embedding_forward=embedding_forward, embedding_backward=embedding_backward,
+    rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
+    rmsnorm_backward=rmsnorm_backward,
+    qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
+    scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
+    matmul_relu2_forward=matmul_relu2_forward, relu2_forward=relu2_forward, relu2_backward=relu2_backward,
+    softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
+    muon_update=muon_update, add_into=add_into,
+), SPEEDRUN_OP_NAMES)
 
 
 # -----------------------------------------------------------------------------
@@ -4525,17 +4703,17 @@ def case_softcap_crossentropy(ops, r, B, T, C, H):
 
 
 def case_muon(ops, r, B, T, C, H):
-    """Muon on a wide shape and a tall one (Newton-Schulz on the transpose), two steps (the second from
-    the first's momentum). The masters are small (scale 0.02, the update's order), so that an error in
-    the orthogonalized update shows in them and is not lost below their own size."""
+    """Muon on two matrices of a wide shape and two of a tall one (Newton-Schulz on the transpose), from
+    nonzero momentum (one step: the interpreter runs Newton-Schulz's 36 products a step slowly). The
+    masters are small (scale 0.02, the update's order), so that an error in the orthogonalized update
+    shows in them and is not lost below their own size."""
     out = {}
     for name, shape in (("wide", (C, 3 * C + 1)), ("tall", (4 * C, C))):
         params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
         ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]
         copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
-        for _ in range(2):
-            grads = [r.rand(*shape, acc=True) for _ in range(2)]
-            ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
+        grads = [r.rand(*shape, acc=True) for _ in range(2)]
+        ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
         for i in range(2):
             out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
                         f"{name} copy{i}": params[i] if copies is None else copies[i]})
@@ -4549,6 +4727,26 @@ def case_add_into(ops, r, B, T, C, H):
     return dict(acc=acc)
 
 
+def case_scaled_attention(ops, r, B, T, C, H):
+    """The speedrun's attention: separate q, k, v of H heads of HEAD_DIM (C unused), scale ATTN_SCALE. At
+    T = 1 the softmax over a single key is constant: dq and dk are zero up to rounding, and an error
+    relative to rounding means nothing, so only dv is checked there."""
+    q, k, v = (r.rand(B, T, H, HEAD_DIM, scale=1.5) for _ in range(3))  # (B, T, H, D) each
+    out, lse = ops.scaled_attention_forward(q, k, v, ATTN_SCALE)  # (B, T, H*D), (B, H, T)
+    dq, dk, dv = ops.scaled_attention_backward(r.rand(B, T, H * HEAD_DIM), q, k, v, out, lse,
+                                               ATTN_SCALE)  # (B, T, H, D) each
+    return dict(out=out, lse=lse, dv=dv, **(dict(dq=dq, dk=dk) if T > 1 else {}))
+
+
+def case_qk_norm_rotary(ops, r, B, T, C, H):
+    """q or k of H heads of HEAD_DIM (C unused): RMSNorm over each head and the rotary at positions
+    0..T-1, forward and backward, with the model's eps (the tested dtype's machine epsilon)."""
+    x = r.rand(B, T, H, HEAD_DIM, scale=2.0, shift=0.5)  # (B, T, H, D)
+    y, rstd = ops.qk_norm_rotary_forward(x, torch.finfo(r.rdt).eps)  # (B, T, H, D), (B, T, H)
+    dx = ops.qk_norm_rotary_backward(r.rand(B, T, H, HEAD_DIM), x, rstd)  # (B, T, H, D)
+    return dict(y=y, rstd=rstd, dx=dx)
+
+
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
             ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
             ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
@@ -4558,9 +4756,11 @@ OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layern
 # --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
 SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
                      ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
+                     ("qk norm+rotary fwd+bwd", case_qk_norm_rotary),
+                     ("scaled attention fwd+bwd", case_scaled_attention),
                      ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
                      ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
-                     ("muon_update x2", case_muon), ("add_into", case_add_into)]
+                     ("muon_update", case_muon), ("add_into", case_add_into)]
 
 
 def self_test_config(recipe):
@@ -4831,12 +5031,13 @@ def _dot_kernel_flops(name, a):
     others): 2MNK for the matmuls; for the causal attention the (B, H, T, T) half-matrices it multiplies
     (2 dots forward, 4 in the dK/dV kernel and 3 in the dQ kernel, which recompute the scores)."""
     if name in ("matmul_kernel", "matmul_dw_kernel"):
-        return 2 * a["M"] * a["N"] * a["K"]
+        batch = a["a_ptr"].shape[0] if a["a_ptr"].dim() == 3 else 1  # Newton-Schulz's batched products
+        return 2 * a["M"] * a["N"] * a["K"] * batch
     dots = {"attn_fwd_kernel": 2, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}.get(name)
     if dots is None:
         return None
-    B, T, C3 = a["qkv_ptr"].shape
-    return dots * B * T * T * (C3 // 3)
+    q = a["q_ptr"]  # (B, T, C) view of qkv, or (B, T, H, D)
+    return dots * q.shape[1] * q.numel()
 
 
 def kernel_work(name, a):
