@@ -7,17 +7,18 @@ BACKEND picks who implements the ops, behind one interface: `torch` (plain torch
 kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
 `--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline the same way (RMSNorm, q and k
 normed and rotated, ReLU^2, a soft-capped untied head; AdamW and Muon), its own ops in SPEEDRUN_OP_NAMES,
-on backend torch only for now; its checkpoints are train_gpt2_torchfunc.py's.
+on either backend; its checkpoints are train_gpt2_torchfunc.py's.
 The file reads training-first: config, the op interface and backend torch, the model and its backward,
 optimizer, data, checkpoints, evaluation, logging and main; then backend triton's kernels; then the
 script's own tools, the self-test (--test) and the profiler (--profile, --bench-ops).
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
     python train_gpt2_triton.py triton --test              # every kernel against backend torch
+    python train_gpt2_triton.py triton --recipe speedrun --test   # ... the speedrun recipe's kernels
     python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
         --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
     python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
-    python train_gpt2_triton.py torch --recipe speedrun    # the speedrun baseline, hand-derived backward
+    python train_gpt2_triton.py triton --recipe speedrun   # the speedrun baseline on our kernels
     python train_gpt2_triton.py triton --data synthetic --batch-size 16 --total-batch-size 65536 --steps 5 \\
         --profile                                          # tables of steps 2-4, per op and per kernel
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
@@ -2333,7 +2334,7 @@ def main(argv=None):
 # Backend `triton`: the op interface filled in by our own kernels, in three groups: first the memory-bound
 # ops (embedding, LayerNorm and RMSNorm, GELU and ReLU^2, cross-entropy, global norm, AdamW, Muon's
 # elementwise work), then the two that hold the FLOPs (matmul with fused epilogues, causal flash
-# attention, with the speedrun model's q/k norm and rotary after it), then the training step's own small kernels
+# attention, with the speedrun model's q/k norm and rotary after it), then the training step's own kernels
 # (zeroing and clipping the gradients, summing the loss, copying a chunk's rows into place), so that no
 # torch op computes anything on the device in backend triton's step: torch allocates memory, makes views,
 # and builds the multi-tensor kernels' small pointer tables on the host. Without a GPU, TRITON_INTERPRET=1
@@ -2374,7 +2375,7 @@ LN_BWD_WARPS = 4        # ... 126 registers (up to 4 programs per SM: all 256 ar
 LN_BWD_STAGES = 3       # ... and 2 steps (2 x 12 KB of dy, x, dres) loading while one is computed
 LN_REDUCE_BLOCK_P = 256  # the dgamma/dbeta reduce: all (<= 256) partials of 16 channels at once, 48
 LN_REDUCE_BLOCK_C = 16   # ... programs at C = 768 reading the 1.5 MB of partials from L2
-ELEM_BLOCK = 4096       # GELU: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
+ELEM_BLOCK = 4096       # activations: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
 ELEM_WARPS = 8
 # cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter takes a
 # row in one step (its cost is per loop step, not per element)
@@ -2780,8 +2781,12 @@ def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
     return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
 
 
-# --- tanh-GELU: gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) ------------------------------
-# (the bias add before it is fused into the matmul epilogue: matmul_gelu_forward)
+# --- Activations: tanh-GELU, gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), GPT-2's, and ------
+# relu(x)^2, the speedrun model's (the bias add before either, and the forward itself, are fused into the
+# matmul's epilogue: matmul_gelu_forward, matmul_relu2_forward; the backward recomputes it here)
+
+ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # the ACT codes of the kernels below and of matmul_kernel
+
 
 @triton.jit
 def _gelu_parts(x):
@@ -2796,83 +2801,71 @@ def _gelu_parts(x):
 
 
 @triton.jit
-def _gelu_forward_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _activation_forward_kernel(x_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
     mask = offs < n - start
     x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
-    one_plus_tanh, _ = _gelu_parts(x)
-    tl.store(y_ptr + start + offs, (0.5 * x * one_plus_tanh).to(y_ptr.dtype.element_ty), mask=mask)
+    if ACT == 1:
+        one_plus_tanh, _ = _gelu_parts(x)
+        y = 0.5 * x * one_plus_tanh                                                 # (BL,)
+    else:
+        r = tl.maximum(x, 0.0)                                                      # (BL,)
+        y = r * r
+    tl.store(y_ptr + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gelu_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+def _activation_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
     mask = offs < n - start
     x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
     dy = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)        # (BL,)
-    one_plus_tanh, sech2 = _gelu_parts(x)
-    # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
-    du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-    grad = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                               # (BL,)
+    if ACT == 1:
+        one_plus_tanh, sech2 = _gelu_parts(x)
+        # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
+        du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        grad = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                           # (BL,)
+    else:
+        grad = 2.0 * tl.maximum(x, 0.0)                                             # (BL,) d relu(x)^2 / dx
     tl.store(dx_ptr + start + offs, (dy * grad).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _activation_forward(pre, activation):
+    y = torch.empty_like(pre)                                                       # (N, M) dt
+    n = pre.numel()
+    _activation_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, ACT=ACTIVATIONS[activation],
+                                                              BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return y
+
+
+def _activation_backward(dy, pre, activation):
+    dpre = torch.empty_like(pre)                                                    # (N, M) dt
+    n = pre.numel()
+    _activation_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, ACT=ACTIVATIONS[activation],
+                                                               BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return dpre
 
 
 def gelu_forward(pre):
     """pre (N,M) dt -> gelu(pre) (N,M) dt, tanh approximation."""
-    y = torch.empty_like(pre)                                                       # (N, M) dt
-    n = pre.numel()
-    _gelu_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
-    return y
+    return _activation_forward(pre, "gelu")
 
 
 def gelu_backward(dy, pre):
     """dy (N,M), pre (N,M) dt -> dpre (N,M) dt."""
-    dpre = torch.empty_like(pre)                                                    # (N, M) dt
-    n = pre.numel()
-    _gelu_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, BLOCK=ELEM_BLOCK,
-                                                         num_warps=ELEM_WARPS)
-    return dpre
-
-
-# --- relu(x)^2, the speedrun MLP's activation ----------------------------------------------------------------
-# (the forward after the fc matmul is its epilogue, matmul_relu2_forward; the backward recomputes it here)
-
-@triton.jit
-def _relu2_forward_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    mask = offs < n - start
-    r = tl.maximum(tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32), 0.0)  # (BL,)
-    tl.store(y_ptr + start + offs, (r * r).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _relu2_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    mask = offs < n - start
-    r = tl.maximum(tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32), 0.0)  # (BL,)
-    dy = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)        # (BL,)
-    tl.store(dx_ptr + start + offs, (dy * 2.0 * r).to(dx_ptr.dtype.element_ty), mask=mask)
+    return _activation_backward(dy, pre, "gelu")
 
 
 def relu2_forward(pre):
     """pre (N,M) dt -> relu(pre)^2 (N,M) dt."""
-    y = torch.empty_like(pre)                                                       # (N, M) dt
-    n = pre.numel()
-    _relu2_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
-    return y
+    return _activation_forward(pre, "relu2")
 
 
 def relu2_backward(dy, pre):
     """dy (N,M), pre (N,M) dt -> dpre = dy * 2 relu(pre) (N,M) dt."""
-    dpre = torch.empty_like(pre)                                                    # (N, M) dt
-    n = pre.numel()
-    _relu2_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, BLOCK=ELEM_BLOCK,
-                                                          num_warps=ELEM_WARPS)
-    return dpre
+    return _activation_backward(dy, pre, "relu2")
 
 
 # --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
@@ -3249,7 +3242,8 @@ def _newton_schulz(x):
     A @ A's); whether a triangular variant of the matmul kernel pays is left for measurement on a GPU."""
     tall = x.shape[1] > x.shape[2]
     for _ in range(NEWTON_SCHULZ_STEPS):
-        A, _ = _matmul(x.mT, x) if tall else _matmul(x, x.mT)                      # (n, k, k), k = min(r, c)
+        xt = x.transpose(1, 2)                                                      # (n, c, r) a view
+        A, _ = _matmul(xt, x) if tall else _matmul(x, xt)                           # (n, k, k), k = min(r, c)
         AA, _ = _matmul(A, A)                                                       # (n, k, k)
         axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
         Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (n, r, c)
@@ -3543,8 +3537,9 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
 
 @triton.jit
 def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
     """matmul_kernel's descriptor path, on Hopper's tensor memory accelerator: a (M,K) and b read as tiles
     by descriptors (b_desc holds w (N,K) when B_TRANS, the forward's x @ w.T, else (K,N)), c (and pre)
     written by descriptors, edges zero-filled on load and clipped on store by the hardware. Persistent:
@@ -3594,9 +3589,10 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
                           FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         batch = tl.program_id(1).to(tl.int64)
-        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb, bias_ptr,
-                     pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                     stride_cn, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb,
+                     bias_ptr, pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk,
+                     stride_bn, stride_cm, stride_cn, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K,
+                     GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -3714,9 +3710,6 @@ def _tma_ready(*tensors):
                and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
-ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # matmul_kernel's ACT codes
-
-
 def _matmul(a, b, bias=None, activation=None):
     """c (M,N) = a (M,K) @ b (K,N) [+ bias] [activation: "gelu" or "relu2"]; returns (c, pre-activation or
     None). Or a batch of them: a (n,M,K) @ b (n,K,N) -> c (n,M,N), no bias or activation."""
@@ -3726,7 +3719,7 @@ def _matmul(a, b, bias=None, activation=None):
     c = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device)  # (M,N) or (n,M,N)
     pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if activation else None  # (M,N)
     b_trans = b.stride(-2) == 1 and b.stride(-1) != 1  # the forward's w.T: its descriptor reads w (N,K)
-    b_rows = b.mT if b_trans else b  # row-major: what the descriptor reads
+    b_rows = b.transpose(-2, -1) if b_trans else b  # row-major: what the descriptor reads
     descs = [None] * 4
     if _tma_ready(a, b_rows, c):
         # block shapes [1, 1] until the chosen config's pre-hook sets its own
@@ -3796,7 +3789,8 @@ def matmul_gelu_forward(x, w, b):
 
 
 def matmul_relu2_forward(x, w, b):
-    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre for backward."""
+    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre for its
+    backward."""
     return _matmul(x, w.t(), b, activation="relu2")
 
 
@@ -4767,8 +4761,8 @@ def self_test_config(recipe):
     """A tiny model of the recipe for the whole-model check: odd sizes (the speedrun model's width is its
     one 128-wide head), T below block_size, a small padded vocab."""
     if recipe == "speedrun":
-        return Config(recipe=recipe, n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61, padded_vocab_size=64,
-                      seq_len=9, batch_size=2)
+        return Config(recipe=recipe, n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
+                      padded_vocab_size=64, seq_len=9, batch_size=2)
     return Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
                   seq_len=9, batch_size=2)
 
@@ -4891,8 +4885,8 @@ def _run_self_test(cfg):
     ref_name = "torch.autograd" if cfg.backend == "torch" else "backend torch"
     # compiled kernels would autotune (compile and time every configuration) at each test shape: minutes
     pinned = cfg.backend == "triton" and not INTERPRET
-    print(f"--test: backend {cfg.backend}, the {cfg.recipe} recipe's ops, against {ref_name} (run in fp64) on "
-          f"{device}"
+    print(f"--test: backend {cfg.backend}, the {cfg.recipe} recipe's ops, against {ref_name} (run in fp64) "
+          f"on {device}"
           + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
     f64 = torch.float64
     rows = []
@@ -5437,8 +5431,8 @@ def speedrun_bench_cases(cfg, ops, device):
          lambda: ops.scaled_attention_forward(q, k, v, ATTN_SCALE), "SDPA causal",
          lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE), (q, k, v)),
         ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
-         lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(q, k, v, ATTN_SCALE),
-                                               ATTN_SCALE),
+         lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(
+             q, k, v, ATTN_SCALE), ATTN_SCALE),
          "SDPA causal fwd+bwd", sdpa_forward_backward, None),
         ("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", lambda: ops.matmul_relu2_forward(xf, wf, bf),
          "F.linear + relu + square", lambda: F.relu(F.linear(xf, wf, bf)).square(), (xf, wf, bf)),
@@ -5448,8 +5442,8 @@ def speedrun_bench_cases(cfg, ops, device):
          lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
         ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
          lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
-         "backend torch (fp32, 1k rows a step)", lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0),
-         (z, targets, 1.0)),
+         "backend torch (fp32, 1k rows a step)",
+         lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
         ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
     ]
     for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over

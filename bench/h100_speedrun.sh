@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The d12 step of the speedrun recipe in each trainer beside the gpt2 recipe's, on one GPU, in one call of
-# at most 9 minutes: bf16, T = 1024, 524,288 tokens a step, synthetic tokens; tokens/s, MFU and peak memory
-# in the table printed last (bench/h100_table.py), full logs in LOGDIR. Backend triton has no speedrun
-# kernels yet, so the Triton trainer's speedrun row is backend torch's (hand-derived backward, torch ops).
+# The d12 step of the speedrun recipe in each trainer (the Triton trainer's on backend triton) beside the
+# gpt2 recipe's, on one GPU, in one call of at most 10 minutes: bf16, T = 1024, 524,288 tokens a step,
+# synthetic tokens; tokens/s, MFU and peak memory in the table printed last (bench/h100_table.py), full
+# logs in LOGDIR; then backend triton's --bench-ops of the speedrun ops (each kernel against the PyTorch
+# op it replaces) into LOGDIR/bench_ops_speedrun.txt.
 #
 #     bash bench/h100_speedrun.sh LOGDIR
 #     SKIP="gpt2_jax_b64" bash bench/h100_speedrun.sh LOGDIR   # leaves out the named runs
@@ -30,6 +31,9 @@ run speedrun_jax_b32 train_gpt2_jax.py --recipe speedrun --batch-size 32
 run gpt2_jax_b32 train_gpt2_jax.py --batch-size 32
 run speedrun_torchfunc_b16 train_gpt2_torchfunc.py --recipe speedrun --batch-size 16
 run gpt2_torchfunc_b16 train_gpt2_torchfunc.py --batch-size 16
-run speedrun_triton_torch_b16 train_gpt2_triton.py torch --recipe speedrun --batch-size 16
-run gpt2_triton_torch_b16 train_gpt2_triton.py torch --batch-size 16
+run speedrun_triton_b16 train_gpt2_triton.py triton --recipe speedrun --batch-size 16
+run gpt2_triton_b16 train_gpt2_triton.py triton --batch-size 16
 $PY bench/h100_table.py "$LOG/runs"
+timeout 90 $PY train_gpt2_triton.py triton --recipe speedrun --model d12 --seq-len 1024 --batch-size 16 \
+    --bench-ops ${EXTRA:-} > "$LOG/bench_ops_speedrun.txt" 2>&1 || echo "bench-ops failed: $?"
+cat "$LOG/bench_ops_speedrun.txt"
