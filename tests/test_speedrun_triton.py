@@ -3,10 +3,10 @@ against torch.autograd in float64; training held to the float64 outside referenc
 (tests/speedrun_reference.py) per step, from the recipe's init and from random weights; two processes at
 ZeRO-1 (Newton-Schulz on whole matrices dealt round-robin) against one; a torchfunc speedrun checkpoint
 resumed here, and one of this trainer resumed by torchfunc; a bf16 step against fp32; no autograd in a
-step; the state make_state holds. Backend triton (in Triton's interpreter without a GPU, fp32): training
-held to the float64 reference and to backend torch per step, its checkpoint resumed by backend torch and
-by torchfunc, --bench-ops over its speedrun ops; its kernels op by op (--test --recipe speedrun) and a
-step without torch compute ops are in tests/test_triton.py. The tolerances and shapes are
+step; the state make_state holds. Backend triton (in Triton's interpreter without a GPU, fp32): resuming
+torchfunc's checkpoint, training held to the float64 reference and to backend torch per step, its own
+checkpoint resumed by backend torch, --bench-ops over its speedrun ops; its kernels op by op (--test
+--recipe speedrun) and a step without torch compute ops are in tests/test_triton.py. The tolerances and shapes are
 tests/test_speedrun.py's, which explains them."""
 import math
 from dataclasses import replace

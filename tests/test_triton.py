@@ -1,12 +1,12 @@
 """train_gpt2_triton.py: hand-derived backward and Triton kernels
 (backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
 forward keeps for the backward, --profile (two processes: tests/test_zero.py), --bench-ops; backend triton
-in Triton's interpreter without a GPU (compiled, and bf16 too, with one): every kernel against backend
-torch, and with loops over several blocks (the embedding backward at 768 rows with a 600-row run,
-cross-entropy and the multi-tensor kernels with small blocks), clipping by a NaN or inf norm in both
-backends, a training run against backend torch, no torch compute op in a step, its --profile tables, clean
-errors. Backend torch's training run, exact resume, eval-only, evaluations lost to a kill run on resume and
-bad input are tested in tests/test_trainers.py)."""
+in Triton's interpreter without a GPU (compiled, and bf16 too, with one): every kernel of both recipes
+against backend torch, and with loops over several blocks (the embedding backward at 768 rows with a
+600-row run, cross-entropy and the multi-tensor kernels with small blocks), clipping by a NaN or inf norm
+in both backends, a training run against backend torch, no torch compute op in a step of either recipe,
+its --profile tables, clean errors. Backend torch's training run, exact resume, eval-only, evaluations
+lost to a kill run on resume and bad input are tested in tests/test_trainers.py)."""
 import json
 import math
 import re
@@ -378,7 +378,8 @@ def test_triton_crossentropy_over_several_blocks(one_thread):
     only; padded logits (80) above every real one must stay out of the logsumexp. Rows whose max lies in
     the first block, in the last (partial) one, rising block after block (a rescale of the running sum at
     every block), and with a second, larger max in a later block. Losses and dlogits match backend torch
-    run in fp64 (max error relative to the largest value: 1e-6 and 1e-5)."""
+    run in fp64 (max error relative to the largest value: 1e-6 and 1e-5); so do the soft-capped version's
+    over V = 1000 columns (8 blocks), the speedrun model's loss."""
     gen = torch.Generator().manual_seed(3)
     N, V, Vp = 6, 1000, 1040
     logits = torch.randn(N, Vp, generator=gen) * 3  # (N, Vp)
@@ -397,6 +398,14 @@ def test_triton_crossentropy_over_several_blocks(one_thread):
     assert tg.compare(got, want)[1] <= 1e-6
     assert tg.compare(got_dlogits, want_dlogits)[1] <= 1e-5
     assert not got_dlogits[:, V:].any()
+    # the speedrun model's: soft-capped logits, the loss over all their columns
+    z = logits[:, :V] * 3  # (N, V) well into the cap's bend
+    want_dz = z.double()  # (N, V) overwritten with dz
+    want = tg.TORCH_SPEEDRUN_OPS.softcap_crossentropy_forward_backward(want_dz, targets, 1.0 / N)  # (N,)
+    got_dz = z.to(DEVICE, copy=True)  # (N, V) overwritten with dz
+    got = tg.softcap_crossentropy_forward_backward(got_dz, targets.to(DEVICE), 1.0 / N, block_v=128)
+    assert tg.compare(got, want)[1] <= 1e-6
+    assert tg.compare(got_dz, want_dz)[1] <= 1e-5
 
 
 def test_triton_multi_tensor_kernels_over_several_chunks(one_thread):
