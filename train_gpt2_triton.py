@@ -5207,11 +5207,11 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
     print(f"profile of steps {steps[0]}-{steps[-1]}: backend {cfg.backend}, {cfg.dtype}, micro-batches of "
           f"{cfg.batch_size} x {cfg.seq_len}, {cfg.total_batch_size} tokens per step, L{cfg.n_layer} "
           f"H{cfg.n_head} C{cfg.n_embd}")
-    print(f"{'op':<30} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} "
+    print(f"{'op':<37} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} "
           f"{'kept MB':>8}")
     for name, (n, ms, flops, nbytes) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         mb = f"{kept[name] / 1e6:8.2f}" if name in kept else f"{'':>8}"
-        print(f"{name:<30} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)} {mb}")
+        print(f"{name:<37} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)} {mb}")
     in_ops = sum(row[1] for row in table.values())
     print(f"{'(outside the ops)':<30} {'':>5} {step_ms - in_ops:9.3f} {100 * (1 - in_ops / step_ms):7.1f}")
     print(f"{'steps':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
@@ -5442,7 +5442,7 @@ def speedrun_bench_cases(cfg, ops, device):
          lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
         ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
          lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
-         "backend torch (fp32, 1k rows a step)",
+         "backend torch (fp32 chunks)",
          lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
         ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
     ]
@@ -5452,7 +5452,7 @@ def speedrun_bench_cases(cfg, ops, device):
         copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
         args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
         cases.append(("muon_update", f"{n} x {r}x{c}", lambda args=args: ops.muon_update(*args),
-                      "backend torch (batched torch.bmm)", lambda args=args: t.muon_update(*args), args))
+                      "backend torch (torch.bmm)", lambda args=args: t.muon_update(*args), args))
     return cases
 
 
@@ -5474,7 +5474,7 @@ def bench_ops(cfg, ops, device):
     copy_gbs = copy_bandwidth_gbs(device)
     print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
-    print(f"{'op':<30} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
+    print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
           f"{'rate':>12} {'speed-up':>8}")
     cases = (speedrun_bench_cases if cfg.recipe == "speedrun" else bench_cases)(cfg, ops, device)
     for name, shape, ours, torch_label, theirs, args in cases:
@@ -5488,7 +5488,7 @@ def bench_ops(cfg, ops, device):
         def unit(ms):
             return f"{flops / ms / 1e9:7.2f} TF/s" if flops else f"{nbytes / ms / 1e6:7.0f} GB/s"
         share = "" if flops else f"{100 * nbytes / ours_ms / 1e6 / copy_gbs:5.0f}%"
-        print(f"{name:<30} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} {share:>6} | {torch_label:<28} "
+        print(f"{name:<37} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} {share:>6} | {torch_label:<28} "
               f"{theirs_ms:8.3f} {unit(theirs_ms):>12} {theirs_ms / ours_ms:7.2f}x")
 
 
