@@ -3103,9 +3103,9 @@ def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_de
 # multi-tensor launch updates the momentum buffers and writes Nesterov's u into a stacked (n, r, c) work
 # buffer in the Newton-Schulz dtype, with each chunk's sum of squares of u as stored, so that the Frobenius
 # norms cost no second pass over u; (2) one launch divides each matrix by its norm, each program summing
-# its matrix's chunk partials in order; (3) Newton-Schulz per matrix on _matmul, the combinations by
-# _axpby_kernel, in place in the work buffer; (4) one multi-tensor launch applies the update to the fp32
-# masters and refreshes their compute-dtype copies.
+# its matrix's chunk partials in order; (3) Newton-Schulz on _matmul, each product one launch batched over
+# the n matrices, the combinations by _axpby_kernel over the whole work buffer, in place; (4) one
+# multi-tensor launch applies the update to the fp32 masters and refreshes their compute-dtype copies.
 
 MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps ...
 MUON_WARPS = 8                               # ... the interpreter takes wide blocks (fewer programs)
