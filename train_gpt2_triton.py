@@ -4161,26 +4161,31 @@ def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _head_halves(N, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's BLOCK_ROWS of the N heads: their flat indices (R,) int64, the pairs (BH,), the row
+    mask (R,), the mask of a half (R, BH) and the offsets (R, BH) int64 of the first half's elements."""
+    heads = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # (R,)
+    cols = tl.arange(0, BLOCK_H)                                                    # (BH,)
+    row_mask = heads < N                                                            # (R,)
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
+    return heads, cols, row_mask, mask, heads[:, None] * HEAD_DIM + cols[None, :]
+
+
+@triton.jit
 def _qk_norm_rotary_forward_kernel(x_ptr, y_ptr, rstd_ptr, N, T, H, eps, HEAD_DIM: tl.constexpr,
                                    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
-    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local heads
-    cols = tl.arange(0, BLOCK_H)                                                    # (BH,) pairs
-    row_mask = rows < N - row0
-    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
-    base = row0 * HEAD_DIM                                                          # int64 scalar
-    offs = rows[:, None] * HEAD_DIM + cols[None, :]                                 # (R, BH) int32, 1st half
-    x1 = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)          # (R, BH)
-    x2 = tl.load(x_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    heads, cols, row_mask, mask, offs = _head_halves(N, HEAD_DIM, BLOCK_ROWS, BLOCK_H)
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)                 # (R, BH)
+    x2 = tl.load(x_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
     rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)  # (R,)
     x1 = x1 * rstd[:, None]                                                         # (R, BH) xhat
     x2 = x2 * rstd[:, None]                                                         # (R, BH)
-    cos, sin = _rotary_cos_sin_tile(row0 + rows, T, H, cols, HEAD_DIM)              # (R, BH) each
+    cos, sin = _rotary_cos_sin_tile(heads, T, H, cols, HEAD_DIM)                    # (R, BH) each
     y1 = x1 * cos + x2 * sin                                                        # (R, BH)
     y2 = x2 * cos - x1 * sin                                                        # (R, BH)
-    tl.store(y_ptr + base + offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_ptr + base + HEAD_DIM // 2 + offs, y2.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row0 + rows, rstd, mask=row_mask)
+    tl.store(y_ptr + offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + HEAD_DIM // 2 + offs, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + heads, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -4188,26 +4193,20 @@ def _qk_norm_rotary_backward_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, N, T, H, HE
                                     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     # the rotation is orthogonal: dxhat = R^T dy; then RMSNorm's backward without gain,
     # dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), xhat recomputed from x and the saved rstd
-    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
-    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local heads
-    cols = tl.arange(0, BLOCK_H)                                                    # (BH,) pairs
-    row_mask = rows < N - row0
-    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
-    base = row0 * HEAD_DIM                                                          # int64 scalar
-    offs = rows[:, None] * HEAD_DIM + cols[None, :]                                 # (R, BH) int32, 1st half
-    dy1 = tl.load(dy_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)        # (R, BH)
-    dy2 = tl.load(dy_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
-    rstd = tl.load(rstd_ptr + row0 + rows, mask=row_mask, other=0.0)                # (R,) fp32
-    x1 = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]  # (R, BH) xhat
-    x2 = tl.load(x_ptr + base + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-    cos, sin = _rotary_cos_sin_tile(row0 + rows, T, H, cols, HEAD_DIM)              # (R, BH) each
+    heads, cols, row_mask, mask, offs = _head_halves(N, HEAD_DIM, BLOCK_ROWS, BLOCK_H)
+    dy1 = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)               # (R, BH)
+    dy2 = tl.load(dy_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.load(rstd_ptr + heads, mask=row_mask, other=0.0)                      # (R,) fp32
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]  # (R, BH) xhat
+    x2 = tl.load(x_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    cos, sin = _rotary_cos_sin_tile(heads, T, H, cols, HEAD_DIM)                    # (R, BH) each
     g1 = dy1 * cos - dy2 * sin                                                      # (R, BH) dxhat
     g2 = dy1 * sin + dy2 * cos                                                      # (R, BH)
     mean = (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) / HEAD_DIM           # (R,)
     dx1 = rstd[:, None] * (g1 - x1 * mean[:, None])                                 # (R, BH)
     dx2 = rstd[:, None] * (g2 - x2 * mean[:, None])                                 # (R, BH)
-    tl.store(dx_ptr + base + offs, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptr + base + HEAD_DIM // 2 + offs, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + offs, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + HEAD_DIM // 2 + offs, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rotary_forward(x, eps):

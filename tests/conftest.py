@@ -98,6 +98,17 @@ def assert_clean_error(proc, *needles):
         assert needle.lower() in last.lower(), f"error line {last!r} does not mention {needle!r}"
 
 
+def assert_refused(main, cases):
+    """In-process bad input: each (argv, *needles) of cases makes main(argv) stop with one line, "error: ",
+    that names every needle."""
+    for argv, *needles in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        message = str(e.value)
+        assert message.startswith("error: ") and "\n" not in message, (argv, message)
+        assert all(n in message for n in needles), (message, needles)
+
+
 def read_log(out_dir):
     """The events of <out_dir>/log.jsonl, in order."""
     with open(os.path.join(out_dir, "log.jsonl")) as f:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train_gpt2_triton as tg
-from conftest import assert_clean_error, run_script, step_events, write_shard
+from conftest import assert_clean_error, run_script, speedrun_random_weights, step_events, write_shard
 
 ON_GPU = torch.cuda.is_available() and not tg.INTERPRET  # backend triton compiled, bf16 checked too
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where backend triton's tests run
@@ -34,6 +34,22 @@ def small_cfg(**kw):
     return tg.Config(**{**dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=61,
                                padded_vocab_size=64, seq_len=8, batch_size=2, total_batch_size=32,
                                dtype="fp32"), **kw})
+
+
+def small_state(recipe, device, **kw):
+    """(cfg, numpy weights, training state) of small_cfg(**kw) for `recipe`: GPT-2 from its init, or the
+    speedrun model, one 128-wide head wide and one block deep, from random nonzero weights (its own init
+    zeroes the projections, which a first step would leave out of Muon's update)."""
+    cfg = small_cfg(**kw)
+    if recipe == "speedrun":
+        cfg = tg.Config(**{**vars(cfg), "recipe": recipe, "n_layer": 1, "n_head": 1, "n_embd": tg.HEAD_DIM})
+        params = speedrun_random_weights(tg.param_shapes(cfg), 4)
+    else:
+        params = tg.init_params_numpy(cfg)
+    muon = tg.muon_names(tg.param_shapes(cfg))
+    zeros = {k: np.zeros_like(p) for k, p in params.items()}
+    return cfg, params, tg.make_state(params, zeros, {k: z for k, z in zeros.items() if k not in muon}, cfg,
+                                      device)
 
 
 def test_self_test_passes(capsys, one_thread):
@@ -69,15 +85,14 @@ def test_self_test_catches_a_wrong_backward(monkeypatch, capsys, one_thread):
     assert failed == {"gelu fwd+bwd", "model: every parameter gradient"}
 
 
-def test_no_autograd_in_a_training_step(monkeypatch):
-    """A training step records nothing for autograd: with the master weights made to require grad, every op
-    runs with grad mode off and returns tensors without grad_fn, no op saves a tensor for backward (a
-    saved-tensor hook that raises proves it: it does raise for a recorded product), autograd's entry points
-    are never called, yet the step updates every weight tensor."""
-    cfg = small_cfg()
-    params = tg.init_params_numpy(cfg)
-    zeros = {k: np.zeros_like(p) for k, p in params.items()}
-    state = tg.make_state(params, zeros, zeros, cfg, torch.device("cpu"))
+@pytest.mark.parametrize("recipe", tg.RECIPES)
+def test_no_autograd_in_a_training_step(monkeypatch, recipe, one_thread):
+    """A training step of either recipe records nothing for autograd: with the master weights made to
+    require grad, every op runs with grad mode off and returns tensors without grad_fn, no op saves a
+    tensor for backward (a saved-tensor hook that raises proves it: it does raise for a recorded product),
+    autograd's entry points are never called, every op of the recipe runs, yet the step updates every
+    weight tensor."""
+    cfg, _, state = small_state(recipe, torch.device("cpu"))
     for t in state["params"].values():
         t.requires_grad_(True)  # so that any op run with grad mode on would record a graph
     before = {k: t.detach().clone() for k, t in state["params"].items()}
@@ -101,14 +116,14 @@ def test_no_autograd_in_a_training_step(monkeypatch):
 
     for module, name in ((torch.autograd, "grad"), (torch.autograd, "backward"), (torch.Tensor, "backward")):
         monkeypatch.setattr(module, name, forbidden)
-    ops = SimpleNamespace(**{k: guarded(k, f) for k, f in vars(tg.TORCH_OPS).items()})
+    ops = SimpleNamespace(**{k: guarded(k, f) for k, f in vars(tg.backend_ops("torch", recipe)).items()})
     xs = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len))  # (A, B, T)
     ys = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len))  # (A, B, T)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with pytest.raises(AssertionError, match="saved a tensor"):
-            (state["params"]["wte"] * state["params"]["wte"]).sum()
+            (state["params"]["norm1.gains" if recipe == "speedrun" else "wte"] ** 2).sum()
         loss, norm = tg.train_step(state, xs, ys, 1, cfg, ops, 1)
-    assert seen == set(vars(tg.TORCH_OPS))
+    assert set(tg.SPEEDRUN_OP_NAMES if recipe == "speedrun" else tg.OP_NAMES) <= seen
     assert math.isfinite(loss) and norm > 0
     assert all(not torch.equal(before[k], t) and t.grad is None for k, t in state["params"].items())
 
@@ -224,11 +239,10 @@ ALLOWED_IN_STEP = {  # allocation, views, and reading the step's loss and norm o
 
 
 def step_torch_ops(monkeypatch, ops, recipe="gpt2"):
-    """{aten op: count} that one training step of a small model of `recipe` with `ops` runs (the speedrun
-    model one 128-wide head wide), leaving out those inside
-    a Triton kernel's launch (the interpreter copies its arguments to the host and back: a compiled launch
-    runs no torch op) and inside the multi-tensor kernels' argument table (Python ints: sizes, addresses
-    and weight decays, made into a tensor on the host and copied to the device)."""
+    """{aten op: count} that one training step of small_state's model of `recipe` with `ops` runs, leaving
+    out those inside a Triton kernel's launch (the interpreter copies its arguments to the host and back:
+    a compiled launch runs no torch op) and inside the multi-tensor kernels' argument table (Python ints:
+    sizes, addresses and weight decays, made into a tensor on the host and copied to the device)."""
     from triton.runtime.interpreter import GridExecutor
 
     def labelled(label, fn):
@@ -238,13 +252,8 @@ def step_torch_ops(monkeypatch, ops, recipe="gpt2"):
         return call
     monkeypatch.setattr(GridExecutor, "__call__", labelled("excluded", GridExecutor.__call__))
     monkeypatch.setattr(tg, "_tensor_table", labelled("excluded", tg._tensor_table))
-    cfg = small_cfg(batch_size=5)  # 40 rows: more than one interpreter block, so dW splits over the rows
-    if recipe == "speedrun":
-        cfg = tg.Config(**{**vars(cfg), "recipe": recipe, "n_layer": 1, "n_head": 1, "n_embd": tg.HEAD_DIM})
-    params = tg.init_params_numpy(cfg)
-    muon = tg.muon_names(tg.param_shapes(cfg))
-    state = tg.make_state(params, {k: np.zeros_like(p) for k, p in params.items()},
-                          {k: np.zeros_like(p) for k, p in params.items() if k not in muon}, cfg, DEVICE)
+    # 40 rows: more than one interpreter block, so dW splits over the rows
+    cfg, _, state = small_state(recipe, DEVICE, batch_size=5)
     xs = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len), device=DEVICE)  # (A, B, T)
     ys = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len), device=DEVICE)  # (A, B, T)
     if ON_GPU:  # the first call at each shape autotunes: Triton's benchmarking clones and zeroes buffers
