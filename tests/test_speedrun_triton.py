@@ -180,8 +180,8 @@ def runs(tiny_shards, tmp_path_factory):
     its init also written as a model file, checkpoints every 3 steps) and "random" (speedrun_random_weights,
     checkpoint at step 3) of this trainer, backend torch; "zero1" the "recipe" run's checkpoint of step 3
     resumed by two processes at stage 1; "torchfunc" train_gpt2_torchfunc.py's run from the "random" init
-    file, its checkpoints every 2 steps; "triton" backend triton resuming the "torchfunc" run's checkpoint
-    of step 4 (steps 5 and 6: the interpreter takes ~20 s a step), a checkpoint every step."""
+    file, its checkpoint at step 5; "triton" backend triton resuming the "torchfunc" run's checkpoint of
+    step 5 (step 6 alone: the interpreter takes ~20 s a step), its checkpoint at step 6."""
     done = {}
 
     def get(key):
@@ -197,10 +197,9 @@ def runs(tiny_shards, tmp_path_factory):
                            "train_gpt2_triton.py", "torch", *argv, "--zero-stage", "1",
                            "--resume", get("recipe")[0] / "ckpt_0000003", env=ENV)
             elif key == "torchfunc":
-                tf.main([*argv, "--ckpt-every", "2", "--init-from", str(init)])
+                tf.main([*argv, "--ckpt-every", "5", "--init-from", str(init)])
             elif key == "triton":
-                tg.main(["triton", *argv, "--ckpt-every", "1", "--resume",
-                         str(get("torchfunc")[0] / "ckpt_0000004")])
+                tg.main(["triton", *argv, "--resume", str(get("torchfunc")[0] / "ckpt_0000005")])
             else:
                 tg.main(["torch", *argv, "--init-from", str(init)])
             done[key] = out, init
@@ -248,8 +247,8 @@ def test_zero1_matches_one_process(runs, one_thread):
 
 def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path, one_thread):
     """From the same random init, in fp32, torchfunc's run has this trainer's losses and grad norms; its
-    checkpoint of step 4 (Muon's momentum in m, no v for the matrices) resumes here with the losses of this
-    trainer's uninterrupted run, and this trainer's of step 3 resumes in torchfunc with them too."""
+    checkpoint of step 5 (Muon's momentum in m, no v for the matrices) resumes here with the loss of this
+    trainer's uninterrupted run, and this trainer's of step 3 resumes in torchfunc with its losses too."""
     out, _ = runs("random")
     theirs, _ = runs("torchfunc")
     assert train_losses(theirs) == pytest.approx(train_losses(out), rel=REFERENCE_RTOL)
@@ -258,36 +257,39 @@ def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path
     norms = [[e["grad_norm"] for e in step_events(run)] for run in (out, theirs)]
     assert norms[0] == pytest.approx(norms[1], rel=REFERENCE_RTOL)
     argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--ckpt-every", "0"]
-    tg.main(["torch", *argv, "--out-dir", str(tmp_path / "here"), "--resume", str(theirs / "ckpt_0000004")])
+    tg.main(["torch", *argv, "--out-dir", str(tmp_path / "here"), "--resume", str(theirs / "ckpt_0000005")])
     tf.main([*argv, "--out-dir", str(tmp_path / "there"), "--resume", str(out / "ckpt_0000003")])
-    for resumed, first in ((tmp_path / "here", 5), (tmp_path / "there", 4)):
+    for resumed, first in ((tmp_path / "here", 6), (tmp_path / "there", 4)):
         assert [e["step"] for e in step_events(resumed)] == list(range(first, STEPS + 1))
         assert train_losses(resumed) == pytest.approx(train_losses(out)[first - 1:], rel=REFERENCE_RTOL)
 
 
 def test_backend_triton_matches_the_reference_and_backend_torch(runs, speedrun_reference_losses, one_thread):
-    """Backend triton, fp32, resuming torchfunc's checkpoint of step 4 (another trainer's, from the random
-    init): steps 5 and 6 have their train losses within 1e-5 of the float64 reference's, and their losses
-    and grad norms within 1e-5 of backend torch's uninterrupted run (the same computation, its sums in
-    other orders)."""
+    """Backend triton, fp32, resuming torchfunc's checkpoint of step 5 (another trainer's, from the random
+    init): step 6 has its train loss within 1e-5 of the float64 reference's, and its loss and grad norm
+    within 1e-5 of backend torch's uninterrupted run (the same computation, its sums in other orders)."""
     out, _ = runs("triton")
     torch_run, init = runs("random")
-    events, theirs = step_events(out), step_events(torch_run)[4:]
-    assert [(e["step"], e["framework"]) for e in events] == [(s, "triton-triton") for s in (5, 6)]
-    for step, a, b in zip((5, 6), train_losses(out), speedrun_reference_losses(init)[4:]):
+    events, theirs = step_events(out), step_events(torch_run)[5:]
+    assert [(e["step"], e["framework"]) for e in events] == [(6, "triton-triton")]
+    for step, a, b in zip((6,), train_losses(out), speedrun_reference_losses(init)[5:]):
         assert a == pytest.approx(b, rel=REFERENCE_RTOL), f"step {step}: {a} against {b}"
     for key in ("train_loss", "grad_norm"):
         assert [e[key] for e in events] == pytest.approx([e[key] for e in theirs], rel=REFERENCE_RTOL), key
 
 
 def test_a_triton_checkpoint_resumes_in_backend_torch(runs, tiny_shards, tmp_path, one_thread):
-    """Backend triton's checkpoint of step 5 (Muon's momentum, AdamW's moments, the weights it updated)
-    resumes in backend torch with backend triton's own loss of step 6."""
+    """Backend triton's checkpoint of step 6 (Muon's momentum, AdamW's moments, the weights it updated)
+    resumes in backend torch for a 7th step with the loss that backend torch's own checkpoint of step 6
+    gives it."""
     out, _ = runs("triton")
-    tg.main(["torch", *map(str, FLAGS), "--data", str(tiny_shards), "--ckpt-every", "0", "--resume",
-             str(out / "ckpt_0000005"), "--out-dir", str(tmp_path)])
-    assert [e["step"] for e in step_events(tmp_path)] == [6]
-    assert train_losses(tmp_path) == pytest.approx(train_losses(out)[1:], rel=REFERENCE_RTOL)
+    torch_run, _ = runs("random")
+    for name, run in (("from_triton", out), ("from_torch", torch_run)):
+        tg.main(["torch", *map(str, FLAGS), "--steps", "7", "--data", str(tiny_shards), "--ckpt-every", "0",
+                 "--resume", str(run / "ckpt_0000006"), "--out-dir", str(tmp_path / name)])
+        assert [e["step"] for e in step_events(tmp_path / name)] == [7]
+    assert train_losses(tmp_path / "from_triton") == pytest.approx(train_losses(tmp_path / "from_torch"),
+                                                                   rel=REFERENCE_RTOL)
 
 
 def test_bench_ops_lists_every_speedrun_kernel(capsys, monkeypatch, one_thread):
