@@ -1,13 +1,9 @@
-"""train_gpt2_jax.py: GPT-2 in plain JAX (no flax, no optax), trained with llm.c's recipe.
+"""train_gpt2_jax.py: GPT-2 in plain JAX (jax.numpy, jax.grad, jax.jit; no flax, no optax).
 
-The whole model is a pure function of a dict of arrays (llm.c's tensor names, per-layer weights stacked
-along a leading L axis), and a whole optimizer step (every micro-batch's forward and backward, gradient
-clipping, AdamW) is a single jitted function whose parameter and optimizer buffers are donated so they
-are updated in place. With more than one device it trains data parallel over a Mesh (batches sharded;
---zero-stage 1 splits the AdamW moments over the devices, --zero-stage 3 the weights and gradients too),
-on one host or several (one process per host, joined by jax.distributed). Formats, flags and logs:
-docs/FORMATS.md. `--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline instead (its model,
-AdamW and Muon; its tensors per layer, by the names of its state_dict, in .safetensors model files).
+The model is a pure function of a dict of arrays (llm.c's names, per-layer weights stacked along L), and
+a whole optimizer step (every micro-batch's forward and backward, clipping, AdamW) is one jitted function
+whose buffers are donated. With several devices it trains data parallel over a Mesh (--zero-stage 1 or
+3), on one host or several (jax.distributed). Formats, flags and logs: docs/FORMATS.md.
 
     python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
     python train_gpt2_jax.py --recipe speedrun --data data/fineweb_edu       # the speedrun baseline
@@ -16,6 +12,19 @@ AdamW and Muon; its tensors per layer, by the names of its state_dict, in .safet
     python train_gpt2_jax.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
     python train_gpt2_jax.py --data data/fineweb_edu --resume auto           # continue the newest ckpt
     python train_gpt2_jax.py --zero-stage 3 --coordinator host0:1234 --num-processes 2 --process-id 0
+
+Map: the file's sections, in order. Delete `Recipe: speedrun` and GPT-2 trains as before.
+    GPT-2: config                          Config, the Recipe row type, this trainer's own flags
+    GPT-2: model                           shapes, init, the forward and its loss, llm.c's model file
+    GPT-2: AdamW and the lr schedule       llm.c's cosine schedule, AdamW
+    GPT-2: training step                   the jitted step, GPT-2's row of RECIPES
+    Recipe: speedrun                       modded-nanogpt's baseline: model, Muon, model files, its row
+    Flags and recipe lookups               parse_args, and what the rest of the file asks of a recipe
+    Data                                   llm.c's token shards and the loader
+    Checkpoints                            writing, finding and reading checkpoints
+    Evaluation and logging                 validation batches, MFU, log.jsonl, the step line
+    JAX plumbing: devices, processes, ZeRO state and evaluation   shardings, HellaSwag, samples, processes
+    Main                                   the run, top to bottom
 """
 import argparse
 import contextlib
@@ -31,6 +40,7 @@ import threading
 import time
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from tokenize import TokenError
@@ -47,7 +57,7 @@ import hellaswag
 FRAMEWORK = "jax"  # "torchfunc" | "triton-<backend>" in the siblings
 
 # -----------------------------------------------------------------------------
-# Config
+# GPT-2: config
 
 VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
 PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
@@ -117,16 +127,33 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-RECIPES = ("gpt2", "speedrun")
-# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
-# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
-# others with it.
-SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
-# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
-# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
-SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
-                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
-HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+@dataclass(frozen=True)
+class Recipe:
+    """A row of RECIPES: what --recipe NAME trains. The rest of the file looks a recipe up here, never by
+    its name; each recipe's section ends by adding its row."""
+    help: str             # --recipe's help text for it
+    defaults: dict        # its defaults over Config's
+    configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
+    shapes: Callable      # cfg -> {name: shape}, in the order of its model files
+    init: Callable        # cfg -> {name: fp32 numpy array}, from cfg.seed
+    lr_at: Callable       # (it, cfg) -> the lr of 0-based iteration it
+    muon_names: Callable  # shapes -> the names Muon updates (whole matrices); [] without Muon
+    model_file: str       # its weights' file in a checkpoint dir
+    file_kind: str        # what a message calls its model files
+    is_file: Callable     # the first 9 bytes of a file -> whether it is one of its model files
+    read_file: Callable   # path -> (header, {name: fp32 array})
+    write_file: Callable  # (path, params, cfg)
+    model_name: str       # the start line's name of the model
+    table: str            # the embedding that only gathers rows: no flops counted for it
+    optimizers: str       # the start line's name of the optimizers
+    # JAX's own
+    token_losses: Callable  # (params, x, y, cfg) -> per-token losses (B,T) fp32
+    summed: bool            # the step's gradient is of the summed token losses (else of their mean)
+    scalars: Callable       # (step, cfg) -> the update's host-computed scalars (n,) fp32
+    update: Callable        # (params, grads, m, v, scalars, cfg, layout) -> new (params, m, v)
+    embeddings: tuple       # tables kept fp32 (gathered from): no compute-dtype copies
+    next_logits: Callable   # (params, tokens (S,T), t, cfg) -> the logits (S,V) of position t's next token
+    scan_layers: bool       # whether --scan-layers applies (its layers stacked along an L axis)
 
 
 ZERO_STAGES = (0, 1, 3)
@@ -148,154 +175,8 @@ def framework_flags(p):
     p.add_argument("--coordinator-timeout", type=int, help="several processes: seconds each waits for all "
                    f"to join at the coordinator before it stops (default {Config.coordinator_timeout})")
 
-
-def parse_args(argv=None):
-    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
-    named only here and as Config's field), and the model-shape flags given, which a model file's header
-    must then match (--model gives all three)."""
-    d = Config()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
-    p.error = die  # a bad flag gets one line naming it, not the whole usage text
-    framework_flags(p)
-    p.add_argument("--recipe", choices=RECIPES, help="gpt2: llm.c's GPT-2 and AdamW; speedrun: "
-                   "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied "
-                   f"soft-capped head, AdamW and Muon), {HEAD_DIM}-wide heads, and its defaults: "
-                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items())
-                   + f" (default {d.recipe})")
-    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
-                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
-                   f"{d.data})")
-    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
-                   "with a --data glob)")
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
-                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
-                   + " (default d12)")
-    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
-    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's; "
-                   f"speedrun: --n-embd / {HEAD_DIM})")
-    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
-                   "--model's)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
-                   f"holds (default {d.seq_len})")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
-                   f"{d.batch_size})")
-    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
-                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
-                   f"it (default {d.total_batch_size})")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
-                   "default batch)")
-    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
-                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
-                   "step's; the lr schedule still spans --steps (default 0: run every step)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
-                   "speedrun: Muon's, and the AdamW groups' in proportion: "
-                   + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + ")")
-    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
-                   f"(default {d.lr_decay_frac})")
-    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay}; speedrun: on every AdamW tensor)")
-    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
-                   f"(default {d.grad_clip})")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
-                   f"state stay fp32 (default {d.dtype})")
-    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
-                   f"(default {d.seed})")
-    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
-                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
-                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
-                   "(default 0)")
-    p.add_argument("--init-from", help="a model file to start from, which gives the model shape: llm.c's "
-                   ".bin (gpt2), or a .safetensors file of the reference's state_dict (speedrun)")
-    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
-    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
-                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
-    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
-    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
-                   f"never (default {d.ckpt_every})")
-    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
-                   f"0 = never (default {d.val_every})")
-    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
-                   "len sequences of the val shards, the same at any device count (default "
-                   f"{d.val_tokens})")
-    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
-    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
-                   f"step's too), 0 = never (default {d.hellaswag_every})")
-    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
-    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
-                   f"0 = never (default {d.sample_every})")
-    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
-                   "--resume, then exit")
-    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
-                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
-    given = vars(p.parse_args(argv))
-    preset = given.pop("model", None)
-    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
-    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
-    if given.get("recipe") == "speedrun":
-        d = replace(d, **SPEEDRUN_DEFAULTS)
-    cfg = replace(d, **{**shape, **given})
-    cfg.block_size = cfg.seq_len
-    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_tokens"):
-        if getattr(cfg, flag) <= 0:
-            die(f"--{flag.replace('_', '-')} must be positive")
-    if val_steps is not None:
-        if "val_tokens" in given or val_steps <= 0:
-            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
-                "given without --val-tokens")
-        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
-    if cfg.val_tokens < cfg.seq_len:
-        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
-    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
-                 "time_budget"):
-        if getattr(cfg, flag) < 0:
-            die(f"--{flag.replace('_', '-')} must be >= 0")
-    if not 0 < cfg.lr < math.inf:
-        die("--lr must be positive and finite")
-    if not 0 <= cfg.lr_decay_frac <= 1:
-        die("--lr-decay-frac must be in [0, 1]")
-    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
-        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
-    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
-        die("--seed must be in [0, 2**63)")
-    if cfg.zero_stage not in ZERO_STAGES:
-        stages = " or ".join(map(str, ZERO_STAGES))
-        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
-        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
-    if cfg.recipe == "speedrun":
-        if cfg.n_embd % HEAD_DIM:
-            die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
-                f"be a multiple of {HEAD_DIM}")
-        if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
-            die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
-                f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
-        cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
-    if cfg.n_embd % cfg.n_head:
-        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    explicit = {k: given[k] for k in shape if k in given}
-    return cfg, ({**shape, **explicit} if preset else explicit)
-
-
-def apply_model_header(cfg, header, explicit):
-    """Takes the model shape from a model file's header; flags given explicitly must match it."""
-    for k in ("n_layer", "n_head", "n_embd"):
-        if k in explicit and explicit[k] != header[k]:
-            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
-    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
-        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
-            f"expected {VOCAB_SIZE}")
-    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
-        if cfg.seq_len > header["block_size"]:
-            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
-                f"{header['block_size']}")
-        cfg.block_size = header["block_size"]
-    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
-    cfg.padded_vocab_size = header["padded_vocab_size"]
-
-
 # -----------------------------------------------------------------------------
-# Model
+# GPT-2: model
 
 # llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
 PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
@@ -304,10 +185,8 @@ PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c
 DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
 
 
-def param_shapes(cfg):
-    """{name: shape} of the recipe's weights, in the order of its model files."""
-    if cfg.recipe == "speedrun":
-        return speedrun_shapes(cfg)
+def gpt2_shapes(cfg):
+    """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
     L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
     return {
         "wte": (Vp, C), "wpe": (T, C),
@@ -321,14 +200,12 @@ def param_shapes(cfg):
     }
 
 
-def init_params_numpy(cfg):
-    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
-    from the same weights."""
-    if cfg.recipe == "speedrun":
-        return init_speedrun_numpy(cfg)
+def init_gpt2_numpy(cfg):
+    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same
+    weights."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in gpt2_shapes(cfg).items():
         if name.endswith(".b"):
             params[name] = np.zeros(shape, np.float32)
         elif name.startswith("ln"):
@@ -338,51 +215,6 @@ def init_params_numpy(cfg):
             params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
     params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
     return params
-
-
-def speedrun_shapes(cfg):
-    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
-    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
-    C, Vp = cfg.n_embd, cfg.padded_vocab_size
-    shapes = {"embed.weight": (Vp, C)}
-    for i in range(cfg.n_layer):
-        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
-            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
-        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
-        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
-        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
-    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
-    return shapes
-
-
-def muon_names(shapes):
-    """The weights Muon updates: every matrix inside the blocks (none in the gpt2 recipe, all AdamW's)."""
-    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
-
-
-def init_speedrun_numpy(cfg):
-    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
-    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
-    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith(".gains"):
-            params[name] = np.ones(shape, np.float32)
-        elif name.endswith(".bias") or "proj" in name:
-            params[name] = np.zeros(shape, np.float32)
-        else:
-            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
-            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
-    return params
-
-
-def rotary_freq_numpy(head_dim):
-    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
-    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
-    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
-    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
-    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
 # The model is a pure function of the parameter dict. LayerNorm, GELU and the cross-entropy have
@@ -561,13 +393,263 @@ def transformer(params, idx, cfg):
 
 
 def forward(params, idx, cfg):
-    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows. The
-    speedrun model's: its own head's, soft-capped, in fp32."""
-    if cfg.recipe == "speedrun":
-        h = speedrun_transformer(params, idx, cfg)                                 # (B,T,C)
-        return speedrun_logits(h, params["proj.weight"], params["proj.bias"])      # (B,T,Vp)
+    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows."""
     h = transformer(params, idx, cfg)                                              # (B,T,C)
     return h @ params["wte"].astype(h.dtype).T                                     # (B,T,Vp)
+
+
+def next_logits(params, tokens, t, cfg):
+    """The logits (S,V) of the token after position t (traced) of tokens (S,T), for sampling."""
+    h = jax.lax.dynamic_index_in_dim(transformer(params, tokens, cfg), t, axis=1, keepdims=False)  # (S,C)
+    return (h @ params["wte"][:VOCAB_SIZE].astype(h.dtype).T).astype(jnp.float32)  # (S,V)
+
+
+def token_losses(params, x, y, cfg):
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
+    columns."""
+    return cross_entropy(forward(params, x, cfg), y)                               # (B,T)
+
+
+MODEL_MAGIC = 20240326
+
+
+def write_model_file(path, params, cfg):
+    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
+    PARAM_NAMES order."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    shapes = param_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size < 1024:
+        die(f"model file {path} is truncated: {raw.size} bytes")
+    h = raw[:1024].view("<i4")
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = param_shapes(Config(**header))
+    itemsize = 4 if h[1] == 3 else 2
+    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
+    if raw.size != expected:
+        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
+    params, offset = {}, 1024
+    for name in PARAM_NAMES:
+        n = math.prod(shapes[name])
+        chunk = raw[offset: offset + n * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        params[name] = t.reshape(shapes[name])
+        offset += n * itemsize
+    return header, params
+
+
+def is_model_file(head):
+    """Whether a file's first bytes are those of an llm.c model file."""
+    return head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
+
+# -----------------------------------------------------------------------------
+# GPT-2: AdamW and the lr schedule
+
+def cosine_lr(it, cfg):
+    """llm.c's lr of 0-based iteration `it`: a linear warmup, then a cosine down to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
+
+
+def adam_scalars(step, cfg):
+    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
+    the compiled step as data, so a new lr never recompiles it."""
+    return np.array([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
+                    dtype=np.float32)
+
+
+def global_norm(grads):
+    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
+    norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g))) for g in grads.values()])  # (n,)
+    return jnp.sqrt(jnp.sum(jnp.square(norms)))
+
+
+def adamw_update(params, grads, m, v, scalars, cfg):
+    """llm.c's AdamW on every tensor; weight decay only on DECAY_NAMES. Returns new (params, m, v)."""
+    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
+    new_params, new_m, new_v = {}, {}, {}
+    for k in PARAM_NAMES:
+        g = grads[k]
+        new_m[k] = ADAM_BETA1 * m[k] + (1.0 - ADAM_BETA1) * g
+        new_v[k] = ADAM_BETA2 * v[k] + (1.0 - ADAM_BETA2) * g * g
+        update = (new_m[k] / bias1) / (jnp.sqrt(new_v[k] / bias2) + ADAM_EPS)
+        decay = cfg.weight_decay if k in DECAY_NAMES else 0.0
+        new_params[k] = params[k] - lr * (update + decay * params[k])
+    return new_params, new_m, new_v
+
+# -----------------------------------------------------------------------------
+# GPT-2: training step
+
+def grad_accum_steps(cfg, world):
+    tokens = cfg.batch_size * cfg.seq_len * world
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
+    return cfg.total_batch_size // tokens
+
+
+def loss_fn(params, x, y, cfg):
+    """The loss one batch contributes, fp32: the recipe's mean token loss, or its sum (Recipe.summed)."""
+    recipe = RECIPES[cfg.recipe]
+    losses = recipe.token_losses(params, x, y, cfg)                                # (B,T)
+    return jnp.sum(losses) if recipe.summed else jnp.mean(losses)
+
+
+EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no compute-dtype copies
+
+
+def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
+    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A micro-batch
+    losses (each micro-batch's gradient scaled by 1/A and summed in fp32), or (speedrun) of the sum of
+    every token's loss, clipped to cfg.grad_clip, then AdamW (speedrun: speedrun_update). `layout`
+    (state_layout) places the state; at stage 0 every constraint below says "replicated" and changes
+    nothing. `copies` are stage 1's bf16 weights ({} otherwise). Returns (params, m, v, copies, mean token
+    loss, grad_norm before clipping)."""
+    A = x.shape[0]
+    recipe = RECIPES[cfg.recipe]
+    summed = recipe.summed
+    scale = 1.0 if summed else 1.0 / A
+    constrain = jax.lax.with_sharding_constraint
+    # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
+    # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch.
+    # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes. Stage 1
+    # has them already, from the last update.
+    dt = compute_dtype(cfg)
+    weights = constrain({k: copies[k] if k in copies else p if k in recipe.embeddings else p.astype(dt)
+                         for k, p in params.items()}, layout["weights"])
+
+    def micro_step(acc, batch):
+        loss, grads = jax.value_and_grad(lambda w: loss_fn(w, batch[0], batch[1], cfg) * scale)(weights)
+        grads = constrain({k: g.astype(jnp.float32) for k, g in grads.items()}, layout["grads"])
+        return {k: acc[k] + grads[k] for k in acc}, loss
+
+    zeros = constrain({k: jnp.zeros_like(p) for k, p in params.items()}, layout["grads"])
+    grads, losses = jax.lax.scan(micro_step, zeros, (x, y))                       # fp32 dict, (A,)
+    norm = global_norm(grads)
+    if cfg.grad_clip > 0:
+        coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
+        grads = {k: g * coef for k, g in grads.items()}
+    # each device updates the slice of the masters its moments cover (a local cut of the masters that
+    # are whole, no communication); out_shardings gathers those whole again, and stage 1's new bf16
+    # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
+    params = constrain(params, layout["moments"])
+    params, m, v = recipe.update(params, grads, m, v, scalars, cfg, layout)
+    loss = jnp.sum(losses) / cfg.total_batch_size if summed else jnp.sum(losses)
+    return params, m, v, cast_copies(params, copies, cfg), loss, norm
+
+
+RECIPES = {"gpt2": Recipe(
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
+    model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
+    read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
+    optimizers="AdamW",
+    token_losses=token_losses, summed=False, scalars=adam_scalars,
+    update=lambda params, grads, m, v, scalars, cfg, layout: adamw_update(params, grads, m, v, scalars, cfg),
+    embeddings=EMBEDDINGS, next_logits=next_logits, scan_layers=True)}
+
+# -----------------------------------------------------------------------------
+# Recipe: speedrun
+
+# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
+# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
+# others with it.
+SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
+# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
+SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
+                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
+HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+
+
+def configure_speedrun(cfg, given, shape):
+    """The speedrun model's heads are HEAD_DIM wide: its width sets their count."""
+    if cfg.n_embd % HEAD_DIM:
+        die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+            f"be a multiple of {HEAD_DIM}")
+    if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+        die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+            f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+    cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
+
+
+def speedrun_shapes(cfg):
+    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
+    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
+    C, Vp = cfg.n_embd, cfg.padded_vocab_size
+    shapes = {"embed.weight": (Vp, C)}
+    for i in range(cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
+        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
+        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
+    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
+    return shapes
+
+
+def muon_names(shapes):
+    """The weights Muon updates: every matrix inside the blocks."""
+    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
+
+
+def init_speedrun_numpy(cfg):
+    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
+    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
+    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in speedrun_shapes(cfg).items():
+        if name.endswith(".gains"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or "proj" in name:
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
+            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
+    return params
+
+
+def rotary_freq_numpy(head_dim):
+    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
+    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
+    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
+    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
+    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
 # The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names (cast
@@ -638,49 +720,43 @@ def speedrun_logits(h, weight, bias):
     return SOFTCAP * z * jax.lax.rsqrt(jnp.square(z) + SOFTCAP**2)                 # (..., V)
 
 
-def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T): over the first V
-    columns, or (speedrun, as the reference's) over all Vp."""
-    if cfg.recipe == "speedrun":
-        logits = forward(params, x, cfg)                                           # (B,T,Vp)
-        target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]  # (B,T)
-        return jax.nn.logsumexp(logits, axis=-1) - target_logit                    # (B,T)
-    return cross_entropy(forward(params, x, cfg), y)                               # (B,T)
+def speedrun_forward(params, idx, cfg):
+    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32."""
+    h = speedrun_transformer(params, idx, cfg)                                     # (B,T,C)
+    return speedrun_logits(h, params["proj.weight"], params["proj.bias"])          # (B,T,Vp)
 
 
-def loss_fn(params, x, y, cfg):
-    """The loss one batch contributes, fp32: the mean token loss, or (speedrun) the sum, whose gradient the
-    reference's optimizers take, so that Adam's eps acts at its scale."""
-    losses = token_losses(params, x, y, cfg)                                       # (B,T)
-    return jnp.sum(losses) if cfg.recipe == "speedrun" else jnp.mean(losses)
+def speedrun_next_logits(params, tokens, t, cfg):
+    """The logits (S,V) of the token after position t (traced) of tokens (S,T), for sampling."""
+    h = jax.lax.dynamic_index_in_dim(speedrun_transformer(params, tokens, cfg), t, axis=1,
+                                     keepdims=False)                              # (S,C)
+    return speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE], params["proj.bias"][:VOCAB_SIZE])  # (S,V)
 
 
-# -----------------------------------------------------------------------------
-# Optimizer
+def speedrun_token_losses(params, x, y, cfg):
+    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns."""
+    logits = speedrun_forward(params, x, cfg)                                      # (B,T,Vp)
+    target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]      # (B,T)
+    return jax.nn.logsumexp(logits, axis=-1) - target_logit                        # (B,T)
+
 
 SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
 
 
-def lr_at(it, cfg):
-    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
-    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
-    `steps`: eta = (1 - it/steps) / 0.7."""
+def speedrun_lr(it, cfg):
+    """The reference's lr of 0-based iteration `it` (after a warmup, if one is given): lr until 30% of the
+    steps, then a linear fall toward lr*lr_decay_frac at step `steps`: eta = (1 - it/steps) / 0.7."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
-    if cfg.recipe == "speedrun":
-        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
-        return min_lr + eta * (cfg.lr - min_lr)
-    if it > cfg.steps:
-        return min_lr
-    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+    eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+    return min_lr + eta * (cfg.lr - min_lr)
 
 
 def speedrun_lrs(it, cfg):
     """{group: lr} of 0-based iteration `it` for the speedrun recipe's groups (SPEEDRUN_LRS): Muon's is
-    lr_at's, the AdamW groups' keep their ratios to it."""
-    scale = lr_at(it, cfg) / SPEEDRUN_LRS["muon"]
+    speedrun_lr's, the AdamW groups' keep their ratios to it."""
+    scale = speedrun_lr(it, cfg) / SPEEDRUN_LRS["muon"]
     return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
 
 
@@ -689,48 +765,14 @@ def adamw_group(name):
     return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
 
 
-def grad_accum_steps(cfg, world):
-    tokens = cfg.batch_size * cfg.seq_len * world
-    if cfg.total_batch_size % tokens:
-        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
-            f"x devices = {tokens}")
-    return cfg.total_batch_size // tokens
-
-
-ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
 MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
 
 
-def adam_scalars(step, cfg):
-    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled step as data, so a new lr never recompiles it; with the speedrun recipe [lr of each
-    SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t]."""
-    if cfg.recipe == "speedrun":
-        return np.array([*speedrun_lrs(step - 1, cfg).values(), 1.0 - SPEEDRUN_BETA1 ** step,
-                         1.0 - SPEEDRUN_BETA2 ** step], dtype=np.float32)
-    return np.array([lr_at(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
-                    dtype=np.float32)
-
-
-def global_norm(grads):
-    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
-    norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g))) for g in grads.values()])  # (n,)
-    return jnp.sqrt(jnp.sum(jnp.square(norms)))
-
-
-def adamw_update(params, grads, m, v, scalars, cfg):
-    """llm.c's AdamW on every tensor; weight decay only on DECAY_NAMES. Returns new (params, m, v)."""
-    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    new_params, new_m, new_v = {}, {}, {}
-    for k in PARAM_NAMES:
-        g = grads[k]
-        new_m[k] = ADAM_BETA1 * m[k] + (1.0 - ADAM_BETA1) * g
-        new_v[k] = ADAM_BETA2 * v[k] + (1.0 - ADAM_BETA2) * g * g
-        update = (new_m[k] / bias1) / (jnp.sqrt(new_v[k] / bias2) + ADAM_EPS)
-        decay = cfg.weight_decay if k in DECAY_NAMES else 0.0
-        new_params[k] = params[k] - lr * (update + decay * params[k])
-    return new_params, new_m, new_v
+def speedrun_scalars(step, cfg):
+    """[lr of each SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t] for 1-based step t (adam_scalars')."""
+    return np.array([*speedrun_lrs(step - 1, cfg).values(), 1.0 - SPEEDRUN_BETA1 ** step,
+                     1.0 - SPEEDRUN_BETA2 ** step], dtype=np.float32)
 
 
 def newton_schulz(G, dtype):
@@ -803,112 +845,278 @@ def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
     return {k: new_params[k] for k in params}, {k: new_m[k] for k in m}, new_v
 
 
-# ZeRO over the mesh's "data" axis, written as shardings only: the state arrays carry a NamedSharding,
-# jit's in/out shardings and a few with_sharding_constraint calls say where each value lives, and XLA
-# inserts the collectives: the gradients' reduce-scatter (on the CPU an all-reduce and a slice; XLA's GPU
-# passes fuse the two) and the weights' all-gather.
-
-def shard_axis(shape, world):
-    """The axis along which ZeRO splits a tensor of `shape` over `world` devices: the first whose size
-    `world` divides, so that any device count works (12 layers over 8 devices split the next axis
-    instead). None when no axis divides: that tensor stays whole on every device (device_state_bytes
-    counts it whole)."""
-    return next((i for i, n in enumerate(shape) if n % world == 0), None)
+# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
+# bits of an fp32 one); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
-def zero_spec(shape, world):
-    """PartitionSpec of a tensor split by ZeRO: "data" on its shard_axis, or replicated if it has none."""
-    axis = shard_axis(shape, world)
-    return PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "data")
+def write_safetensors(path, tensors):
+    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
+    {name: array}, in that order, written to a temporary name, then renamed."""
+    header, offset = {}, 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
+        offset += 4 * t.size
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(np.array(len(text), "<u8").tobytes() + text)
+        for t in tensors.values():
+            f.write(np.asarray(t, "<f4").tobytes())
+    os.replace(tmp, path)
 
 
-EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no compute-dtype copies
-TABLES = EMBEDDINGS + ("embed.weight",)  # those of either recipe
+def read_safetensors(path):
+    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
+    within the file."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+    if not 0 < n <= raw.size - 8:
+        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
+    try:
+        header = json.loads(raw[8:8 + n].tobytes())
+        header.pop("__metadata__", None)
+        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
+                   for k, e in header.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
+    data, tensors = raw[8 + n:], {}
+    for k, (dtype, shape, (lo, hi)) in entries.items():
+        if dtype not in SAFETENSORS_TYPES:
+            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
+        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
+        if not (fits and hi - lo == size * math.prod(shape)):
+            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
+                f"the file's {data.size} (truncated?)")
+        chunk = data[lo:hi]
+        if dtype == "BF16":
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
+        tensors[k] = t.reshape(shape)
+    return tensors
 
 
-def copied_names(cfg):
-    """The tensors that stage 1 keeps bf16 copies of across steps (llm.c's ZeRO-1: the masters split, the
-    copies the model computes with whole): all but the embedding tables, and none in fp32, where the
-    model computes with the masters themselves."""
-    if cfg.zero_stage != 1 or cfg.dtype == "fp32":
-        return []
-    return [k for k in param_shapes(cfg) if k not in TABLES]
+def is_safetensors_file(head):
+    """Whether a file's first 9 bytes are those of a safetensors file (a JSON header after its length)."""
+    return head[8:9] == b"{"
 
 
-def cast_copies(params, names, cfg):
-    """{name: params[name] in the compute dtype} for `names`: stage 1's copies, cast at start and by
-    every update."""
-    return {k: params[k].astype(compute_dtype(cfg)) for k in names}
+def write_speedrun_file(path, params, cfg):
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
+    included, so that the reference loads it as it is."""
+    tensors = {}
+    for k in param_shapes(cfg):
+        tensors[k] = np.asarray(params[k], np.float32)
+        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
+            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
+    write_safetensors(path, tensors)
 
 
-def state_layout(cfg, mesh):
-    """Where each piece of training state lives at cfg.zero_stage, as {name: NamedSharding} per piece:
-    "masters" (the fp32 weights), "grads" (the fp32 gradient accumulator of a step), "moments" (AdamW's m
-    and v, one sharding for both; speedrun: v of the AdamW tensors only, m also Muon's momentum), "copies"
-    (the bf16 weights stage 1 keeps across steps, always whole); "weights" is the compute copies' sharding
-    inside a step, whole on every device (the batch, not the model, is what the devices split). Stage 1
-    splits the masters that have copies: the fp32 ones are what the model computes with. From stage 1 the
-    gradient accumulator is split like the moments: XLA sums each micro-batch's gradient over the devices
-    inside the accumulation loop anyway (stage 0's compiled step all-reduces in the loop), and a
-    reduce-scatter into a slice moves half the bytes of an all-reduce into a whole copy, so stage 1 here
-    also gets ZeRO-2's gradient saving. "matrices" (speedrun, from stage 1): how Muon deals each shape's
-    stack of matrices over the devices, each device orthogonalizing its own matrices whole, as torchfunc's
-    ZeRO-1 deals them (a matrix split along rows would have XLA sum partial products across devices, in
-    bf16 with --dtype bf16); None at stage 0, where every device updates every matrix."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
-    whole = {k: replicated for k in split}
-    copied = copied_names(cfg)
-    masters = {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split}
-    return {"masters": masters,
-            "grads": split if cfg.zero_stage >= 1 else whole,
-            "moments": split if cfg.zero_stage >= 1 else whole,
-            "copies": {k: replicated for k in copied},
-            "weights": whole,
-            "matrices": NamedSharding(mesh, PartitionSpec("data")) if cfg.zero_stage >= 1 else None}
+def read_speedrun_file(path):
+    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
+    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
+    be there in its shape, with no other."""
+    tensors = read_safetensors(path)
+    embed = tensors.get("embed.weight")
+    if embed is None or embed.ndim != 2:
+        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
+    padded, n_embd = embed.shape
+    if n_embd % HEAD_DIM or n_layer == 0:
+        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+            f"{HEAD_DIM}, or it has no blocks")
+    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+    shapes = speedrun_shapes(Config(**header))
+    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+    expected = {**shapes, **freqs}
+    for k, shape in expected.items():
+        if k not in tensors:
+            die(f"model file {path} lacks tensor {k} {list(shape)}")
+        if tensors[k].shape != shape:
+            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
+    extra = [k for k in tensors if k not in expected]
+    if extra:
+        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
+    for i in range(n_layer):
+        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
+                           rtol=1e-6, atol=0):
+            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
+    return header, {k: tensors[k] for k in shapes}
 
 
-def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
-    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A micro-batch
-    losses (each micro-batch's gradient scaled by 1/A and summed in fp32), or (speedrun) of the sum of
-    every token's loss, clipped to cfg.grad_clip, then AdamW (speedrun: speedrun_update). `layout`
-    (state_layout) places the state; at stage 0 every constraint below says "replicated" and changes
-    nothing. `copies` are stage 1's bf16 weights ({} otherwise). Returns (params, m, v, copies, mean token
-    loss, grad_norm before clipping)."""
-    A = x.shape[0]
-    summed = cfg.recipe == "speedrun"
-    scale = 1.0 if summed else 1.0 / A
-    constrain = jax.lax.with_sharding_constraint
-    # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
-    # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch.
-    # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes. Stage 1
-    # has them already, from the last update.
-    dt = compute_dtype(cfg)
-    weights = constrain({k: copies[k] if k in copies else p if k in TABLES else p.astype(dt)
-                         for k, p in params.items()}, layout["weights"])
+RECIPES["speedrun"] = Recipe(
+    help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
+    f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
+    "scales the AdamW groups' in proportion ("
+    + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + "), --weight-decay is on every AdamW "
+    "tensor, and its defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()),
+    defaults=SPEEDRUN_DEFAULTS, configure=configure_speedrun, shapes=speedrun_shapes,
+    init=init_speedrun_numpy, lr_at=speedrun_lr, muon_names=muon_names, model_file="model.safetensors",
+    file_kind="a safetensors file of the reference's state_dict (.safetensors)",
+    is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
+    model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars,
+    update=lambda params, grads, m, v, scalars, cfg, layout: speedrun_update(params, grads, m, v, scalars,
+                                                                             cfg, layout["matrices"]),
+    embeddings=("embed.weight",), next_logits=speedrun_next_logits, scan_layers=False)
 
-    def micro_step(acc, batch):
-        loss, grads = jax.value_and_grad(lambda w: loss_fn(w, batch[0], batch[1], cfg) * scale)(weights)
-        grads = constrain({k: g.astype(jnp.float32) for k, g in grads.items()}, layout["grads"])
-        return {k: acc[k] + grads[k] for k in acc}, loss
+# -----------------------------------------------------------------------------
+# Flags and recipe lookups
 
-    zeros = constrain({k: jnp.zeros_like(p) for k, p in params.items()}, layout["grads"])
-    grads, losses = jax.lax.scan(micro_step, zeros, (x, y))                       # fp32 dict, (A,)
-    norm = global_norm(grads)
-    if cfg.grad_clip > 0:
-        coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
-        grads = {k: g * coef for k, g in grads.items()}
-    # each device updates the slice of the masters its moments cover (a local cut of the masters that
-    # are whole, no communication); out_shardings gathers those whole again, and stage 1's new bf16
-    # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
-    params = constrain(params, layout["moments"])
-    if summed:
-        params, m, v = speedrun_update(params, grads, m, v, scalars, cfg, layout["matrices"])
-    else:
-        params, m, v = adamw_update(params, grads, m, v, scalars, cfg)
-    loss = jnp.sum(losses) / cfg.total_batch_size if summed else jnp.sum(losses)
-    return params, m, v, cast_copies(params, copies, cfg), loss, norm
+def param_shapes(cfg):
+    """{name: shape} of the recipe's weights, in the order of its model files."""
+    return RECIPES[cfg.recipe].shapes(cfg)
 
+
+def init_params_numpy(cfg):
+    """The recipe's init from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    return RECIPES[cfg.recipe].init(cfg)
+
+
+def lr_at(it, cfg):
+    """The recipe's lr of 0-based iteration `it` (the one the step line prints)."""
+    return RECIPES[cfg.recipe].lr_at(it, cfg)
+
+
+def parse_args(argv=None):
+    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
+    named only here and as Config's field), and the model-shape flags given, which a model file's header
+    must then match (--model gives all three)."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    framework_flags(p)
+    p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
+                   RECIPES.items()) + f" (default {d.recipe})")
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
+                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
+                   f"{d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
+                   "with a --data glob)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
+                   + " (default d12)")
+    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's, or "
+                   "what --recipe sets)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
+                   "--model's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
+                   f"holds (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
+                   f"{d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
+                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
+                   f"it (default {d.total_batch_size})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
+                   "default batch)")
+    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
+                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
+                   "step's; the lr schedule still spans --steps (default 0: run every step)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
+                   "a recipe with several groups scales them all with it: see --recipe)")
+    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
+                   f"(default {d.lr_decay_frac})")
+    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
+                   f"embeddings only (default {d.weight_decay}; see --recipe)")
+    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
+                   f"(default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
+                   f"state stay fp32 (default {d.dtype})")
+    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
+                   f"(default {d.seed})")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
+                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
+                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
+                   "(default 0)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from, which gives the model "
+                   "shape: " + ", ".join(f"{r.file_kind} ({name})" for name, r in RECIPES.items()))
+    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
+                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
+    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
+                   f"never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
+                   f"0 = never (default {d.val_every})")
+    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
+                   "len sequences of the val shards, the same at any device count (default "
+                   f"{d.val_tokens})")
+    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
+    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
+                   f"step's too), 0 = never (default {d.hellaswag_every})")
+    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
+    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
+                   f"0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
+                   "--resume, then exit")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
+                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
+    given = vars(p.parse_args(argv))
+    preset = given.pop("model", None)
+    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
+    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
+    cfg = replace(d, **{**shape, **given})
+    cfg.block_size = cfg.seq_len
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
+                 "val_tokens"):
+        if getattr(cfg, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive")
+    if val_steps is not None:
+        if "val_tokens" in given or val_steps <= 0:
+            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
+                "given without --val-tokens")
+        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
+    if cfg.val_tokens < cfg.seq_len:
+        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
+                 "time_budget"):
+        if getattr(cfg, flag) < 0:
+            die(f"--{flag.replace('_', '-')} must be >= 0")
+    if not 0 < cfg.lr < math.inf:
+        die("--lr must be positive and finite")
+    if not 0 <= cfg.lr_decay_frac <= 1:
+        die("--lr-decay-frac must be in [0, 1]")
+    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
+        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
+    if cfg.zero_stage not in ZERO_STAGES:
+        stages = " or ".join(map(str, ZERO_STAGES))
+        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+    RECIPES[cfg.recipe].configure(cfg, given, shape)
+    if cfg.n_embd % cfg.n_head:
+        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    explicit = {k: given[k] for k in shape if k in given}
+    return cfg, ({**shape, **explicit} if preset else explicit)
+
+
+def apply_model_header(cfg, header, explicit):
+    """Takes the model shape from a model file's header; flags given explicitly must match it."""
+    for k in ("n_layer", "n_head", "n_embd"):
+        if k in explicit and explicit[k] != header[k]:
+            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
+            f"expected {VOCAB_SIZE}")
+    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
+        if cfg.seq_len > header["block_size"]:
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
+                f"{header['block_size']}")
+        cfg.block_size = header["block_size"]
+    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
+    cfg.padded_vocab_size = header["padded_vocab_size"]
 
 # -----------------------------------------------------------------------------
 # Data
@@ -1018,189 +1226,28 @@ def step_batches(loader, grad_accum):
     xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
     return np.stack(xs), np.stack(ys)
 
-
 # -----------------------------------------------------------------------------
 # Checkpoints
 
-MODEL_MAGIC = 20240326
-
-
-def write_model_file(path, params, cfg):
-    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
-    PARAM_NAMES order."""
-    header = np.zeros(256, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
-                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
-    shapes = param_shapes(cfg)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        for name in PARAM_NAMES:
-            t = np.asarray(params[name], dtype=np.float32)
-            assert t.shape == shapes[name], (name, t.shape, shapes[name])
-            f.write(t.astype("<f4").tobytes())
-    os.replace(tmp, path)
-
-
-def read_model_file(path):
-    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    if raw.size < 1024:
-        die(f"model file {path} is truncated: {raw.size} bytes")
-    h = raw[:1024].view("<i4")
-    if h[0] != MODEL_MAGIC:
-        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
-    if h[1] not in (3, 5):
-        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
-    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
-                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
-    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
-        die(f"model file {path} has an invalid header {header}")
-    shapes = param_shapes(Config(**header))
-    itemsize = 4 if h[1] == 3 else 2
-    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
-    if raw.size != expected:
-        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
-    params, offset = {}, 1024
-    for name in PARAM_NAMES:
-        n = math.prod(shapes[name])
-        chunk = raw[offset: offset + n * itemsize]
-        if itemsize == 4:
-            t = chunk.view("<f4").astype(np.float32)
-        else:
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        params[name] = t.reshape(shapes[name])
-        offset += n * itemsize
-    return header, params
-
-
-# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
-# bits of an fp32 one); they write F32
-SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-
-
-def write_safetensors(path, tensors):
-    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
-    {name: array}, in that order, written to a temporary name, then renamed."""
-    header, offset = {}, 0
-    for k, t in tensors.items():
-        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
-        offset += 4 * t.size
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(np.array(len(text), "<u8").tobytes() + text)
-        for t in tensors.values():
-            f.write(np.asarray(t, "<f4").tobytes())
-    os.replace(tmp, path)
-
-
-def read_safetensors(path):
-    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
-    within the file."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
-    if not 0 < n <= raw.size - 8:
-        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
-    try:
-        header = json.loads(raw[8:8 + n].tobytes())
-        header.pop("__metadata__", None)
-        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
-                   for k, e in header.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
-    data, tensors = raw[8 + n:], {}
-    for k, (dtype, shape, (lo, hi)) in entries.items():
-        if dtype not in SAFETENSORS_TYPES:
-            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
-        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
-        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
-        if not (fits and hi - lo == size * math.prod(shape)):
-            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
-                f"the file's {data.size} (truncated?)")
-        chunk = data[lo:hi]
-        if dtype == "BF16":
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        else:
-            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
-        tensors[k] = t.reshape(shape)
-    return tensors
-
-
-def write_speedrun_file(path, params, cfg):
-    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
-    included, so that the reference loads it as it is."""
-    tensors = {}
-    for k in param_shapes(cfg):
-        tensors[k] = np.asarray(params[k], np.float32)
-        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
-            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
-    write_safetensors(path, tensors)
-
-
-def read_speedrun_file(path):
-    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
-    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
-    be there in its shape, with no other."""
-    tensors = read_safetensors(path)
-    embed = tensors.get("embed.weight")
-    if embed is None or embed.ndim != 2:
-        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
-    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
-    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
-    padded, n_embd = embed.shape
-    if n_embd % HEAD_DIM or n_layer == 0:
-        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
-            f"{HEAD_DIM}, or it has no blocks")
-    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
-                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
-    shapes = param_shapes(Config(recipe="speedrun", **header))
-    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
-    expected = {**shapes, **freqs}
-    for k, shape in expected.items():
-        if k not in tensors:
-            die(f"model file {path} lacks tensor {k} {list(shape)}")
-        if tensors[k].shape != shape:
-            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
-    extra = [k for k in tensors if k not in expected]
-    if extra:
-        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
-    for i in range(n_layer):
-        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
-                           rtol=1e-6, atol=0):
-            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
-    return header, {k: tensors[k] for k in shapes}
-
-
-MODEL_FILES = {"gpt2": "model.bin", "speedrun": "model.safetensors"}  # a checkpoint's weights
-
-
 def read_weights(path, cfg):
-    """(header, params) of a model file of cfg.recipe: llm.c's (gpt2) or a safetensors file (speedrun); a
-    file of the other recipe gets one line that says which it is."""
+    """(header, params) of a model file of cfg.recipe; a file of another recipe gets one line that says
+    which it is."""
     if not os.path.isfile(path):
         die(f"model file {path} does not exist")
     with open(path, "rb") as f:
         head = f.read(9)
-    llmc = head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
-    if cfg.recipe == "speedrun" and llmc:
-        die(f"{path} is an llm.c model file, the gpt2 recipe's: --recipe speedrun takes a .safetensors file")
-    if cfg.recipe == "gpt2" and not llmc and head[8:9] == b"{":  # safetensors' JSON header
-        die(f"{path} is a safetensors file, the speedrun recipe's (--recipe speedrun): --recipe gpt2 takes "
-            "an llm.c model file (.bin)")
-    return read_speedrun_file(path) if cfg.recipe == "speedrun" else read_model_file(path)
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other is not recipe and other.is_file(head) and not recipe.is_file(head):
+            die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
+                f"takes {recipe.file_kind}")
+    return recipe.read_file(path)
 
 
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin or (speedrun) model.safetensors, state.npz} (docs/FORMATS.md),
-    written to a temporary name, then renamed. m holds every tensor's first moment (speedrun: AdamW's, or
-    Muon's momentum), v the AdamW tensors' second."""
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz} (docs/FORMATS.md), written to a temporary
+    name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
+    tensors' second."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
@@ -1214,8 +1261,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
                  config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
-        write = write_speedrun_file if cfg.recipe == "speedrun" else write_model_file
-        write(os.path.join(tmp, MODEL_FILES[cfg.recipe]), params, cfg)
+        recipe = RECIPES[cfg.recipe]
+        recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
         with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
@@ -1229,13 +1276,6 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     else:
         os.replace(tmp, final)
     return final
-
-
-def gather_state(tree):
-    """Whole host (numpy) copies of device arrays, whichever way they are split and over however many
-    processes, so that a checkpoint never depends on the stage or device count it was saved at. A
-    collective: every process must call it, in the same order."""
-    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def latest_checkpoint(out_dir):
@@ -1264,12 +1304,13 @@ def load_checkpoint(path, cfg):
             die(f"--resume auto: no checkpoint in {cfg.out_dir}")
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
-    for recipe, name in MODEL_FILES.items():
-        if recipe != cfg.recipe and os.path.isfile(os.path.join(path, name)):
-            die(f"--resume {path}: a checkpoint of the {recipe} recipe ({name}), not of --recipe "
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
+            die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
                 f"{cfg.recipe}")
-    header, params = read_weights(os.path.join(path, MODEL_FILES[cfg.recipe]), cfg)
-    muon = muon_names({k: p.shape for k, p in params.items()})
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg)
+    muon = recipe.muon_names({k: p.shape for k, p in params.items()})
     adam = [k for k in params if k not in muon]  # v: AdamW's second moments
     state_file = os.path.join(path, "state.npz")
     try:
@@ -1302,9 +1343,8 @@ def load_checkpoint(path, cfg):
                 "not float32")
     return header, params, m, v, state
 
-
 # -----------------------------------------------------------------------------
-# Evaluation
+# Evaluation and logging
 
 HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
 SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
@@ -1321,76 +1361,6 @@ def val_batches(cfg, loader):
         return counted
     return hellaswag.terminal_progress(counted, len(counted), "val")
 
-
-def counted_loss_sum(params, x, y, counted, cfg):
-    """The sum, over the first `counted` rows of a global batch x, y (B, T), of each row's mean token loss
-    (a scalar whole on every device, even when the batch's rows are split over processes)."""
-    rows = token_losses(params, x, y, cfg).mean(-1)                               # (B,)
-    return jnp.where(jnp.arange(rows.shape[0]) < counted, rows, 0.0).sum()
-
-
-def evaluate_val(loss_sum_jit, params, loader, cfg, put):
-    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
-    each time): every process reads its own rows of each global batch; rows of the last batch past those
-    sequences count for nothing, so that the same weights give the same loss at any device count."""
-    loader.reset()
-    total = 0.0
-    for counted in val_batches(cfg, loader):
-        x, y = loader.next_batch()                                                 # (B,T) each
-        total += float(loss_sum_jit(params, put(x), put(y), counted))
-    return total / (cfg.val_tokens // cfg.seq_len)
-
-
-def evaluate_hellaswag(losses_jit, params, cfg):
-    """(acc, acc_norm) through hellaswag.evaluate, which every process runs (its computations span all
-    devices) and process 0 alone reports. A row longer than the model's context keeps its last
-    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
-    never ending tokens unless an ending alone is longer than the context)."""
-    def row_losses(tokens):                                                        # (4, n+1) int64
-        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
-        n = x.shape[1]
-        crop = max(0, n - cfg.block_size)
-        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
-        xp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
-        yp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
-        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
-        losses = np.asarray(losses_jit(params, xp, yp))                           # (4, width)
-        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
-        out[:, crop:] = losses[:, :n - crop]
-        return out
-    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit, progress=jax.process_index() == 0)
-
-
-def generate(params, key, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int32 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant, and one fixed shape compiles once."""
-    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
-    rows = jnp.arange(SAMPLE_COUNT)                                                # (S,)
-
-    def sample_next(t, carry):                                                     # token t+1 from 0..t
-        tokens, key = carry
-        if cfg.recipe == "speedrun":
-            h = jax.lax.dynamic_index_in_dim(speedrun_transformer(params, tokens, cfg), t, axis=1,
-                                             keepdims=False)                      # (S,C)
-            logits = speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE],
-                                     params["proj.bias"][:VOCAB_SIZE])             # (S,V)
-        else:
-            h = jax.lax.dynamic_index_in_dim(transformer(params, tokens, cfg), t, axis=1,
-                                             keepdims=False)                      # (S,C)
-            logits = (h @ params["wte"][:VOCAB_SIZE].astype(h.dtype).T).astype(jnp.float32)  # (S,V)
-        top_logits, top_ids = jax.lax.top_k(logits, TOP_K)                        # (S,K) each
-        key, sub = jax.random.split(key)
-        choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
-        return tokens.at[:, t + 1].set(top_ids[rows, choice]), key
-
-    tokens, _ = jax.lax.fori_loop(0, T - 1, sample_next, (tokens, key))
-    return tokens
-
-
-# -----------------------------------------------------------------------------
-# Logging
 
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
     "H100 PCIe": (756e12, 378e12),
@@ -1415,42 +1385,6 @@ def peak_flops(device_name, dtype):
         if key in device_name:
             return bf16 if dtype == "bf16" else tf32
     return None
-
-
-def device_state_bytes(cfg, shapes, world):
-    """Bytes of training state that ONE device holds at cfg.zero_stage over `world` devices, for the
-    tensors of `shapes`: {"params": compute-dtype copies kept across steps, "grads": the fp32 gradient
-    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v, speedrun's Muon
-    momentum}. "params" counts
-    stage 1's bf16 copies only: at the other stages (and in fp32) the model's bf16 copies live only inside
-    a step. Split as state_layout splits them; a tensor without an axis the device count divides counts
-    whole."""
-    def held(shape, split, size=4):
-        axis = shard_axis(shape, world) if split else None
-        return size * math.prod(shape) // (world if axis is not None else 1)
-    copied, muon = copied_names(cfg), set(muon_names(shapes))
-    return {"params": sum(held(shapes[k], False, 2) for k in copied),
-            "grads": sum(held(s, cfg.zero_stage >= 1) for s in shapes.values()),
-            "masters": sum(held(s, cfg.zero_stage == 3 or k in copied) for k, s in shapes.items()),
-            "moments": sum((1 if k in muon else 2) * held(s, cfg.zero_stage >= 1) for k, s in shapes.items())}
-
-
-def format_state_bytes(cfg, held, world):
-    optimizers = "AdamW and Muon" if cfg.recipe == "speedrun" else "AdamW"
-    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | "
-            f"fp32 masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} "
-            f"MB (ZeRO stage {cfg.zero_stage} over {world} devices)")
-
-
-def log_event(out_dir, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md)."""
-    record["framework"] = FRAMEWORK
-    path = os.path.join(out_dir, "log.jsonl")
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
-        die(write_failure(path, e))
 
 
 def drop_partial_log_line(out_dir):
@@ -1528,6 +1462,175 @@ def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb
             f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
 
 
+PROFILE_STEPS = 3
+
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+# -----------------------------------------------------------------------------
+# JAX plumbing: devices, processes, ZeRO state and evaluation
+
+# ZeRO over the mesh's "data" axis, written as shardings only: the state arrays carry a NamedSharding,
+# jit's in/out shardings and a few with_sharding_constraint calls say where each value lives, and XLA
+# inserts the collectives: the gradients' reduce-scatter (on the CPU an all-reduce and a slice; XLA's GPU
+# passes fuse the two) and the weights' all-gather.
+
+def shard_axis(shape, world):
+    """The axis along which ZeRO splits a tensor of `shape` over `world` devices: the first whose size
+    `world` divides, so that any device count works (12 layers over 8 devices split the next axis
+    instead). None when no axis divides: that tensor stays whole on every device (device_state_bytes
+    counts it whole)."""
+    return next((i for i, n in enumerate(shape) if n % world == 0), None)
+
+
+def zero_spec(shape, world):
+    """PartitionSpec of a tensor split by ZeRO: "data" on its shard_axis, or replicated if it has none."""
+    axis = shard_axis(shape, world)
+    return PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "data")
+
+
+def copied_names(cfg):
+    """The tensors that stage 1 keeps bf16 copies of across steps (llm.c's ZeRO-1: the masters split, the
+    copies the model computes with whole): all but the embedding tables, and none in fp32, where the
+    model computes with the masters themselves."""
+    if cfg.zero_stage != 1 or cfg.dtype == "fp32":
+        return []
+    return [k for k in param_shapes(cfg) if k not in RECIPES[cfg.recipe].embeddings]
+
+
+def cast_copies(params, names, cfg):
+    """{name: params[name] in the compute dtype} for `names`: stage 1's copies, cast at start and by
+    every update."""
+    return {k: params[k].astype(compute_dtype(cfg)) for k in names}
+
+
+def state_layout(cfg, mesh):
+    """Where each piece of training state lives at cfg.zero_stage: {piece: {name: NamedSharding}} for
+    "masters" (fp32 weights), "grads" (a step's fp32 gradient sums), "moments" (m and v), "copies" (stage
+    1's bf16 weights, whole) and "weights" (the compute copies inside a step, whole: the devices split the
+    batch, not the model); "matrices": how Muon deals each shape's stack of matrices (None at stage 0)."""
+    # Stage 1 splits the masters that have copies (fp32 ones are what the model computes with). From stage
+    # 1 the gradient sums are split like the moments: XLA sums each micro-batch's gradient over the devices
+    # inside the accumulation loop anyway, and a reduce-scatter into a slice moves half the bytes of an
+    # all-reduce into a whole copy, so stage 1 also gets ZeRO-2's saving. Muon's matrices are dealt whole,
+    # each device orthogonalizing its own, as torchfunc's ZeRO-1 deals them: a matrix split along rows
+    # would have XLA sum partial products across devices (in bf16 with --dtype bf16).
+    replicated = NamedSharding(mesh, PartitionSpec())
+    split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
+    whole = {k: replicated for k in split}
+    copied = copied_names(cfg)
+    masters = {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split}
+    return {"masters": masters,
+            "grads": split if cfg.zero_stage >= 1 else whole,
+            "moments": split if cfg.zero_stage >= 1 else whole,
+            "copies": {k: replicated for k in copied},
+            "weights": whole,
+            "matrices": NamedSharding(mesh, PartitionSpec("data")) if cfg.zero_stage >= 1 else None}
+
+
+def gather_state(tree):
+    """Whole host (numpy) copies of device arrays, whichever way they are split and over however many
+    processes, so that a checkpoint never depends on the stage or device count it was saved at. A
+    collective: every process must call it, in the same order."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def counted_loss_sum(params, x, y, counted, cfg):
+    """The sum, over the first `counted` rows of a global batch x, y (B, T), of each row's mean token loss
+    (a scalar whole on every device, even when the batch's rows are split over processes)."""
+    rows = RECIPES[cfg.recipe].token_losses(params, x, y, cfg).mean(-1)           # (B,)
+    return jnp.where(jnp.arange(rows.shape[0]) < counted, rows, 0.0).sum()
+
+
+def evaluate_val(loss_sum_jit, params, loader, cfg, put):
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
+    each time): every process reads its own rows of each global batch; rows of the last batch past those
+    sequences count for nothing, so that the same weights give the same loss at any device count."""
+    loader.reset()
+    total = 0.0
+    for counted in val_batches(cfg, loader):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        total += float(loss_sum_jit(params, put(x), put(y), counted))
+    return total / (cfg.val_tokens // cfg.seq_len)
+
+
+def evaluate_hellaswag(losses_jit, params, cfg):
+    """(acc, acc_norm) through hellaswag.evaluate, which every process runs (its computations span all
+    devices) and process 0 alone reports. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):                                                        # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = np.asarray(losses_jit(params, xp, yp))                           # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
+        out[:, crop:] = losses[:, :n - crop]
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit, progress=jax.process_index() == 0)
+
+
+def generate(params, key, cfg):
+    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
+    (S, T) int32 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
+    mask makes the not-yet-sampled zeros to the right irrelevant, and one fixed shape compiles once."""
+    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
+    tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
+    rows = jnp.arange(SAMPLE_COUNT)                                                # (S,)
+
+    def sample_next(t, carry):                                                     # token t+1 from 0..t
+        tokens, key = carry
+        logits = RECIPES[cfg.recipe].next_logits(params, tokens, t, cfg)          # (S,V)
+        top_logits, top_ids = jax.lax.top_k(logits, TOP_K)                        # (S,K) each
+        key, sub = jax.random.split(key)
+        choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
+        return tokens.at[:, t + 1].set(top_ids[rows, choice]), key
+
+    tokens, _ = jax.lax.fori_loop(0, T - 1, sample_next, (tokens, key))
+    return tokens
+
+
+def device_state_bytes(cfg, shapes, world):
+    """Bytes of training state that ONE device holds at cfg.zero_stage over `world` devices, for the
+    tensors of `shapes`: {"params": compute-dtype copies kept across steps, "grads": the fp32 gradient
+    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v, speedrun's Muon
+    momentum}. "params" counts
+    stage 1's bf16 copies only: at the other stages (and in fp32) the model's bf16 copies live only inside
+    a step. Split as state_layout splits them; a tensor without an axis the device count divides counts
+    whole."""
+    def held(shape, split, size=4):
+        axis = shard_axis(shape, world) if split else None
+        return size * math.prod(shape) // (world if axis is not None else 1)
+    copied, muon = copied_names(cfg), set(RECIPES[cfg.recipe].muon_names(shapes))
+    return {"params": sum(held(shapes[k], False, 2) for k in copied),
+            "grads": sum(held(s, cfg.zero_stage >= 1) for s in shapes.values()),
+            "masters": sum(held(s, cfg.zero_stage == 3 or k in copied) for k, s in shapes.items()),
+            "moments": sum((1 if k in muon else 2) * held(s, cfg.zero_stage >= 1) for k, s in shapes.items())}
+
+
+def format_state_bytes(cfg, held, world):
+    optimizers = RECIPES[cfg.recipe].optimizers
+    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | "
+            f"fp32 masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} "
+            f"MB (ZeRO stage {cfg.zero_stage} over {world} devices)")
+
+
+def log_event(out_dir, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md)."""
+    record["framework"] = FRAMEWORK
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
+        die(write_failure(path, e))
+
+
 def peak_memory_gb(devices):
     """The largest peak of allocated bytes over the devices, in GB; None where the backend keeps no
     statistics (the CPU)."""
@@ -1535,17 +1638,6 @@ def peak_memory_gb(devices):
     if any(s is None or "peak_bytes_in_use" not in s for s in stats):
         return None
     return max(s["peak_bytes_in_use"] for s in stats) / 1e9
-
-
-
-# -----------------------------------------------------------------------------
-# Main
-
-PROFILE_STEPS = 3
-
-
-def due(every, step, steps):
-    return every > 0 and (step % every == 0 or step == steps)
 
 
 def resolve_attention(cfg, platform):
@@ -1757,14 +1849,17 @@ def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
                        out_shardings=state_shardings + (replicated, replicated))
     batch = (grad_accum, cfg.batch_size * step_batch.mesh.size, cfg.seq_len)
     batch_spec = jax.ShapeDtypeStruct(batch, jnp.int32, sharding=step_batch)      # (A,B,T)
-    scalar_spec = jax.ShapeDtypeStruct(adam_scalars(1, cfg).shape, jnp.float32, sharding=replicated)
+    scalar_spec = jax.ShapeDtypeStruct(RECIPES[cfg.recipe].scalars(1, cfg).shape, jnp.float32,
+                                       sharding=replicated)
     return step_jit.lower(*state, batch_spec, batch_spec, scalar_spec).compile()
 
+# -----------------------------------------------------------------------------
+# Main
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
-    if cfg.recipe == "speedrun" and cfg.scan_layers:
-        die("--scan-layers: the speedrun model's layers are separate tensors (no L axis) to scan over")
+    if cfg.scan_layers and not RECIPES[cfg.recipe].scan_layers:
+        die(f"--scan-layers: the {cfg.recipe} model's layers are separate tensors (no L axis) to scan over")
     init_processes(cfg)
     # the mesh lists each process's devices together, processes in order: the data axis then gives each
     # process one contiguous block of the global batch's rows, the block llm.c's rank `rank` of `ranks`
@@ -1787,7 +1882,7 @@ def main(argv=None):
     else:
         params = init_params_numpy(cfg)
     if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
-        muon = muon_names(param_shapes(cfg))
+        muon = RECIPES[cfg.recipe].muon_names(param_shapes(cfg))
         m = {k: np.zeros_like(p) for k, p in params.items()}
         v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
     if cfg.eval_only and not (cfg.resume or cfg.init_from):
@@ -1828,7 +1923,8 @@ def main(argv=None):
     copies = jax.jit(partial(cast_copies, names=list(layout["copies"]), cfg=cfg),
                      out_shardings=layout["copies"])(params)
     # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
-    model, table = ("speedrun GPT", "embed.weight") if cfg.recipe == "speedrun" else ("GPT-2", "wpe")
+    recipe = RECIPES[cfg.recipe]
+    model, table = recipe.model_name, recipe.table
     n_params = sum(p.size for k, p in params.items() if k != table)
     say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
         f"{table}) | {world} x {devices[0].device_kind} in {ranks} process(es) | {cfg.dtype} | "
@@ -1841,7 +1937,7 @@ def main(argv=None):
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
     with precision, out_of_memory_is_an_error(cfg), a_lost_process_is_an_error():
         val_loss_sum = jax.jit(partial(counted_loss_sum, cfg=cfg))
-        row_losses = jax.jit(partial(token_losses, cfg=cfg))
+        row_losses = jax.jit(partial(recipe.token_losses, cfg=cfg))
         put_eval = partial(put_rows, eval_batch)
 
         # every process runs every evaluation (their computations span all devices); one logs it
@@ -1891,7 +1987,7 @@ def main(argv=None):
             with jax.profiler.StepTraceAnnotation("train_step", step_num=step):
                 t0 = time.perf_counter()
                 x, y = step_batches(train_loader, grad_accum)               # (A,rows,T) each
-                scalars = place(adam_scalars(step, cfg), replicated)
+                scalars = place(recipe.scalars(step, cfg), replicated)
                 params, m, v, copies, loss, norm = compiled(params, m, v, copies,
                                                             put_rows(step_batch, x),
                                                             put_rows(step_batch, y), scalars)

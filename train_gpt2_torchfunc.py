@@ -1,12 +1,9 @@
 """train_gpt2_torchfunc.py: GPT-2 as pure functions in PyTorch (torch.func + torch.compile).
 
-The whole model is a pure function of a dict of tensors (llm.c's tensor names, per-layer weights stacked
-along a leading L axis, no nn.Module), gradients come from torch.func.grad_and_value, AdamW is written
-with multi-tensor torch._foreach_* ops (no torch.optim), and torch.compile compiles the gradient and the
-update (on by default with CUDA). Under torchrun: data parallel over processes with torch.distributed,
-gradients all-reduced once per step. Formats, flags and logs: docs/FORMATS.md. `--recipe speedrun` trains
-modded-nanogpt's simplified speedrun baseline instead (its model, AdamW and Muon; its tensors per layer,
-by the names of its state_dict, in .safetensors model files).
+The model is a pure function of a dict of tensors (llm.c's names, per-layer weights stacked along L, no
+nn.Module); gradients come from torch.func, AdamW from multi-tensor torch._foreach_* ops, and
+torch.compile compiles the gradient and the update (on by default with CUDA). Under torchrun it trains
+data parallel, ZeRO-1 with --zero-stage 1. Formats, flags and logs: docs/FORMATS.md.
 
     python train_gpt2_torchfunc.py --data data/fineweb_edu                   # GPT-2 124M, llm.c recipe
     python train_gpt2_torchfunc.py --recipe speedrun --data data/fineweb_edu # the speedrun baseline
@@ -14,6 +11,20 @@ by the names of its state_dict, in .safetensors model files).
         --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
     torchrun --standalone --nproc_per_node=8 train_gpt2_torchfunc.py --data data/fineweb_edu
     python train_gpt2_torchfunc.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
+
+Map: the file's sections, in order. Delete `Recipe: speedrun` and GPT-2 trains as before.
+    GPT-2: config                          Config, the Recipe row type, this trainer's own flags
+    GPT-2: model                           shapes, init, the forward and its loss, llm.c's model file
+    GPT-2: AdamW and the lr schedule       llm.c's cosine schedule, AdamW, clipping
+    GPT-2: training step                   micro-batch gradients, the step, GPT-2's row of RECIPES
+    Recipe: speedrun                       modded-nanogpt's baseline: model, Muon, model files, its row
+    Flags and recipe lookups               parse_args, and what the rest of the file asks of a recipe
+    Data                                   llm.c's token shards and the loader
+    Checkpoints                            writing, finding and reading checkpoints
+    Evaluation and logging                 validation batches, MFU, log.jsonl, the step line
+    Torch: processes, ZeRO-1 and failures  flat buffers, collectives, lost processes, out of memory
+    Torchfunc plumbing: state, evaluation and profiles   make_state, HellaSwag, samples, --profile
+    Main                                   the run, top to bottom
 """
 import argparse
 import atexit
@@ -29,6 +40,7 @@ import socket
 import time
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from tokenize import TokenError
 
@@ -42,7 +54,7 @@ import hellaswag
 FRAMEWORK = "torchfunc"  # "jax" | "triton-<backend>" in the siblings
 
 # -----------------------------------------------------------------------------
-# Config
+# GPT-2: config
 
 VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
 PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
@@ -106,16 +118,32 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-RECIPES = ("gpt2", "speedrun")
-# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
-# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
-# others with it.
-SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
-# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
-# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
-SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
-                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
-HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+@dataclass(frozen=True)
+class Recipe:
+    """A row of RECIPES: what --recipe NAME trains. The rest of the file looks a recipe up here, never by
+    its name; each recipe's section ends by adding its row."""
+    help: str             # --recipe's help text for it
+    defaults: dict        # its defaults over Config's
+    configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
+    shapes: Callable      # cfg -> {name: shape}, in the order of its model files
+    init: Callable        # cfg -> {name: fp32 numpy array}, from cfg.seed
+    lr_at: Callable       # (it, cfg) -> the lr of 0-based iteration it
+    muon_names: Callable  # shapes -> the names Muon updates (whole matrices); [] without Muon
+    model_file: str       # its weights' file in a checkpoint dir
+    file_kind: str        # what a message calls its model files
+    is_file: Callable     # the first 9 bytes of a file -> whether it is one of its model files
+    read_file: Callable   # path -> (header, {name: fp32 array})
+    write_file: Callable  # (path, params, cfg)
+    model_name: str       # the start line's name of the model
+    table: str            # the embedding that only gathers rows: no flops counted for it
+    optimizers: str       # the start line's name of the optimizers
+    # torchfunc's own
+    token_losses: Callable  # (params, x, y, cfg) -> per-token losses (B,T) fp32
+    summed: bool            # the step's gradient is of the summed token losses (else of their mean)
+    scalars: Callable       # (step, cfg, device) -> the update's host-computed scalars, a device tensor
+    update: Callable        # (params, grads, m, v, scalars, coef, copies, cfg), in place
+    embeddings: tuple       # tables kept fp32 in bf16 runs (gathered from, their gradients summed in fp32)
+    next_logits: Callable   # (params, tokens (S,T), t, cfg) -> the logits (S,V) of position t's next token
 
 
 ZERO_STAGES = (0, 1)
@@ -127,154 +155,8 @@ def framework_flags(p):
                    "evaluations (default 1 with CUDA, 0 on the CPU)")
     p.set_defaults(compile=int(torch.cuda.is_available()))
 
-
-def parse_args(argv=None):
-    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
-    named only here and as Config's field), and the model-shape flags given, which a model file's header
-    must then match (--model gives all three)."""
-    d = Config()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
-    p.error = die  # a bad flag gets one line naming it, not the whole usage text
-    framework_flags(p)
-    p.add_argument("--recipe", choices=RECIPES, help="gpt2: llm.c's GPT-2 and AdamW; speedrun: "
-                   "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied "
-                   f"soft-capped head, AdamW and Muon), {HEAD_DIM}-wide heads, and its defaults: "
-                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items())
-                   + f" (default {d.recipe})")
-    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
-                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
-                   f"{d.data})")
-    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
-                   "with a --data glob)")
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
-                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
-                   + " (default d12)")
-    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
-    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's; "
-                   f"speedrun: --n-embd / {HEAD_DIM})")
-    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
-                   "--model's)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
-                   f"holds (default {d.seq_len})")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
-                   f"{d.batch_size})")
-    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
-                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
-                   f"it (default {d.total_batch_size})")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
-                   "default batch)")
-    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
-                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
-                   "step's; the lr schedule still spans --steps (default 0: run every step)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
-                   "speedrun: Muon's, and the AdamW groups' in proportion: "
-                   + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + ")")
-    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
-                   f"(default {d.lr_decay_frac})")
-    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay}; speedrun: on every AdamW tensor)")
-    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
-                   f"(default {d.grad_clip})")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
-                   f"state stay fp32 (default {d.dtype})")
-    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
-                   f"(default {d.seed})")
-    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
-                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
-                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
-                   "(default 0)")
-    p.add_argument("--init-from", help="a model file to start from, which gives the model shape: llm.c's "
-                   ".bin (gpt2), or a .safetensors file of the reference's state_dict (speedrun)")
-    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
-    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
-                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
-    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
-    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
-                   f"never (default {d.ckpt_every})")
-    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
-                   f"0 = never (default {d.val_every})")
-    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
-                   "len sequences of the val shards, the same at any device count (default "
-                   f"{d.val_tokens})")
-    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
-    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
-                   f"step's too), 0 = never (default {d.hellaswag_every})")
-    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
-    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
-                   f"0 = never (default {d.sample_every})")
-    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
-                   "--resume, then exit")
-    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
-                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
-    given = vars(p.parse_args(argv))
-    preset = given.pop("model", None)
-    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
-    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
-    if given.get("recipe") == "speedrun":
-        d = replace(d, **SPEEDRUN_DEFAULTS)
-    cfg = replace(d, **{**shape, **given})
-    cfg.block_size = cfg.seq_len
-    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_tokens"):
-        if getattr(cfg, flag) <= 0:
-            die(f"--{flag.replace('_', '-')} must be positive")
-    if val_steps is not None:
-        if "val_tokens" in given or val_steps <= 0:
-            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
-                "given without --val-tokens")
-        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
-    if cfg.val_tokens < cfg.seq_len:
-        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
-    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
-                 "time_budget"):
-        if getattr(cfg, flag) < 0:
-            die(f"--{flag.replace('_', '-')} must be >= 0")
-    if not 0 < cfg.lr < math.inf:
-        die("--lr must be positive and finite")
-    if not 0 <= cfg.lr_decay_frac <= 1:
-        die("--lr-decay-frac must be in [0, 1]")
-    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
-        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
-    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
-        die("--seed must be in [0, 2**63)")
-    if cfg.zero_stage not in ZERO_STAGES:
-        stages = " or ".join(map(str, ZERO_STAGES))
-        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
-        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
-    if cfg.recipe == "speedrun":
-        if cfg.n_embd % HEAD_DIM:
-            die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
-                f"be a multiple of {HEAD_DIM}")
-        if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
-            die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
-                f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
-        cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
-    if cfg.n_embd % cfg.n_head:
-        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    explicit = {k: given[k] for k in shape if k in given}
-    return cfg, ({**shape, **explicit} if preset else explicit)
-
-
-def apply_model_header(cfg, header, explicit):
-    """Takes the model shape from a model file's header; flags given explicitly must match it."""
-    for k in ("n_layer", "n_head", "n_embd"):
-        if k in explicit and explicit[k] != header[k]:
-            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
-    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
-        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
-            f"expected {VOCAB_SIZE}")
-    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
-        if cfg.seq_len > header["block_size"]:
-            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
-                f"{header['block_size']}")
-        cfg.block_size = header["block_size"]
-    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
-    cfg.padded_vocab_size = header["padded_vocab_size"]
-
-
 # -----------------------------------------------------------------------------
-# Model
+# GPT-2: model
 
 # llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
 PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
@@ -283,10 +165,8 @@ PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c
 DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
 
 
-def param_shapes(cfg):
-    """{name: shape} of the recipe's weights, in the order of its model files."""
-    if cfg.recipe == "speedrun":
-        return speedrun_shapes(cfg)
+def gpt2_shapes(cfg):
+    """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
     L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
     return {
         "wte": (Vp, C), "wpe": (T, C),
@@ -300,14 +180,12 @@ def param_shapes(cfg):
     }
 
 
-def init_params_numpy(cfg):
-    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
-    from the same weights."""
-    if cfg.recipe == "speedrun":
-        return init_speedrun_numpy(cfg)
+def init_gpt2_numpy(cfg):
+    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same
+    weights."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in gpt2_shapes(cfg).items():
         if name.endswith(".b"):
             params[name] = np.zeros(shape, np.float32)
         elif name.startswith("ln"):
@@ -317,51 +195,6 @@ def init_params_numpy(cfg):
             params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
     params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
     return params
-
-
-def speedrun_shapes(cfg):
-    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
-    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
-    C, Vp = cfg.n_embd, cfg.padded_vocab_size
-    shapes = {"embed.weight": (Vp, C)}
-    for i in range(cfg.n_layer):
-        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
-            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
-        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
-        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
-        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
-    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
-    return shapes
-
-
-def muon_names(shapes):
-    """The weights Muon updates: every matrix inside the blocks (none in the gpt2 recipe, all AdamW's)."""
-    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
-
-
-def init_speedrun_numpy(cfg):
-    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
-    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
-    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith(".gains"):
-            params[name] = np.ones(shape, np.float32)
-        elif name.endswith(".bias") or "proj" in name:
-            params[name] = np.zeros(shape, np.float32)
-        else:
-            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
-            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
-    return params
-
-
-def rotary_freq_numpy(head_dim):
-    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
-    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
-    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
-    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
-    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
 # The model is a pure function of a dict of weights. With --dtype bf16 those are bf16 copies of the fp32
@@ -422,13 +255,346 @@ def transformer(params, idx, cfg):
 
 
 def forward(params, idx, cfg):
-    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows. The
-    speedrun model's: its own head's, soft-capped, in fp32."""
+    """Logits (B,T,Vp) of the lm head tied to wte; columns V..Vp-1 come from wte's padding rows."""
     with autocast(cfg, idx.device):
-        if cfg.recipe == "speedrun":
-            h = speedrun_transformer(params, idx, cfg)                             # (B,T,C)
-            return speedrun_logits(h, params["proj.weight"], params["proj.bias"])  # (B,T,Vp)
         return F.linear(transformer(params, idx, cfg), params["wte"])              # (B,T,Vp)
+
+
+def next_logits(params, tokens, t, cfg):
+    """The logits (S,V) of the token after position t of tokens (S,T), for sampling."""
+    with autocast(cfg, tokens.device):
+        h = transformer(params, tokens, cfg)[:, t]                                 # (S,C)
+        return F.linear(h, params["wte"][:VOCAB_SIZE]).float()                     # (S,V)
+
+
+class CrossEntropy(torch.autograd.Function):
+    """Per-token loss (...,) in fp32 of logits (..., Vp) over the first V columns only, and the
+    logsumexp it used. The backward is llm.c's fused classifier: dlogits = g * (softmax - onehot),
+    formed in one pass over the logits and written once in their dtype; autodiff of the forward would
+    instead scatter the target's gradient into a zero-filled (..., V) fp32 buffer."""
+
+    @staticmethod
+    def forward(logits, targets):
+        xf = logits[..., :VOCAB_SIZE].float()                                     # (..., V)
+        # max, then sum of exp(x - max): on a GPU Inductor merges the two into one online pass
+        m = xf.amax(dim=-1, keepdim=True)                                         # (..., 1)
+        lse = (m + (xf - m).exp().sum(dim=-1, keepdim=True).log())[..., 0]       # (...,)
+        target_logit = logits.gather(-1, targets[..., None])[..., 0].float()     # (...,)
+        return lse - target_logit, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, g, _):
+        logits, targets, lse = ctx.saved_tensors
+        col = torch.arange(logits.shape[-1], device=logits.device)                # (Vp,)
+        probs = (logits.float() - lse[..., None]).exp()                           # (..., Vp)
+        dlogits = torch.where(col == targets[..., None], probs - 1.0, probs) * g[..., None]  # (..., Vp)
+        # the padded columns get no gradient (their probability is zero: they are outside the softmax)
+        return torch.where(col < VOCAB_SIZE, dlogits, 0.0).to(logits.dtype), None
+
+
+def token_losses(params, x, y, cfg):
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
+    columns."""
+    return CrossEntropy.apply(forward(params, x, cfg), y)[0]                      # (B,T)
+
+
+MODEL_MAGIC = 20240326
+
+
+def write_model_file(path, params, cfg):
+    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
+    PARAM_NAMES order."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    shapes = param_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size < 1024:
+        die(f"model file {path} is truncated: {raw.size} bytes")
+    h = raw[:1024].view("<i4")
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = param_shapes(Config(**header))
+    itemsize = 4 if h[1] == 3 else 2
+    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
+    if raw.size != expected:
+        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
+    params, offset = {}, 1024
+    for name in PARAM_NAMES:
+        n = math.prod(shapes[name])
+        chunk = raw[offset: offset + n * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        params[name] = t.reshape(shapes[name])
+        offset += n * itemsize
+    return header, params
+
+
+def is_model_file(head):
+    """Whether a file's first bytes are those of an llm.c model file."""
+    return head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
+
+# -----------------------------------------------------------------------------
+# GPT-2: AdamW and the lr schedule
+
+def cosine_lr(it, cfg):
+    """llm.c's lr of 0-based iteration `it`: a linear warmup, then a cosine down to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
+
+
+def adam_scalars(step, cfg, device):
+    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
+    the compiled update as a device tensor, so a new lr never recompiles it."""
+    return torch.tensor([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
+                        dtype=torch.float32, device=device)
+
+
+EMBEDDINGS = ("wte", "wpe")  # no compute-dtype copies: gathered from in fp32 (the lm head casts wte)
+
+
+def compute_copies(params, cfg):
+    """{name: bf16 copy} of every master but the embedding tables with --dtype bf16; None in fp32."""
+    if cfg.dtype == "fp32":
+        return None
+    return {k: p.to(torch.bfloat16) for k, p in params.items() if k not in RECIPES[cfg.recipe].embeddings}
+
+
+def model_weights(params, copies):
+    """The tensors the model computes with: the masters, replaced by their copies where there are any."""
+    return params if copies is None else {**params, **copies}
+
+
+def global_norm(grads):
+    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
+    fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements.
+    Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs. grads:
+    {name: tensor}, all of them or (ZeRO-1) the pieces in this process's shard."""
+    norms = torch._foreach_norm(list(grads.values()), dtype=torch.float64)         # n x ()
+    return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
+
+
+def clip_coefficient(norm, cfg):
+    """min(1, grad_clip / (norm + 1e-6)) as a device tensor (1 when clipping is off): no host sync."""
+    if cfg.grad_clip > 0:
+        return torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)                 # ()
+    return torch.ones_like(norm)                                                   # ()
+
+
+def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
+    """llm.c's AdamW on every tensor, in place, with multi-tensor ops, on the gradients times coef (the
+    clipping); weight decay only on DECAY_NAMES. Refreshes the compute-dtype copies from the new
+    masters (compiled, in the same pass over the weights). The gradients are left as they are. The dicts
+    hold whole tensors, or (ZeRO-1) the 1-D pieces of them in this process's shard."""
+    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
+    names = list(grads)
+    p, g, m, v = ([d[k] for k in names] for d in (params, grads, m, v))
+    g = torch._foreach_mul(g, coef)
+    torch._foreach_mul_(m, ADAM_BETA1)
+    torch._foreach_add_(m, g, alpha=1.0 - ADAM_BETA1)                             # m = b1 m + (1-b1) g
+    torch._foreach_mul_(v, ADAM_BETA2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - ADAM_BETA2)                       # v = b2 v + (1-b2) g^2
+    denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
+    torch._foreach_add_(denom, ADAM_EPS)
+    update = torch._foreach_div(torch._foreach_div(m, bias1), denom)              # mhat/(sqrt(vhat)+eps)
+    decay = [i for i, k in enumerate(names) if k in DECAY_NAMES]
+    torch._foreach_add_([update[i] for i in decay], [p[i] for i in decay], alpha=cfg.weight_decay)
+    torch._foreach_mul_(update, lr)
+    torch._foreach_sub_(p, update)                                                 # p -= lr (... + wd p)
+    if copies is not None:
+        torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
+
+# -----------------------------------------------------------------------------
+# GPT-2: training step
+
+def grad_accum_steps(cfg, world):
+    tokens = cfg.batch_size * cfg.seq_len * world
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
+    return cfg.total_batch_size // tokens
+
+
+def loss_fn(params, x, y, cfg):
+    """The loss one batch contributes, fp32: the recipe's mean token loss, or its sum (Recipe.summed)."""
+    recipe = RECIPES[cfg.recipe]
+    losses = recipe.token_losses(params, x, y, cfg)                                # (B,T)
+    return losses.sum() if recipe.summed else losses.mean()
+
+
+def scaled_loss(weights, x, y, scale, cfg):
+    return loss_fn(weights, x, y, cfg) * scale
+
+
+def grads_and_loss(weights, x, y, scale, cfg):
+    """({name: gradient}, loss) of scale x the loss of one micro-batch (loss_fn's), by reverse mode through
+    torch.func: the weights stay plain tensors (no requires_grad, no .grad, no autograd graph kept
+    between calls), and each gradient comes back in its weight's dtype."""
+    return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
+
+
+GRADIENT = "gradient"  # the profiler's name for one grad_fn call
+
+
+def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
+    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
+    losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
+    processes by collectives over the flat gradient buffer), or (speedrun) of the sum of every token's loss,
+    clipped, then the update; grad_fn / update_fn are grads_and_loss / adamw_update or speedrun_update,
+    compiled or not; `state` is make_state's, updated in place. Returns (mean token loss, grad norm before
+    clipping) as 0-d device tensors: nothing here waits for the device."""
+    weights, grads = state["weights"], state["grads"]
+    names = list(grads)
+    A = x.shape[0]
+    summed = RECIPES[cfg.recipe].summed
+    scale = 1.0 if summed else 1.0 / (A * world)
+    with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
+        micro_grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
+    # fp32 sums in the flat buffer: a copy of each compute-dtype gradient
+    torch._foreach_copy_([grads[k] for k in names], [micro_grads[k] for k in names])
+    for i in range(1, A):
+        with torch.profiler.record_function(GRADIENT):
+            micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
+        torch._foreach_add_([grads[k] for k in names], [micro_grads[k] for k in names])
+        loss = loss + micro_loss                                                   # ()
+    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
+    # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
+    # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
+    # sums everything with one all-reduce, and a process's shard is the whole model.
+    sharded = cfg.zero_stage == 1 and world > 1
+    if world > 1:
+        dist.all_reduce(loss)
+    if world > 1 and not sharded:
+        dist.all_reduce(state["grad_buffer"])  # one collective for all 16 gradients
+    if sharded:
+        for group in state["groups"]:
+            first, end = group["span"]
+            dist.reduce_scatter_single(group["grads"], state["grad_buffer"][first:end])
+    norm = global_norm(state["shard_grads"])                                       # ()
+    if sharded:
+        squares = norm.double().square()                                           # ()
+        dist.all_reduce(squares)
+        norm = squares.sqrt().float()                                              # ()
+    update_fn(state["shard_params"], state["shard_grads"], state["m"], state["v"], scalars,
+              clip_coefficient(norm, cfg), state["shard_copies"], cfg)
+    if sharded:
+        for group in state["groups"]:
+            dist.all_gather_single(group["weights"], group["own_weights"])
+    return (loss / cfg.total_batch_size if summed else loss), norm
+
+
+RECIPES = {"gpt2": Recipe(
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
+    model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
+    read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
+    optimizers="AdamW",
+    token_losses=token_losses, summed=False, scalars=adam_scalars, update=adamw_update,
+    embeddings=EMBEDDINGS, next_logits=next_logits)}
+
+# -----------------------------------------------------------------------------
+# Recipe: speedrun
+
+# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
+# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
+# others with it.
+SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
+# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
+SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
+                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
+HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+
+
+def configure_speedrun(cfg, given, shape):
+    """The speedrun model's heads are HEAD_DIM wide: its width sets their count."""
+    if cfg.n_embd % HEAD_DIM:
+        die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+            f"be a multiple of {HEAD_DIM}")
+    if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+        die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+            f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+    cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
+
+
+def speedrun_shapes(cfg):
+    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
+    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
+    C, Vp = cfg.n_embd, cfg.padded_vocab_size
+    shapes = {"embed.weight": (Vp, C)}
+    for i in range(cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
+        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
+        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
+    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
+    return shapes
+
+
+def muon_names(shapes):
+    """The weights Muon updates: every matrix inside the blocks."""
+    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
+
+
+def init_speedrun_numpy(cfg):
+    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
+    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
+    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in speedrun_shapes(cfg).items():
+        if name.endswith(".gains"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or "proj" in name:
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
+            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
+    return params
+
+
+def rotary_freq_numpy(head_dim):
+    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
+    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
+    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
+    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
+    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
 # The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names, RMSNorm
@@ -489,89 +655,43 @@ def speedrun_logits(h, weight, bias):
     return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)                      # (..., V)
 
 
-class CrossEntropy(torch.autograd.Function):
-    """Per-token loss (...,) in fp32 of logits (..., Vp) over the first V columns only, and the
-    logsumexp it used. The backward is llm.c's fused classifier: dlogits = g * (softmax - onehot),
-    formed in one pass over the logits and written once in their dtype; autodiff of the forward would
-    instead scatter the target's gradient into a zero-filled (..., V) fp32 buffer."""
-
-    @staticmethod
-    def forward(logits, targets):
-        xf = logits[..., :VOCAB_SIZE].float()                                     # (..., V)
-        # max, then sum of exp(x - max): on a GPU Inductor merges the two into one online pass
-        m = xf.amax(dim=-1, keepdim=True)                                         # (..., 1)
-        lse = (m + (xf - m).exp().sum(dim=-1, keepdim=True).log())[..., 0]       # (...,)
-        target_logit = logits.gather(-1, targets[..., None])[..., 0].float()     # (...,)
-        return lse - target_logit, lse
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], inputs[1], output[1])
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
-    def backward(ctx, g, _):
-        logits, targets, lse = ctx.saved_tensors
-        col = torch.arange(logits.shape[-1], device=logits.device)                # (Vp,)
-        probs = (logits.float() - lse[..., None]).exp()                           # (..., Vp)
-        dlogits = torch.where(col == targets[..., None], probs - 1.0, probs) * g[..., None]  # (..., Vp)
-        # the padded columns get no gradient (their probability is zero: they are outside the softmax)
-        return torch.where(col < VOCAB_SIZE, dlogits, 0.0).to(logits.dtype), None
+def speedrun_forward(params, idx, cfg):
+    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32."""
+    with autocast(cfg, idx.device):
+        h = speedrun_transformer(params, idx, cfg)                                 # (B,T,C)
+        return speedrun_logits(h, params["proj.weight"], params["proj.bias"])      # (B,T,Vp)
 
 
-def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T): over the first V
-    columns, or (speedrun, as the reference's) over all Vp."""
-    if cfg.recipe == "speedrun":
-        logits = forward(params, x, cfg)                                           # (B,T,Vp)
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B,T)
-    return CrossEntropy.apply(forward(params, x, cfg), y)[0]                      # (B,T)
+def speedrun_next_logits(params, tokens, t, cfg):
+    """The logits (S,V) of the token after position t of tokens (S,T), for sampling."""
+    with autocast(cfg, tokens.device):
+        h = speedrun_transformer(params, tokens, cfg)[:, t]                        # (S,C)
+        return speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE], params["proj.bias"][:VOCAB_SIZE])
 
 
-def loss_fn(params, x, y, cfg):
-    """The loss one batch contributes, fp32: the mean token loss, or (speedrun) the sum, whose gradient the
-    reference's optimizers take, so that Adam's eps acts at its scale."""
-    losses = token_losses(params, x, y, cfg)                                       # (B,T)
-    return losses.sum() if cfg.recipe == "speedrun" else losses.mean()
+def speedrun_token_losses(params, x, y, cfg):
+    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns."""
+    logits = speedrun_forward(params, x, cfg)                                      # (B,T,Vp)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B,T)
 
-
-def scaled_loss(weights, x, y, scale, cfg):
-    return loss_fn(weights, x, y, cfg) * scale
-
-
-def grads_and_loss(weights, x, y, scale, cfg):
-    """({name: gradient}, loss) of scale x the loss of one micro-batch (loss_fn's), by reverse mode through
-    torch.func: the weights stay plain tensors (no requires_grad, no .grad, no autograd graph kept
-    between calls), and each gradient comes back in its weight's dtype."""
-    return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
-
-
-# -----------------------------------------------------------------------------
-# Optimizer
 
 SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
 
 
-def lr_at(it, cfg):
-    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
-    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
-    `steps`: eta = (1 - it/steps) / 0.7."""
+def speedrun_lr(it, cfg):
+    """The reference's lr of 0-based iteration `it` (after a warmup, if one is given): lr until 30% of the
+    steps, then a linear fall toward lr*lr_decay_frac at step `steps`: eta = (1 - it/steps) / 0.7."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
-    if cfg.recipe == "speedrun":
-        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
-        return min_lr + eta * (cfg.lr - min_lr)
-    if it > cfg.steps:
-        return min_lr
-    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+    eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+    return min_lr + eta * (cfg.lr - min_lr)
 
 
 def speedrun_lrs(it, cfg):
     """{group: lr} of 0-based iteration `it` for the speedrun recipe's groups (SPEEDRUN_LRS): Muon's is
-    lr_at's, the AdamW groups' keep their ratios to it."""
-    scale = lr_at(it, cfg) / SPEEDRUN_LRS["muon"]
+    speedrun_lr's, the AdamW groups' keep their ratios to it."""
+    scale = speedrun_lr(it, cfg) / SPEEDRUN_LRS["muon"]
     return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
 
 
@@ -580,84 +700,14 @@ def adamw_group(name):
     return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
 
 
-def grad_accum_steps(cfg, world):
-    tokens = cfg.batch_size * cfg.seq_len * world
-    if cfg.total_batch_size % tokens:
-        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
-            f"x devices = {tokens}")
-    return cfg.total_batch_size // tokens
-
-
-ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
 MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
 
 
-def adam_scalars(step, cfg, device):
-    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled update as a device tensor, so a new lr never recompiles it; with the speedrun recipe
-    [lr of each SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t]."""
-    if cfg.recipe == "speedrun":
-        return torch.tensor([*speedrun_lrs(step - 1, cfg).values(), 1.0 - SPEEDRUN_BETA1 ** step,
-                             1.0 - SPEEDRUN_BETA2 ** step], dtype=torch.float32, device=device)
-    return torch.tensor([lr_at(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
-                        dtype=torch.float32, device=device)
-
-
-EMBEDDINGS = ("wte", "wpe")  # no compute-dtype copies: gathered from in fp32 (the lm head casts wte)
-TABLES = EMBEDDINGS + ("embed.weight",)  # those of either recipe
-
-
-def compute_copies(params, cfg):
-    """{name: bf16 copy} of every master but the embedding tables with --dtype bf16; None in fp32."""
-    if cfg.dtype == "fp32":
-        return None
-    return {k: p.to(torch.bfloat16) for k, p in params.items() if k not in TABLES}
-
-
-def model_weights(params, copies):
-    """The tensors the model computes with: the masters, replaced by their copies where there are any."""
-    return params if copies is None else {**params, **copies}
-
-
-def global_norm(grads):
-    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
-    fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements.
-    Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs. grads:
-    {name: tensor}, all of them or (ZeRO-1) the pieces in this process's shard."""
-    norms = torch._foreach_norm(list(grads.values()), dtype=torch.float64)         # n x ()
-    return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
-
-
-def clip_coefficient(norm, cfg):
-    """min(1, grad_clip / (norm + 1e-6)) as a device tensor (1 when clipping is off): no host sync."""
-    if cfg.grad_clip > 0:
-        return torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)                 # ()
-    return torch.ones_like(norm)                                                   # ()
-
-
-def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
-    """llm.c's AdamW on every tensor, in place, with multi-tensor ops, on the gradients times coef (the
-    clipping); weight decay only on DECAY_NAMES. Refreshes the compute-dtype copies from the new
-    masters (compiled, in the same pass over the weights). The gradients are left as they are. The dicts
-    hold whole tensors, or (ZeRO-1) the 1-D pieces of them in this process's shard."""
-    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    names = list(grads)
-    p, g, m, v = ([d[k] for k in names] for d in (params, grads, m, v))
-    g = torch._foreach_mul(g, coef)
-    torch._foreach_mul_(m, ADAM_BETA1)
-    torch._foreach_add_(m, g, alpha=1.0 - ADAM_BETA1)                             # m = b1 m + (1-b1) g
-    torch._foreach_mul_(v, ADAM_BETA2)
-    torch._foreach_addcmul_(v, g, g, value=1.0 - ADAM_BETA2)                       # v = b2 v + (1-b2) g^2
-    denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
-    torch._foreach_add_(denom, ADAM_EPS)
-    update = torch._foreach_div(torch._foreach_div(m, bias1), denom)              # mhat/(sqrt(vhat)+eps)
-    decay = [i for i, k in enumerate(names) if k in DECAY_NAMES]
-    torch._foreach_add_([update[i] for i in decay], [p[i] for i in decay], alpha=cfg.weight_decay)
-    torch._foreach_mul_(update, lr)
-    torch._foreach_sub_(p, update)                                                 # p -= lr (... + wd p)
-    if copies is not None:
-        torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
+def speedrun_scalars(step, cfg, device):
+    """[lr of each SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t] for 1-based step t (adam_scalars')."""
+    return torch.tensor([*speedrun_lrs(step - 1, cfg).values(), 1.0 - SPEEDRUN_BETA1 ** step,
+                         1.0 - SPEEDRUN_BETA2 ** step], dtype=torch.float32, device=device)
 
 
 def newton_schulz(G, dtype):
@@ -725,205 +775,276 @@ def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
 
-FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
+# bits of an fp32 one); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
-def compute_groups(cfg):
-    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
-    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): with --dtype
-    bf16 the fp32 embedding tables, then the bf16 copies of the rest; in fp32 all of them. The speedrun
-    recipe's Muon matrices, which a process updates whole, are a last group of their own."""
-    shapes = param_shapes(cfg)
-    muon = muon_names(shapes)
-    names = [k for k in shapes if k not in muon]
-    if cfg.dtype == "fp32":
-        groups = [(names, torch.float32)]
-    else:
-        groups = [([k for k in names if k in TABLES], torch.float32),
-                  ([k for k in names if k not in TABLES], torch.bfloat16)]
-    return groups + ([(muon, compute_dtype(cfg))] if muon else [])
+def write_safetensors(path, tensors):
+    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
+    {name: array}, in that order, written to a temporary name, then renamed."""
+    header, offset = {}, 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
+        offset += 4 * t.size
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(np.array(len(text), "<u8").tobytes() + text)
+        for t in tensors.values():
+            f.write(np.asarray(t, "<f4").tobytes())
+    os.replace(tmp, path)
 
 
-def flat_layout(shapes, groups, world):
-    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
-    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
-    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
-    stays zero)."""
-    starts, spans, size = {}, [], 0
-    unit = FLAT_ALIGN * world
-    for names, _ in groups:
-        first = size
-        for k in names:
-            starts[k] = size
-            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
-        size = first + -(-(size - first) // unit) * unit
-        spans.append((first, size))
-    return starts, spans
+def read_safetensors(path):
+    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
+    within the file."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+    if not 0 < n <= raw.size - 8:
+        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
+    try:
+        header = json.loads(raw[8:8 + n].tobytes())
+        header.pop("__metadata__", None)
+        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
+                   for k, e in header.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
+    data, tensors = raw[8 + n:], {}
+    for k, (dtype, shape, (lo, hi)) in entries.items():
+        if dtype not in SAFETENSORS_TYPES:
+            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
+        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
+        if not (fits and hi - lo == size * math.prod(shape)):
+            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
+                f"the file's {data.size} (truncated?)")
+        chunk = data[lo:hi]
+        if dtype == "BF16":
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
+        tensors[k] = t.reshape(shape)
+    return tensors
 
 
-def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
-    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
-    element `first` of the layout."""
-    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
-            for k in names}
+def is_safetensors_file(head):
+    """Whether a file's first 9 bytes are those of a safetensors file (a JSON header after its length)."""
+    return head[8:9] == b"{"
 
 
-def whole_matrix_layout(shapes, names, world, first):
-    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
-    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
-    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
-    group (shard_ranges) holds its matrices whole."""
-    order = sorted(names, key=lambda k: shapes[k], reverse=True)
-    ends, local = [0] * world, {}
-    for i, k in enumerate(order):
-        local[k] = (i % world, ends[i % world])
-        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
-    stretch = max(ends)
-    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
+def write_speedrun_file(path, params, cfg):
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
+    included, so that the reference loads it as it is."""
+    tensors = {}
+    for k in param_shapes(cfg):
+        tensors[k] = np.asarray(params[k], np.float32)
+        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
+            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
+    write_safetensors(path, tensors)
 
 
-def state_layout(cfg, shapes, world):
-    """(groups, {name: first element}, [(first, end) of each group]): compute_groups' groups in the flat
-    buffers, laid out by flat_layout, and Muon's matrices by whole_matrix_layout after them."""
-    groups = compute_groups(cfg)
-    muon = set(muon_names(shapes))
-    split = [g for g in groups if not muon.intersection(g[0])]
-    starts, spans = flat_layout(shapes, split, world)
-    if len(split) < len(groups):
-        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
-        starts.update(more)
-        spans.append(span)
-    return groups, starts, spans
+def read_speedrun_file(path):
+    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
+    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
+    be there in its shape, with no other."""
+    tensors = read_safetensors(path)
+    embed = tensors.get("embed.weight")
+    if embed is None or embed.ndim != 2:
+        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
+    padded, n_embd = embed.shape
+    if n_embd % HEAD_DIM or n_layer == 0:
+        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+            f"{HEAD_DIM}, or it has no blocks")
+    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+    shapes = speedrun_shapes(Config(**header))
+    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+    expected = {**shapes, **freqs}
+    for k, shape in expected.items():
+        if k not in tensors:
+            die(f"model file {path} lacks tensor {k} {list(shape)}")
+        if tensors[k].shape != shape:
+            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
+    extra = [k for k in tensors if k not in expected]
+    if extra:
+        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
+    for i in range(n_layer):
+        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
+                           rtol=1e-6, atol=0):
+            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
+    return header, {k: tensors[k] for k in shapes}
 
 
-def shard_ranges(starts, shapes, span, rank, world):
-    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
-    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
-    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
-    n = (span[1] - span[0]) // world
-    first, ranges = span[0] + rank * n, {}
-    for k in starts:
-        if not span[0] <= starts[k] < span[1]:
-            continue
-        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
-        if lo < hi:
-            ranges[k] = (lo, hi)
-    return ranges
+RECIPES["speedrun"] = Recipe(
+    help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
+    f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
+    "scales the AdamW groups' in proportion ("
+    + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + "), --weight-decay is on every AdamW "
+    "tensor, and its defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()),
+    defaults=SPEEDRUN_DEFAULTS, configure=configure_speedrun, shapes=speedrun_shapes,
+    init=init_speedrun_numpy, lr_at=speedrun_lr, muon_names=muon_names, model_file="model.safetensors",
+    file_kind="a safetensors file of the reference's state_dict (.safetensors)",
+    is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
+    model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars, update=speedrun_update,
+    embeddings=("embed.weight",), next_logits=speedrun_next_logits)
+
+# -----------------------------------------------------------------------------
+# Flags and recipe lookups
+
+def param_shapes(cfg):
+    """{name: shape} of the recipe's weights, in the order of its model files."""
+    return RECIPES[cfg.recipe].shapes(cfg)
 
 
-GRADIENT = "gradient"  # the profiler's name for one grad_fn call
+def init_params_numpy(cfg):
+    """The recipe's init from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    return RECIPES[cfg.recipe].init(cfg)
 
 
-def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
-    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
-    losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
-    processes by collectives over the flat gradient buffer), or (speedrun) of the sum of every token's loss,
-    clipped, then the update; grad_fn / update_fn are grads_and_loss / adamw_update or speedrun_update,
-    compiled or not; `state` is make_state's, updated in place. Returns (mean token loss, grad norm before
-    clipping) as 0-d device tensors: nothing here waits for the device."""
-    weights, grads = state["weights"], state["grads"]
-    names = list(grads)
-    A = x.shape[0]
-    summed = cfg.recipe == "speedrun"
-    scale = 1.0 if summed else 1.0 / (A * world)
-    with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
-        micro_grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
-    # fp32 sums in the flat buffer: a copy of each compute-dtype gradient
-    torch._foreach_copy_([grads[k] for k in names], [micro_grads[k] for k in names])
-    for i in range(1, A):
-        with torch.profiler.record_function(GRADIENT):
-            micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
-        torch._foreach_add_([grads[k] for k in names], [micro_grads[k] for k in names])
-        loss = loss + micro_loss                                                   # ()
-    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
-    # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
-    # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
-    # sums everything with one all-reduce, and a process's shard is the whole model.
-    sharded = cfg.zero_stage == 1 and world > 1
-    if world > 1:
-        dist.all_reduce(loss)
-    if world > 1 and not sharded:
-        dist.all_reduce(state["grad_buffer"])  # one collective for all 16 gradients
-    if sharded:
-        for group in state["groups"]:
-            first, end = group["span"]
-            dist.reduce_scatter_single(group["grads"], state["grad_buffer"][first:end])
-    norm = global_norm(state["shard_grads"])                                       # ()
-    if sharded:
-        squares = norm.double().square()                                           # ()
-        dist.all_reduce(squares)
-        norm = squares.sqrt().float()                                              # ()
-    update_fn(state["shard_params"], state["shard_grads"], state["m"], state["v"], scalars,
-              clip_coefficient(norm, cfg), state["shard_copies"], cfg)
-    if sharded:
-        for group in state["groups"]:
-            dist.all_gather_single(group["weights"], group["own_weights"])
-    return (loss / cfg.total_batch_size if summed else loss), norm
+def lr_at(it, cfg):
+    """The recipe's lr of 0-based iteration `it` (the one the step line prints)."""
+    return RECIPES[cfg.recipe].lr_at(it, cfg)
 
 
-def make_state(params, m, v, cfg, device, rank, world):
-    """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
-    `grads` (views of one flat buffer, `grad_buffer`) and all of the `weights` the model computes with
-    (compute_groups: the fp32 masters, or bf16 copies of them). Stage 0: it also holds all of the fp32
-    masters `params`, their bf16 `copies` and AdamW's moments `m`, `v` (speedrun: v of the AdamW tensors
-    only, m also Muon's momentum), sums the gradients with one all-reduce and updates every weight. Stage
-    1 (ZeRO-1): per compute group (`groups`), it keeps only its shard, 1/world of the group's stretch of
-    the flat layout (state_layout: Muon's holds whole matrices), of the fp32 masters (a piece of the
-    weights themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered into
-    it); it updates that shard of the masters and of the weights (`own_weights`), and one all-gather of the
-    group's weights brings every process every update. `shard_params`, `shard_grads`, `shard_copies`, m
-    and v are then {name: 1-D piece} of the tensors in the shard (Muon's matrices in their shapes); at
-    stage 0 they are the whole tensors (`params`, `grads`, `copies`, m, v), what train_step updates either
-    way."""
-    shapes = param_shapes(cfg)
-    groups, starts, spans = state_layout(cfg, shapes, world)
-    muon = set(muon_names(shapes))
-    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
-    if cfg.zero_stage == 0:  # this process's shard is the whole model
-        state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
-        state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
-        state["weights"] = model_weights(state["params"], state["copies"])
-        state.update(shard_params=state["params"], shard_grads=state["grads"], shard_copies=state["copies"])
-        return state
-    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
-    for (names, dtype), (first, end) in zip(groups, spans):
-        n = (end - first) // world
-        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
-        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
-        views = flat_views(group["weights"], starts, shapes, names, first)
-        for k in names:
-            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        state["weights"].update(views)
-        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
-        # fp32 weights are their own masters; bf16 ones get an fp32 shard
-        group["params"] = (group["own_weights"] if dtype == torch.float32 else
-                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
-        # one process alone reduces into its gradient buffer itself
-        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
-                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
-        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
-        for name in sources:
-            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
-        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
-            sources["params"] = params
-        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        for name, source in sources.items():
-            for k, (lo, hi) in ranges.items():
-                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
-                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
-        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
-        if dtype != torch.float32:
-            pieces["own_weights"] = "shard_copies"
-        for k, (lo, hi) in ranges.items():
-            for name, into in pieces.items():
-                if name in group:
-                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
-                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
-        state["groups"].append(group)
-    state["shard_copies"] = state["shard_copies"] or None
-    return state
+def parse_args(argv=None):
+    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
+    named only here and as Config's field), and the model-shape flags given, which a model file's header
+    must then match (--model gives all three)."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    framework_flags(p)
+    p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
+                   RECIPES.items()) + f" (default {d.recipe})")
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
+                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
+                   f"{d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
+                   "with a --data glob)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
+                   + " (default d12)")
+    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's, or "
+                   "what --recipe sets)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
+                   "--model's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
+                   f"holds (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
+                   f"{d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
+                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
+                   f"it (default {d.total_batch_size})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
+                   "default batch)")
+    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
+                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
+                   "step's; the lr schedule still spans --steps (default 0: run every step)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
+                   "a recipe with several groups scales them all with it: see --recipe)")
+    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
+                   f"(default {d.lr_decay_frac})")
+    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
+                   f"embeddings only (default {d.weight_decay}; see --recipe)")
+    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
+                   f"(default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
+                   f"state stay fp32 (default {d.dtype})")
+    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
+                   f"(default {d.seed})")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
+                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
+                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
+                   "(default 0)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from, which gives the model "
+                   "shape: " + ", ".join(f"{r.file_kind} ({name})" for name, r in RECIPES.items()))
+    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
+                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
+    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
+                   f"never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
+                   f"0 = never (default {d.val_every})")
+    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
+                   "len sequences of the val shards, the same at any device count (default "
+                   f"{d.val_tokens})")
+    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
+    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
+                   f"step's too), 0 = never (default {d.hellaswag_every})")
+    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
+    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
+                   f"0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
+                   "--resume, then exit")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
+                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
+    given = vars(p.parse_args(argv))
+    preset = given.pop("model", None)
+    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
+    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
+    cfg = replace(d, **{**shape, **given})
+    cfg.block_size = cfg.seq_len
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
+                 "val_tokens"):
+        if getattr(cfg, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive")
+    if val_steps is not None:
+        if "val_tokens" in given or val_steps <= 0:
+            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
+                "given without --val-tokens")
+        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
+    if cfg.val_tokens < cfg.seq_len:
+        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
+                 "time_budget"):
+        if getattr(cfg, flag) < 0:
+            die(f"--{flag.replace('_', '-')} must be >= 0")
+    if not 0 < cfg.lr < math.inf:
+        die("--lr must be positive and finite")
+    if not 0 <= cfg.lr_decay_frac <= 1:
+        die("--lr-decay-frac must be in [0, 1]")
+    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
+        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
+    if cfg.zero_stage not in ZERO_STAGES:
+        stages = " or ".join(map(str, ZERO_STAGES))
+        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+    RECIPES[cfg.recipe].configure(cfg, given, shape)
+    if cfg.n_embd % cfg.n_head:
+        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    explicit = {k: given[k] for k in shape if k in given}
+    return cfg, ({**shape, **explicit} if preset else explicit)
 
+
+def apply_model_header(cfg, header, explicit):
+    """Takes the model shape from a model file's header; flags given explicitly must match it."""
+    for k in ("n_layer", "n_head", "n_embd"):
+        if k in explicit and explicit[k] != header[k]:
+            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
+            f"expected {VOCAB_SIZE}")
+    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
+        if cfg.seq_len > header["block_size"]:
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
+                f"{header['block_size']}")
+        cfg.block_size = header["block_size"]
+    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
+    cfg.padded_vocab_size = header["padded_vocab_size"]
 
 # -----------------------------------------------------------------------------
 # Data
@@ -1033,196 +1154,28 @@ def step_batches(loader, grad_accum):
     xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
     return np.stack(xs), np.stack(ys)
 
-
-def put_batch(x, device):
-    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
-    host can queue the step while the GPU is still busy."""
-    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 # -----------------------------------------------------------------------------
 # Checkpoints
 
-MODEL_MAGIC = 20240326
-
-
-def write_model_file(path, params, cfg):
-    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
-    PARAM_NAMES order."""
-    header = np.zeros(256, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
-                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
-    shapes = param_shapes(cfg)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        for name in PARAM_NAMES:
-            t = np.asarray(params[name], dtype=np.float32)
-            assert t.shape == shapes[name], (name, t.shape, shapes[name])
-            f.write(t.astype("<f4").tobytes())
-    os.replace(tmp, path)
-
-
-def read_model_file(path):
-    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    if raw.size < 1024:
-        die(f"model file {path} is truncated: {raw.size} bytes")
-    h = raw[:1024].view("<i4")
-    if h[0] != MODEL_MAGIC:
-        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
-    if h[1] not in (3, 5):
-        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
-    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
-                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
-    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
-        die(f"model file {path} has an invalid header {header}")
-    shapes = param_shapes(Config(**header))
-    itemsize = 4 if h[1] == 3 else 2
-    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
-    if raw.size != expected:
-        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
-    params, offset = {}, 1024
-    for name in PARAM_NAMES:
-        n = math.prod(shapes[name])
-        chunk = raw[offset: offset + n * itemsize]
-        if itemsize == 4:
-            t = chunk.view("<f4").astype(np.float32)
-        else:
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        params[name] = t.reshape(shapes[name])
-        offset += n * itemsize
-    return header, params
-
-
-# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
-# bits of an fp32 one); they write F32
-SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-
-
-def write_safetensors(path, tensors):
-    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
-    {name: array}, in that order, written to a temporary name, then renamed."""
-    header, offset = {}, 0
-    for k, t in tensors.items():
-        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
-        offset += 4 * t.size
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(np.array(len(text), "<u8").tobytes() + text)
-        for t in tensors.values():
-            f.write(np.asarray(t, "<f4").tobytes())
-    os.replace(tmp, path)
-
-
-def read_safetensors(path):
-    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
-    within the file."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
-    if not 0 < n <= raw.size - 8:
-        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
-    try:
-        header = json.loads(raw[8:8 + n].tobytes())
-        header.pop("__metadata__", None)
-        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
-                   for k, e in header.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
-    data, tensors = raw[8 + n:], {}
-    for k, (dtype, shape, (lo, hi)) in entries.items():
-        if dtype not in SAFETENSORS_TYPES:
-            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
-        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
-        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
-        if not (fits and hi - lo == size * math.prod(shape)):
-            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
-                f"the file's {data.size} (truncated?)")
-        chunk = data[lo:hi]
-        if dtype == "BF16":
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        else:
-            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
-        tensors[k] = t.reshape(shape)
-    return tensors
-
-
-def write_speedrun_file(path, params, cfg):
-    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
-    included, so that the reference loads it as it is."""
-    tensors = {}
-    for k in param_shapes(cfg):
-        tensors[k] = np.asarray(params[k], np.float32)
-        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
-            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
-    write_safetensors(path, tensors)
-
-
-def read_speedrun_file(path):
-    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
-    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
-    be there in its shape, with no other."""
-    tensors = read_safetensors(path)
-    embed = tensors.get("embed.weight")
-    if embed is None or embed.ndim != 2:
-        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
-    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
-    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
-    padded, n_embd = embed.shape
-    if n_embd % HEAD_DIM or n_layer == 0:
-        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
-            f"{HEAD_DIM}, or it has no blocks")
-    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
-                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
-    shapes = param_shapes(Config(recipe="speedrun", **header))
-    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
-    expected = {**shapes, **freqs}
-    for k, shape in expected.items():
-        if k not in tensors:
-            die(f"model file {path} lacks tensor {k} {list(shape)}")
-        if tensors[k].shape != shape:
-            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
-    extra = [k for k in tensors if k not in expected]
-    if extra:
-        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
-    for i in range(n_layer):
-        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
-                           rtol=1e-6, atol=0):
-            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
-    return header, {k: tensors[k] for k in shapes}
-
-
-MODEL_FILES = {"gpt2": "model.bin", "speedrun": "model.safetensors"}  # a checkpoint's weights
-
-
 def read_weights(path, cfg):
-    """(header, params) of a model file of cfg.recipe: llm.c's (gpt2) or a safetensors file (speedrun); a
-    file of the other recipe gets one line that says which it is."""
+    """(header, params) of a model file of cfg.recipe; a file of another recipe gets one line that says
+    which it is."""
     if not os.path.isfile(path):
         die(f"model file {path} does not exist")
     with open(path, "rb") as f:
         head = f.read(9)
-    llmc = head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
-    if cfg.recipe == "speedrun" and llmc:
-        die(f"{path} is an llm.c model file, the gpt2 recipe's: --recipe speedrun takes a .safetensors file")
-    if cfg.recipe == "gpt2" and not llmc and head[8:9] == b"{":  # safetensors' JSON header
-        die(f"{path} is a safetensors file, the speedrun recipe's (--recipe speedrun): --recipe gpt2 takes "
-            "an llm.c model file (.bin)")
-    return read_speedrun_file(path) if cfg.recipe == "speedrun" else read_model_file(path)
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other is not recipe and other.is_file(head) and not recipe.is_file(head):
+            die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
+                f"takes {recipe.file_kind}")
+    return recipe.read_file(path)
 
 
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin or (speedrun) model.safetensors, state.npz} (docs/FORMATS.md),
-    written to a temporary name, then renamed. m holds every tensor's first moment (speedrun: AdamW's, or
-    Muon's momentum), v the AdamW tensors' second."""
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz} (docs/FORMATS.md), written to a temporary
+    name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
+    tensors' second."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
@@ -1236,8 +1189,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
                  config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
-        write = write_speedrun_file if cfg.recipe == "speedrun" else write_model_file
-        write(os.path.join(tmp, MODEL_FILES[cfg.recipe]), params, cfg)
+        recipe = RECIPES[cfg.recipe]
+        recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
         with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
@@ -1251,30 +1204,6 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     else:
         os.replace(tmp, final)
     return final
-
-
-def gather_state(state, cfg, world):
-    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
-    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
-    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
-    if cfg.zero_stage == 0:
-        return state["params"], state["m"], state["v"]
-    shapes = param_shapes(cfg)
-    full = []
-    for name in ("params", "m", "v"):
-        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
-        names = []
-        for group in state["groups"]:
-            if name not in group:  # Muon's group has no v
-                continue
-            first, end = group["span"]
-            if world > 1:
-                dist.all_gather_single(buffer[first:end], group[name])
-            else:
-                buffer[first:end].copy_(group[name])
-            names += [k for k in shapes if first <= state["starts"][k] < end]
-        full.append(flat_views(buffer, state["starts"], shapes, names))
-    return tuple(full)
 
 
 def latest_checkpoint(out_dir):
@@ -1303,12 +1232,13 @@ def load_checkpoint(path, cfg):
             die(f"--resume auto: no checkpoint in {cfg.out_dir}")
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
-    for recipe, name in MODEL_FILES.items():
-        if recipe != cfg.recipe and os.path.isfile(os.path.join(path, name)):
-            die(f"--resume {path}: a checkpoint of the {recipe} recipe ({name}), not of --recipe "
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
+            die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
                 f"{cfg.recipe}")
-    header, params = read_weights(os.path.join(path, MODEL_FILES[cfg.recipe]), cfg)
-    muon = muon_names({k: p.shape for k, p in params.items()})
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg)
+    muon = recipe.muon_names({k: p.shape for k, p in params.items()})
     adam = [k for k in params if k not in muon]  # v: AdamW's second moments
     state_file = os.path.join(path, "state.npz")
     try:
@@ -1341,23 +1271,11 @@ def load_checkpoint(path, cfg):
                 "not float32")
     return header, params, m, v, state
 
-
-def to_numpy(tensors):
-    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
-    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
-
-
-def to_device(arrays, device):
-    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
-    optimizer updates them in place."""
-    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
-
-
 # -----------------------------------------------------------------------------
-# Evaluation
+# Evaluation and logging
 
 HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide, as in the sibling trainers
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
 
 
@@ -1371,69 +1289,6 @@ def val_batches(cfg, loader):
         return counted
     return hellaswag.terminal_progress(counted, len(counted), "val")
 
-
-def evaluate_val(row_losses, weights, loader, cfg, device, world):
-    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
-    each time). Each process reads its rank's rows of every global batch, as llm.c's loader does; rows of
-    the last batch past those sequences count for nothing, so that the same weights give the same loss at
-    any batch size and process count."""
-    loader.reset()
-    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
-    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
-    for counted in val_batches(cfg, loader):
-        x, y = loader.next_batch()                                                 # (B,T) each
-        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
-        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
-    if world > 1:
-        dist.all_reduce(total)
-    return total.item() / (cfg.val_tokens // cfg.seq_len)
-
-
-def evaluate_hellaswag(row_losses_fn, params, cfg, device):
-    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
-    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
-    never ending tokens unless an ending alone is longer than the context)."""
-    def row_losses(tokens):                                                        # (4, n+1) int64
-        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
-        n = x.shape[1]
-        crop = max(0, n - cfg.block_size)
-        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
-        xp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
-        yp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
-        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
-        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
-        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
-        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
-        return out
-    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
-
-
-def generate(params, generator, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant. Eager: 63 small forwards take less time
-    than compiling one."""
-    device = next(iter(params.values())).device
-    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
-    tokens[:, 0] = EOT
-    for t in range(T - 1):                                                         # token t+1 from 0..t
-        with autocast(cfg, device):
-            if cfg.recipe == "speedrun":
-                h = speedrun_transformer(params, tokens, cfg)[:, t]                # (S,C)
-                logits = speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE],
-                                         params["proj.bias"][:VOCAB_SIZE])         # (S,V)
-            else:
-                h = transformer(params, tokens, cfg)[:, t]                         # (S,C)
-                logits = F.linear(h, params["wte"][:VOCAB_SIZE]).float()          # (S,V)
-        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)                   # (S,K) each
-        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S,1)
-        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
-    return tokens
-
-
-# -----------------------------------------------------------------------------
-# Logging
 
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
     "H100 PCIe": (756e12, 378e12),
@@ -1458,42 +1313,6 @@ def peak_flops(device_name, dtype):
         if key in device_name:
             return bf16 if dtype == "bf16" else tf32
     return None
-
-
-def device_state_bytes(cfg, shapes, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
-    the activations, nor the transient compute-dtype gradients grad_fn returns per micro-batch):
-    `params`: the bf16 compute copies (of every tensor but the fp32 embeddings; none with --dtype fp32,
-    where the model computes with the masters), all of them at either stage; `grads`: the fp32 flat
-    gradient buffer, plus at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all
-    of them, or at stage 1 a shard of those that have bf16 copies (the fp32 ones are what the model
-    computes with, so every process holds them whole); `moments`: AdamW's m and v and Muon's momentum
-    (speedrun), all or (stage 1) a shard."""
-    groups, _, spans = state_layout(cfg, shapes, world)
-    muon = set(muon_names(shapes))
-    size = spans[-1][1]
-    if cfg.zero_stage == 0:
-        numel = {k: math.prod(s) for k, s in shapes.items()}
-        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
-        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
-                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
-    lengths = [(end - first, dtype, bool(muon.intersection(names)))
-               for (names, dtype), (first, end) in zip(groups, spans)]
-    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
-            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
-            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
-            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
-
-
-def log_event(out_dir, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md)."""
-    record["framework"] = FRAMEWORK
-    path = os.path.join(out_dir, "log.jsonl")
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
-        die(write_failure(path, e))
 
 
 def drop_partial_log_line(out_dir):
@@ -1571,66 +1390,142 @@ def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb
             f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
 
 
-def peak_memory_gb(device):
-    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
-    keeps no statistics."""
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-
-def phase_table(profiler, steps, on_gpu, compiled, rows=8):
-    """The profiled steps' op time by phase, as text: ops that the autograd engine runs are the backward,
-    the other ops inside a grad_fn call the forward (compiled, forward and backward are one graph: one
-    phase), all else (gradient accumulation, all-reduce, norm, AdamW) the optimizer step. Each op's self
-    time (on a GPU, of the kernels it launched), summed over its calls, per step; the top `rows` per phase."""
-    forward = "forward+backward (compiled)" if compiled else "forward"
-    phases = [forward, "backward", "optimizer step"]
-    totals = {}  # (phase, op name) -> [calls, microseconds]
-    for e in profiler.events():
-        if e.device_type != torch.autograd.DeviceType.CPU:
-            continue  # a kernel's time counts for the op that launched it
-        phase, p = phases[2], e
-        while p is not None:  # the innermost mark above the op decides
-            if p.name.startswith("autograd::engine::evaluate_function"):
-                phase = phases[1]
-                break
-            if p.name == GRADIENT:
-                phase = forward
-                break
-            p = p.cpu_parent
-        t = totals.setdefault((phase, e.name), [0, 0.0])
-        t[0] += 1
-        t[1] += e.self_device_time_total if on_gpu else e.self_cpu_time_total
-    grand = sum(t for _, t in totals.values()) or 1.0
-
-    def line(phase, name, calls, us):
-        share = 100 * us / grand
-        return f"{phase:<28} {name[:50]:<50} {calls // steps:>6} {us / 1e3 / steps:>9.3f} {share:>5.1f}%"
-
-    clock = "device" if on_gpu else "CPU"
-    lines = [f"{'phase':<28} {'op (self ' + clock + ' time)':<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
-    for phase in phases:
-        ops = sorted(((t, c, name) for (ph, name), (c, t) in totals.items() if ph == phase), reverse=True)
-        lines.append(line(phase, "all", sum(c for _, c, _ in ops), sum(t for t, _, _ in ops)))
-        lines += [line("", name, c, t) for t, c, name in ops[:rows]]
-    return "\n".join(lines)
-
-
-# -----------------------------------------------------------------------------
-# Main
-
 PROFILE_STEPS = 3
-# Inductor options for every torch.compile here. Mix-order reduction (on by default on GPUs since torch
-# 2.10: a LayerNorm backward's row sums and its weight/bias column sums in one kernel, from 4096 rows up)
-# drops the write of a column sum whose output is a slice of a concatenated buffer: the generated code
-# rebinds the buffer's name to the reduced workspace instead of copying into the slice (pytorch/pytorch
-# issue 193061, pull request 193103; the torch 2.13 source still rebinds). Our per-layer LayerNorm and
-# bias gradients are such slices of their (L, ...) stacks: with it on, the fused ones are uninitialized
-# memory, as in the wrong, step-to-step drifting grad norms of the compiled d12 runs (H100, torch 2.11).
-INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 
 
 def due(every, step, steps):
     return every > 0 and (step % every == 0 or step == steps)
+
+# -----------------------------------------------------------------------------
+# Torch: processes, ZeRO-1 and failures
+
+FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+
+
+def flat_layout(shapes, groups, world):
+    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
+    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
+    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
+    stays zero)."""
+    starts, spans, size = {}, [], 0
+    unit = FLAT_ALIGN * world
+    for names, _ in groups:
+        first = size
+        for k in names:
+            starts[k] = size
+            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        size = first + -(-(size - first) // unit) * unit
+        spans.append((first, size))
+    return starts, spans
+
+
+def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
+    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
+    element `first` of the layout."""
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
+            for k in names}
+
+
+def whole_matrix_layout(shapes, names, world, first):
+    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
+    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
+    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
+    group (shard_ranges) holds its matrices whole."""
+    order = sorted(names, key=lambda k: shapes[k], reverse=True)
+    ends, local = [0] * world, {}
+    for i, k in enumerate(order):
+        local[k] = (i % world, ends[i % world])
+        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+    stretch = max(ends)
+    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
+
+
+def state_layout(cfg, shapes, world):
+    """(groups, {name: first element}, [(first, end) of each group]): compute_groups' groups in the flat
+    buffers, laid out by flat_layout, and Muon's matrices by whole_matrix_layout after them."""
+    groups = compute_groups(cfg)
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
+    split = [g for g in groups if not muon.intersection(g[0])]
+    starts, spans = flat_layout(shapes, split, world)
+    if len(split) < len(groups):
+        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
+        starts.update(more)
+        spans.append(span)
+    return groups, starts, spans
+
+
+def shard_ranges(starts, shapes, span, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
+    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
+    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
+    n = (span[1] - span[0]) // world
+    first, ranges = span[0] + rank * n, {}
+    for k in starts:
+        if not span[0] <= starts[k] < span[1]:
+            continue
+        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
+        if lo < hi:
+            ranges[k] = (lo, hi)
+    return ranges
+
+
+def gather_state(state, cfg, world):
+    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
+    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
+    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
+    if cfg.zero_stage == 0:
+        return state["params"], state["m"], state["v"]
+    shapes = param_shapes(cfg)
+    full = []
+    for name in ("params", "m", "v"):
+        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
+        names = []
+        for group in state["groups"]:
+            if name not in group:  # Muon's group has no v
+                continue
+            first, end = group["span"]
+            if world > 1:
+                dist.all_gather_single(buffer[first:end], group[name])
+            else:
+                buffer[first:end].copy_(group[name])
+            names += [k for k in shapes if first <= state["starts"][k] < end]
+        full.append(flat_views(buffer, state["starts"], shapes, names))
+    return tuple(full)
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
+    host can queue the step while the GPU is still busy."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def to_numpy(tensors):
+    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
+    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
+
+
+def to_device(arrays, device):
+    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
+    optimizer updates them in place."""
+    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
+
+
+def evaluate_val(row_losses, weights, loader, cfg, device, world):
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
+    each time). Each process reads its rank's rows of every global batch, as llm.c's loader does; rows of
+    the last batch past those sequences count for nothing, so that the same weights give the same loss at
+    any batch size and process count."""
+    loader.reset()
+    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
+    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
+    for counted in val_batches(cfg, loader):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
+        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (cfg.val_tokens // cfg.seq_len)
 
 
 def setup_device(cfg):
@@ -1728,6 +1623,224 @@ def a_lost_process_is_an_error(store, rank, world):
                     "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
         os._exit(1)
 
+# -----------------------------------------------------------------------------
+# Torchfunc plumbing: state, evaluation and profiles
+
+def compute_groups(cfg):
+    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
+    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): with --dtype
+    bf16 the fp32 embedding tables, then the bf16 copies of the rest; in fp32 all of them. The speedrun
+    recipe's Muon matrices, which a process updates whole, are a last group of their own."""
+    recipe, shapes = RECIPES[cfg.recipe], param_shapes(cfg)
+    muon = recipe.muon_names(shapes)
+    names = [k for k in shapes if k not in muon]
+    if cfg.dtype == "fp32":
+        groups = [(names, torch.float32)]
+    else:
+        groups = [([k for k in names if k in recipe.embeddings], torch.float32),
+                  ([k for k in names if k not in recipe.embeddings], torch.bfloat16)]
+    return groups + ([(muon, compute_dtype(cfg))] if muon else [])
+
+
+def make_state(params, m, v, cfg, device, rank, world):
+    """The training state on the device, from numpy dicts of the fp32 masters and the moments: every
+    process holds all of the fp32 gradients `grads` (views of one flat buffer, `grad_buffer`) and all of
+    the `weights` the model computes with; what else it holds is its ZeRO stage's (whole_state,
+    sharded_state). train_step updates `shard_params` from `shard_grads`, m and v, and refreshes
+    `shard_copies`."""
+    shapes = param_shapes(cfg)
+    groups, starts, spans = state_layout(cfg, shapes, world)
+    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
+    if cfg.zero_stage == 0:
+        return whole_state(state, params, m, v, cfg, device)
+    return sharded_state(state, params, m, v, cfg, device, rank, world)
+
+
+def whole_state(state, params, m, v, cfg, device):
+    """Stage 0: a process's shard is the whole model. It holds all of the fp32 masters `params`, their
+    bf16 `copies` and the moments m, v; one all-reduce sums the gradients, and it updates every weight."""
+    state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
+    state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
+    state["weights"] = model_weights(state["params"], state["copies"])
+    state.update(shard_params=state["params"], shard_grads=state["grads"], shard_copies=state["copies"])
+    return state
+
+
+def sharded_state(state, params, m, v, cfg, device, rank, world):
+    """Stage 1 (ZeRO-1): per compute group, a process keeps 1/world of the group's stretch of the flat
+    layout (state_layout; Muon's holds whole matrices) of the fp32 masters, of m and v, and of the summed
+    gradients (reduce-scattered into it). It updates that shard of the masters and of the weights
+    (`own_weights`); one all-gather of the group's weights brings every process every update.
+    `shard_params`, `shard_grads`, `shard_copies`, m and v are {name: 1-D piece} of the tensors in the
+    shard (Muon's matrices whole, in their shapes)."""
+    shapes = param_shapes(cfg)
+    groups, starts, spans = state_layout(cfg, shapes, world)
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
+    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    for (names, dtype), (first, end) in zip(groups, spans):
+        n = (end - first) // world
+        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
+        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
+        views = flat_views(group["weights"], starts, shapes, names, first)
+        for k in names:
+            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        state["weights"].update(views)
+        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
+        # fp32 weights are their own masters; bf16 ones get an fp32 shard
+        group["params"] = (group["own_weights"] if dtype == torch.float32 else
+                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
+        # one process alone reduces into its gradient buffer itself
+        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
+                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
+        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
+        for name in sources:
+            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
+        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
+            sources["params"] = params
+        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
+        for name, source in sources.items():
+            for k, (lo, hi) in ranges.items():
+                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
+        if dtype != torch.float32:
+            pieces["own_weights"] = "shard_copies"
+        for k, (lo, hi) in ranges.items():
+            for name, into in pieces.items():
+                if name in group:
+                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
+                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
+        state["groups"].append(group)
+    state["shard_copies"] = state["shard_copies"] or None
+    return state
+
+
+def device_state_bytes(cfg, shapes, world):
+    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
+    the activations, nor the transient gradients grad_fn returns per micro-batch), by kind."""
+    # params: the bf16 compute copies (none in fp32), at either stage all of them; grads: the fp32 flat
+    # buffer, plus at stage 1 the reduce-scattered shard; masters: all of the fp32 masters, or at stage 1
+    # a shard of those that have bf16 copies (fp32 ones are what the model computes with: whole);
+    # moments: AdamW's m and v and Muon's momentum, all or (stage 1) a shard
+    groups, _, spans = state_layout(cfg, shapes, world)
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
+    size = spans[-1][1]
+    if cfg.zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
+    lengths = [(end - first, dtype, bool(muon.intersection(names)))
+               for (names, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
+            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
+
+
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):                                                        # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
+        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+
+
+def generate(params, generator, cfg):
+    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
+    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
+    mask makes the not-yet-sampled zeros to the right irrelevant. Eager: 63 small forwards take less time
+    than compiling one."""
+    device = next(iter(params.values())).device
+    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
+    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
+    tokens[:, 0] = EOT
+    for t in range(T - 1):                                                         # token t+1 from 0..t
+        logits = RECIPES[cfg.recipe].next_logits(params, tokens, t, cfg)          # (S,V)
+        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)                   # (S,K) each
+        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S,1)
+        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
+    return tokens
+
+
+def log_event(out_dir, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md)."""
+    record["framework"] = FRAMEWORK
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
+        die(write_failure(path, e))
+
+
+def peak_memory_gb(device):
+    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
+    keeps no statistics."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def phase_table(profiler, steps, on_gpu, compiled, rows=8):
+    """The profiled steps' op time by phase, as text: ops that the autograd engine runs are the backward,
+    the other ops inside a grad_fn call the forward (compiled, forward and backward are one graph: one
+    phase), all else (gradient accumulation, all-reduce, norm, AdamW) the optimizer step. Each op's self
+    time (on a GPU, of the kernels it launched), summed over its calls, per step; the top `rows` per phase."""
+    forward = "forward+backward (compiled)" if compiled else "forward"
+    phases = [forward, "backward", "optimizer step"]
+    totals = {}  # (phase, op name) -> [calls, microseconds]
+    for e in profiler.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue  # a kernel's time counts for the op that launched it
+        phase, p = phases[2], e
+        while p is not None:  # the innermost mark above the op decides
+            if p.name.startswith("autograd::engine::evaluate_function"):
+                phase = phases[1]
+                break
+            if p.name == GRADIENT:
+                phase = forward
+                break
+            p = p.cpu_parent
+        t = totals.setdefault((phase, e.name), [0, 0.0])
+        t[0] += 1
+        t[1] += e.self_device_time_total if on_gpu else e.self_cpu_time_total
+    grand = sum(t for _, t in totals.values()) or 1.0
+
+    def line(phase, name, calls, us):
+        share = 100 * us / grand
+        return f"{phase:<28} {name[:50]:<50} {calls // steps:>6} {us / 1e3 / steps:>9.3f} {share:>5.1f}%"
+
+    clock = "device" if on_gpu else "CPU"
+    lines = [f"{'phase':<28} {'op (self ' + clock + ' time)':<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
+    for phase in phases:
+        ops = sorted(((t, c, name) for (ph, name), (c, t) in totals.items() if ph == phase), reverse=True)
+        lines.append(line(phase, "all", sum(c for _, c, _ in ops), sum(t for t, _, _ in ops)))
+        lines += [line("", name, c, t) for t, c, name in ops[:rows]]
+    return "\n".join(lines)
+
+
+# Inductor options for every torch.compile here. Mix-order reduction (on by default on GPUs since torch
+# 2.10: a LayerNorm backward's row sums and its weight/bias column sums in one kernel, from 4096 rows up)
+# drops the write of a column sum whose output is a slice of a concatenated buffer: the generated code
+# rebinds the buffer's name to the reduced workspace instead of copying into the slice (pytorch/pytorch
+# issue 193061, pull request 193103; the torch 2.13 source still rebinds). Our per-layer LayerNorm and
+# bias gradients are such slices of their (L, ...) stacks: with it on, the fused ones are uninitialized
+# memory, as in the wrong, step-to-step drifting grad norms of the compiled d12 runs (H100, torch 2.11).
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
+
+# -----------------------------------------------------------------------------
+# Main
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
@@ -1747,7 +1860,7 @@ def main(argv=None):
     else:
         params = init_params_numpy(cfg)
     if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
-        muon = muon_names(param_shapes(cfg))
+        muon = RECIPES[cfg.recipe].muon_names(param_shapes(cfg))
         m = {k: np.zeros_like(p) for k, p in params.items()}
         v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
     if cfg.eval_only and not (cfg.resume or cfg.init_from):
@@ -1776,7 +1889,8 @@ def main(argv=None):
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
     # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
-    model, table = ("speedrun GPT", "embed.weight") if cfg.recipe == "speedrun" else ("GPT-2", "wpe")
+    recipe = RECIPES[cfg.recipe]
+    model, table = recipe.model_name, recipe.table
     n_params = sum(p.numel() for k, p in weights.items() if k != table)
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
@@ -1784,7 +1898,7 @@ def main(argv=None):
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    optimizers = "AdamW and Muon" if cfg.recipe == "speedrun" else "AdamW"
+    optimizers = recipe.optimizers
     say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
         f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
         f"stage {cfg.zero_stage} over {world} devices)")
@@ -1793,7 +1907,7 @@ def main(argv=None):
         def compile_(fn, **kwargs):
             return torch.compile(fn, options=INDUCTOR_OPTIONS, **kwargs) if cfg.compile else fn
 
-        row_losses = compile_(token_losses, dynamic=False)
+        row_losses = compile_(recipe.token_losses, dynamic=False)
 
         def run_evals(step, val, swag):
             if val and val_loader is not None:
@@ -1825,7 +1939,7 @@ def main(argv=None):
 
         # compiled on the first call, that is inside step 1: its time is reported as compile time
         grad_fn = compile_(grads_and_loss, fullgraph=True)
-        update_fn = compile_(speedrun_update if cfg.recipe == "speedrun" else adamw_update, fullgraph=True)
+        update_fn = compile_(recipe.update, fullgraph=True)
 
         flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
@@ -1842,7 +1956,7 @@ def main(argv=None):
                 profiler.start()
             t0 = time.perf_counter()
             x, y = step_batches(train_loader, grad_accum)                          # (A,B,T) each
-            scalars = adam_scalars(step, cfg, device)                              # (3,)
+            scalars = recipe.scalars(step, cfg, device)                            # (3,) or (6,)
             loss, norm = train_step(state, put_batch(x, device), put_batch(y, device), scalars, cfg,
                                     grad_fn, update_fn, world)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step

@@ -21,37 +21,35 @@ TRAINERS = {"jax": "train_gpt2_jax.py", "torchfunc": "train_gpt2_torchfunc.py",
 MODULES = {"jax": tj, "torchfunc": tf, "triton": tg}
 ARGV = {"jax": [], "torchfunc": [], "triton": ["torch"]}
 
-# Top-level functions, classes and constants whose source must be the same, character for character, in
-# each trainer of the group: config and flags, the model's shapes and init, the lr schedule, the data
-# loader, model files and checkpoints, the evaluation log, the printed step line.
+# The shared plumbing: banner sections that are the same, character for character, from their banner to
+# the next, in each trainer of the group (one paste per section carries a change to all of them).
+SHARED_SECTIONS = {
+    ("jax", "torchfunc", "triton"): ["Flags and recipe lookups", "Data", "Checkpoints",
+                                     "Evaluation and logging"],
+    ("torchfunc", "triton"): ["Torch: processes, ZeRO-1 and failures"],
+}
+# Top-level names outside those sections whose source must be the same in each trainer of the group:
+# GPT-2's constants, shapes, init and model files, and the speedrun recipe's shared parts.
 IDENTICAL = {
     ("jax", "torchfunc", "triton"): [
-        "VOCAB_SIZE", "PADDED_VOCAB_SIZE", "EOT", "MODEL_PRESETS", "die", "parse_args", "apply_model_header",
-        "PARAM_NAMES", "DECAY_NAMES", "param_shapes", "init_params_numpy", "lr_at", "grad_accum_steps",
-        "SHARD_MAGIC", "SYNTHETIC_TOKENS", "GET_DATA", "read_shard", "find_shards", "DataLoader",
-        "step_batches", "MODEL_MAGIC", "write_model_file", "read_model_file", "save_checkpoint",
-        "latest_checkpoint", "DAMAGED_NPZ_ERRORS", "load_checkpoint", "HELLASWAG_MIN_WIDTH",
-        "VAL_BAR_MIN_STEPS", "val_batches", "PEAK_FLOPS", "model_flops_per_token", "peak_flops",
-        "drop_partial_log_line", "write_failure", "prepare_out_dir", "logged_evals", "format_step",
-        "PROFILE_STEPS", "due", "CENSUS_SECONDS",
+        "VOCAB_SIZE", "PADDED_VOCAB_SIZE", "EOT", "MODEL_PRESETS", "die", "PARAM_NAMES", "DECAY_NAMES",
+        "gpt2_shapes", "init_gpt2_numpy", "MODEL_MAGIC", "write_model_file", "read_model_file",
+        "is_model_file", "cosine_lr", "grad_accum_steps", "CENSUS_SECONDS",
         # the speedrun recipe: its defaults, shapes, init, schedule and model files
-        "RECIPES", "SPEEDRUN_LRS", "SPEEDRUN_DEFAULTS", "HEAD_DIM", "speedrun_shapes", "muon_names",
-        "init_speedrun_numpy", "rotary_freq_numpy", "SPEEDRUN_COOLDOWN", "speedrun_lrs", "adamw_group",
-        "SAFETENSORS_TYPES", "write_safetensors", "read_safetensors", "write_speedrun_file",
-        "read_speedrun_file", "MODEL_FILES", "read_weights", "ATTN_SCALE", "SOFTCAP"],
-    # the two torch trainers: processes, ZeRO-1's flat buffers, tensors to and from numpy
-    ("torchfunc", "triton"): [
-        "FLAT_ALIGN", "flat_layout", "flat_views", "shard_ranges", "put_batch", "to_numpy", "to_device",
-        "evaluate_val", "setup_device", "out_of_memory_is_an_error", "lost_processes",
-        "a_lost_process_is_an_error", "gather_state",
-        # the speedrun recipe: Muon's orthogonalization, ZeRO-1's whole matrices
-        "newton_schulz", "whole_matrix_layout", "state_layout"],
+        "SPEEDRUN_LRS", "SPEEDRUN_DEFAULTS", "HEAD_DIM", "configure_speedrun", "speedrun_shapes",
+        "muon_names", "init_speedrun_numpy", "rotary_freq_numpy", "SPEEDRUN_COOLDOWN", "speedrun_lr",
+        "speedrun_lrs", "adamw_group", "SAFETENSORS_TYPES", "write_safetensors", "read_safetensors",
+        "is_safetensors_file", "write_speedrun_file", "read_speedrun_file", "ATTN_SCALE", "SOFTCAP"],
+    # the two torch trainers: Muon's orthogonalization
+    ("torchfunc", "triton"): ["newton_schulz"],
     # the two that write the model as functions of a weights dict
-    ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES", "TABLES"],
+    ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES"],
 }
 # Names two or more trainers define differently, on purpose.
 DIFFERENT = {
     "FRAMEWORK": "each trainer's own name in log.jsonl",
+    "Recipe": "the shared fields, then each trainer's own (its model and update functions)",
+    "RECIPES": "each trainer's rows: the shared fields, then its own model and update functions",
     "Config": "the shared fields, then each trainer's own (JAX: attention, scan, processes; torchfunc: "
               "compile; triton: backend, --test, --bench-ops)",
     "ZERO_STAGES": "JAX also shards the weights (stage 3)",
@@ -85,6 +83,10 @@ DIFFERENT = {
     "newton_schulz": "jnp with a fori_loop / torch",
     "speedrun_adamw": "JAX returns one tensor's new state / torchfunc's multi-tensor ops in place",
     "speedrun_muon": "JAX returns the new weights and buffers / torchfunc updates them in place",
+    "next_logits": "the model in each framework", "speedrun_forward": "the speedrun model in each framework",
+    "speedrun_next_logits": "the speedrun model in each framework",
+    "speedrun_token_losses": "the speedrun model in each framework",
+    "speedrun_scalars": "host arrays in JAX, device tensors in torchfunc",
     "speedrun_update": "JAX returns the new state / torchfunc updates it in place (and its compute copies) / "
                        "the Triton trainer through the op interface's adamw_update and muon_update",
 }
@@ -106,46 +108,122 @@ def top_level(path):
     return defs
 
 
+BANNER = "# " + "-" * 77
+
+
+def sections(path):
+    """[(title, text)] of a file's banner sections in order: a banner line, then `# Title`; the text runs
+    from the banner to the next one."""
+    with open(os.path.join(REPO, path)) as f:
+        lines = f.read().split("\n")
+    starts = [i for i, line in enumerate(lines) if line == BANNER and lines[i + 1].startswith("# ")]
+    return [(lines[i + 1][2:], "\n".join(lines[i:j]).rstrip("\n"))
+            for i, j in zip(starts, starts[1:] + [len(lines)])]
+
+
+def section_names(text):
+    """The top-level names a section's text defines."""
+    names = set()
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            names.add(node.targets[0].id)
+    return names
+
+
 def test_siblings_share_their_common_code():
-    """Every IDENTICAL name has the same source in each trainer of its group (the failure shows the
-    diff), and every other name that two trainers define is a listed DIFFERENT one: a new shared helper
-    must be listed as the one or the other."""
+    """Each SHARED_SECTIONS section is the same text in each trainer of its group, and each IDENTICAL
+    name has the same source there (the failure shows the diff); every other name that two trainers define
+    is a listed DIFFERENT one: a new shared helper must go into a shared section or one of the lists."""
     defs = {name: top_level(path) for name, path in TRAINERS.items()}
+    found = {name: dict(sections(path)) for name, path in TRAINERS.items()}
     drifted = []
+
+    def compare(group, label, get):
+        first = get(group[0])
+        assert first is not None, f"{label} is not in {TRAINERS[group[0]]}"
+        for other in group[1:]:
+            text = get(other)
+            assert text is not None, f"{label} is not in {TRAINERS[other]}"
+            if text != first:
+                drifted.append("\n".join(difflib.unified_diff(
+                    first.splitlines(), text.splitlines(), TRAINERS[group[0]], TRAINERS[other],
+                    lineterm="", n=1)))
+    for group, titles in SHARED_SECTIONS.items():
+        for title in titles:
+            compare(group, f"section {title!r}", lambda t: found[t].get(title))
     for group, names in IDENTICAL.items():
         for name in names:
-            first = defs[group[0]].get(name)
-            assert first is not None, f"{name} is not defined in {TRAINERS[group[0]]}"
-            for other in group[1:]:
-                source = defs[other].get(name)
-                assert source is not None, f"{name} is not defined in {TRAINERS[other]}"
-                if source != first:
-                    drifted.append("\n".join(difflib.unified_diff(
-                        first.splitlines(), source.splitlines(), TRAINERS[group[0]], TRAINERS[other],
-                        lineterm="", n=1)))
+            compare(group, name, lambda t: defs[t].get(name))
     assert not drifted, "shared code drifted apart:\n" + "\n".join(drifted)
-    covered = {(name, a, b) for group, names in IDENTICAL.items() for name in names
-               for a in group for b in group}
+    shared = {group: set(names) for group, names in IDENTICAL.items()}
+    for group, titles in SHARED_SECTIONS.items():
+        shared[group] |= {n for title in titles for n in section_names(found[group[0]][title])}
+    covered = {(name, a, b) for group, names in shared.items() for name in names for a in group for b in group}
     unlisted = sorted({name for a in defs for b in defs if a < b for name in set(defs[a]) & set(defs[b])
                        if (name, a, b) not in covered and name not in DIFFERENT})
-    assert not unlisted, f"defined in two trainers but neither IDENTICAL nor DIFFERENT: {unlisted}"
-    shared = {name for a in defs for b in defs if a < b for name in set(defs[a]) & set(defs[b])}
-    assert set(DIFFERENT) <= shared, f"stale DIFFERENT entries: {sorted(set(DIFFERENT) - shared)}"
+    assert not unlisted, f"defined in two trainers but in no shared section, IDENTICAL or DIFFERENT: {unlisted}"
+    everywhere = {name for a in defs for b in defs if a < b for name in set(defs[a]) & set(defs[b])}
+    assert set(DIFFERENT) <= everywhere, f"stale DIFFERENT entries: {sorted(set(DIFFERENT) - everywhere)}"
 
 
 def test_the_sibling_check_catches_a_drift(monkeypatch):
-    """The check above fails when one trainer alone changes a shared function (here lr_at, in the Triton
-    trainer's source as test_siblings reads it)."""
-    real = top_level
+    """The check above fails when one trainer alone changes a shared section (here lr_at's, in the Triton
+    trainer's source as test_siblings reads it) or an IDENTICAL function (cosine_lr)."""
+    real_sections, real_top_level = sections, top_level
 
-    def drifted(path):
-        defs = real(path)
+    def drifted_sections(path):
+        found = real_sections(path)
         if path == TRAINERS["triton"]:
-            defs["lr_at"] = defs["lr_at"].replace("min(ratio, 1.0)", "ratio")
+            found = [(t, text.replace("RECIPES[cfg.recipe].lr_at(it, cfg)", "cosine_lr(it, cfg)"))
+                     for t, text in found]
+        return found
+
+    def drifted_top_level(path):
+        defs = real_top_level(path)
+        if path == TRAINERS["triton"]:
+            defs["cosine_lr"] = defs["cosine_lr"].replace("min(ratio, 1.0)", "ratio")
         return defs
-    monkeypatch.setitem(globals(), "top_level", drifted)
-    with pytest.raises(AssertionError, match="lr_at|min\\(ratio"):
+    monkeypatch.setitem(globals(), "sections", drifted_sections)
+    with pytest.raises(AssertionError, match="cosine_lr\\(it, cfg\\)"):
         test_siblings_share_their_common_code()
+    monkeypatch.setitem(globals(), "sections", real_sections)
+    monkeypatch.setitem(globals(), "top_level", drifted_top_level)
+    with pytest.raises(AssertionError, match="min\\(ratio"):
+        test_siblings_share_their_common_code()
+
+
+def docstring_map(path):
+    """The section titles that a trainer's module docstring lists under `Map:`, in order."""
+    module = importlib.import_module(path[:-3])
+    block = module.__doc__.split("\nMap:", 1)[1].split("\n")[1:]
+    return [re.split(r"\s{2,}", line.strip())[0] for line in block if line.startswith("    ")]
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_the_map_lists_the_sections(trainer):
+    """A trainer's docstring map names its banner sections, all of them, in file order."""
+    assert docstring_map(TRAINERS[trainer]) == [title for title, _ in sections(TRAINERS[trainer])]
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_one_story(trainer):
+    """GPT-2 first (config, model, AdamW and the lr schedule, training step), then the speedrun recipe's one
+    section, then the shared plumbing in SHARED_SECTIONS' order, then main; and no code outside a recipe's
+    section tests a recipe's name."""
+    titles = [title for title, _ in sections(TRAINERS[trainer])]
+    gpt2 = ["GPT-2: config", "GPT-2: model", "GPT-2: AdamW and the lr schedule", "GPT-2: training step"]
+    assert [t for t in titles if t in gpt2] == gpt2 and titles[:1] == gpt2[:1]
+    speedrun = titles.index("Recipe: speedrun")
+    assert all(titles.index(t) < speedrun for t in gpt2)
+    plumbing = [t for group, ts in SHARED_SECTIONS.items() if trainer in group for t in ts]
+    at = [titles.index(t) for t in plumbing]
+    assert at == sorted(at) and at[0] > speedrun and titles.index("Main") > at[-1], titles
+    for title, text in sections(TRAINERS[trainer]):
+        if not title.startswith(("Recipe: ", "Triton kernels: speedrun")):
+            named = re.findall(r"""(?:recipe\s*[!=]=\s*|==\s*)["'](?:gpt2|speedrun)["']""", text)
+            assert not named, f"{TRAINERS[trainer]}, section {title!r}: tests a recipe's name: {named}"
 
 
 SCRIPTS = ["train_gpt2_jax.py", "train_gpt2_torchfunc.py", "train_gpt2_triton.py", "train_aiayn_jax.py",

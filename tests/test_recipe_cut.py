@@ -1,0 +1,56 @@
+"""A forker's cut: each GPT-2 trainer with its speedrun section(s) deleted by their banners (as an outside
+tool would: from the banner to the next one) still imports, trains the gpt2 recipe with the whole file's
+losses, and refuses --recipe speedrun in one line. The cut copies run in this process, loaded from a
+temporary folder."""
+import importlib.util
+import os
+
+import pytest
+
+from conftest import REPO, assert_refused, step_events
+from test_siblings import sections
+
+CUT = ("Recipe: speedrun", "Triton kernels: speedrun")
+# the command line after the script: backend triton runs one step, in the interpreter without a GPU
+CASES = {
+    "jax": ("train_gpt2_jax.py", [], 2),
+    "torchfunc": ("train_gpt2_torchfunc.py", ["--compile", "0"], 2),
+    "triton-torch": ("train_gpt2_triton.py", ["torch"], 2),
+    "triton-triton": ("train_gpt2_triton.py", ["triton"], 1),
+}
+
+
+def cut_copy(script, folder):
+    """Writes `script` without its CUT sections into folder; returns the copy loaded as a module."""
+    with open(os.path.join(REPO, script)) as f:
+        head = f.read().split("\n# " + "-" * 77 + "\n", 1)[0]
+    kept = [text for title, text in sections(script) if title not in CUT]
+    assert len(kept) < len(sections(script)), f"{script}: no section to cut"
+    path = os.path.join(folder, script)
+    with open(path, "w") as f:
+        f.write("\n\n".join([head.rstrip("\n"), *kept]) + "\n")
+    spec = importlib.util.spec_from_file_location(f"cut_{script[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_speedrun_recipe_cuts_out(case, tmp_path, tiny_shards):
+    """The cut copy's gpt2 run logs the whole file's losses, grad norms and lrs (same code, same bits), and
+    --recipe speedrun is then no choice: one line."""
+    script, argv, steps = CASES[case]
+    whole = importlib.import_module(script[:-3])
+    cut = cut_copy(script, tmp_path)
+    assert "speedrun" not in cut.RECIPES and set(whole.RECIPES) == {"gpt2", "speedrun"}
+    run = [*argv, "--data", str(tiny_shards), "--n-layer", "2", "--n-head", "4", "--n-embd", "64",
+           "--seq-len", "32", "--batch-size", "2", "--total-batch-size", "128", "--steps", str(steps),
+           "--dtype", "fp32", "--val-every", "0", "--hellaswag-every", "0", "--sample-every", "0",
+           "--ckpt-every", "0"]
+    logs = {}
+    for name, module in (("whole", whole), ("cut", cut)):
+        out = tmp_path / name
+        module.main([*run, "--out-dir", str(out)])
+        logs[name] = [(e["train_loss"], e["grad_norm"], e["lr"]) for e in step_events(out)]
+    assert len(logs["cut"]) == steps and logs["cut"] == logs["whole"], logs
+    assert_refused(cut.main, [([*argv, "--recipe", "speedrun"], "--recipe", "invalid choice")])
