@@ -585,6 +585,8 @@ RECIPES = {"gpt2": Recipe(
 # -----------------------------------------------------------------------------
 # Recipe: speedrun
 
+# -- config
+
 # The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
 # (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
 # others with it.
@@ -651,6 +653,8 @@ def rotary_freq_numpy(head_dim):
     freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
     return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
+
+# -- model
 
 # The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names (cast
 # to the compute dtype here, so that evaluation can hand in the fp32 masters), RMSNorm with the compute
@@ -739,6 +743,8 @@ def speedrun_token_losses(params, x, y, cfg):
     target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]      # (B,T)
     return jax.nn.logsumexp(logits, axis=-1) - target_logit                        # (B,T)
 
+
+# -- optimizer
 
 SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
 
@@ -844,6 +850,8 @@ def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
         new_m.update(momentum)
     return {k: new_params[k] for k in params}, {k: new_m[k] for k in m}, new_v
 
+
+# -- model files
 
 # safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
 # bits of an fp32 one); they write F32
@@ -951,6 +959,8 @@ def read_speedrun_file(path):
             die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
     return header, {k: tensors[k] for k in shapes}
 
+
+# -- training step
 
 RECIPES["speedrun"] = Recipe(
     help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "

@@ -530,6 +530,8 @@ RECIPES = {"gpt2": Recipe(
 # -----------------------------------------------------------------------------
 # Recipe: speedrun
 
+# -- config
+
 # The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
 # (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
 # others with it.
@@ -596,6 +598,8 @@ def rotary_freq_numpy(head_dim):
     freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
     return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
+
+# -- model
 
 # The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names, RMSNorm
 # with the compute dtype's machine epsilon (F.rms_norm's default there, where the residual stream is bf16),
@@ -674,6 +678,8 @@ def speedrun_token_losses(params, x, y, cfg):
     logits = speedrun_forward(params, x, cfg)                                      # (B,T,Vp)
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B,T)
 
+
+# -- optimizer
 
 SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
 
@@ -774,6 +780,8 @@ def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
+
+# -- model files
 
 # safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
 # bits of an fp32 one); they write F32
@@ -881,6 +889,8 @@ def read_speedrun_file(path):
             die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
     return header, {k: tensors[k] for k in shapes}
 
+
+# -- training step
 
 RECIPES["speedrun"] = Recipe(
     help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
