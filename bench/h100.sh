@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every H100 figure of README in one call of at most 9 minutes: the matmul kernels against cuBLAS, the d12
-# step of each GPT-2 trainer side by side, --bench-ops, and the kernel self-test on the GPU. Full logs
-# go to LOGDIR; a short table is printed last.
+# Every H100 figure of docs/RESULTS.md in one call of at most 9 minutes: the matmul kernels against
+# cuBLAS, the d12 step of each GPT-2 trainer side by side, --bench-ops, and the kernel self-test on the
+# GPU. Full logs go to LOGDIR; a short table is printed last.
 #
 #     bash bench/h100.sh LOGDIR
 #     SKIP="jax_b64 test" bash bench/h100.sh LOGDIR   # leaves out the named runs (and the self-test)
