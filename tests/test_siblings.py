@@ -5,6 +5,7 @@ import ast
 import contextlib
 import difflib
 import importlib
+import importlib.util
 import io
 import os
 import re
@@ -296,3 +297,12 @@ def test_triton_trainer_reads_training_first():
         ("main", "def main("), ("first kernel", "@triton.jit"), ("triton table", "TRITON_OPS = "),
         ("self-test", "# Self-test"), ("profiling", "# Profiling"))}
     assert list(at) == sorted(at, key=at.get), at
+
+
+def test_the_lines_table_is_the_files():
+    """README's lines-per-part table is what bench/lines.py counts in the trainers now: a section that
+    grows, shrinks or moves without the table regenerated fails here."""
+    spec = importlib.util.spec_from_file_location("bench_lines", os.path.join(REPO, "bench", "lines.py"))
+    lines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lines)
+    assert lines.readme_table() == lines.table(), "README.md's table is stale: run python bench/lines.py"
