@@ -44,6 +44,7 @@ import socket
 import time
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from tokenize import TokenError
 from types import SimpleNamespace
@@ -129,7 +130,41 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-RECIPES = ("gpt2", "speedrun")
+@dataclass(frozen=True)
+class Recipe:
+    """A row of RECIPES: what --recipe NAME trains. The rest of the file looks a recipe up here, never by
+    its name; each recipe's section ends by adding its row."""
+    help: str             # --recipe's help text for it
+    defaults: dict        # its defaults over Config's
+    configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
+    shapes: Callable      # cfg -> {name: shape}, in the order of its model files
+    init: Callable        # cfg -> {name: fp32 numpy array}, from cfg.seed
+    lr_at: Callable       # (it, cfg) -> the lr of 0-based iteration it
+    muon_names: Callable  # shapes -> the names Muon updates (whole matrices); [] without Muon
+    model_file: str       # its weights' file in a checkpoint dir
+    file_kind: str        # what a message calls its model files
+    is_file: Callable     # the first 9 bytes of a file -> whether it is one of its model files
+    read_file: Callable   # path -> (header, {name: fp32 array})
+    write_file: Callable  # (path, params, cfg)
+    model_name: str       # the start line's name of the model
+    table: str            # the embedding that only gathers rows: no flops counted for it
+    optimizers: str       # the start line's name of the optimizers
+    # the Triton trainer's own
+    ops: Callable         # backend name -> its op namespace: OP_NAMES' ops and the recipe's own
+    forward: Callable     # (w, idx, cfg, ops, acts=None) -> the head's input (B*T, C); acts: what backward needs
+    backward: Callable    # (dh, idx, w, grads, acts, cfg, ops): the forward in reverse, adding into grads
+    head: tuple           # (weight, bias or None): the lm head's tensors
+    loss: Callable        # (ops, logits, targets, cfg, dloss) -> token losses (N,) fp32, logits -> dlogits
+    logits: Callable      # the head's output z -> the logits that evaluation and sampling see
+    summed: bool          # the step's gradient is of the summed token losses (else of their mean)
+    update: Callable      # (state, step, cfg, ops): the optimizer's step on this process's shard, in place
+    test_config: Config   # --test's tiny model for the whole-model check
+    test_cases: Callable  # () -> --test's [(check, case)] of its ops
+    autograd_test: str    # "": --test holds backend torch to autograd; else what does (--test refuses)
+    bench_cases: Callable  # (cfg, ops, device) -> --bench-ops' cases of its ops
+    op_work: Callable     # (name, args, kwargs, out) -> (flops, bytes) of one of its own ops, else None
+
+
 ZERO_STAGES = (0, 1)
 
 
@@ -410,8 +445,8 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
 
 
 def op_table(backend, ops, names=OP_NAMES):
-    """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or
-    SPEEDRUN_OP_NAMES) exactly."""
+    """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or a
+    recipe's own op names) exactly."""
     missing, unknown = sorted(set(names) - set(ops)), sorted(set(ops) - set(names))
     if missing or unknown:
         raise TypeError(f"backend {backend}: ops missing {missing}, ops not in the interface {unknown}")
@@ -433,15 +468,18 @@ TORCH_OPS = op_table("torch", dict(
 ))
 
 
-def backend_ops(name, recipe="gpt2"):
-    """The op namespace of backend `name` (TRITON_OPS and TRITON_SPEEDRUN_OPS are defined with the kernels,
-    after main) for `recipe`: OP_NAMES, and for speedrun SPEEDRUN_OP_NAMES too. Backend triton's kernels
-    need a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+def gpt2_ops(backend):
+    """GPT-2's op namespace of `backend`, OP_NAMES (TRITON_OPS is defined with the kernels, after main)."""
+    return TORCH_OPS if backend == "torch" else TRITON_OPS
+
+
+def backend_ops(name, recipe=Config.recipe):
+    """The op namespace of backend `name` for `recipe` (its Recipe.ops). Backend triton's kernels need a
+    CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
     if name == "triton" and not INTERPRET and not torch.cuda.is_available():
         die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
             "TRITON_INTERPRET=1 (slow, fp32 only)")
-    ops, own = (TORCH_OPS, TORCH_SPEEDRUN_OPS) if name == "torch" else (TRITON_OPS, TRITON_SPEEDRUN_OPS)
-    return SimpleNamespace(**vars(ops), **vars(own)) if recipe == "speedrun" else ops
+    return RECIPES[recipe].ops(name)
 
 
 # -----------------------------------------------------------------------------
@@ -454,10 +492,8 @@ PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c
 DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
 
 
-def param_shapes(cfg):
-    """{name: shape} of the recipe's weights, in the order of its model files."""
-    if cfg.recipe == "speedrun":
-        return speedrun_shapes(cfg)
+def gpt2_shapes(cfg):
+    """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
     L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
     return {
         "wte": (Vp, C), "wpe": (T, C),
@@ -471,14 +507,12 @@ def param_shapes(cfg):
     }
 
 
-def init_params_numpy(cfg):
-    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
-    from the same weights."""
-    if cfg.recipe == "speedrun":
-        return init_speedrun_numpy(cfg)
+def init_gpt2_numpy(cfg):
+    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same
+    weights."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in gpt2_shapes(cfg).items():
         if name.endswith(".b"):
             params[name] = np.zeros(shape, np.float32)
         elif name.startswith("ln"):
@@ -511,7 +545,7 @@ def compute_dtype(cfg):
 # a measurement): fp32 masters, AdamW moments and gradients 2.0 GB, bf16 weights 0.25 GB, a micro-batch's
 # saved tensors 3.0 GB, one lm-head chunk of logits (HEAD_ROWS x Vp bf16) 0.4 GB.
 
-def model_forward(w, idx, cfg, ops, acts=None):
+def gpt2_forward(w, idx, cfg, ops, acts=None):
     """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
     head's input. With a list `acts`, every layer appends what its backward needs (see above) and a last
     entry holds the final residual and ln_f's statistics; without, nothing outlives its use."""
@@ -537,27 +571,28 @@ def model_forward(w, idx, cfg, ops, acts=None):
     return h  # (N, C) ln_f's output
 
 
+def head_logits(h, w, cfg, ops):
+    """z = h W^T (+ b) (N, Vp) of the recipe's lm head (Recipe.head: GPT-2's is wte, without a bias)."""
+    weight, bias = RECIPES[cfg.recipe].head
+    return ops.matmul_forward(h, w[weight], w[bias] if bias else None)
+
+
 @torch.no_grad()
 def forward(params, idx, cfg):
-    """The logits (B, T, Vp) for token ids idx (B, T); params are the weights in the compute dtype. GPT-2's
-    lm head is tied to wte; the speedrun model's has its own weight and bias, and its logits are soft-capped
-    fp32."""
+    """The logits (B, T, Vp) for token ids idx (B, T), as the recipe's Recipe.logits makes them of the head's
+    output (GPT-2's as they are); params are the weights in the compute dtype."""
     B, T = idx.shape
-    ops = backend_ops(cfg.backend, cfg.recipe)
-    if cfg.recipe == "speedrun":
-        h = speedrun_forward(params, idx, cfg, ops)  # (N, C)
-        z = ops.matmul_forward(h, params["proj.weight"], params["proj.bias"])  # (N, Vp)
-        return speedrun_logits(z).view(B, T, -1)  # (B, T, Vp)
-    h = model_forward(params, idx, cfg, ops)  # (N, C)
-    return ops.matmul_forward(h, params["wte"], None).view(B, T, -1)  # (B, T, Vp) lm head tied to wte
+    recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
+    h = recipe.forward(params, idx, cfg, ops)  # (N, C)
+    return recipe.logits(head_logits(h, params, cfg, ops)).view(B, T, -1)  # (B, T, Vp)
 
 
 @torch.no_grad()
 def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B, T) in fp32 over the first V logits only (speedrun: over all Vp),
-    HEAD_ROWS rows of logits at a time (the cross-entropy op's gradient output is simply dropped)."""
+    """Per-token losses (B, T) in fp32 (the recipe's Recipe.loss), HEAD_ROWS rows of logits at a time (the
+    loss op's gradient output is simply dropped)."""
     ops = backend_ops(cfg.backend, cfg.recipe)
-    h = (speedrun_forward if cfg.recipe == "speedrun" else model_forward)(params, x, cfg, ops)  # (N, C)
+    h = RECIPES[cfg.recipe].forward(params, x, cfg, ops)  # (N, C)
     losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
     return losses.view(x.shape)  # (B, T)
 
@@ -621,26 +656,34 @@ def read_model_file(path):
     return header, params
 
 
+def is_model_file(head):
+    """Whether a file's first bytes are those of an llm.c model file."""
+    return head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
+
+
 # -----------------------------------------------------------------------------
 # GPT-2: backward
 
+def gpt2_loss(ops, logits, targets, cfg, dloss):
+    """GPT-2's token losses (n,) fp32: the cross-entropy over the first V of the Vp columns, the logits
+    overwritten with dloss times its gradient (0 in the padded columns)."""
+    return ops.crossentropy_forward_backward(logits, targets, cfg.vocab_size, dloss)
+
+
 def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
-    """The lm head and the loss, forward and backward at once, `rows` rows at a time: logits = h W^T (+ b);
-    the cross-entropy overwrites them with dlogits; then dh = dlogits W and dW += dlogits^T h (db += its
-    column sums). GPT-2's head is tied to wte, without bias, its loss over the first V columns; the speedrun
-    model's is proj.weight and proj.bias, its loss soft-capped, over all Vp. Returns (losses (N,) fp32, dh
-    (N, C)); with grads None, only the losses (dh None)."""
+    """The lm head and the loss, forward and backward at once, `rows` rows at a time: the recipe's logits =
+    h W^T (+ b) (Recipe.head); its loss (Recipe.loss) overwrites them with dlogits; then dh = dlogits W and
+    dW += dlogits^T h (db += its column sums). Returns (losses (N,) fp32, dh (N, C)); with grads None, only
+    the losses (dh None)."""
     N = h.shape[0]
-    speedrun = cfg.recipe == "speedrun"
-    weight, bias = ("proj.weight", "proj.bias") if speedrun else ("wte", None)
+    recipe = RECIPES[cfg.recipe]
+    weight, bias = recipe.head
     losses = torch.empty(N, dtype=_acc(h.dtype), device=h.device)  # (N,)
     dh = torch.empty_like(h) if grads is not None else None  # (N, C)
     for r0 in range(0, N, rows):
         hc, t = h[r0:r0 + rows], targets[r0:r0 + rows]  # (n, C), (n,)
         logits = ops.matmul_forward(hc, w[weight], w[bias] if bias else None)  # (n, Vp)
-        ops.copy_into(losses[r0:r0 + rows],
-                      ops.softcap_crossentropy_forward_backward(logits, t, dloss) if speedrun else
-                      ops.crossentropy_forward_backward(logits, t, cfg.vocab_size, dloss))  # (n,)
+        ops.copy_into(losses[r0:r0 + rows], recipe.loss(ops, logits, t, cfg, dloss))  # (n,)
         if grads is not None:
             dbias = grads[bias] if bias else None
             ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w[weight], grads[weight],
@@ -649,7 +692,7 @@ def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS)
     return losses, dh
 
 
-def model_backward(dh, idx, w, grads, acts, cfg, ops):
+def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
     """The forward in reverse, from dh (N, C), the gradient of ln_f's output: ln_f, then per layer the MLP
     and the attention, then the embedding. Pops each layer's saved tensors off `acts` as it goes, so their
     memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed."""
@@ -683,31 +726,25 @@ def model_backward(dh, idx, w, grads, acts, cfg, ops):
 
 
 def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
-    """One micro-batch (x, y (B, T) int64): forward, loss, backward, of GPT-2 or (--recipe speedrun) the
-    speedrun model. Adds the gradient of dloss * (sum of the token losses) into grads; returns the token
-    losses (N,) in fp32."""
-    speedrun = cfg.recipe == "speedrun"
+    """One micro-batch (x, y (B, T) int64) of the recipe's model: forward, loss, backward. Adds the
+    gradient of dloss * (sum of the token losses) into grads; returns the token losses (N,) in fp32."""
+    recipe = RECIPES[cfg.recipe]
     acts = []
-    h = (speedrun_forward if speedrun else model_forward)(w, x, cfg, ops, acts)  # (N, C)
+    h = recipe.forward(w, x, cfg, ops, acts)  # (N, C)
     losses, dh = head_forward_backward(h, y.reshape(-1), w, grads, cfg, ops, dloss, head_rows)  # (N,), (N, C)
     del h
-    (speedrun_backward if speedrun else model_backward)(dh, x, w, grads, acts, cfg, ops)
+    recipe.backward(dh, x, w, grads, acts, cfg, ops)
     return losses
 
 
 # -----------------------------------------------------------------------------
 # GPT-2: AdamW and the lr schedule
 
-def lr_at(it, cfg):
-    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
-    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
-    `steps`: eta = (1 - it/steps) / 0.7."""
+def cosine_lr(it, cfg):
+    """llm.c's lr of 0-based iteration `it`: a linear warmup, then a cosine down to lr*lr_decay_frac."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
-    if cfg.recipe == "speedrun":
-        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
-        return min_lr + eta * (cfg.lr - min_lr)
     if it > cfg.steps:
         return min_lr
     ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -715,6 +752,18 @@ def lr_at(it, cfg):
 
 
 BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
+
+
+def gpt2_update(state, step, cfg, ops):
+    """GPT-2's update of optimizer step `step` (1-based), in place, on this process's shard: llm.c's AdamW
+    (adamw_update) at cosine_lr's lr, weight decay on DECAY_NAMES only, which also refreshes the
+    compute-dtype copies."""
+    names = list(state["shard_grads"])
+    copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
+    ops.adamw_update([state["shard_params"][k] for k in names], [state["shard_grads"][k] for k in names],
+                     [state["m"][k] for k in names], [state["v"][k] for k in names], copies,
+                     cosine_lr(step - 1, cfg), BETA1, BETA2, EPS,
+                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
 
 
 # -----------------------------------------------------------------------------
@@ -742,9 +791,10 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
     ops.zero_fill(flat)
     share = 1.0 / (xs[0].numel() * len(xs) * world)  # each token's share of the mean loss
-    # the speedrun recipe's optimizers take the gradient of the summed loss, so that Adam's eps and
-    # Newton-Schulz's 1e-7 act at its scale, as the reference's do
-    dloss = 1.0 if cfg.recipe == "speedrun" else share
+    # a recipe whose optimizers take the gradient of the summed loss (Recipe.summed: the speedrun's, so that
+    # Adam's eps and Newton-Schulz's 1e-7 act at its scale, as the reference's do) gets it unscaled
+    recipe = RECIPES[cfg.recipe]
+    dloss = 1.0 if recipe.summed else share
     loss = torch.empty((), dtype=torch.float32, device=xs.device)  # () the mean token loss
     ops.zero_fill(loss)
     for x, y in zip(xs, ys):
@@ -762,9 +812,7 @@ def train_step(state, xs, ys, step, cfg, ops, world):
         for group in state["groups"]:
             first, end = group["span"]
             dist.reduce_scatter_single(group["grads"], flat[first:end])
-    names = list(state["shard_grads"])
-    g = [state["shard_grads"][k] for k in names]
-    norm = ops.global_norm(g)  # ()
+    norm = ops.global_norm(list(state["shard_grads"].values()))  # ()
     if sharded:
         squares = norm.double().square()  # ()
         dist.all_reduce(squares)
@@ -772,17 +820,26 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     if cfg.grad_clip > 0:
         for group in state["groups"]:
             ops.clip_by_norm(group["grads"], norm, cfg.grad_clip)
-    if cfg.recipe == "speedrun":
-        speedrun_update(state, step, cfg, ops)
-    else:
-        copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
-        ops.adamw_update([state["shard_params"][k] for k in names], g, [state["m"][k] for k in names],
-                         [state["v"][k] for k in names], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
-                         [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
+    recipe.update(state, step, cfg, ops)
     if sharded:
         for group in state["groups"]:
             dist.all_gather_single(group["weights"], group["own_weights"])
     return loss.item(), norm.item()  # the step's one wait for the device
+
+
+RECIPES = {"gpt2": Recipe(
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
+    model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
+    read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
+    optimizers="AdamW",
+    ops=gpt2_ops, forward=gpt2_forward, backward=gpt2_backward, head=("wte", None), loss=gpt2_loss,
+    logits=lambda z: z, summed=False, update=gpt2_update,
+    test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
+                       seq_len=9, batch_size=2),
+    # the tools' own, defined at the end of the file
+    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=lambda *args: bench_cases(*args),
+    op_work=lambda name, args, kwargs, out: None)}
 
 
 # -----------------------------------------------------------------------------
@@ -792,8 +849,6 @@ def train_step(state, xs, ys, step, cfg, ops, world):
 # (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
 # others with it.
 SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
-
-
 # its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
 # and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
 SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
@@ -804,6 +859,17 @@ SOFTCAP = 15.0
 SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
 SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
 MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
+
+
+def configure_speedrun(cfg, given, shape):
+    """The speedrun model's heads are HEAD_DIM wide: its width sets their count."""
+    if cfg.n_embd % HEAD_DIM:
+        die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+            f"be a multiple of {HEAD_DIM}")
+    if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+        die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+            f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+    cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
 
 
 def speedrun_shapes(cfg):
@@ -822,7 +888,7 @@ def speedrun_shapes(cfg):
 
 
 def muon_names(shapes):
-    """The weights Muon updates: every matrix inside the blocks (none in the gpt2 recipe, all AdamW's)."""
+    """The weights Muon updates: every matrix inside the blocks."""
     return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
 
 
@@ -832,7 +898,7 @@ def init_speedrun_numpy(cfg):
     param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in speedrun_shapes(cfg).items():
         if name.endswith(".gains"):
             params[name] = np.ones(shape, np.float32)
         elif name.endswith(".bias") or "proj" in name:
@@ -851,8 +917,8 @@ def rotary_freq_numpy(head_dim):
     return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
-# The speedrun recipe's own computations (--recipe speedrun), beside the ops above that it shares (matmul
-# with bias, global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
+# The speedrun recipe's own computations, beside GPT-2's ops that it shares (matmul with bias,
+# global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
 # embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
 # ReLU^2, the soft-capped cross-entropy over all columns, Muon, and the sum of the input gradients of q, k
 # and v (add_into).
@@ -1034,8 +1100,15 @@ TORCH_SPEEDRUN_OPS = op_table("torch", dict(
 ), SPEEDRUN_OP_NAMES)
 
 
-# The speedrun model (--recipe speedrun), as tests/speedrun_reference.py computes it, on the same ops where
-# they fit and SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (above)
+def speedrun_ops(backend):
+    """The speedrun recipe's op namespace of `backend`: GPT-2's and its own, SPEEDRUN_OP_NAMES (backend
+    triton's, TRITON_SPEEDRUN_OPS, are defined with its kernels, after main)."""
+    own = TORCH_SPEEDRUN_OPS if backend == "torch" else TRITON_SPEEDRUN_OPS
+    return SimpleNamespace(**vars(gpt2_ops(backend)), **vars(own))
+
+
+# The speedrun model, as tests/speedrun_reference.py computes it, on GPT-2's ops where they fit and
+# SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (gpt2_forward)
 # in channels of the residual stream: res (C), q and k before their norm (C each), v (C), the attention's
 # output y (C) and its row logsumexp, res2 (C) and the MLP's pre-activation (4C): 10 C, as GPT-2's. The
 # norms' outputs, the rotated q and k and relu(pre)^2 are recomputed by the backward; the embedding's
@@ -1082,6 +1155,12 @@ def speedrun_logits(z):
     return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)  # (..., V)
 
 
+def speedrun_loss(ops, logits, targets, cfg, dloss):
+    """The speedrun model's token losses (n,) fp32: the soft-capped cross-entropy over all Vp columns, as
+    the reference's, the logits overwritten with dloss times its gradient."""
+    return ops.softcap_crossentropy_forward_backward(logits, targets, dloss)
+
+
 def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
     """speedrun_forward in reverse, from dh (N, C), the gradient of the final norm's output: that norm,
     then per block the MLP and the attention, then the embedding's norm and the embedding. Pops each
@@ -1126,10 +1205,20 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
     ops.embedding_backward(demb.view(B, T, C), idx, grads["embed.weight"])
 
 
+def speedrun_lr(it, cfg):
+    """The reference's lr of 0-based iteration `it` (after a warmup, if one is given): lr until 30% of the
+    steps, then a linear fall toward lr*lr_decay_frac at step `steps`: eta = (1 - it/steps) / 0.7."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+    return min_lr + eta * (cfg.lr - min_lr)
+
+
 def speedrun_lrs(it, cfg):
     """{group: lr} of 0-based iteration `it` for the speedrun recipe's groups (SPEEDRUN_LRS): Muon's is
-    lr_at's, the AdamW groups' keep their ratios to it."""
-    scale = lr_at(it, cfg) / SPEEDRUN_LRS["muon"]
+    speedrun_lr's, the AdamW groups' keep their ratios to it."""
+    scale = speedrun_lr(it, cfg) / SPEEDRUN_LRS["muon"]
     return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
 
 
@@ -1222,6 +1311,11 @@ def read_safetensors(path):
     return tensors
 
 
+def is_safetensors_file(head):
+    """Whether a file's first 9 bytes are those of a safetensors file (a JSON header after its length)."""
+    return head[8:9] == b"{"
+
+
 def write_speedrun_file(path, params, cfg):
     """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
     included, so that the reference loads it as it is."""
@@ -1249,7 +1343,7 @@ def read_speedrun_file(path):
             f"{HEAD_DIM}, or it has no blocks")
     header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
                   n_head=n_embd // HEAD_DIM, n_embd=n_embd)
-    shapes = param_shapes(Config(recipe="speedrun", **header))
+    shapes = speedrun_shapes(Config(**header))
     freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
     expected = {**shapes, **freqs}
     for k, shape in expected.items():
@@ -1267,8 +1361,81 @@ def read_speedrun_file(path):
     return header, {k: tensors[k] for k in shapes}
 
 
+RECIPES["speedrun"] = Recipe(
+    help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
+    f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
+    "scales the AdamW groups' in proportion ("
+    + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + "), --weight-decay is on every AdamW "
+    "tensor, and its defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()),
+    defaults=SPEEDRUN_DEFAULTS, configure=configure_speedrun, shapes=speedrun_shapes,
+    init=init_speedrun_numpy, lr_at=speedrun_lr, muon_names=muon_names, model_file="model.safetensors",
+    file_kind="a safetensors file of the reference's state_dict (.safetensors)",
+    is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
+    model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    ops=speedrun_ops, forward=speedrun_forward, backward=speedrun_backward,
+    head=("proj.weight", "proj.bias"), loss=speedrun_loss, logits=speedrun_logits, summed=True,
+    update=speedrun_update,
+    test_config=Config(recipe="speedrun", n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
+                       padded_vocab_size=64, seq_len=9, batch_size=2),  # one head
+    # the tools' own, defined with its kernels in Triton kernels: speedrun
+    test_cases=lambda: SPEEDRUN_OP_CASES, autograd_test="tests/test_speedrun_triton.py",
+    bench_cases=lambda *args: speedrun_bench_cases(*args), op_work=lambda *args: speedrun_op_work(*args))
+
+
 # -----------------------------------------------------------------------------
 # Flags
+
+def param_shapes(cfg):
+    """{name: shape} of the recipe's weights, in the order of its model files."""
+    if cfg.recipe == "speedrun":
+        return speedrun_shapes(cfg)
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {
+        "wte": (Vp, C), "wpe": (T, C),
+        "ln_1.w": (L, C), "ln_1.b": (L, C),
+        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
+        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+        "ln_2.w": (L, C), "ln_2.b": (L, C),
+        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
+        "ln_f.w": (C,), "ln_f.b": (C,),
+    }
+
+
+def init_params_numpy(cfg):
+    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
+    from the same weights."""
+    if cfg.recipe == "speedrun":
+        return init_speedrun_numpy(cfg)
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif name.startswith("ln"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
+    return params
+
+
+def lr_at(it, cfg):
+    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
+    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
+    `steps`: eta = (1 - it/steps) / 0.7."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if cfg.recipe == "speedrun":
+        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+        return min_lr + eta * (cfg.lr - min_lr)
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
 
 def parse_args(argv=None):
     """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
@@ -2004,41 +2171,54 @@ def a_lost_process_is_an_error(store, rank, world):
 def compute_groups(cfg):
     """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
     in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): bf16 copies of
-    every tensor, or with --dtype fp32 the fp32 masters themselves. The speedrun recipe's Muon matrices,
-    which a process updates whole, are a last group of their own."""
+    every tensor, or with --dtype fp32 the fp32 masters themselves. A recipe's Muon matrices, which a
+    process updates whole, are a last group of their own."""
     shapes = param_shapes(cfg)
-    muon = muon_names(shapes)
+    muon = RECIPES[cfg.recipe].muon_names(shapes)
     dtype = compute_dtype(cfg)
     return [([k for k in shapes if k not in muon], dtype)] + ([(muon, dtype)] if muon else [])
 
 
 def make_state(params, m, v, cfg, device, rank=0, world=1):
-    """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
-    `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes) and all of the weights `weights`
-    the model computes with (compute_groups: bf16 copies of the masters, or the fp32 masters themselves).
-    Stage 0: it also holds all of the fp32 masters `params` and the moments `m`, `v` (speedrun: v of the
-    AdamW tensors only, m also Muon's momentum), sums the gradients with one all-reduce and updates every
-    weight. Stage 1 (ZeRO-1): per compute group (`groups`), it keeps only its shard, 1/world of the group's
-    stretch of the flat layout (state_layout: Muon's holds whole matrices), of the fp32 masters (a piece of
-    the weights themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered
-    into it); it updates that shard of the masters and of the weights (`own_weights`), and one all-gather
-    of the group's weights brings every process every update. `shard_params`, `shard_grads`,
-    `shard_copies`, m and v are then {name: 1-D piece} of the tensors in the shard (Muon's matrices whole,
-    in their shapes); at stage 0 they are the whole tensors (`params`, `grads`, `weights` or None, m, v),
-    what train_step updates either way."""
+    """The training state on the device, from numpy dicts of the fp32 masters and the moments: every
+    process holds all of the fp32 gradients `grads` (views of one flat buffer, `grad_buffer`, that one
+    kernel zeroes) and all of the `weights` the model computes with (compute_groups: bf16 copies of the
+    masters, or the fp32 masters themselves); what else it holds is its ZeRO stage's (whole_state,
+    sharded_state). train_step updates `shard_params` from `shard_grads`, m and v (v of the AdamW tensors
+    only: Muon keeps one buffer, in m), and refreshes `shard_copies`."""
     shapes = param_shapes(cfg)
-    groups, starts, spans = state_layout(cfg, shapes, world)
-    muon = set(muon_names(shapes))
+    _, starts, spans = state_layout(cfg, shapes, world)
     state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
     state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
-    if cfg.zero_stage == 0:  # this process's shard is the whole model, its one group the whole buffer
-        state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
-        state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()}
-                            if cfg.dtype == "bf16" else state["params"])
-        state.update(shard_params=state["params"], shard_grads=state["grads"],
-                     shard_copies=state["weights"] if cfg.dtype == "bf16" else None,
-                     groups=[{"span": (0, spans[-1][1]), "grads": state["grad_buffer"]}])
-        return state
+    if cfg.zero_stage == 0:
+        return whole_state(state, params, m, v, cfg, device)
+    return sharded_state(state, params, m, v, cfg, device, rank, world)
+
+
+def whole_state(state, params, m, v, cfg, device):
+    """Stage 0: a process's shard is the whole model, its one group the whole buffer. It holds all of the
+    fp32 masters `params` and the moments m, v; one all-reduce sums the gradients, and it updates every
+    weight. `shard_params`, `shard_grads`, `shard_copies` are `params`, `grads` and the bf16 `weights`
+    (None in fp32, where the model computes with the masters)."""
+    state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
+    state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()}
+                        if cfg.dtype == "bf16" else state["params"])
+    state.update(shard_params=state["params"], shard_grads=state["grads"],
+                 shard_copies=state["weights"] if cfg.dtype == "bf16" else None,
+                 groups=[{"span": (0, state["grad_buffer"].numel()), "grads": state["grad_buffer"]}])
+    return state
+
+
+def sharded_state(state, params, m, v, cfg, device, rank, world):
+    """Stage 1 (ZeRO-1): per compute group (`groups`), a process keeps 1/world of the group's stretch of
+    the flat layout (state_layout; Muon's holds whole matrices) of the fp32 masters (a piece of the weights
+    themselves where they are fp32), of m and v, and of the summed gradients (reduce-scattered into it). It
+    updates that shard of the masters and of the weights (`own_weights`); one all-gather of the group's
+    weights brings every process every update. `shard_params`, `shard_grads`, `shard_copies`, m and v are
+    {name: 1-D piece} of the tensors in the shard (Muon's matrices whole, in their shapes)."""
+    shapes = param_shapes(cfg)
+    groups, starts, spans = state_layout(cfg, shapes, world)
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
     state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
     for (names, dtype), (first, end) in zip(groups, spans):
         n = (end - first) // world
@@ -2084,10 +2264,10 @@ def device_state_bytes(cfg, shapes, world):
     computes with the masters), all of them at either stage; `grads`: the fp32 flat gradient buffer, plus
     at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all of them, or at stage 1
     a shard of those that have bf16 copies (with --dtype fp32 the masters are what the model computes
-    with, so every process holds them whole); `moments`: AdamW's m and v and Muon's momentum (speedrun),
-    all or (stage 1) a shard."""
+    with, so every process holds them whole); `moments`: AdamW's m and v and Muon's momentum, all or
+    (stage 1) a shard."""
     groups, _, spans = state_layout(cfg, shapes, world)
-    muon = set(muon_names(shapes))
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
     size = spans[-1][1]
     if cfg.zero_stage == 0:
         numel = {k: math.prod(s) for k, s in shapes.items()}
@@ -2129,20 +2309,15 @@ def generate(params, generator, cfg):
     """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
     (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
     mask makes the not-yet-sampled zeros to the right irrelevant."""
-    ops = backend_ops(cfg.backend, cfg.recipe)
-    speedrun = cfg.recipe == "speedrun"
+    recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
     device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)  # (S, T)
     tokens[:, 0] = EOT
     for t in range(T - 1):  # token t+1 from 0..t
-        h = (speedrun_forward if speedrun else model_forward)(params, tokens, cfg, ops)  # (S*T, C)
+        h = recipe.forward(params, tokens, cfg, ops)  # (S*T, C)
         h = h.view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
-        if speedrun:
-            z = ops.matmul_forward(h, params["proj.weight"], params["proj.bias"])  # (S, Vp)
-            logits = speedrun_logits(z[:, :VOCAB_SIZE])  # (S, V)
-        else:
-            logits = ops.matmul_forward(h, params["wte"], None)[:, :VOCAB_SIZE].float()  # (S, V)
+        logits = recipe.logits(head_logits(h, params, cfg, ops))[:, :VOCAB_SIZE].float()  # (S, V)
         top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)  # (S, K) each
         choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
         tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
@@ -2172,9 +2347,7 @@ def peak_memory_gb(device):
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
-    if cfg.recipe == "speedrun" and cfg.test and cfg.backend == "torch":
-        die("--test --recipe speedrun checks backend triton's kernels against backend torch (backend torch's "
-            "speedrun ops are held to autograd by tests/test_speedrun_triton.py)")
+    recipe = RECIPES[cfg.recipe]
     if cfg.test:
         run_self_test(cfg)
         return
@@ -2202,7 +2375,7 @@ def main(argv=None):
     else:
         params = init_params_numpy(cfg)
     if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
-        muon = muon_names(param_shapes(cfg))
+        muon = recipe.muon_names(param_shapes(cfg))
         m = {k: np.zeros_like(p) for k, p in params.items()}
         v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
     if cfg.eval_only and not (cfg.resume or cfg.init_from):
@@ -2231,17 +2404,15 @@ def main(argv=None):
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
     # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
-    model, table = ("speedrun GPT", "embed.weight") if cfg.recipe == "speedrun" else ("GPT-2", "wpe")
-    n_params = sum(p.numel() for k, p in weights.items() if k != table)
+    n_params = sum(p.numel() for k, p in weights.items() if k != recipe.table)
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"{table}) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
+    say(f"{recipe.model_name} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters "
+        f"(without {recipe.table}) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    optimizers = "AdamW and Muon" if cfg.recipe == "speedrun" else "AdamW"
     say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-        f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
+        f"masters {held['masters'] / 1e6:.1f} MB | {recipe.optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
         f"stage {cfg.zero_stage} over {world} devices)")
 
     with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
@@ -2294,10 +2465,9 @@ def main(argv=None):
             if cfg.time_budget and world > 1:
                 dist.broadcast_object_list(stop, src=0)
             last = step if stop[0] else cfg.steps
-            if step == first:
-                say(f"first step: {dt:.1f} s with its one-off costs (kernel compilation and autotuning, whose "
-                    f"copies of the buffers it tunes count in its memory), left out of the mean; peak memory "
-                    f"is reset after it, so later steps show the steady state")
+            if step == first:  # its peak memory holds the autotuner's copies of the buffers it tunes
+                say(f"step {first} includes compile and autotune time: tokens/s and MFU are measured from step "
+                    f"{first + 1}")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
             if profile and step == profile_steps[-1]:
@@ -3635,39 +3805,39 @@ ATTENTION_PRUNE = {"early_config_prune": _prune_attention_configs}
 
 
 @triton.jit
-def _load_rows(base, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr,
                CHECK_T: tl.constexpr):
     """The (len(offs_t), BLOCK_D) tile of rows offs_t of one head; rows >= T (when CHECK_T) and padded
     head-dim columns read as 0, which makes every product they enter vanish."""
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
     if CHECK_T:
-        x = tl.load(ptrs, mask=(offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D == HEAD_DIM:
+        x = tl.load(ptrs, mask=(offs_t[:, None] < T) & (offs_d[None, :] < D), other=0.0)
+    elif BLOCK_D == D:
         x = tl.load(ptrs)
     else:
-        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
     return x
 
 
 @triton.jit
-def _store_rows(base, x, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_rows(base, x, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_d[None, :] < D))
 
 
 @triton.jit
 def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """Online softmax over the key blocks [lo, hi): rescales the running output acc (BM,BD), sum l_i and
     max m_i (BM,) by exp2(m_old - m_new) whenever the max grows. DIAGONAL blocks straddle the causal
     boundary (and maybe T): they mask scores of keys after the query and load keys with a row check."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-        k = _load_rows(k_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
-        v = _load_rows(v_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BM, BN) fp32 unscaled scores
         if DIAGONAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))  # (BM, BN)
@@ -3681,10 +3851,10 @@ def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_attention_configs("fwd"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.autotune(configs=_attention_configs("fwd"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
-                    stride_out_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head). Keys strictly before the block need no mask;
     the BLOCK_M diagonal keys are masked; keys after the block are never visited (causal skip).
@@ -3694,27 +3864,27 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, strid
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k and v
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k and v
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
     # a finite start: a row whose first keys are all masked keeps m = -1e30 and p = exp2(-inf) = 0, no NaN
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # (BM,) running max (log2 units)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,) running sum of exp2(s - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD) running p @ v
     acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
-                                   stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+                                   stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, start_m,
-                                   tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM,
+                                   tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D,
                                    BLOCK_D, BLOCK_M, BLOCK_N, True)
-    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM
-    _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, HEAD_DIM, BLOCK_D)
+    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * D
+    _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, D, BLOCK_D)
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # (BM,) natural-log logsumexp of the scaled scores
     tl.store(lse_ptr + pid_bh * T + offs_m, lse, mask=offs_m < T)
 
 
 @triton.jit
 def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b,
-                          stride_dout_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          stride_dout_t, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr):
     """delta (B,H,T) = rowsum(dout * out) per head: the softmax backward's sum_j p_j dp_j, computed once
     here instead of in every key block of the backward kernels."""
@@ -3722,25 +3892,25 @@ def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stri
     b = pid_bh // H
     h = pid_bh % H
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-    o = _load_rows(out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM, offs_m, stride_out_t, T,
-                   HEAD_DIM, BLOCK_D, True)  # (BM, BD)
-    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
-                    HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    o = _load_rows(out_ptr + b.to(tl.int64) * stride_out_b + h * D, offs_m, stride_out_t, T,
+                   D, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * D, offs_m, stride_dout_t, T,
+                    D, BLOCK_D, True)  # (BM, BD)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BM,)
     tl.store(delta_ptr + pid_bh * T + offs_m, delta, mask=offs_m < T)
 
 
 @triton.jit
 def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_t,
-                      stride_do_t, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      stride_do_t, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dK, dV of one key block (BN,BD) over the query blocks [lo, hi), in transposed form (keys x queries)
     so the sums over queries are dots: P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T * (dP^T - delta),
     dK += dS^T Q. Queries past T read q = dO = lse = delta = 0 and so add exactly 0."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-        q = _load_rows(q_base, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
-        do = _load_rows(do_base, offs_m, stride_do_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+        q = _load_rows(q_base, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
+        do = _load_rows(do_base, offs_m, stride_do_t, T, D, BLOCK_D, True)  # (BM, BD)
         lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,) log2 units
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
         zeros = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -3755,10 +3925,10 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
     return dk, dv
 
 
-@triton.autotune(configs=_attention_configs("dkdv"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.autotune(configs=_attention_configs("dkdv"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, sm_scale,
-                         qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                         qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_N keys of one (batch, head), their dK and dV written once (no atomics). Only
     queries at or after the block see it: the BLOCK_N diagonal queries with the causal mask, the rest
@@ -3768,35 +3938,35 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_p
     start_n = tl.program_id(1) * BLOCK_N
     b = pid_bh // H
     h = pid_bh % H
-    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and grads
-    do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k, v and grads
+    do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * D
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-    k = _load_rows(k_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
-    v = _load_rows(v_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    k = _load_rows(k_ptr + head, offs_n, stride_t, T, D, BLOCK_D, True)  # (BN, BD)
+    v = _load_rows(v_ptr + head, offs_n, stride_t, T, D, BLOCK_D, True)  # (BN, BD)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     lse_row = lse_ptr + pid_bh * T
     delta_row = delta_ptr + pid_bh * T
     diag_hi = tl.minimum(start_n + BLOCK_N, T)
     dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n,
-                               diag_hi, T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                               diag_hi, T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M,
                                BLOCK_N, True)
     dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T,
-                               T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                               T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N,
                                False)
-    _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
-    _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, D, BLOCK_D)
+    _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, D, BLOCK_D)
 
 
 @triton.jit
 def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-        k = _load_rows(k_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
-        v = _load_rows(v_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
         zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         s = tl.dot(q, tl.trans(k), zeros, input_precision="ieee") * qk_scale  # (BM, BN) log2 units
         p = tl.exp2(s - lse2[:, None])  # (BM, BN)
@@ -3808,10 +3978,10 @@ def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, st
     return dq
 
 
-@triton.autotune(configs=_attention_configs("dq"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.autotune(configs=_attention_configs("dq"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, T, H, sm_scale, qk_scale,
-                       stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                       stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head), their dQ written once (recomputing P costs one
     more dot than atomics in the dK/dV kernel, and keeps the result deterministic)."""
@@ -3820,20 +3990,20 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and dq
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k, v and dq
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
-    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
-                    HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * D, offs_m, stride_dout_t, T,
+                    D, BLOCK_D, True)  # (BM, BD)
     lse2 = tl.load(lse_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,)
     delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD)
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
-                        stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+                        stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, start_m,
-                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM, BLOCK_D,
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D, BLOCK_D,
                         BLOCK_M, BLOCK_N, True)
-    _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, D, BLOCK_D)
 
 
 ATTN_DELTA_BLOCK = 64  # rows a program in attn_bwd_delta_kernel: memory-bound, no tuning needed
@@ -3850,7 +4020,7 @@ def _flash_forward(q, k, v, B, T, H, D, scale):
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
     grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
     attn_fwd_kernel[grid](q, k, v, out, lse, T, H, math.log2(math.e) * scale, q.stride(0), q.stride(1),
-                          out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=_head_block(D))
+                          out.stride(0), out.stride(1), D=D, BLOCK_D=_head_block(D))
     return out, lse
 
 
@@ -3861,12 +4031,12 @@ def _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale):
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
     attn_bwd_delta_kernel[(B * H, triton.cdiv(T, ATTN_DELTA_BLOCK))](
         out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
+        D=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
     rest = (T, H, scale, math.log2(math.e) * scale, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1))
     attn_bwd_dkdv_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_N"]))](
-        q, k, v, dout, lse, delta, dk, dv, *rest, HEAD_DIM=D, BLOCK_D=BD)
+        q, k, v, dout, lse, delta, dk, dv, *rest, D=D, BLOCK_D=BD)
     attn_bwd_dq_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))](
-        q, k, v, dout, lse, delta, dq, *rest, HEAD_DIM=D, BLOCK_D=BD)
+        q, k, v, dout, lse, delta, dq, *rest, D=D, BLOCK_D=BD)
 
 
 def _thirds(qkv):
@@ -4551,6 +4721,35 @@ def speedrun_bench_cases(cfg, ops, device):
     return cases
 
 
+
+def speedrun_op_work(name, args, kwargs, out):
+    """op_work (the profiler's) of an op of SPEEDRUN_OP_NAMES: (flops, bytes) that one call cannot do
+    without; None for any other op."""
+    if name == "matmul_relu2_forward":
+        x, w = args[0], args[1]
+        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
+    if name in ("scaled_attention_forward", "scaled_attention_backward"):
+        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
+        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
+        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
+        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
+    if name == "embedding_forward":
+        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
+    if name == "embedding_backward":  # the table rows it updates, read and written
+        dx, idx, dtable = args[:3]
+        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
+    if name == "rmsnorm_backward":  # dw (and dres) are read and written
+        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
+    if name == "add_into":  # acc read and written
+        return 0, 3 * _nbytes(args[1])
+    if name == "softcap_crossentropy_forward_backward":
+        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
+    if name in SPEEDRUN_OP_NAMES:  # the norms, q/k norm+rotary, relu2: inputs read, outputs written
+        return 0, _nbytes(*args, *(out if isinstance(out, tuple) else (out,)))
+    return None
+
+
 # -----------------------------------------------------------------------------
 # Backend `triton`: the op interface filled in by the kernels above
 
@@ -4872,16 +5071,6 @@ OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layern
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
 
 
-def self_test_config(recipe):
-    """A tiny model of the recipe for the whole-model check: odd sizes (the speedrun model's width is its
-    one 128-wide head), T below block_size, a small padded vocab."""
-    if recipe == "speedrun":
-        return Config(recipe=recipe, n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
-                      padded_vocab_size=64, seq_len=9, batch_size=2)
-    return Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
-                  seq_len=9, batch_size=2)
-
-
 def self_test_model_data(r, cfg):
     """Random weights (scaled so every path carries signal) and two micro-batches of tokens."""
     w = {}
@@ -4978,7 +5167,12 @@ def first_configs(active=True):
 def run_self_test(cfg):
     """--test: prints a table (check, dtype, max abs error, max relative error, tolerance, result, worst
     output) and exits non-zero if any check fails. TF32 is off while it runs (fp32 references must be
-    fp32) and the caller's settings are restored after it (the tests call it in their own process)."""
+    fp32) and the caller's settings are restored after it (the tests call it in their own process). A
+    recipe whose backend torch ops autograd checks elsewhere (Recipe.autograd_test) refuses backend torch."""
+    recipe = RECIPES[cfg.recipe]
+    if cfg.backend == "torch" and recipe.autograd_test:
+        die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
+            f"torch's {cfg.recipe} ops are held to autograd by {recipe.autograd_test})")
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -4990,7 +5184,7 @@ def run_self_test(cfg):
 def _run_self_test(cfg):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ops = backend_ops(cfg.backend, cfg.recipe)
-    cases = SPEEDRUN_OP_CASES if cfg.recipe == "speedrun" else OP_CASES
+    cases = RECIPES[cfg.recipe].test_cases()
     if cfg.backend == "torch":
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
     else:
@@ -5014,7 +5208,7 @@ def _run_self_test(cfg):
                     want = case(ref_ops, op_inputs(f64, dt, device), *shape)
                     results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
                 rows.append((name, dt, results))
-            tcfg = self_test_config(cfg.recipe)
+            tcfg = RECIPES[cfg.recipe].test_config
             got = case_model(cfg.backend, op_inputs(dt, dt, device), tcfg)
             want = ref_model(op_inputs(f64, dt, device), tcfg)
             rows.append(("model loss and logits", dt,
@@ -5051,9 +5245,13 @@ def op_work(name, args, kwargs, out):
     """(flops, bytes) that one call of op `name` cannot do without: the matmul flops of the matmuls and
     the attention (causal: half the score matrix; its backward recomputes the scores, 5 matmuls in all),
     and for the others the bytes they must read and write. Achieved TFLOP/s and GB/s are measured
-    against these."""
+    against these. A recipe's own ops: its Recipe.op_work."""
+    for recipe in RECIPES.values():
+        work = recipe.op_work(name, args, kwargs, out)
+        if work is not None:
+            return work
     outs = out if isinstance(out, tuple) else (out,)
-    if name in ("matmul_forward", "matmul_gelu_forward", "matmul_relu2_forward"):
+    if name in ("matmul_forward", "matmul_gelu_forward"):
         x, w = args[0], args[1]
         return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
     if name == "matmul_backward":
@@ -5062,29 +5260,16 @@ def op_work(name, args, kwargs, out):
     if name in ("attention_forward", "attention_backward"):
         B, T, C3 = args[0 if name == "attention_forward" else 1].shape
         return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
-    if name in ("scaled_attention_forward", "scaled_attention_backward"):
-        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
-        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
-    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
-        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
-        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
     if name == "encoder_forward":
         idx, x = args[0], outs[0]
         return 0, _nbytes(idx) + 2 * _nbytes(x) + _nbytes(args[2][:idx.shape[1]])
-    if name in ("encoder_backward", "embedding_backward"):
-        dx, idx, dwte = args[:3]
+    if name == "encoder_backward":
+        dx, idx, dwte, dwpe = args[:4]
         rows = dx.numel() * dwte.element_size()  # the wte rows it updates, read and written
-        wpe = 2 * dx[0].numel() * args[3].element_size() if name == "encoder_backward" else 0
-        return 0, _nbytes(dx, idx) + 2 * rows + wpe
-    if name == "embedding_forward":
-        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
+        return 0, _nbytes(dx, idx) + 2 * rows + 2 * dx[0].numel() * dwpe.element_size()
     if name == "layernorm_backward":  # dw, db (and dres) are read and written
         return 0, _nbytes(*args[:5], *args[7:], out, *kwargs.values()) + 2 * _nbytes(*args[5:7])
-    if name == "rmsnorm_backward":  # dw (and dres) are read and written
-        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
-    if name == "add_into":  # acc read and written
-        return 0, 3 * _nbytes(args[1])
-    if name in ("crossentropy_forward_backward", "softcap_crossentropy_forward_backward"):
+    if name == "crossentropy_forward_backward":
         return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
     if name == "global_norm":
         return 0, _nbytes(*args[0])
@@ -5260,8 +5445,7 @@ def kept_bytes(w, x, cfg, ops):
             return out
         return call
     acts = []
-    body = speedrun_forward if cfg.recipe == "speedrun" else model_forward
-    body(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
+    RECIPES[cfg.recipe].forward(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
     saved = {t.data_ptr(): t for a in acts for t in a.values()}  # distinct tensors
     kept = {}
     for ptr, t in saved.items():
@@ -5513,7 +5697,7 @@ def bench_ops(cfg, ops, device):
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
     print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
           f"{'rate':>12} {'speed-up':>8}")
-    cases = (speedrun_bench_cases if cfg.recipe == "speedrun" else bench_cases)(cfg, ops, device)
+    cases = RECIPES[cfg.recipe].bench_cases(cfg, ops, device)
     for name, shape, ours, torch_label, theirs, args in cases:
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
