@@ -779,15 +779,12 @@ def grad_accum_steps(cfg, world):
 
 @torch.no_grad()
 def train_step(state, xs, ys, step, cfg, ops, world):
-    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): each one's forward and
-    hand-written backward add into the fp32 gradients, scaled so that they sum to the gradient of the mean
-    token loss over all A x world micro-batches (speedrun: of the summed token loss); one all-reduce of the
-    flat gradient buffer (at stage 1 a reduce-scatter); clipping by global norm; AdamW, or speedrun_update
-    (at stage 1 on this process's shard, then an all-gather of the weights). No autograd anywhere: grad
-    mode is off and no tensor requires grad. Everything but the collectives (and at stage 1 the sum of the
-    shards' squared norms) runs through `ops` (the loss sum, the zeroing and clipping of the gradients too),
-    and the clipping coefficient is computed on the device: the host waits once, at the end, to read the
-    loss and the norm. Returns (train loss, grad norm before clipping) as floats."""
+    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): returns (train loss, grad
+    norm before clipping) as floats. Each micro-batch's forward and hand-written backward add into the
+    fp32 gradients, scaled to the gradient of the mean token loss over all micro-batches (or of the sum:
+    Recipe.summed); then one all-reduce (stage 1: reduce-scatter), clipping by global norm, Recipe.update
+    (stage 1: on this process's shard, then an all-gather of the weights). No autograd. All but the
+    collectives runs through `ops`: the host waits once, at the end, for the loss and the norm."""
     w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
     ops.zero_fill(flat)
     share = 1.0 / (xs[0].numel() * len(xs) * world)  # each token's share of the mean loss
@@ -2259,13 +2256,12 @@ def sharded_state(state, params, m, v, cfg, device, rank, world):
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
-    the activations): `params`: the bf16 compute copies `weights` (none with --dtype fp32, where the model
-    computes with the masters), all of them at either stage; `grads`: the fp32 flat gradient buffer, plus
-    at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all of them, or at stage 1
-    a shard of those that have bf16 copies (with --dtype fp32 the masters are what the model computes
-    with, so every process holds them whole); `moments`: AdamW's m and v and Muon's momentum, all or
-    (stage 1) a shard."""
+    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors, not
+    the activations): `params` the bf16 compute copies `weights` (none in fp32, where the model computes
+    with the masters), all at either stage; `grads` the fp32 flat gradient buffer, plus at stage 1 the
+    reduce-scattered shard; `masters` the fp32 masters, all, or at stage 1 a shard of those with bf16
+    copies (fp32 ones are what the model computes with: every process holds them whole); `moments`
+    AdamW's m and v and Muon's momentum, all or (stage 1) a shard."""
     groups, _, spans = state_layout(cfg, shapes, world)
     muon = set(RECIPES[cfg.recipe].muon_names(shapes))
     size = spans[-1][1]
@@ -3298,22 +3294,20 @@ def _num_sms(device):
 # accumulator fits in 8 warps' registers, and the one that asks least of L2 per flop; a 128x128 tile with 3
 # stages (96 KB of shared memory, at most 128 registers a thread at 8 warps or 255 at 4) leaves room for
 # two programs on an SM, so that one's prologue and epilogue (bias, GELU, the stores) run under the other's
-# main loop: what the K=768 layers need, whose main loop is only 12 steps of 64. One measured run (cuBLAS
-# 0.9x at long K, 0.5-0.75x at K=768 with one program an SM and the epilogue exposed) set these choices.
+# main loop: what the K=768 layers need, whose main loop is only 12 steps of 64 (bench/NOTES.md: how these
+# choices were made).
 
 INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
 INTERPRETER_WIDE = 128  # the interpreter's dimensions of at least this size take one wide block
 
 
 def _matmul_configs(kernel, interpret=INTERPRET):
-    """H100 configurations of kernel "mm" (forward and dX) or "dw". 16-bit inputs: BLOCK_K 64, tiles of
-    128x256 / 256x128 (one program an SM, 3 stages: 144 KB) and 128x128 with 3 stages (two programs an
-    SM); dW runs long K loops on few tiles: the big tiles and a 4-stage 128x128, each with every split
-    count 1..8 (_prune_dw_configs keeps the two its cost model ranks best). "mm" has each of its pointer
-    configs, and a 4-stage 128x128 one, also on the descriptor path (TMA, persistent: PER_SM programs an
-    SM). fp32 inputs run on the FMA units (ieee) and use BLOCK_K 32 so that their stages fit: the prune
-    functions pick the set by input width. The interpreter's set: blocks of 32 to 512 per dimension (see
-    _interpreter_config), dW split in 1 or 2, mm on either path."""
+    """The configurations of kernel "mm" (forward and dX) or "dw": the H100's, or (interpret) blocks of 32
+    to 512 a side (_interpreter_config), dW split in 1 or 2, mm on either path.
+    16-bit inputs: BLOCK_K 64, 128x256 / 256x128 tiles (one program an SM, 3 stages: 144 KB) and 128x128
+    ones (two programs an SM). dW's long K loops: the big tiles and a 4-stage 128x128, each split 1..8
+    ways (_prune_dw_configs keeps two). "mm": each pointer config, and a 4-stage 128x128, also on the
+    descriptor path (TMA, persistent: PER_SM programs an SM). fp32 (FMA units) takes BLOCK_K 32."""
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
                                **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
@@ -3341,8 +3335,8 @@ def _matmul_configs(kernel, interpret=INTERPRET):
 def _tma_block_shapes(nargs):
     """Every mm config's pre-hook: sets the descriptors' block shapes, where they exist, to the tiles of
     the configuration about to run (the wrapper builds them before the autotuner picks one). The pointer
-    path needs it too: its launch still encodes the descriptors it is passed, and [1, 1] blocks of 16-bit
-    elements are refused by the driver (one measured run)."""
+    path needs it too: its launch still encodes the descriptors it is passed, and the driver refuses [1, 1]
+    blocks of 16-bit elements."""
     if nargs["a_desc"] is None:
         return
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
@@ -3547,11 +3541,10 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
                   TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
     """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then an activation (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the
-    pre-activation stored to pre (M,N)]. Two
-    data paths, which the autotuner times against each other as configurations: pointer loads, one tile a
-    program (any strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the
-    descriptors a_desc..pre_desc exist, else they are None). One measured run on the H100 found neither
-    path fastest at every d12 shape (bench/matmul.py). A batch of products (Muon's Newton-Schulz over the
+    pre-activation stored to pre (M,N)]. Two data paths, which the autotuner times against each other as
+    configurations: pointer loads, one tile a program (any strides and alignment), or tensor descriptors,
+    persistent (TMA; where tma_ok: the descriptors a_desc..pre_desc exist, else they are None); neither is
+    fastest at every d12 shape (bench/NOTES.md). A batch of products (Muon's Newton-Schulz over the
     matrices of one shape) runs on the pointer path, grid axis 1 the batch, its strides stride_ab..cb."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
@@ -3623,12 +3616,11 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """The weight gradient dw (M,N) += dy.T (M,K) @ x (K,N) over the K = B*T rows, and the bias gradient
     db (M) += the column sums of dy, computed by the programs of tile column 0. Split-K: the SPLIT_K
-    programs of a tile each sum a chunk of rows and store it to the fp32 workspace ws (tile, SPLIT_K, BM,
-    BN); the last of them to finish (an atomic counter a tile) adds the SPLIT_K partial sums in chunk order
-    and accumulates the result into dw. Their program ids are adjacent: they run in the same wave, and the
-    partial sums are read back soon after they are written, from L2. Deterministic for a given SPLIT_K:
-    which program finishes last changes who adds, never the order of the additions. SPLIT_K == 1
-    accumulates directly."""
+    programs of a tile each sum a chunk of rows into the fp32 workspace ws (tile, SPLIT_K, BM, BN); the
+    last to finish (an atomic counter a tile) adds the partial sums in chunk order into dw: which program
+    finishes last changes who adds, never the order of the additions. SPLIT_K == 1 accumulates directly."""
+    # the SPLIT_K programs of a tile have adjacent ids: they run in the same wave, and the partial sums are
+    # read back soon after they are written, from L2
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -3714,8 +3706,7 @@ def _dw_workspace_sizes(M, N, K, dtype, device):
     """Elements of the split-K buffers (partial dw, partial db, tile counters) that serve whichever config
     the autotuner will run at this shape: the largest need among the configs its pruning keeps (a single
     config is run as it is); () when none splits. Cached: the pruning costs 0.3-0.9 ms of Python, which at
-    ~50 dW products a micro-batch made the H100 wait on the host (one measured run: every d12 dW took
-    0.24-0.26 ms whatever its FLOPs)."""
+    ~50 dW products a micro-batch made the H100 wait on the host (bench/NOTES.md)."""
     configs = matmul_dw_kernel.configs
     if len(configs) > 1:
         configs = DW_PRUNE["early_config_prune"](
@@ -3777,10 +3768,9 @@ def _attention_configs(kernel, interpret=INTERPRET):
     """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq". H100, D=64, 16-bit: the
     forward and dQ own 64-128 queries and stream 32-128 keys past them, dK/dV the reverse; 128-row
     owners amortise the loads of the streamed blocks, 4-8 warps hold the (BM,BN) scores in registers, 3
-    stages prefetch the next blocks. fp32 runs its dots on the FMA units, whose tiles live in registers:
-    smaller tiles that compile without spills (checked with ptxas for sm_90), 2 stages. The owned block is
-    a multiple of the streamed one, so the diagonal splits into whole sub-blocks (static_assert in the
-    kernels). _prune_attention_configs tells the sets apart by their stage count."""
+    stages prefetch the next blocks. fp32 (FMA units, tiles in registers): smaller tiles without spills, 2
+    stages, which _prune_attention_configs tells apart. The owned block is a multiple of the streamed one,
+    so the diagonal splits into whole sub-blocks (static_assert in the kernels)."""
     if interpret:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
                               else {"BLOCK_M": 32, "BLOCK_N": 16})]
@@ -4482,8 +4472,7 @@ def _newton_schulz(x):
     each step's products batched over the n matrices (one launch each). Tall matrices run them on their
     transposes, as the reference does, without moving them: with X = x^T the reference's step
     X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since A = x^T x and so B
-    are symmetric. A symmetric A needs only its upper half computed (half of A = X X^T's flops, and of
-    A @ A's); whether a triangular variant of the matmul kernel pays is left for measurement on a GPU."""
+    are symmetric (of which only a triangle would need computing: bench/NOTES.md)."""
     tall = x.shape[1] > x.shape[2]
     for _ in range(NEWTON_SCHULZ_STEPS):
         xt = x.transpose(1, 2)                                                      # (n, c, r) a view
@@ -5478,12 +5467,11 @@ def start_profile(ops, device):
 @torch.no_grad()
 def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
     """--profile, after its last step (`steps` the profiled step numbers, `steps_ms` their times): stops
-    recording and writes this process's Chrome trace to OUT_DIR/profile. Rank 0 prints, over the profiled
-    steps, per op and per kernel (under the op that launched it, so forward and backward stay apart):
-    calls, time, share of the steps, achieved TFLOP/s or GB/s, and per op the bytes its outputs keep for
-    the backward (measured on micro-batch x (B, T)); the torch ops the steps ran besides allocation and
-    views (none computes anything in backend triton); on a GPU, all device work that is not one of our
-    kernels; the peak memory since the first step."""
+    recording and writes this process's Chrome trace to OUT_DIR/profile. Rank 0 prints, over those steps,
+    per op and per kernel (under the op that launched it): calls, time, share of the steps, TFLOP/s or
+    GB/s, and per op the bytes its outputs keep for the backward (on micro-batch x (B, T)); the torch ops
+    the steps ran besides allocation and views; on a GPU, all device work that is not one of our kernels;
+    the peak memory since the first step."""
     profile["recording"].close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
