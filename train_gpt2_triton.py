@@ -1,20 +1,13 @@
 """train_gpt2_triton.py: GPT-2 with a hand-derived backward, on plain torch ops or on our Triton kernels.
 
-Every op of GPT-2 (embedding, LayerNorm, linear, causal attention, tanh-GELU, residual add, the tied lm
-head, cross-entropy) is a forward that returns exactly what its backward needs and a backward derived by
-hand; the model's backward chains them per layer in reverse, under torch.no_grad(): no autograd at all.
-BACKEND picks who implements the ops, behind one interface: `torch` (plain torch ops) or `triton` (our
-kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
-`--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline the same way (RMSNorm, q and k
-normed and rotated, ReLU^2, a soft-capped untied head; AdamW and Muon), its own ops in SPEEDRUN_OP_NAMES,
-on either backend; its checkpoints are train_gpt2_torchfunc.py's.
-The file reads training-first: config, the op interface and backend torch, the model and its backward,
-optimizer, data, checkpoints, evaluation, logging and main; then backend triton's kernels; then the
-script's own tools, the self-test (--test) and the profiler (--profile, --bench-ops).
+Every op of the model is a forward that returns what its backward needs and a backward derived by hand;
+the model's backward chains them in reverse under torch.no_grad(): no autograd. BACKEND picks who
+implements the ops, behind one interface: `torch` (plain torch ops, the reference) or `triton` (our
+kernels; without a GPU, TRITON_INTERPRET=1 runs them in Triton's interpreter: slow, fp32 only). Data,
+checkpoints, evaluation and logs are the sibling trainers'. Formats, flags and logs: docs/FORMATS.md.
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
     python train_gpt2_triton.py triton --test              # every kernel against backend torch
-    python train_gpt2_triton.py triton --recipe speedrun --test   # ... the speedrun recipe's kernels
     python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
         --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
     python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
@@ -23,11 +16,32 @@ script's own tools, the self-test (--test) and the profiler (--profile, --bench-
         --profile                                          # tables of steps 2-4, per op and per kernel
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
 
-Backend triton needs a CUDA GPU; without one, TRITON_INTERPRET=1 runs its kernels in Triton's CPU
-interpreter (slow, fp32 only: give --dtype fp32). --profile, as in the sibling trainers, profiles the 3 steps
-after the first (which compiles and autotunes): it times every op and every kernel launch (tables, the
-torch ops they ran, and a Chrome trace in OUT_DIR/profile), then trains on; --bench-ops times each op
-against the torch op it replaces and exits.
+Map: the file's sections, in order. Delete `Recipe: speedrun` and `Triton kernels: speedrun` and GPT-2
+trains as before.
+    GPT-2: config                          Config, the Recipe row type, this trainer's own flags
+    GPT-2: ops                             the op interface, backend torch's ops (the reference)
+    GPT-2: model                           shapes, init, the forward on the ops, llm.c's model file
+    GPT-2: backward                        the lm head and the loss, the forward in reverse
+    GPT-2: AdamW and the lr schedule       llm.c's cosine schedule and AdamW
+    GPT-2: training step                   the step, GPT-2's row of RECIPES
+    Recipe: speedrun                       modded-nanogpt's baseline: its ops, model, Muon, files, its row
+    Flags and recipe lookups               parse_args, and what the rest of the file asks of a recipe
+    Data                                   llm.c's token shards and the loader
+    Checkpoints                            writing, finding and reading checkpoints
+    Evaluation and logging                 validation batches, MFU, log.jsonl, the step line
+    Torch: processes, ZeRO-1 and failures  flat buffers, collectives, lost processes, out of memory
+    Triton plumbing: devices, state and evaluation   make_state, HellaSwag, samples
+    Main                                   the run, top to bottom
+    Triton kernels                         backend triton: its kernels' groups and the interpreter
+    Triton kernels: memory-bound ops       embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
+    Triton kernels: shared helpers         constants, precision, determinism, tile order
+    Triton kernels: matmul with fused epilogues, and dW   forward and dX, the weight and bias gradients
+    Triton kernels: causal flash attention  forward, dK/dV and dQ
+    Triton kernels: the training step's own   zeroing, clipping, the loss sum, copies
+    Triton kernels: speedrun               the speedrun's ops on our kernels, q/k rotary, Muon, its cases
+    Backend triton: the op interface filled in by the kernels above   TRITON_OPS
+    Self-test (--test)                     each op and the whole model against a reference
+    Profiling (--profile, --bench-ops)     per op and per kernel: time, FLOP/s or GB/s, against PyTorch's
 """
 import argparse
 import atexit
@@ -61,7 +75,6 @@ import hellaswag
 
 FRAMEWORK = "triton"  # logged as f"triton-{backend}": "triton-torch" | "triton-triton"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels
-
 
 # -----------------------------------------------------------------------------
 # GPT-2: config
@@ -842,6 +855,8 @@ RECIPES = {"gpt2": Recipe(
 # -----------------------------------------------------------------------------
 # Recipe: speedrun
 
+# -- config
+
 # The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
 # (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
 # others with it.
@@ -913,6 +928,8 @@ def rotary_freq_numpy(head_dim):
     freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
     return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
+
+# -- ops
 
 # The speedrun recipe's own computations, beside GPT-2's ops that it shares (matmul with bias,
 # global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
@@ -1104,6 +1121,8 @@ def speedrun_ops(backend):
     return SimpleNamespace(**vars(gpt2_ops(backend)), **vars(own))
 
 
+# -- model
+
 # The speedrun model, as tests/speedrun_reference.py computes it, on GPT-2's ops where they fit and
 # SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (gpt2_forward)
 # in channels of the residual stream: res (C), q and k before their norm (C each), v (C), the attention's
@@ -1151,6 +1170,8 @@ def speedrun_logits(z):
     z = z.float()  # (..., V)
     return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)  # (..., V)
 
+
+# -- backward
 
 def speedrun_loss(ops, logits, targets, cfg, dloss):
     """The speedrun model's token losses (n,) fp32: the soft-capped cross-entropy over all Vp columns, as
@@ -1202,6 +1223,8 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
     ops.embedding_backward(demb.view(B, T, C), idx, grads["embed.weight"])
 
 
+# -- optimizer
+
 def speedrun_lr(it, cfg):
     """The reference's lr of 0-based iteration `it` (after a warmup, if one is given): lr until 30% of the
     steps, then a linear fall toward lr*lr_decay_frac at step `steps`: eta = (1 - it/steps) / 0.7."""
@@ -1250,6 +1273,8 @@ def speedrun_update(state, step, cfg, ops):
         ops.muon_update(*lists([k for k in muon if p[k].shape == shape]), lrs["muon"], MUON_MOMENTUM,
                         MUON_WEIGHT_DECAY, compute_dtype(cfg))
 
+
+# -- model files
 
 # safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
 # bits of an fp32 one); they write F32
@@ -1358,6 +1383,8 @@ def read_speedrun_file(path):
     return header, {k: tensors[k] for k in shapes}
 
 
+# -- training step
+
 RECIPES["speedrun"] = Recipe(
     help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
     f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
@@ -1380,58 +1407,21 @@ RECIPES["speedrun"] = Recipe(
 
 
 # -----------------------------------------------------------------------------
-# Flags
+# Flags and recipe lookups
 
 def param_shapes(cfg):
     """{name: shape} of the recipe's weights, in the order of its model files."""
-    if cfg.recipe == "speedrun":
-        return speedrun_shapes(cfg)
-    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
-    return {
-        "wte": (Vp, C), "wpe": (T, C),
-        "ln_1.w": (L, C), "ln_1.b": (L, C),
-        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
-        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
-        "ln_2.w": (L, C), "ln_2.b": (L, C),
-        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
-        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
-        "ln_f.w": (C,), "ln_f.b": (C,),
-    }
+    return RECIPES[cfg.recipe].shapes(cfg)
 
 
 def init_params_numpy(cfg):
-    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
-    from the same weights."""
-    if cfg.recipe == "speedrun":
-        return init_speedrun_numpy(cfg)
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith(".b"):
-            params[name] = np.zeros(shape, np.float32)
-        elif name.startswith("ln"):
-            params[name] = np.ones(shape, np.float32)
-        else:
-            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
-            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
-    return params
+    """The recipe's init from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    return RECIPES[cfg.recipe].init(cfg)
 
 
 def lr_at(it, cfg):
-    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
-    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
-    `steps`: eta = (1 - it/steps) / 0.7."""
-    min_lr = cfg.lr * cfg.lr_decay_frac
-    if it < cfg.warmup:
-        return cfg.lr * (it + 1) / cfg.warmup
-    if cfg.recipe == "speedrun":
-        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
-        return min_lr + eta * (cfg.lr - min_lr)
-    if it > cfg.steps:
-        return min_lr
-    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+    """The recipe's lr of 0-based iteration `it` (the one the step line prints)."""
+    return RECIPES[cfg.recipe].lr_at(it, cfg)
 
 
 def parse_args(argv=None):
@@ -1442,11 +1432,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
     framework_flags(p)
-    p.add_argument("--recipe", choices=RECIPES, help="gpt2: llm.c's GPT-2 and AdamW; speedrun: "
-                   "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied "
-                   f"soft-capped head, AdamW and Muon), {HEAD_DIM}-wide heads, and its defaults: "
-                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items())
-                   + f" (default {d.recipe})")
+    p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
+                   RECIPES.items()) + f" (default {d.recipe})")
     p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
                    "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
                    f"{d.data})")
@@ -1456,8 +1443,8 @@ def parse_args(argv=None):
                    + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
                    + " (default d12)")
     p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
-    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's; "
-                   f"speedrun: --n-embd / {HEAD_DIM})")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's, or "
+                   "what --recipe sets)")
     p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
                    "--model's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
@@ -1473,13 +1460,12 @@ def parse_args(argv=None):
                    "reaches this many seconds, with that step's checkpoint and evaluations as the last "
                    "step's; the lr schedule still spans --steps (default 0: run every step)")
     p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
-                   "speedrun: Muon's, and the AdamW groups' in proportion: "
-                   + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + ")")
+                   "a recipe with several groups scales them all with it: see --recipe)")
     p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
                    f"(default {d.lr_decay_frac})")
     p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
     p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay}; speedrun: on every AdamW tensor)")
+                   f"embeddings only (default {d.weight_decay}; see --recipe)")
     p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
                    f"(default {d.grad_clip})")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
@@ -1490,8 +1476,8 @@ def parse_args(argv=None):
                    "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
                    "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
                    "(default 0)")
-    p.add_argument("--init-from", help="a model file to start from, which gives the model shape: llm.c's "
-                   ".bin (gpt2), or a .safetensors file of the reference's state_dict (speedrun)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from, which gives the model "
+                   "shape: " + ", ".join(f"{r.file_kind} ({name})" for name, r in RECIPES.items()))
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
     p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
                    "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
@@ -1517,8 +1503,7 @@ def parse_args(argv=None):
     preset = given.pop("model", None)
     val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
     shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
-    if given.get("recipe") == "speedrun":
-        d = replace(d, **SPEEDRUN_DEFAULTS)
+    d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
     for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
@@ -1548,14 +1533,7 @@ def parse_args(argv=None):
         stages = " or ".join(map(str, ZERO_STAGES))
         jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
         die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
-    if cfg.recipe == "speedrun":
-        if cfg.n_embd % HEAD_DIM:
-            die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
-                f"be a multiple of {HEAD_DIM}")
-        if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
-            die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
-                f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
-        cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
+    RECIPES[cfg.recipe].configure(cfg, given, shape)
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     explicit = {k: given[k] for k in shape if k in given}
@@ -1577,7 +1555,6 @@ def apply_model_header(cfg, header, explicit):
         cfg.block_size = header["block_size"]
     cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
     cfg.padded_vocab_size = header["padded_vocab_size"]
-
 
 # -----------------------------------------------------------------------------
 # Data
@@ -1687,33 +1664,28 @@ def step_batches(loader, grad_accum):
     xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
     return np.stack(xs), np.stack(ys)
 
-
 # -----------------------------------------------------------------------------
-# Model files and checkpoints
-
-MODEL_FILES = {"gpt2": "model.bin", "speedrun": "model.safetensors"}  # a checkpoint's weights
-
+# Checkpoints
 
 def read_weights(path, cfg):
-    """(header, params) of a model file of cfg.recipe: llm.c's (gpt2) or a safetensors file (speedrun); a
-    file of the other recipe gets one line that says which it is."""
+    """(header, params) of a model file of cfg.recipe; a file of another recipe gets one line that says
+    which it is."""
     if not os.path.isfile(path):
         die(f"model file {path} does not exist")
     with open(path, "rb") as f:
         head = f.read(9)
-    llmc = head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
-    if cfg.recipe == "speedrun" and llmc:
-        die(f"{path} is an llm.c model file, the gpt2 recipe's: --recipe speedrun takes a .safetensors file")
-    if cfg.recipe == "gpt2" and not llmc and head[8:9] == b"{":  # safetensors' JSON header
-        die(f"{path} is a safetensors file, the speedrun recipe's (--recipe speedrun): --recipe gpt2 takes "
-            "an llm.c model file (.bin)")
-    return read_speedrun_file(path) if cfg.recipe == "speedrun" else read_model_file(path)
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other is not recipe and other.is_file(head) and not recipe.is_file(head):
+            die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
+                f"takes {recipe.file_kind}")
+    return recipe.read_file(path)
 
 
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin or (speedrun) model.safetensors, state.npz} (docs/FORMATS.md),
-    written to a temporary name, then renamed. m holds every tensor's first moment (speedrun: AdamW's, or
-    Muon's momentum), v the AdamW tensors' second."""
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz} (docs/FORMATS.md), written to a temporary
+    name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
+    tensors' second."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
@@ -1727,8 +1699,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
                  config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
-        write = write_speedrun_file if cfg.recipe == "speedrun" else write_model_file
-        write(os.path.join(tmp, MODEL_FILES[cfg.recipe]), params, cfg)
+        recipe = RECIPES[cfg.recipe]
+        recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
         with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
@@ -1770,12 +1742,13 @@ def load_checkpoint(path, cfg):
             die(f"--resume auto: no checkpoint in {cfg.out_dir}")
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
-    for recipe, name in MODEL_FILES.items():
-        if recipe != cfg.recipe and os.path.isfile(os.path.join(path, name)):
-            die(f"--resume {path}: a checkpoint of the {recipe} recipe ({name}), not of --recipe "
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
+            die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
                 f"{cfg.recipe}")
-    header, params = read_weights(os.path.join(path, MODEL_FILES[cfg.recipe]), cfg)
-    muon = muon_names({k: p.shape for k, p in params.items()})
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg)
+    muon = recipe.muon_names({k: p.shape for k, p in params.items()})
     adam = [k for k in params if k not in muon]  # v: AdamW's second moments
     state_file = os.path.join(path, "state.npz")
     try:
@@ -1808,11 +1781,11 @@ def load_checkpoint(path, cfg):
                 "not float32")
     return header, params, m, v, state
 
-
 # -----------------------------------------------------------------------------
 # Evaluation and logging
 
-HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: few shapes for the kernels to tune
+HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
 
 
@@ -1933,7 +1906,6 @@ PROFILE_STEPS = 3
 def due(every, step, steps):
     return every > 0 and (step % every == 0 or step == steps)
 
-
 # -----------------------------------------------------------------------------
 # Torch: processes, ZeRO-1 and failures
 
@@ -1982,7 +1954,7 @@ def state_layout(cfg, shapes, world):
     """(groups, {name: first element}, [(first, end) of each group]): compute_groups' groups in the flat
     buffers, laid out by flat_layout, and Muon's matrices by whole_matrix_layout after them."""
     groups = compute_groups(cfg)
-    muon = set(muon_names(shapes))
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
     split = [g for g in groups if not muon.intersection(g[0])]
     starts, spans = flat_layout(shapes, split, world)
     if len(split) < len(groups):
@@ -2161,7 +2133,6 @@ def a_lost_process_is_an_error(store, rank, world):
                     "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
         os._exit(1)
 
-
 # -----------------------------------------------------------------------------
 # Triton plumbing: devices, state and evaluation
 
@@ -2276,9 +2247,6 @@ def device_state_bytes(cfg, shapes, world):
             "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
             "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
             "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
-
-
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
 
 
 def evaluate_hellaswag(row_losses_fn, params, cfg, device):
@@ -2528,7 +2496,7 @@ def main(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Triton kernels: embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
+# Triton kernels: memory-bound ops
 #
 # Conventions. N = B*T rows, C channels, `dt` the compute dtype (bf16 or fp32). Inputs are loaded in their
 # own dtype, all arithmetic is fp32, each result is rounded once when stored. Every load and store is
@@ -3288,7 +3256,7 @@ def _num_sms(device):
 
 
 # -----------------------------------------------------------------------------
-# Triton kernels: matmul with fused epilogues (forward, dX) and dW with the bias gradient
+# Triton kernels: matmul with fused epilogues, and dW
 
 # H100 facts the configurations rely on: a 128x256 (or 256x128) tile is the largest whose fp32
 # accumulator fits in 8 warps' registers, and the one that asks least of L2 per flop; a 128x128 tile with 3
@@ -4143,6 +4111,11 @@ def copy_into(dst, src):
 
 # -----------------------------------------------------------------------------
 # Triton kernels: speedrun
+#
+# Backend triton's ops of the speedrun recipe: first those that the kernels above serve through a flag
+# (the embedding without positions, RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own
+# scale over separate q, k, v), then its own kernels: q's and k's RMSNorm and rotary, and Muon; then its
+# op table, TRITON_SPEEDRUN_OPS, and the cases of its tools.
 
 def embedding_forward(idx, table):
     """idx (B,T) int64, table (Vp,C) dt -> x (B,T,C) dt: the speedrun model's rows, without positions."""
@@ -4524,6 +4497,11 @@ TRITON_SPEEDRUN_OPS = op_table("triton", dict(
 ), SPEEDRUN_OP_NAMES)
 
 
+# -- tools
+
+# The speedrun recipe's --test cases (the Self-test section runs them: Recipe.test_cases), its --bench-ops
+# cases and the profiler's work of its ops (Recipe.bench_cases, Recipe.op_work).
+
 def case_embedding(ops, r, B, T, C, H):
     Vp = B * T + 3
     idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
@@ -4710,7 +4688,6 @@ def speedrun_bench_cases(cfg, ops, device):
     return cases
 
 
-
 def speedrun_op_work(name, args, kwargs, out):
     """op_work (the profiler's) of an op of SPEEDRUN_OP_NAMES: (flops, bytes) that one call cannot do
     without; None for any other op."""
@@ -4740,7 +4717,7 @@ def speedrun_op_work(name, args, kwargs, out):
 
 
 # -----------------------------------------------------------------------------
-# Backend `triton`: the op interface filled in by the kernels above
+# Backend triton: the op interface filled in by the kernels above
 
 TRITON_OPS = op_table("triton", dict(
     encoder_forward=encoder_forward, encoder_backward=encoder_backward,
