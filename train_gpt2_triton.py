@@ -164,7 +164,7 @@ class Recipe:
     optimizers: str       # the start line's name of the optimizers
     # the Triton trainer's own
     ops: Callable         # backend name -> its op namespace: OP_NAMES' ops and the recipe's own
-    forward: Callable     # (w, idx, cfg, ops, acts=None) -> the head's input (B*T, C); acts: what backward needs
+    forward: Callable     # (w, idx, cfg, ops, acts=None) -> the head's input (B*T, C), acts what backward needs
     backward: Callable    # (dh, idx, w, grads, acts, cfg, ops): the forward in reverse, adding into grads
     head: tuple           # (weight, bias or None): the lm head's tensors
     loss: Callable        # (ops, logits, targets, cfg, dloss) -> token losses (N,) fp32, logits -> dlogits
@@ -810,9 +810,9 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     for x, y in zip(xs, ys):
         ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), share)
     # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
-    # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
-    # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
-    # sums everything with one all-reduce, and a process's shard is the whole model.
+    # summed gradients, the norm from every shard's sum of squares, the update of its shard of the masters
+    # (and of the compute copies), then every process's updated shard of the weights to every process.
+    # Stage 0 sums everything with one all-reduce, and a process's shard is the whole model.
     sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
@@ -2376,8 +2376,8 @@ def main(argv=None):
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
     say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-        f"masters {held['masters'] / 1e6:.1f} MB | {recipe.optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
-        f"stage {cfg.zero_stage} over {world} devices)")
+        f"masters {held['masters'] / 1e6:.1f} MB | {recipe.optimizers} moments {held['moments'] / 1e6:.1f} MB "
+        f"(ZeRO stage {cfg.zero_stage} over {world} devices)")
 
     with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
         def run_evals(step, val, swag):
