@@ -1,20 +1,13 @@
 """train_gpt2_triton.py: GPT-2 with a hand-derived backward, on plain torch ops or on our Triton kernels.
 
-Every op of GPT-2 (embedding, LayerNorm, linear, causal attention, tanh-GELU, residual add, the tied lm
-head, cross-entropy) is a forward that returns exactly what its backward needs and a backward derived by
-hand; the model's backward chains them per layer in reverse, under torch.no_grad(): no autograd at all.
-BACKEND picks who implements the ops, behind one interface: `torch` (plain torch ops) or `triton` (our
-kernels). AdamW, clipping, accumulation, data, evaluation and checkpoints are those of the sibling trainers.
-`--recipe speedrun` trains modded-nanogpt's simplified speedrun baseline the same way (RMSNorm, q and k
-normed and rotated, ReLU^2, a soft-capped untied head; AdamW and Muon), its own ops in SPEEDRUN_OP_NAMES,
-on either backend; its checkpoints are train_gpt2_torchfunc.py's.
-The file reads training-first: config, the op interface and backend torch, the model and its backward,
-optimizer, data, checkpoints, evaluation, logging and main; then backend triton's kernels; then the
-script's own tools, the self-test (--test) and the profiler (--profile, --bench-ops).
+Every op of the model is a forward that returns what its backward needs and a backward derived by hand;
+the model's backward chains them in reverse under torch.no_grad(): no autograd. BACKEND picks who
+implements the ops, behind one interface: `torch` (plain torch ops, the reference) or `triton` (our
+kernels; without a GPU, TRITON_INTERPRET=1 runs them in Triton's interpreter: slow, fp32 only). Data,
+checkpoints, evaluation and logs are the sibling trainers'. Formats, flags and logs: docs/FORMATS.md.
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
     python train_gpt2_triton.py triton --test              # every kernel against backend torch
-    python train_gpt2_triton.py triton --recipe speedrun --test   # ... the speedrun recipe's kernels
     python train_gpt2_triton.py torch --data synthetic --n-layer 2 --n-head 4 --n-embd 64 --seq-len 64 \\
         --batch-size 4 --total-batch-size 1024 --steps 20  # smoke run, any machine, no download
     python train_gpt2_triton.py triton --batch-size 16     # GPT-2 124M on data/fineweb_edu, bf16
@@ -23,11 +16,32 @@ script's own tools, the self-test (--test) and the profiler (--profile, --bench-
         --profile                                          # tables of steps 2-4, per op and per kernel
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
 
-Backend triton needs a CUDA GPU; without one, TRITON_INTERPRET=1 runs its kernels in Triton's CPU
-interpreter (slow, fp32 only: give --dtype fp32). --profile, as in the sibling trainers, profiles the 3 steps
-after the first (which compiles and autotunes): it times every op and every kernel launch (tables, the
-torch ops they ran, and a Chrome trace in OUT_DIR/profile), then trains on; --bench-ops times each op
-against the torch op it replaces and exits.
+Map: the file's sections, in order. Delete `Recipe: speedrun` and `Triton kernels: speedrun` and GPT-2
+trains as before.
+    GPT-2: config                          Config, the Recipe row type, this trainer's own flags
+    GPT-2: ops                             the op interface, backend torch's ops (the reference)
+    GPT-2: model                           shapes, init, the forward on the ops, llm.c's model file
+    GPT-2: backward                        the lm head and the loss, the forward in reverse
+    GPT-2: AdamW and the lr schedule       llm.c's cosine schedule and AdamW
+    GPT-2: training step                   the step, GPT-2's row of RECIPES
+    Recipe: speedrun                       modded-nanogpt's baseline: its ops, model, Muon, files, its row
+    Flags and recipe lookups               parse_args, and what the rest of the file asks of a recipe
+    Data                                   llm.c's token shards and the loader
+    Checkpoints                            writing, finding and reading checkpoints
+    Evaluation and logging                 validation batches, MFU, log.jsonl, the step line
+    Torch: processes, ZeRO-1 and failures  flat buffers, collectives, lost processes, out of memory
+    Triton plumbing: devices, state and evaluation   make_state, HellaSwag, samples
+    Main                                   the run, top to bottom
+    Triton kernels                         backend triton: its kernels' groups and the interpreter
+    Triton kernels: memory-bound ops       embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
+    Triton kernels: shared helpers         constants, precision, determinism, tile order
+    Triton kernels: matmul with fused epilogues, and dW   forward and dX, the weight and bias gradients
+    Triton kernels: causal flash attention  forward, dK/dV and dQ
+    Triton kernels: the training step's own   zeroing, clipping, the loss sum, copies
+    Triton kernels: speedrun               the speedrun's ops on our kernels, q/k rotary, Muon, its cases
+    Backend triton: the op interface filled in by the kernels above   TRITON_OPS
+    Self-test (--test)                     each op and the whole model against a reference
+    Profiling (--profile, --bench-ops)     per op and per kernel: time, FLOP/s or GB/s, against PyTorch's
 """
 import argparse
 import atexit
@@ -44,6 +58,7 @@ import socket
 import time
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from tokenize import TokenError
 from types import SimpleNamespace
@@ -61,9 +76,8 @@ import hellaswag
 FRAMEWORK = "triton"  # logged as f"triton-{backend}": "triton-torch" | "triton-triton"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels
 
-
 # -----------------------------------------------------------------------------
-# Config
+# GPT-2: config
 
 VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
 PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
@@ -129,16 +143,39 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-RECIPES = ("gpt2", "speedrun")
-# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
-# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
-# others with it.
-SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
-# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
-# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
-SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
-                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
-HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+@dataclass(frozen=True)
+class Recipe:
+    """A row of RECIPES: what --recipe NAME trains. The rest of the file looks a recipe up here, never by
+    its name; each recipe's section ends by adding its row."""
+    help: str             # --recipe's help text for it
+    defaults: dict        # its defaults over Config's
+    configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
+    shapes: Callable      # cfg -> {name: shape}, in the order of its model files
+    init: Callable        # cfg -> {name: fp32 numpy array}, from cfg.seed
+    lr_at: Callable       # (it, cfg) -> the lr of 0-based iteration it
+    muon_names: Callable  # shapes -> the names Muon updates (whole matrices); [] without Muon
+    model_file: str       # its weights' file in a checkpoint dir
+    file_kind: str        # what a message calls its model files
+    is_file: Callable     # the first 9 bytes of a file -> whether it is one of its model files
+    read_file: Callable   # path -> (header, {name: fp32 array})
+    write_file: Callable  # (path, params, cfg)
+    model_name: str       # the start line's name of the model
+    table: str            # the embedding that only gathers rows: no flops counted for it
+    optimizers: str       # the start line's name of the optimizers
+    # the Triton trainer's own
+    ops: Callable         # backend name -> its op namespace: OP_NAMES' ops and the recipe's own
+    forward: Callable     # (w, idx, cfg, ops, acts=None) -> the head's input (B*T, C), acts what backward needs
+    backward: Callable    # (dh, idx, w, grads, acts, cfg, ops): the forward in reverse, adding into grads
+    head: tuple           # (weight, bias or None): the lm head's tensors
+    loss: Callable        # (ops, logits, targets, cfg, dloss) -> token losses (N,) fp32, logits -> dlogits
+    logits: Callable      # the head's output z -> the logits that evaluation and sampling see
+    summed: bool          # the step's gradient is of the summed token losses (else of their mean)
+    update: Callable      # (state, step, cfg, ops): the optimizer's step on this process's shard, in place
+    test_config: Config   # --test's tiny model for the whole-model check
+    test_cases: Callable  # () -> --test's [(check, case)] of its ops
+    autograd_test: str    # "": --test holds backend torch to autograd; else what does (--test refuses)
+    bench_cases: Callable  # (cfg, ops, device) -> --bench-ops' cases of its ops
+    op_work: Callable     # (name, args, kwargs, out) -> (flops, bytes) of one of its own ops, else None
 
 
 ZERO_STAGES = (0, 1)
@@ -154,153 +191,8 @@ def framework_flags(p):
                    help="time every op against the PyTorch op it replaces at the model's shapes, then exit")
 
 
-def parse_args(argv=None):
-    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
-    named only here and as Config's field), and the model-shape flags given, which a model file's header
-    must then match (--model gives all three)."""
-    d = Config()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
-    p.error = die  # a bad flag gets one line naming it, not the whole usage text
-    framework_flags(p)
-    p.add_argument("--recipe", choices=RECIPES, help="gpt2: llm.c's GPT-2 and AdamW; speedrun: "
-                   "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied "
-                   f"soft-capped head, AdamW and Muon), {HEAD_DIM}-wide heads, and its defaults: "
-                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items())
-                   + f" (default {d.recipe})")
-    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
-                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
-                   f"{d.data})")
-    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
-                   "with a --data glob)")
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
-                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
-                   + " (default d12)")
-    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
-    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's; "
-                   f"speedrun: --n-embd / {HEAD_DIM})")
-    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
-                   "--model's)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
-                   f"holds (default {d.seq_len})")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
-                   f"{d.batch_size})")
-    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
-                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
-                   f"it (default {d.total_batch_size})")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
-                   "default batch)")
-    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
-                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
-                   "step's; the lr schedule still spans --steps (default 0: run every step)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
-                   "speedrun: Muon's, and the AdamW groups' in proportion: "
-                   + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + ")")
-    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
-                   f"(default {d.lr_decay_frac})")
-    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay}; speedrun: on every AdamW tensor)")
-    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
-                   f"(default {d.grad_clip})")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
-                   f"state stay fp32 (default {d.dtype})")
-    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
-                   f"(default {d.seed})")
-    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
-                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
-                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
-                   "(default 0)")
-    p.add_argument("--init-from", help="a model file to start from, which gives the model shape: llm.c's "
-                   ".bin (gpt2), or a .safetensors file of the reference's state_dict (speedrun)")
-    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
-    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
-                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
-    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
-    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
-                   f"never (default {d.ckpt_every})")
-    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
-                   f"0 = never (default {d.val_every})")
-    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
-                   "len sequences of the val shards, the same at any device count (default "
-                   f"{d.val_tokens})")
-    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
-    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
-                   f"step's too), 0 = never (default {d.hellaswag_every})")
-    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
-    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
-                   f"0 = never (default {d.sample_every})")
-    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
-                   "--resume, then exit")
-    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
-                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
-    given = vars(p.parse_args(argv))
-    preset = given.pop("model", None)
-    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
-    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
-    if given.get("recipe") == "speedrun":
-        d = replace(d, **SPEEDRUN_DEFAULTS)
-    cfg = replace(d, **{**shape, **given})
-    cfg.block_size = cfg.seq_len
-    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_tokens"):
-        if getattr(cfg, flag) <= 0:
-            die(f"--{flag.replace('_', '-')} must be positive")
-    if val_steps is not None:
-        if "val_tokens" in given or val_steps <= 0:
-            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
-                "given without --val-tokens")
-        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
-    if cfg.val_tokens < cfg.seq_len:
-        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
-    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
-                 "time_budget"):
-        if getattr(cfg, flag) < 0:
-            die(f"--{flag.replace('_', '-')} must be >= 0")
-    if not 0 < cfg.lr < math.inf:
-        die("--lr must be positive and finite")
-    if not 0 <= cfg.lr_decay_frac <= 1:
-        die("--lr-decay-frac must be in [0, 1]")
-    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
-        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
-    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
-        die("--seed must be in [0, 2**63)")
-    if cfg.zero_stage not in ZERO_STAGES:
-        stages = " or ".join(map(str, ZERO_STAGES))
-        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
-        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
-    if cfg.recipe == "speedrun":
-        if cfg.n_embd % HEAD_DIM:
-            die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
-                f"be a multiple of {HEAD_DIM}")
-        if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
-            die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
-                f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
-        cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
-    if cfg.n_embd % cfg.n_head:
-        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    explicit = {k: given[k] for k in shape if k in given}
-    return cfg, ({**shape, **explicit} if preset else explicit)
-
-
-def apply_model_header(cfg, header, explicit):
-    """Takes the model shape from a model file's header; flags given explicitly must match it."""
-    for k in ("n_layer", "n_head", "n_embd"):
-        if k in explicit and explicit[k] != header[k]:
-            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
-    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
-        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
-            f"expected {VOCAB_SIZE}")
-    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
-        if cfg.seq_len > header["block_size"]:
-            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
-                f"{header['block_size']}")
-        cfg.block_size = header["block_size"]
-    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
-    cfg.padded_vocab_size = header["padded_vocab_size"]
-
-
 # -----------------------------------------------------------------------------
-# Ops: the interface the model is written against, and backend `torch`
+# GPT-2: ops
 #
 # Every computation of a training step is one of the ops in OP_NAMES, and a backend fills them all in:
 # `torch` here, with plain torch ops (the readable reference), `triton` after main, with our kernels
@@ -316,24 +208,11 @@ OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residua
             "layernorm_backward", "matmul_forward", "matmul_gelu_forward", "matmul_backward", "gelu_forward",
             "gelu_backward", "attention_forward", "attention_backward", "crossentropy_forward_backward",
             "global_norm", "adamw_update", "zero_fill", "clip_by_norm", "sum_into", "copy_into")
-# The speedrun recipe's own computations (--recipe speedrun), beside the ops above that it shares (matmul
-# with bias, global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
-# embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
-# ReLU^2, the soft-capped cross-entropy over all columns, Muon, and the sum of the input gradients of q, k
-# and v (add_into).
-SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
-                     "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
-                     "scaled_attention_forward", "scaled_attention_backward", "matmul_relu2_forward",
-                     "relu2_forward", "relu2_backward", "softcap_crossentropy_forward_backward",
-                     "muon_update", "add_into")
-
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
 ATTN_BLOCK = 128  # query rows per step of the attention: bounds its (B, H, rows, T) fp32 scores
 CE_BLOCK = 1024   # rows per step of the cross-entropy: bounds its fp32 copies of the logits
 HEAD_ROWS = 4096  # rows per lm-head chunk: only (HEAD_ROWS, Vp) logits ever exist
-ATTN_SCALE = 0.12  # the reference's, in place of 1/sqrt(128)
-SOFTCAP = 15.0
 
 
 def _acc(dtype):
@@ -351,11 +230,6 @@ def torch_encoder_backward(dx, idx, dwte, dwpe):
     """wte's gradient as torch_embedding_backward adds it; wpe's is dx summed over the batch."""
     torch_embedding_backward(dx, idx, dwte)
     dwpe[:dx.shape[1]] += dx.sum(0, dtype=dwpe.dtype)  # (T, C)
-
-
-def torch_embedding_forward(idx, table):
-    """x[b, t] = table[idx[b, t]] (the speedrun model's embedding: no positions)."""
-    return table[idx]  # (B, T, C)
 
 
 def torch_embedding_backward(dx, idx, dtable):
@@ -583,6 +457,497 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
             copies[i].copy_(p)
 
 
+def op_table(backend, ops, names=OP_NAMES):
+    """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or a
+    recipe's own op names) exactly."""
+    missing, unknown = sorted(set(names) - set(ops)), sorted(set(ops) - set(names))
+    if missing or unknown:
+        raise TypeError(f"backend {backend}: ops missing {missing}, ops not in the interface {unknown}")
+    return SimpleNamespace(**ops)
+
+
+TORCH_OPS = op_table("torch", dict(
+    encoder_forward=torch_encoder_forward, encoder_backward=torch_encoder_backward,
+    layernorm_forward=torch_layernorm_forward, residual_layernorm_forward=torch_residual_layernorm_forward,
+    layernorm_backward=torch_layernorm_backward,
+    matmul_forward=torch_matmul_forward, matmul_gelu_forward=torch_matmul_gelu_forward,
+    matmul_backward=torch_matmul_backward,
+    gelu_forward=torch_gelu_forward, gelu_backward=torch_gelu_backward,
+    attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
+    crossentropy_forward_backward=torch_crossentropy_forward_backward,
+    global_norm=torch_global_norm, adamw_update=torch_adamw_update,
+    zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
+    copy_into=torch_copy_into,
+))
+
+
+def gpt2_ops(backend):
+    """GPT-2's op namespace of `backend`, OP_NAMES (TRITON_OPS is defined with the kernels, after main)."""
+    return TORCH_OPS if backend == "torch" else TRITON_OPS
+
+
+def backend_ops(name, recipe=Config.recipe):
+    """The op namespace of backend `name` for `recipe` (its Recipe.ops). Backend triton's kernels need a
+    CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    if name == "triton" and not INTERPRET and not torch.cuda.is_available():
+        die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
+            "TRITON_INTERPRET=1 (slow, fp32 only)")
+    return RECIPES[recipe].ops(name)
+
+
+# -----------------------------------------------------------------------------
+# GPT-2: model
+
+# llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
+PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
+               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
+               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
+DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
+
+
+def gpt2_shapes(cfg):
+    """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {
+        "wte": (Vp, C), "wpe": (T, C),
+        "ln_1.w": (L, C), "ln_1.b": (L, C),
+        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
+        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+        "ln_2.w": (L, C), "ln_2.b": (L, C),
+        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
+        "ln_f.w": (C,), "ln_f.b": (C,),
+    }
+
+
+def init_gpt2_numpy(cfg):
+    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same
+    weights."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in gpt2_shapes(cfg).items():
+        if name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif name.startswith("ln"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
+    return params
+
+
+def compute_dtype(cfg):
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
+# What the forward keeps for the backward, per layer and sequence at d12, T=1024 in bf16 ((T, C) = 1.5 MiB):
+#   res   (T, C)   the residual stream entering the layer (the embedding for layer 0)      1.5 MiB
+#   qkv   (T, 3C)  the attention's input projection                                         4.5 MiB
+#   atty  (T, C)   the attention's output, which also feeds its backward                    1.5 MiB
+#   lse   (H, T)   fp32 row logsumexp of the attention scores                               48 KiB
+#   res2  (T, C)   the residual stream after the attention                                  1.5 MiB
+#   fch   (T, 4C)  the MLP's pre-activation                                                 6.0 MiB
+# 15.05 MiB per layer, 181 MiB for 12 layers, plus the final residual (1.5 MiB) and ln_f's statistics.
+# Never kept: the (T, T) attention probabilities (24 MiB per layer in bf16; the backward recomputes them
+# blockwise from lse, as flash attention does), ln_1's and ln_2's outputs and gelu(fch) (9 MiB: the
+# backward recomputes them, one cheap elementwise pass each), and the logits: the lm head and the loss run
+# their forward and backward at once, HEAD_ROWS rows at a time, so at most (HEAD_ROWS, Vp) logits exist.
+# llm.c's train_gpt2.cu keeps 24 MiB per layer (16C wide), without cuDNN also the (T, T) probabilities,
+# and all (T, Vp) logits (98 MiB). The whole d12 bf16 step at B=16 then needs about 5.8 GB (arithmetic, not
+# a measurement): fp32 masters, AdamW moments and gradients 2.0 GB, bf16 weights 0.25 GB, a micro-batch's
+# saved tensors 3.0 GB, one lm-head chunk of logits (HEAD_ROWS x Vp bf16) 0.4 GB.
+
+def gpt2_forward(w, idx, cfg, ops, acts=None):
+    """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
+    head's input. With a list `acts`, every layer appends what its backward needs (see above) and a last
+    entry holds the final residual and ln_f's statistics; without, nothing outlives its use."""
+    B, T = idx.shape
+    C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
+    res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
+    h, _, _ = ops.layernorm_forward(res, w["ln_1.w"][0], w["ln_1.b"][0])  # (N, C)
+    for l in range(L):
+        qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
+        atty, lse = ops.attention_forward(qkv.view(B, T, 3 * C), H)  # (B, T, C), (B, H, T) fp32
+        h = ops.matmul_forward(atty.view(B * T, C), w["attn.c_proj.w"][l], w["attn.c_proj.b"][l])  # (N, C)
+        res2, h, _, _ = ops.residual_layernorm_forward(res, h, w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C) x2
+        h, fch = ops.matmul_gelu_forward(h, w["c_fc.w"][l], w["c_fc.b"][l])  # (N, 4C) x2
+        h = ops.matmul_forward(h, w["mlp.c_proj.w"][l], w["mlp.c_proj.b"][l])  # (N, C)
+        # the residual add closing this layer is fused with the LayerNorm opening the next (or ln_f)
+        ln_w, ln_b = (w["ln_1.w"][l + 1], w["ln_1.b"][l + 1]) if l + 1 < L else (w["ln_f.w"], w["ln_f.b"])
+        res3, h, mean, rstd = ops.residual_layernorm_forward(res2, h, ln_w, ln_b)  # (N, C) x2, (N,) x2
+        if acts is not None:
+            acts.append(dict(res=res, qkv=qkv, atty=atty, lse=lse, res2=res2, fch=fch))
+        res = res3  # (N, C)
+    if acts is not None:
+        acts.append(dict(res=res, mean=mean, rstd=rstd))
+    return h  # (N, C) ln_f's output
+
+
+def head_logits(h, w, cfg, ops):
+    """z = h W^T (+ b) (N, Vp) of the recipe's lm head (Recipe.head: GPT-2's is wte, without a bias)."""
+    weight, bias = RECIPES[cfg.recipe].head
+    return ops.matmul_forward(h, w[weight], w[bias] if bias else None)
+
+
+@torch.no_grad()
+def forward(params, idx, cfg):
+    """The logits (B, T, Vp) for token ids idx (B, T), as the recipe's Recipe.logits makes them of the head's
+    output (GPT-2's as they are); params are the weights in the compute dtype."""
+    B, T = idx.shape
+    recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
+    h = recipe.forward(params, idx, cfg, ops)  # (N, C)
+    return recipe.logits(head_logits(h, params, cfg, ops)).view(B, T, -1)  # (B, T, Vp)
+
+
+@torch.no_grad()
+def token_losses(params, x, y, cfg):
+    """Per-token losses (B, T) in fp32 (the recipe's Recipe.loss), HEAD_ROWS rows of logits at a time (the
+    loss op's gradient output is simply dropped)."""
+    ops = backend_ops(cfg.backend, cfg.recipe)
+    h = RECIPES[cfg.recipe].forward(params, x, cfg, ops)  # (N, C)
+    losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
+    return losses.view(x.shape)  # (B, T)
+
+
+def loss_fn(params, x, y, cfg):
+    """Mean token loss of one micro-batch (fp32 scalar)."""
+    return token_losses(params, x, y, cfg).mean()
+
+
+MODEL_MAGIC = 20240326
+
+
+def write_model_file(path, params, cfg):
+    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
+    PARAM_NAMES order."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    shapes = param_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size < 1024:
+        die(f"model file {path} is truncated: {raw.size} bytes")
+    h = raw[:1024].view("<i4")
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = param_shapes(Config(**header))
+    itemsize = 4 if h[1] == 3 else 2
+    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
+    if raw.size != expected:
+        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
+    params, offset = {}, 1024
+    for name in PARAM_NAMES:
+        n = math.prod(shapes[name])
+        chunk = raw[offset: offset + n * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        params[name] = t.reshape(shapes[name])
+        offset += n * itemsize
+    return header, params
+
+
+def is_model_file(head):
+    """Whether a file's first bytes are those of an llm.c model file."""
+    return head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
+
+
+# -----------------------------------------------------------------------------
+# GPT-2: backward
+
+def gpt2_loss(ops, logits, targets, cfg, dloss):
+    """GPT-2's token losses (n,) fp32: the cross-entropy over the first V of the Vp columns, the logits
+    overwritten with dloss times its gradient (0 in the padded columns)."""
+    return ops.crossentropy_forward_backward(logits, targets, cfg.vocab_size, dloss)
+
+
+def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
+    """The lm head and the loss, forward and backward at once, `rows` rows at a time: the recipe's logits =
+    h W^T (+ b) (Recipe.head); its loss (Recipe.loss) overwrites them with dlogits; then dh = dlogits W and
+    dW += dlogits^T h (db += its column sums). Returns (losses (N,) fp32, dh (N, C)); with grads None, only
+    the losses (dh None)."""
+    N = h.shape[0]
+    recipe = RECIPES[cfg.recipe]
+    weight, bias = recipe.head
+    losses = torch.empty(N, dtype=_acc(h.dtype), device=h.device)  # (N,)
+    dh = torch.empty_like(h) if grads is not None else None  # (N, C)
+    for r0 in range(0, N, rows):
+        hc, t = h[r0:r0 + rows], targets[r0:r0 + rows]  # (n, C), (n,)
+        logits = ops.matmul_forward(hc, w[weight], w[bias] if bias else None)  # (n, Vp)
+        ops.copy_into(losses[r0:r0 + rows], recipe.loss(ops, logits, t, cfg, dloss))  # (n,)
+        if grads is not None:
+            dbias = grads[bias] if bias else None
+            ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w[weight], grads[weight],
+                                                                dbias))  # (n, C)
+        del logits  # freed before the next chunk allocates its own
+    return losses, dh
+
+
+def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
+    """The forward in reverse, from dh (N, C), the gradient of ln_f's output: ln_f, then per layer the MLP
+    and the attention, then the embedding. Pops each layer's saved tensors off `acts` as it goes, so their
+    memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed."""
+    B, T = idx.shape
+    C, H = cfg.n_embd, cfg.n_head
+    g = grads
+    a = acts.pop()
+    dres = ops.layernorm_backward(dh, a["res"], w["ln_f.w"], a["mean"], a["rstd"], g["ln_f.w"],
+                                  g["ln_f.b"])  # (N, C) gradient of the residual stream
+    for l in reversed(range(cfg.n_layer)):
+        a = acts.pop()
+        # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2))))
+        ln, mean, rstd = ops.layernorm_forward(a["res2"], w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C)
+        dgelu = ops.matmul_backward(dres, ops.gelu_forward(a["fch"]), w["mlp.c_proj.w"][l],
+                                    g["mlp.c_proj.w"][l], g["mlp.c_proj.b"][l])  # (N, 4C)
+        dfch = ops.gelu_backward(dgelu, a["fch"])  # (N, 4C)
+        dln = ops.matmul_backward(dfch, ln, w["c_fc.w"][l], g["c_fc.w"][l], g["c_fc.b"][l])  # (N, C)
+        dres = ops.layernorm_backward(dln, a["res2"], w["ln_2.w"][l], mean, rstd, g["ln_2.w"][l],
+                                      g["ln_2.b"][l], dres=dres)  # (N, C) reaches res2 both ways
+        # attention: res2 = res + c_proj(attention(c_attn(ln_1(res))))
+        datty = ops.matmul_backward(dres, a["atty"].view(B * T, C), w["attn.c_proj.w"][l],
+                                    g["attn.c_proj.w"][l], g["attn.c_proj.b"][l])  # (N, C)
+        dqkv = ops.attention_backward(datty.view(B, T, C), a["qkv"].view(B, T, 3 * C), a["atty"],
+                                      a["lse"], H)  # (B, T, 3C)
+        ln, mean, rstd = ops.layernorm_forward(a["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
+        dln = ops.matmul_backward(dqkv.view(B * T, 3 * C), ln, w["c_attn.w"][l], g["c_attn.w"][l],
+                                  g["c_attn.b"][l])  # (N, C)
+        dres = ops.layernorm_backward(dln, a["res"], w["ln_1.w"][l], mean, rstd, g["ln_1.w"][l],
+                                      g["ln_1.b"][l], dres=dres)  # (N, C)
+    ops.encoder_backward(dres.view(B, T, C), idx, g["wte"], g["wpe"])
+
+
+def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
+    """One micro-batch (x, y (B, T) int64) of the recipe's model: forward, loss, backward. Adds the
+    gradient of dloss * (sum of the token losses) into grads; returns the token losses (N,) in fp32."""
+    recipe = RECIPES[cfg.recipe]
+    acts = []
+    h = recipe.forward(w, x, cfg, ops, acts)  # (N, C)
+    losses, dh = head_forward_backward(h, y.reshape(-1), w, grads, cfg, ops, dloss, head_rows)  # (N,), (N, C)
+    del h
+    recipe.backward(dh, x, w, grads, acts, cfg, ops)
+    return losses
+
+
+# -----------------------------------------------------------------------------
+# GPT-2: AdamW and the lr schedule
+
+def cosine_lr(it, cfg):
+    """llm.c's lr of 0-based iteration `it`: a linear warmup, then a cosine down to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
+BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
+
+
+def gpt2_update(state, step, cfg, ops):
+    """GPT-2's update of optimizer step `step` (1-based), in place, on this process's shard: llm.c's AdamW
+    (adamw_update) at cosine_lr's lr, weight decay on DECAY_NAMES only, which also refreshes the
+    compute-dtype copies."""
+    names = list(state["shard_grads"])
+    copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
+    ops.adamw_update([state["shard_params"][k] for k in names], [state["shard_grads"][k] for k in names],
+                     [state["m"][k] for k in names], [state["v"][k] for k in names], copies,
+                     cosine_lr(step - 1, cfg), BETA1, BETA2, EPS,
+                     [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
+
+
+# -----------------------------------------------------------------------------
+# GPT-2: training step
+
+def grad_accum_steps(cfg, world):
+    tokens = cfg.batch_size * cfg.seq_len * world
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
+    return cfg.total_batch_size // tokens
+
+
+@torch.no_grad()
+def train_step(state, xs, ys, step, cfg, ops, world):
+    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): returns (train loss, grad
+    norm before clipping) as floats. Each micro-batch's forward and hand-written backward add into the
+    fp32 gradients, scaled to the gradient of the mean token loss over all micro-batches (or of the sum:
+    Recipe.summed); then one all-reduce (stage 1: reduce-scatter), clipping by global norm, Recipe.update
+    (stage 1: on this process's shard, then an all-gather of the weights). No autograd. All but the
+    collectives runs through `ops`: the host waits once, at the end, for the loss and the norm."""
+    w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
+    ops.zero_fill(flat)
+    share = 1.0 / (xs[0].numel() * len(xs) * world)  # each token's share of the mean loss
+    # a recipe whose optimizers take the gradient of the summed loss (Recipe.summed: the speedrun's, so that
+    # Adam's eps and Newton-Schulz's 1e-7 act at its scale, as the reference's do) gets it unscaled
+    recipe = RECIPES[cfg.recipe]
+    dloss = 1.0 if recipe.summed else share
+    loss = torch.empty((), dtype=torch.float32, device=xs.device)  # () the mean token loss
+    ops.zero_fill(loss)
+    for x, y in zip(xs, ys):
+        ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), share)
+    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
+    # summed gradients, the norm from every shard's sum of squares, the update of its shard of the masters
+    # (and of the compute copies), then every process's updated shard of the weights to every process.
+    # Stage 0 sums everything with one all-reduce, and a process's shard is the whole model.
+    sharded = cfg.zero_stage == 1 and world > 1
+    if world > 1:
+        dist.all_reduce(loss)
+    if world > 1 and not sharded:
+        dist.all_reduce(flat)  # one collective for all 16 gradients
+    if sharded:
+        for group in state["groups"]:
+            first, end = group["span"]
+            dist.reduce_scatter_single(group["grads"], flat[first:end])
+    norm = ops.global_norm(list(state["shard_grads"].values()))  # ()
+    if sharded:
+        squares = norm.double().square()  # ()
+        dist.all_reduce(squares)
+        norm = squares.sqrt().float()  # ()
+    if cfg.grad_clip > 0:
+        for group in state["groups"]:
+            ops.clip_by_norm(group["grads"], norm, cfg.grad_clip)
+    recipe.update(state, step, cfg, ops)
+    if sharded:
+        for group in state["groups"]:
+            dist.all_gather_single(group["weights"], group["own_weights"])
+    return loss.item(), norm.item()  # the step's one wait for the device
+
+
+RECIPES = {"gpt2": Recipe(
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
+    model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
+    read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
+    optimizers="AdamW",
+    ops=gpt2_ops, forward=gpt2_forward, backward=gpt2_backward, head=("wte", None), loss=gpt2_loss,
+    logits=lambda z: z, summed=False, update=gpt2_update,
+    test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
+                       seq_len=9, batch_size=2),
+    # the tools' own, defined at the end of the file
+    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=lambda *args: bench_cases(*args),
+    op_work=lambda name, args, kwargs, out: None)}
+
+
+# -----------------------------------------------------------------------------
+# Recipe: speedrun
+
+# -- config
+
+# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
+# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
+# others with it.
+SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
+# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
+SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
+                     "grad_clip": 0.0, "val_every": 125, "out_dir": f"out/speedrun_{FRAMEWORK}"}
+HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+ATTN_SCALE = 0.12  # the reference's, in place of 1/sqrt(128)
+SOFTCAP = 15.0
+SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
+SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
+MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
+
+
+def configure_speedrun(cfg, given, shape):
+    """The speedrun model's heads are HEAD_DIM wide: its width sets their count."""
+    if cfg.n_embd % HEAD_DIM:
+        die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+            f"be a multiple of {HEAD_DIM}")
+    if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+        die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+            f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+    cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
+
+
+def speedrun_shapes(cfg):
+    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
+    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
+    C, Vp = cfg.n_embd, cfg.padded_vocab_size
+    shapes = {"embed.weight": (Vp, C)}
+    for i in range(cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
+        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
+        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
+    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
+    return shapes
+
+
+def muon_names(shapes):
+    """The weights Muon updates: every matrix inside the blocks."""
+    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
+
+
+def init_speedrun_numpy(cfg):
+    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
+    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
+    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in speedrun_shapes(cfg).items():
+        if name.endswith(".gains"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or "proj" in name:
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
+            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
+    return params
+
+
+def rotary_freq_numpy(head_dim):
+    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
+    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
+    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
+    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
+    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
+
+
+# -- ops
+
+# The speedrun recipe's own computations, beside GPT-2's ops that it shares (matmul with bias,
+# global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
+# embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
+# ReLU^2, the soft-capped cross-entropy over all columns, Muon, and the sum of the input gradients of q, k
+# and v (add_into).
+SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
+                     "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
+                     "scaled_attention_forward", "scaled_attention_backward", "matmul_relu2_forward",
+                     "relu2_forward", "relu2_backward", "softcap_crossentropy_forward_backward",
+                     "muon_update", "add_into")
+
+
+def torch_embedding_forward(idx, table):
+    """x[b, t] = table[idx[b, t]] (the speedrun model's embedding: no positions)."""
+    return table[idx]  # (B, T, C)
+
+
 def torch_rmsnorm_forward(x, w, eps):
     """y = x * rstd * w over the last dim, rstd = 1 / sqrt(mean(x^2) + eps), computed in fp32; w None: no
     gain (q and k over a head). Returns (y, rstd (...,) fp32)."""
@@ -734,28 +1099,6 @@ def torch_add_into(acc, x):
     acc += x
 
 
-def op_table(backend, ops, names=OP_NAMES):
-    """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or
-    SPEEDRUN_OP_NAMES) exactly."""
-    missing, unknown = sorted(set(names) - set(ops)), sorted(set(ops) - set(names))
-    if missing or unknown:
-        raise TypeError(f"backend {backend}: ops missing {missing}, ops not in the interface {unknown}")
-    return SimpleNamespace(**ops)
-
-
-TORCH_OPS = op_table("torch", dict(
-    encoder_forward=torch_encoder_forward, encoder_backward=torch_encoder_backward,
-    layernorm_forward=torch_layernorm_forward, residual_layernorm_forward=torch_residual_layernorm_forward,
-    layernorm_backward=torch_layernorm_backward,
-    matmul_forward=torch_matmul_forward, matmul_gelu_forward=torch_matmul_gelu_forward,
-    matmul_backward=torch_matmul_backward,
-    gelu_forward=torch_gelu_forward, gelu_backward=torch_gelu_backward,
-    attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
-    crossentropy_forward_backward=torch_crossentropy_forward_backward,
-    global_norm=torch_global_norm, adamw_update=torch_adamw_update,
-    zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
-    copy_into=torch_copy_into,
-))
 TORCH_SPEEDRUN_OPS = op_table("torch", dict(
     embedding_forward=torch_embedding_forward, embedding_backward=torch_embedding_backward,
     rmsnorm_forward=torch_rmsnorm_forward, residual_rmsnorm_forward=torch_residual_rmsnorm_forward,
@@ -771,157 +1114,17 @@ TORCH_SPEEDRUN_OPS = op_table("torch", dict(
 ), SPEEDRUN_OP_NAMES)
 
 
-def backend_ops(name, recipe="gpt2"):
-    """The op namespace of backend `name` (TRITON_OPS and TRITON_SPEEDRUN_OPS are defined with the kernels,
-    after main) for `recipe`: OP_NAMES, and for speedrun SPEEDRUN_OP_NAMES too. Backend triton's kernels
-    need a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    if name == "triton" and not INTERPRET and not torch.cuda.is_available():
-        die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
-            "TRITON_INTERPRET=1 (slow, fp32 only)")
-    ops, own = (TORCH_OPS, TORCH_SPEEDRUN_OPS) if name == "torch" else (TRITON_OPS, TRITON_SPEEDRUN_OPS)
-    return SimpleNamespace(**vars(ops), **vars(own)) if recipe == "speedrun" else ops
+def speedrun_ops(backend):
+    """The speedrun recipe's op namespace of `backend`: GPT-2's and its own, SPEEDRUN_OP_NAMES (backend
+    triton's, TRITON_SPEEDRUN_OPS, are defined with its kernels, after main)."""
+    own = TORCH_SPEEDRUN_OPS if backend == "torch" else TRITON_SPEEDRUN_OPS
+    return SimpleNamespace(**vars(gpt2_ops(backend)), **vars(own))
 
 
-# -----------------------------------------------------------------------------
-# Model
+# -- model
 
-# llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
-PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
-               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
-               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
-DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
-
-
-def param_shapes(cfg):
-    """{name: shape} of the recipe's weights, in the order of its model files."""
-    if cfg.recipe == "speedrun":
-        return speedrun_shapes(cfg)
-    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
-    return {
-        "wte": (Vp, C), "wpe": (T, C),
-        "ln_1.w": (L, C), "ln_1.b": (L, C),
-        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
-        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
-        "ln_2.w": (L, C), "ln_2.b": (L, C),
-        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
-        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
-        "ln_f.w": (C,), "ln_f.b": (C,),
-    }
-
-
-def init_params_numpy(cfg):
-    """The recipe's init from cfg.seed (GPT-2's: docs/FORMATS.md), in numpy so that every trainer starts
-    from the same weights."""
-    if cfg.recipe == "speedrun":
-        return init_speedrun_numpy(cfg)
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith(".b"):
-            params[name] = np.zeros(shape, np.float32)
-        elif name.startswith("ln"):
-            params[name] = np.ones(shape, np.float32)
-        else:
-            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
-            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
-    return params
-
-
-def speedrun_shapes(cfg):
-    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
-    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
-    C, Vp = cfg.n_embd, cfg.padded_vocab_size
-    shapes = {"embed.weight": (Vp, C)}
-    for i in range(cfg.n_layer):
-        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
-            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
-        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
-        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
-        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
-    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
-    return shapes
-
-
-def muon_names(shapes):
-    """The weights Muon updates: every matrix inside the blocks (none in the gpt2 recipe, all AdamW's)."""
-    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
-
-
-def init_speedrun_numpy(cfg):
-    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
-    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
-    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith(".gains"):
-            params[name] = np.ones(shape, np.float32)
-        elif name.endswith(".bias") or "proj" in name:
-            params[name] = np.zeros(shape, np.float32)
-        else:
-            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
-            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
-    return params
-
-
-def rotary_freq_numpy(head_dim):
-    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
-    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
-    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
-    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
-    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
-
-
-def compute_dtype(cfg):
-    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-
-
-# What the forward keeps for the backward, per layer and sequence at d12, T=1024 in bf16 ((T, C) = 1.5 MiB):
-#   res   (T, C)   the residual stream entering the layer (the embedding for layer 0)      1.5 MiB
-#   qkv   (T, 3C)  the attention's input projection                                         4.5 MiB
-#   atty  (T, C)   the attention's output, which also feeds its backward                    1.5 MiB
-#   lse   (H, T)   fp32 row logsumexp of the attention scores                               48 KiB
-#   res2  (T, C)   the residual stream after the attention                                  1.5 MiB
-#   fch   (T, 4C)  the MLP's pre-activation                                                 6.0 MiB
-# 15.05 MiB per layer, 181 MiB for 12 layers, plus the final residual (1.5 MiB) and ln_f's statistics.
-# Never kept: the (T, T) attention probabilities (24 MiB per layer in bf16; the backward recomputes them
-# blockwise from lse, as flash attention does), ln_1's and ln_2's outputs and gelu(fch) (9 MiB: the
-# backward recomputes them, one cheap elementwise pass each), and the logits: the lm head and the loss run
-# their forward and backward at once, HEAD_ROWS rows at a time, so at most (HEAD_ROWS, Vp) logits exist.
-# llm.c's train_gpt2.cu keeps 24 MiB per layer (16C wide), without cuDNN also the (T, T) probabilities,
-# and all (T, Vp) logits (98 MiB). The whole d12 bf16 step at B=16 then needs about 5.8 GB (arithmetic, not
-# a measurement): fp32 masters, AdamW moments and gradients 2.0 GB, bf16 weights 0.25 GB, a micro-batch's
-# saved tensors 3.0 GB, one lm-head chunk of logits (HEAD_ROWS x Vp bf16) 0.4 GB.
-
-def model_forward(w, idx, cfg, ops, acts=None):
-    """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
-    head's input. With a list `acts`, every layer appends what its backward needs (see above) and a last
-    entry holds the final residual and ln_f's statistics; without, nothing outlives its use."""
-    B, T = idx.shape
-    C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
-    res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
-    h, _, _ = ops.layernorm_forward(res, w["ln_1.w"][0], w["ln_1.b"][0])  # (N, C)
-    for l in range(L):
-        qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
-        atty, lse = ops.attention_forward(qkv.view(B, T, 3 * C), H)  # (B, T, C), (B, H, T) fp32
-        h = ops.matmul_forward(atty.view(B * T, C), w["attn.c_proj.w"][l], w["attn.c_proj.b"][l])  # (N, C)
-        res2, h, _, _ = ops.residual_layernorm_forward(res, h, w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C) x2
-        h, fch = ops.matmul_gelu_forward(h, w["c_fc.w"][l], w["c_fc.b"][l])  # (N, 4C) x2
-        h = ops.matmul_forward(h, w["mlp.c_proj.w"][l], w["mlp.c_proj.b"][l])  # (N, C)
-        # the residual add closing this layer is fused with the LayerNorm opening the next (or ln_f)
-        ln_w, ln_b = (w["ln_1.w"][l + 1], w["ln_1.b"][l + 1]) if l + 1 < L else (w["ln_f.w"], w["ln_f.b"])
-        res3, h, mean, rstd = ops.residual_layernorm_forward(res2, h, ln_w, ln_b)  # (N, C) x2, (N,) x2
-        if acts is not None:
-            acts.append(dict(res=res, qkv=qkv, atty=atty, lse=lse, res2=res2, fch=fch))
-        res = res3  # (N, C)
-    if acts is not None:
-        acts.append(dict(res=res, mean=mean, rstd=rstd))
-    return h  # (N, C) ln_f's output
-
-
-# The speedrun model (--recipe speedrun), as tests/speedrun_reference.py computes it, on the same ops where
-# they fit and SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (above)
+# The speedrun model, as tests/speedrun_reference.py computes it, on GPT-2's ops where they fit and
+# SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (gpt2_forward)
 # in channels of the residual stream: res (C), q and k before their norm (C each), v (C), the attention's
 # output y (C) and its row logsumexp, res2 (C) and the MLP's pre-activation (4C): 10 C, as GPT-2's. The
 # norms' outputs, the rotated q and k and relu(pre)^2 are recomputed by the backward; the embedding's
@@ -968,95 +1171,12 @@ def speedrun_logits(z):
     return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)  # (..., V)
 
 
-@torch.no_grad()
-def forward(params, idx, cfg):
-    """The logits (B, T, Vp) for token ids idx (B, T); params are the weights in the compute dtype. GPT-2's
-    lm head is tied to wte; the speedrun model's has its own weight and bias, and its logits are soft-capped
-    fp32."""
-    B, T = idx.shape
-    ops = backend_ops(cfg.backend, cfg.recipe)
-    if cfg.recipe == "speedrun":
-        h = speedrun_forward(params, idx, cfg, ops)  # (N, C)
-        z = ops.matmul_forward(h, params["proj.weight"], params["proj.bias"])  # (N, Vp)
-        return speedrun_logits(z).view(B, T, -1)  # (B, T, Vp)
-    h = model_forward(params, idx, cfg, ops)  # (N, C)
-    return ops.matmul_forward(h, params["wte"], None).view(B, T, -1)  # (B, T, Vp) lm head tied to wte
+# -- backward
 
-
-@torch.no_grad()
-def token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B, T) in fp32 over the first V logits only (speedrun: over all Vp),
-    HEAD_ROWS rows of logits at a time (the cross-entropy op's gradient output is simply dropped)."""
-    ops = backend_ops(cfg.backend, cfg.recipe)
-    h = (speedrun_forward if cfg.recipe == "speedrun" else model_forward)(params, x, cfg, ops)  # (N, C)
-    losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
-    return losses.view(x.shape)  # (B, T)
-
-
-def loss_fn(params, x, y, cfg):
-    """Mean token loss of one micro-batch (fp32 scalar)."""
-    return token_losses(params, x, y, cfg).mean()
-
-
-# -----------------------------------------------------------------------------
-# Backward: the model's own, chaining the ops' hand-derived backwards in reverse
-
-def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
-    """The lm head and the loss, forward and backward at once, `rows` rows at a time: logits = h W^T (+ b);
-    the cross-entropy overwrites them with dlogits; then dh = dlogits W and dW += dlogits^T h (db += its
-    column sums). GPT-2's head is tied to wte, without bias, its loss over the first V columns; the speedrun
-    model's is proj.weight and proj.bias, its loss soft-capped, over all Vp. Returns (losses (N,) fp32, dh
-    (N, C)); with grads None, only the losses (dh None)."""
-    N = h.shape[0]
-    speedrun = cfg.recipe == "speedrun"
-    weight, bias = ("proj.weight", "proj.bias") if speedrun else ("wte", None)
-    losses = torch.empty(N, dtype=_acc(h.dtype), device=h.device)  # (N,)
-    dh = torch.empty_like(h) if grads is not None else None  # (N, C)
-    for r0 in range(0, N, rows):
-        hc, t = h[r0:r0 + rows], targets[r0:r0 + rows]  # (n, C), (n,)
-        logits = ops.matmul_forward(hc, w[weight], w[bias] if bias else None)  # (n, Vp)
-        ops.copy_into(losses[r0:r0 + rows],
-                      ops.softcap_crossentropy_forward_backward(logits, t, dloss) if speedrun else
-                      ops.crossentropy_forward_backward(logits, t, cfg.vocab_size, dloss))  # (n,)
-        if grads is not None:
-            dbias = grads[bias] if bias else None
-            ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w[weight], grads[weight],
-                                                                dbias))  # (n, C)
-        del logits  # freed before the next chunk allocates its own
-    return losses, dh
-
-
-def model_backward(dh, idx, w, grads, acts, cfg, ops):
-    """The forward in reverse, from dh (N, C), the gradient of ln_f's output: ln_f, then per layer the MLP
-    and the attention, then the embedding. Pops each layer's saved tensors off `acts` as it goes, so their
-    memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed."""
-    B, T = idx.shape
-    C, H = cfg.n_embd, cfg.n_head
-    g = grads
-    a = acts.pop()
-    dres = ops.layernorm_backward(dh, a["res"], w["ln_f.w"], a["mean"], a["rstd"], g["ln_f.w"],
-                                  g["ln_f.b"])  # (N, C) gradient of the residual stream
-    for l in reversed(range(cfg.n_layer)):
-        a = acts.pop()
-        # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2))))
-        ln, mean, rstd = ops.layernorm_forward(a["res2"], w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C)
-        dgelu = ops.matmul_backward(dres, ops.gelu_forward(a["fch"]), w["mlp.c_proj.w"][l],
-                                    g["mlp.c_proj.w"][l], g["mlp.c_proj.b"][l])  # (N, 4C)
-        dfch = ops.gelu_backward(dgelu, a["fch"])  # (N, 4C)
-        dln = ops.matmul_backward(dfch, ln, w["c_fc.w"][l], g["c_fc.w"][l], g["c_fc.b"][l])  # (N, C)
-        dres = ops.layernorm_backward(dln, a["res2"], w["ln_2.w"][l], mean, rstd, g["ln_2.w"][l],
-                                      g["ln_2.b"][l], dres=dres)  # (N, C) reaches res2 both ways
-        # attention: res2 = res + c_proj(attention(c_attn(ln_1(res))))
-        datty = ops.matmul_backward(dres, a["atty"].view(B * T, C), w["attn.c_proj.w"][l],
-                                    g["attn.c_proj.w"][l], g["attn.c_proj.b"][l])  # (N, C)
-        dqkv = ops.attention_backward(datty.view(B, T, C), a["qkv"].view(B, T, 3 * C), a["atty"],
-                                      a["lse"], H)  # (B, T, 3C)
-        ln, mean, rstd = ops.layernorm_forward(a["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
-        dln = ops.matmul_backward(dqkv.view(B * T, 3 * C), ln, w["c_attn.w"][l], g["c_attn.w"][l],
-                                  g["c_attn.b"][l])  # (N, C)
-        dres = ops.layernorm_backward(dln, a["res"], w["ln_1.w"][l], mean, rstd, g["ln_1.w"][l],
-                                      g["ln_1.b"][l], dres=dres)  # (N, C)
-    ops.encoder_backward(dres.view(B, T, C), idx, g["wte"], g["wpe"])
+def speedrun_loss(ops, logits, targets, cfg, dloss):
+    """The speedrun model's token losses (n,) fp32: the soft-capped cross-entropy over all Vp columns, as
+    the reference's, the logits overwritten with dloss times its gradient."""
+    return ops.softcap_crossentropy_forward_backward(logits, targets, dloss)
 
 
 def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
@@ -1103,64 +1223,28 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
     ops.embedding_backward(demb.view(B, T, C), idx, grads["embed.weight"])
 
 
-def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
-    """One micro-batch (x, y (B, T) int64): forward, loss, backward, of GPT-2 or (--recipe speedrun) the
-    speedrun model. Adds the gradient of dloss * (sum of the token losses) into grads; returns the token
-    losses (N,) in fp32."""
-    speedrun = cfg.recipe == "speedrun"
-    acts = []
-    h = (speedrun_forward if speedrun else model_forward)(w, x, cfg, ops, acts)  # (N, C)
-    losses, dh = head_forward_backward(h, y.reshape(-1), w, grads, cfg, ops, dloss, head_rows)  # (N,), (N, C)
-    del h
-    (speedrun_backward if speedrun else model_backward)(dh, x, w, grads, acts, cfg, ops)
-    return losses
+# -- optimizer
 
-
-# -----------------------------------------------------------------------------
-# Optimizer
-
-SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
-
-
-def lr_at(it, cfg):
-    """The lr of 0-based iteration `it`: a linear warmup, then llm.c's cosine down to lr*lr_decay_frac, or
-    (speedrun) lr until 30% of the steps, then the reference's linear fall toward lr*lr_decay_frac at step
-    `steps`: eta = (1 - it/steps) / 0.7."""
+def speedrun_lr(it, cfg):
+    """The reference's lr of 0-based iteration `it` (after a warmup, if one is given): lr until 30% of the
+    steps, then a linear fall toward lr*lr_decay_frac at step `steps`: eta = (1 - it/steps) / 0.7."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
-    if cfg.recipe == "speedrun":
-        eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
-        return min_lr + eta * (cfg.lr - min_lr)
-    if it > cfg.steps:
-        return min_lr
-    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+    eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+    return min_lr + eta * (cfg.lr - min_lr)
 
 
 def speedrun_lrs(it, cfg):
     """{group: lr} of 0-based iteration `it` for the speedrun recipe's groups (SPEEDRUN_LRS): Muon's is
-    lr_at's, the AdamW groups' keep their ratios to it."""
-    scale = lr_at(it, cfg) / SPEEDRUN_LRS["muon"]
+    speedrun_lr's, the AdamW groups' keep their ratios to it."""
+    scale = speedrun_lr(it, cfg) / SPEEDRUN_LRS["muon"]
     return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
 
 
 def adamw_group(name):
     """The SPEEDRUN_LRS group of a tensor that AdamW updates in the speedrun recipe."""
     return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
-
-
-def grad_accum_steps(cfg, world):
-    tokens = cfg.batch_size * cfg.seq_len * world
-    if cfg.total_batch_size % tokens:
-        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
-            f"x devices = {tokens}")
-    return cfg.total_batch_size // tokens
-
-
-BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
-SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
-MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
 
 
 def speedrun_update(state, step, cfg, ops):
@@ -1190,209 +1274,287 @@ def speedrun_update(state, step, cfg, ops):
                         MUON_WEIGHT_DECAY, compute_dtype(cfg))
 
 
-FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+# -- model files
+
+# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
+# bits of an fp32 one); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
-def compute_groups(cfg):
-    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
-    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): bf16 copies of
-    every tensor, or with --dtype fp32 the fp32 masters themselves. The speedrun recipe's Muon matrices,
-    which a process updates whole, are a last group of their own."""
-    shapes = param_shapes(cfg)
-    muon = muon_names(shapes)
-    dtype = compute_dtype(cfg)
-    return [([k for k in shapes if k not in muon], dtype)] + ([(muon, dtype)] if muon else [])
+def write_safetensors(path, tensors):
+    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
+    {name: array}, in that order, written to a temporary name, then renamed."""
+    header, offset = {}, 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
+        offset += 4 * t.size
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(np.array(len(text), "<u8").tobytes() + text)
+        for t in tensors.values():
+            f.write(np.asarray(t, "<f4").tobytes())
+    os.replace(tmp, path)
 
 
-def flat_layout(shapes, groups, world):
-    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
-    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
-    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
-    stays zero)."""
-    starts, spans, size = {}, [], 0
-    unit = FLAT_ALIGN * world
-    for names, _ in groups:
-        first = size
-        for k in names:
-            starts[k] = size
-            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
-        size = first + -(-(size - first) // unit) * unit
-        spans.append((first, size))
-    return starts, spans
+def read_safetensors(path):
+    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
+    within the file."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    raw = np.fromfile(path, dtype=np.uint8)
+    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+    if not 0 < n <= raw.size - 8:
+        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
+    try:
+        header = json.loads(raw[8:8 + n].tobytes())
+        header.pop("__metadata__", None)
+        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
+                   for k, e in header.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
+    data, tensors = raw[8 + n:], {}
+    for k, (dtype, shape, (lo, hi)) in entries.items():
+        if dtype not in SAFETENSORS_TYPES:
+            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
+        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
+        if not (fits and hi - lo == size * math.prod(shape)):
+            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
+                f"the file's {data.size} (truncated?)")
+        chunk = data[lo:hi]
+        if dtype == "BF16":
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
+        tensors[k] = t.reshape(shape)
+    return tensors
 
 
-def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
-    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
-    element `first` of the layout."""
-    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
-            for k in names}
+def is_safetensors_file(head):
+    """Whether a file's first 9 bytes are those of a safetensors file (a JSON header after its length)."""
+    return head[8:9] == b"{"
 
 
-def whole_matrix_layout(shapes, names, world, first):
-    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
-    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
-    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
-    group (shard_ranges) holds its matrices whole."""
-    order = sorted(names, key=lambda k: shapes[k], reverse=True)
-    ends, local = [0] * world, {}
-    for i, k in enumerate(order):
-        local[k] = (i % world, ends[i % world])
-        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
-    stretch = max(ends)
-    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
+def write_speedrun_file(path, params, cfg):
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
+    included, so that the reference loads it as it is."""
+    tensors = {}
+    for k in param_shapes(cfg):
+        tensors[k] = np.asarray(params[k], np.float32)
+        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
+            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
+    write_safetensors(path, tensors)
 
 
-def state_layout(cfg, shapes, world):
-    """(groups, {name: first element}, [(first, end) of each group]): compute_groups' groups in the flat
-    buffers, laid out by flat_layout, and Muon's matrices by whole_matrix_layout after them."""
-    groups = compute_groups(cfg)
-    muon = set(muon_names(shapes))
-    split = [g for g in groups if not muon.intersection(g[0])]
-    starts, spans = flat_layout(shapes, split, world)
-    if len(split) < len(groups):
-        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
-        starts.update(more)
-        spans.append(span)
-    return groups, starts, spans
+def read_speedrun_file(path):
+    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
+    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
+    be there in its shape, with no other."""
+    tensors = read_safetensors(path)
+    embed = tensors.get("embed.weight")
+    if embed is None or embed.ndim != 2:
+        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
+    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
+    padded, n_embd = embed.shape
+    if n_embd % HEAD_DIM or n_layer == 0:
+        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+            f"{HEAD_DIM}, or it has no blocks")
+    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+    shapes = speedrun_shapes(Config(**header))
+    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+    expected = {**shapes, **freqs}
+    for k, shape in expected.items():
+        if k not in tensors:
+            die(f"model file {path} lacks tensor {k} {list(shape)}")
+        if tensors[k].shape != shape:
+            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
+    extra = [k for k in tensors if k not in expected]
+    if extra:
+        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
+    for i in range(n_layer):
+        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
+                           rtol=1e-6, atol=0):
+            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
+    return header, {k: tensors[k] for k in shapes}
 
 
-def shard_ranges(starts, shapes, span, rank, world):
-    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
-    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
-    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
-    n = (span[1] - span[0]) // world
-    first, ranges = span[0] + rank * n, {}
-    for k in starts:
-        if not span[0] <= starts[k] < span[1]:
-            continue
-        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
-        if lo < hi:
-            ranges[k] = (lo, hi)
-    return ranges
+# -- training step
+
+RECIPES["speedrun"] = Recipe(
+    help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
+    f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
+    "scales the AdamW groups' in proportion ("
+    + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items()) + "), --weight-decay is on every AdamW "
+    "tensor, and its defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()),
+    defaults=SPEEDRUN_DEFAULTS, configure=configure_speedrun, shapes=speedrun_shapes,
+    init=init_speedrun_numpy, lr_at=speedrun_lr, muon_names=muon_names, model_file="model.safetensors",
+    file_kind="a safetensors file of the reference's state_dict (.safetensors)",
+    is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
+    model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    ops=speedrun_ops, forward=speedrun_forward, backward=speedrun_backward,
+    head=("proj.weight", "proj.bias"), loss=speedrun_loss, logits=speedrun_logits, summed=True,
+    update=speedrun_update,
+    test_config=Config(recipe="speedrun", n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
+                       padded_vocab_size=64, seq_len=9, batch_size=2),  # one head
+    # the tools' own, defined with its kernels in Triton kernels: speedrun
+    test_cases=lambda: SPEEDRUN_OP_CASES, autograd_test="tests/test_speedrun_triton.py",
+    bench_cases=lambda *args: speedrun_bench_cases(*args), op_work=lambda *args: speedrun_op_work(*args))
 
 
-@torch.no_grad()
-def train_step(state, xs, ys, step, cfg, ops, world):
-    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): each one's forward and
-    hand-written backward add into the fp32 gradients, scaled so that they sum to the gradient of the mean
-    token loss over all A x world micro-batches (speedrun: of the summed token loss); one all-reduce of the
-    flat gradient buffer (at stage 1 a reduce-scatter); clipping by global norm; AdamW, or speedrun_update
-    (at stage 1 on this process's shard, then an all-gather of the weights). No autograd anywhere: grad
-    mode is off and no tensor requires grad. Everything but the collectives (and at stage 1 the sum of the
-    shards' squared norms) runs through `ops` (the loss sum, the zeroing and clipping of the gradients too),
-    and the clipping coefficient is computed on the device: the host waits once, at the end, to read the
-    loss and the norm. Returns (train loss, grad norm before clipping) as floats."""
-    w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
-    ops.zero_fill(flat)
-    share = 1.0 / (xs[0].numel() * len(xs) * world)  # each token's share of the mean loss
-    # the speedrun recipe's optimizers take the gradient of the summed loss, so that Adam's eps and
-    # Newton-Schulz's 1e-7 act at its scale, as the reference's do
-    dloss = 1.0 if cfg.recipe == "speedrun" else share
-    loss = torch.empty((), dtype=torch.float32, device=xs.device)  # () the mean token loss
-    ops.zero_fill(loss)
-    for x, y in zip(xs, ys):
-        ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), share)
-    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
-    # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
-    # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
-    # sums everything with one all-reduce, and a process's shard is the whole model.
-    sharded = cfg.zero_stage == 1 and world > 1
-    if world > 1:
-        dist.all_reduce(loss)
-    if world > 1 and not sharded:
-        dist.all_reduce(flat)  # one collective for all 16 gradients
-    if sharded:
-        for group in state["groups"]:
-            first, end = group["span"]
-            dist.reduce_scatter_single(group["grads"], flat[first:end])
-    names = list(state["shard_grads"])
-    g = [state["shard_grads"][k] for k in names]
-    norm = ops.global_norm(g)  # ()
-    if sharded:
-        squares = norm.double().square()  # ()
-        dist.all_reduce(squares)
-        norm = squares.sqrt().float()  # ()
-    if cfg.grad_clip > 0:
-        for group in state["groups"]:
-            ops.clip_by_norm(group["grads"], norm, cfg.grad_clip)
-    if cfg.recipe == "speedrun":
-        speedrun_update(state, step, cfg, ops)
-    else:
-        copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
-        ops.adamw_update([state["shard_params"][k] for k in names], g, [state["m"][k] for k in names],
-                         [state["v"][k] for k in names], copies, lr_at(step - 1, cfg), BETA1, BETA2, EPS,
-                         [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
-    if sharded:
-        for group in state["groups"]:
-            dist.all_gather_single(group["weights"], group["own_weights"])
-    return loss.item(), norm.item()  # the step's one wait for the device
+# -----------------------------------------------------------------------------
+# Flags and recipe lookups
+
+def param_shapes(cfg):
+    """{name: shape} of the recipe's weights, in the order of its model files."""
+    return RECIPES[cfg.recipe].shapes(cfg)
 
 
-def make_state(params, m, v, cfg, device, rank=0, world=1):
-    """The training state from numpy dicts, on the device. Every process holds all of the fp32 gradients
-    `grads` (views of one flat buffer, `grad_buffer`, that one kernel zeroes) and all of the weights `weights`
-    the model computes with (compute_groups: bf16 copies of the masters, or the fp32 masters themselves).
-    Stage 0: it also holds all of the fp32 masters `params` and the moments `m`, `v` (speedrun: v of the
-    AdamW tensors only, m also Muon's momentum), sums the gradients with one all-reduce and updates every
-    weight. Stage 1 (ZeRO-1): per compute group (`groups`), it keeps only its shard, 1/world of the group's
-    stretch of the flat layout (state_layout: Muon's holds whole matrices), of the fp32 masters (a piece of
-    the weights themselves where they are fp32), of m and v and of the summed gradients (reduce-scattered
-    into it); it updates that shard of the masters and of the weights (`own_weights`), and one all-gather
-    of the group's weights brings every process every update. `shard_params`, `shard_grads`,
-    `shard_copies`, m and v are then {name: 1-D piece} of the tensors in the shard (Muon's matrices whole,
-    in their shapes); at stage 0 they are the whole tensors (`params`, `grads`, `weights` or None, m, v),
-    what train_step updates either way."""
-    shapes = param_shapes(cfg)
-    groups, starts, spans = state_layout(cfg, shapes, world)
-    muon = set(muon_names(shapes))
-    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
-    if cfg.zero_stage == 0:  # this process's shard is the whole model, its one group the whole buffer
-        state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
-        state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()}
-                            if cfg.dtype == "bf16" else state["params"])
-        state.update(shard_params=state["params"], shard_grads=state["grads"],
-                     shard_copies=state["weights"] if cfg.dtype == "bf16" else None,
-                     groups=[{"span": (0, spans[-1][1]), "grads": state["grad_buffer"]}])
-        return state
-    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
-    for (names, dtype), (first, end) in zip(groups, spans):
-        n = (end - first) // world
-        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
-        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
-        views = flat_views(group["weights"], starts, shapes, names, first)
-        for k in names:
-            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        state["weights"].update(views)
-        group["own_weights"] = group["weights"][own - first:own - first + n]  # (S,) a view
-        # fp32 weights are their own masters; bf16 ones get an fp32 shard
-        group["params"] = (group["own_weights"] if dtype == torch.float32 else
-                           torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
-        # one process alone reduces into its gradient buffer itself
-        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
-                          torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
-        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
-        for name in sources:
-            group[name] = torch.zeros(n, dtype=torch.float32, device=device)  # (S,)
-        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
-            sources["params"] = params
-        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        for name, source in sources.items():
-            for k, (lo, hi) in ranges.items():
-                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
-                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
-        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
-        if dtype != torch.float32:
-            pieces["own_weights"] = "shard_copies"
-        for k, (lo, hi) in ranges.items():
-            for name, into in pieces.items():
-                if name in group:
-                    piece = group[name][lo - own:hi - own]  # (hi-lo,)
-                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
-        state["groups"].append(group)
-    state["shard_copies"] = state["shard_copies"] or None
-    return state
+def init_params_numpy(cfg):
+    """The recipe's init from cfg.seed, in numpy so that every trainer starts from the same weights."""
+    return RECIPES[cfg.recipe].init(cfg)
 
+
+def lr_at(it, cfg):
+    """The recipe's lr of 0-based iteration `it` (the one the step line prints)."""
+    return RECIPES[cfg.recipe].lr_at(it, cfg)
+
+
+def parse_args(argv=None):
+    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
+    named only here and as Config's field), and the model-shape flags given, which a model file's header
+    must then match (--model gives all three)."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    framework_flags(p)
+    p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
+                   RECIPES.items()) + f" (default {d.recipe})")
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
+                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
+                   f"{d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
+                   "with a --data glob)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
+                   + " (default d12)")
+    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's, or "
+                   "what --recipe sets)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
+                   "--model's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
+                   f"holds (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
+                   f"{d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
+                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
+                   f"it (default {d.total_batch_size})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
+                   "default batch)")
+    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
+                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
+                   "step's; the lr schedule still spans --steps (default 0: run every step)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
+                   "a recipe with several groups scales them all with it: see --recipe)")
+    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
+                   f"(default {d.lr_decay_frac})")
+    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
+                   f"embeddings only (default {d.weight_decay}; see --recipe)")
+    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
+                   f"(default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
+                   f"state stay fp32 (default {d.dtype})")
+    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
+                   f"(default {d.seed})")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
+                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
+                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
+                   "(default 0)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from, which gives the model "
+                   "shape: " + ", ".join(f"{r.file_kind} ({name})" for name, r in RECIPES.items()))
+    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
+                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
+    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
+                   f"never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
+                   f"0 = never (default {d.val_every})")
+    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
+                   "len sequences of the val shards, the same at any device count (default "
+                   f"{d.val_tokens})")
+    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
+    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
+                   f"step's too), 0 = never (default {d.hellaswag_every})")
+    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
+    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
+                   f"0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
+                   "--resume, then exit")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
+                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
+    given = vars(p.parse_args(argv))
+    preset = given.pop("model", None)
+    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
+    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
+    cfg = replace(d, **{**shape, **given})
+    cfg.block_size = cfg.seq_len
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
+                 "val_tokens"):
+        if getattr(cfg, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive")
+    if val_steps is not None:
+        if "val_tokens" in given or val_steps <= 0:
+            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
+                "given without --val-tokens")
+        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
+    if cfg.val_tokens < cfg.seq_len:
+        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
+                 "time_budget"):
+        if getattr(cfg, flag) < 0:
+            die(f"--{flag.replace('_', '-')} must be >= 0")
+    if not 0 < cfg.lr < math.inf:
+        die("--lr must be positive and finite")
+    if not 0 <= cfg.lr_decay_frac <= 1:
+        die("--lr-decay-frac must be in [0, 1]")
+    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
+        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
+    if cfg.zero_stage not in ZERO_STAGES:
+        stages = " or ".join(map(str, ZERO_STAGES))
+        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+    RECIPES[cfg.recipe].configure(cfg, given, shape)
+    if cfg.n_embd % cfg.n_head:
+        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    explicit = {k: given[k] for k in shape if k in given}
+    return cfg, ({**shape, **explicit} if preset else explicit)
+
+
+def apply_model_header(cfg, header, explicit):
+    """Takes the model shape from a model file's header; flags given explicitly must match it."""
+    for k in ("n_layer", "n_head", "n_embd"):
+        if k in explicit and explicit[k] != header[k]:
+            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
+            f"expected {VOCAB_SIZE}")
+    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
+        if cfg.seq_len > header["block_size"]:
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
+                f"{header['block_size']}")
+        cfg.block_size = header["block_size"]
+    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
+    cfg.padded_vocab_size = header["padded_vocab_size"]
 
 # -----------------------------------------------------------------------------
 # Data
@@ -1502,196 +1664,28 @@ def step_batches(loader, grad_accum):
     xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
     return np.stack(xs), np.stack(ys)
 
-
-def put_batch(x, device):
-    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
-    host can queue the step while the GPU is still busy."""
-    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 # -----------------------------------------------------------------------------
 # Checkpoints
 
-MODEL_MAGIC = 20240326
-
-
-def write_model_file(path, params, cfg):
-    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
-    PARAM_NAMES order."""
-    header = np.zeros(256, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
-                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
-    shapes = param_shapes(cfg)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        for name in PARAM_NAMES:
-            t = np.asarray(params[name], dtype=np.float32)
-            assert t.shape == shapes[name], (name, t.shape, shapes[name])
-            f.write(t.astype("<f4").tobytes())
-    os.replace(tmp, path)
-
-
-def read_model_file(path):
-    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    if raw.size < 1024:
-        die(f"model file {path} is truncated: {raw.size} bytes")
-    h = raw[:1024].view("<i4")
-    if h[0] != MODEL_MAGIC:
-        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
-    if h[1] not in (3, 5):
-        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
-    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
-                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
-    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
-        die(f"model file {path} has an invalid header {header}")
-    shapes = param_shapes(Config(**header))
-    itemsize = 4 if h[1] == 3 else 2
-    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
-    if raw.size != expected:
-        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
-    params, offset = {}, 1024
-    for name in PARAM_NAMES:
-        n = math.prod(shapes[name])
-        chunk = raw[offset: offset + n * itemsize]
-        if itemsize == 4:
-            t = chunk.view("<f4").astype(np.float32)
-        else:
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        params[name] = t.reshape(shapes[name])
-        offset += n * itemsize
-    return header, params
-
-
-# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
-# bits of an fp32 one); they write F32
-SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-
-
-def write_safetensors(path, tensors):
-    """A safetensors file (8-byte little-endian header length, the JSON header, the data) of the fp32 arrays
-    {name: array}, in that order, written to a temporary name, then renamed."""
-    header, offset = {}, 0
-    for k, t in tensors.items():
-        header[k] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + 4 * t.size]}
-        offset += 4 * t.size
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(np.array(len(text), "<u8").tobytes() + text)
-        for t in tensors.values():
-            f.write(np.asarray(t, "<f4").tobytes())
-    os.replace(tmp, path)
-
-
-def read_safetensors(path):
-    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
-    within the file."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
-    if not 0 < n <= raw.size - 8:
-        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
-    try:
-        header = json.loads(raw[8:8 + n].tobytes())
-        header.pop("__metadata__", None)
-        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
-                   for k, e in header.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
-    data, tensors = raw[8 + n:], {}
-    for k, (dtype, shape, (lo, hi)) in entries.items():
-        if dtype not in SAFETENSORS_TYPES:
-            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
-        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
-        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
-        if not (fits and hi - lo == size * math.prod(shape)):
-            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
-                f"the file's {data.size} (truncated?)")
-        chunk = data[lo:hi]
-        if dtype == "BF16":
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        else:
-            t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
-        tensors[k] = t.reshape(shape)
-    return tensors
-
-
-def write_speedrun_file(path, params, cfg):
-    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
-    included, so that the reference loads it as it is."""
-    tensors = {}
-    for k in param_shapes(cfg):
-        tensors[k] = np.asarray(params[k], np.float32)
-        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
-            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
-    write_safetensors(path, tensors)
-
-
-def read_speedrun_file(path):
-    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
-    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
-    be there in its shape, with no other."""
-    tensors = read_safetensors(path)
-    embed = tensors.get("embed.weight")
-    if embed is None or embed.ndim != 2:
-        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
-    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
-    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
-    padded, n_embd = embed.shape
-    if n_embd % HEAD_DIM or n_layer == 0:
-        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
-            f"{HEAD_DIM}, or it has no blocks")
-    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
-                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
-    shapes = param_shapes(Config(recipe="speedrun", **header))
-    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
-    expected = {**shapes, **freqs}
-    for k, shape in expected.items():
-        if k not in tensors:
-            die(f"model file {path} lacks tensor {k} {list(shape)}")
-        if tensors[k].shape != shape:
-            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
-    extra = [k for k in tensors if k not in expected]
-    if extra:
-        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
-    for i in range(n_layer):
-        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
-                           rtol=1e-6, atol=0):
-            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
-    return header, {k: tensors[k] for k in shapes}
-
-
-MODEL_FILES = {"gpt2": "model.bin", "speedrun": "model.safetensors"}  # a checkpoint's weights
-
-
 def read_weights(path, cfg):
-    """(header, params) of a model file of cfg.recipe: llm.c's (gpt2) or a safetensors file (speedrun); a
-    file of the other recipe gets one line that says which it is."""
+    """(header, params) of a model file of cfg.recipe; a file of another recipe gets one line that says
+    which it is."""
     if not os.path.isfile(path):
         die(f"model file {path} does not exist")
     with open(path, "rb") as f:
         head = f.read(9)
-    llmc = head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
-    if cfg.recipe == "speedrun" and llmc:
-        die(f"{path} is an llm.c model file, the gpt2 recipe's: --recipe speedrun takes a .safetensors file")
-    if cfg.recipe == "gpt2" and not llmc and head[8:9] == b"{":  # safetensors' JSON header
-        die(f"{path} is a safetensors file, the speedrun recipe's (--recipe speedrun): --recipe gpt2 takes "
-            "an llm.c model file (.bin)")
-    return read_speedrun_file(path) if cfg.recipe == "speedrun" else read_model_file(path)
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other is not recipe and other.is_file(head) and not recipe.is_file(head):
+            die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
+                f"takes {recipe.file_kind}")
+    return recipe.read_file(path)
 
 
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
-    """<out_dir>/ckpt_<step>/{model.bin or (speedrun) model.safetensors, state.npz} (docs/FORMATS.md),
-    written to a temporary name, then renamed. m holds every tensor's first moment (speedrun: AdamW's, or
-    Muon's momentum), v the AdamW tensors' second."""
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz} (docs/FORMATS.md), written to a temporary
+    name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
+    tensors' second."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp, old = final + ".tmp", final + ".old"
     for stale in (tmp, old):  # left by a run that died while saving this step
@@ -1705,8 +1699,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
                  config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
-        write = write_speedrun_file if cfg.recipe == "speedrun" else write_model_file
-        write(os.path.join(tmp, MODEL_FILES[cfg.recipe]), params, cfg)
+        recipe = RECIPES[cfg.recipe]
+        recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
         with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
@@ -1720,30 +1714,6 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     else:
         os.replace(tmp, final)
     return final
-
-
-def gather_state(state, cfg, world):
-    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
-    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
-    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
-    if cfg.zero_stage == 0:
-        return state["params"], state["m"], state["v"]
-    shapes = param_shapes(cfg)
-    full = []
-    for name in ("params", "m", "v"):
-        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
-        names = []
-        for group in state["groups"]:
-            if name not in group:  # Muon's group has no v
-                continue
-            first, end = group["span"]
-            if world > 1:
-                dist.all_gather_single(buffer[first:end], group[name])
-            else:
-                buffer[first:end].copy_(group[name])
-            names += [k for k in shapes if first <= state["starts"][k] < end]
-        full.append(flat_views(buffer, state["starts"], shapes, names))
-    return tuple(full)
 
 
 def latest_checkpoint(out_dir):
@@ -1772,12 +1742,13 @@ def load_checkpoint(path, cfg):
             die(f"--resume auto: no checkpoint in {cfg.out_dir}")
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
-    for recipe, name in MODEL_FILES.items():
-        if recipe != cfg.recipe and os.path.isfile(os.path.join(path, name)):
-            die(f"--resume {path}: a checkpoint of the {recipe} recipe ({name}), not of --recipe "
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
+        if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
+            die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
                 f"{cfg.recipe}")
-    header, params = read_weights(os.path.join(path, MODEL_FILES[cfg.recipe]), cfg)
-    muon = muon_names({k: p.shape for k, p in params.items()})
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg)
+    muon = recipe.muon_names({k: p.shape for k, p in params.items()})
     adam = [k for k in params if k not in muon]  # v: AdamW's second moments
     state_file = os.path.join(path, "state.npz")
     try:
@@ -1810,23 +1781,11 @@ def load_checkpoint(path, cfg):
                 "not float32")
     return header, params, m, v, state
 
-
-def to_numpy(tensors):
-    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
-    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
-
-
-def to_device(arrays, device):
-    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
-    optimizer updates them in place."""
-    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
-
-
 # -----------------------------------------------------------------------------
-# Evaluation
+# Evaluation and logging
 
-HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: few shapes for the kernels to tune
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 32, 40
+HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
 
 
@@ -1840,70 +1799,6 @@ def val_batches(cfg, loader):
         return counted
     return hellaswag.terminal_progress(counted, len(counted), "val")
 
-
-def evaluate_val(row_losses, weights, loader, cfg, device, world):
-    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
-    each time). Each process reads its rank's rows of every global batch, as llm.c's loader does; rows of
-    the last batch past those sequences count for nothing, so that the same weights give the same loss at
-    any batch size and process count."""
-    loader.reset()
-    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
-    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
-    for counted in val_batches(cfg, loader):
-        x, y = loader.next_batch()                                                 # (B,T) each
-        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
-        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
-    if world > 1:
-        dist.all_reduce(total)
-    return total.item() / (cfg.val_tokens // cfg.seq_len)
-
-
-def evaluate_hellaswag(row_losses_fn, params, cfg, device):
-    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
-    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
-    never ending tokens unless an ending alone is longer than the context)."""
-    def row_losses(tokens):  # (4, n+1) int64
-        x, y = tokens[:, :-1], tokens[:, 1:]  # (4, n) each
-        n = x.shape[1]
-        crop = max(0, n - cfg.block_size)
-        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
-        xp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
-        yp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
-        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
-        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
-        out = np.zeros((x.shape[0], n), np.float32)  # (4, n)
-        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
-        return out
-    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
-
-
-@torch.no_grad()
-def generate(params, generator, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant."""
-    ops = backend_ops(cfg.backend, cfg.recipe)
-    speedrun = cfg.recipe == "speedrun"
-    device = next(iter(params.values())).device
-    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)  # (S, T)
-    tokens[:, 0] = EOT
-    for t in range(T - 1):  # token t+1 from 0..t
-        h = (speedrun_forward if speedrun else model_forward)(params, tokens, cfg, ops)  # (S*T, C)
-        h = h.view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
-        if speedrun:
-            z = ops.matmul_forward(h, params["proj.weight"], params["proj.bias"])  # (S, Vp)
-            logits = speedrun_logits(z[:, :VOCAB_SIZE])  # (S, V)
-        else:
-            logits = ops.matmul_forward(h, params["wte"], None)[:, :VOCAB_SIZE].float()  # (S, V)
-        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)  # (S, K) each
-        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
-        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
-    return tokens
-
-
-# -----------------------------------------------------------------------------
-# Logging
 
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
     "H100 PCIe": (756e12, 378e12),
@@ -1928,42 +1823,6 @@ def peak_flops(device_name, dtype):
         if key in device_name:
             return bf16 if dtype == "bf16" else tf32
     return None
-
-
-def device_state_bytes(cfg, shapes, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors; not
-    the activations): `params`: the bf16 compute copies `weights` (none with --dtype fp32, where the model
-    computes with the masters), all of them at either stage; `grads`: the fp32 flat gradient buffer, plus
-    at stage 1 the reduce-scattered shard; `masters`: the fp32 master weights, all of them, or at stage 1
-    a shard of those that have bf16 copies (with --dtype fp32 the masters are what the model computes
-    with, so every process holds them whole); `moments`: AdamW's m and v and Muon's momentum (speedrun),
-    all or (stage 1) a shard."""
-    groups, _, spans = state_layout(cfg, shapes, world)
-    muon = set(muon_names(shapes))
-    size = spans[-1][1]
-    if cfg.zero_stage == 0:
-        numel = {k: math.prod(s) for k, s in shapes.items()}
-        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
-        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
-                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
-    lengths = [(end - first, dtype, bool(muon.intersection(names)))
-               for (names, dtype), (first, end) in zip(groups, spans)]
-    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
-            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
-            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
-            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
-
-
-def log_event(out_dir, framework, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md); framework is
-    f"triton-{backend}"."""
-    record["framework"] = framework
-    path = os.path.join(out_dir, "log.jsonl")
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
-        die(write_failure(path, e))
 
 
 def drop_partial_log_line(out_dir):
@@ -2041,20 +1900,142 @@ def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb
             f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu_s} | mem {mem_s}")
 
 
-def peak_memory_gb(device):
-    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
-    keeps no statistics."""
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-
-# -----------------------------------------------------------------------------
-# Main
-
 PROFILE_STEPS = 3
 
 
 def due(every, step, steps):
     return every > 0 and (step % every == 0 or step == steps)
+
+# -----------------------------------------------------------------------------
+# Torch: processes, ZeRO-1 and failures
+
+FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+
+
+def flat_layout(shapes, groups, world):
+    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
+    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
+    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
+    stays zero)."""
+    starts, spans, size = {}, [], 0
+    unit = FLAT_ALIGN * world
+    for names, _ in groups:
+        first = size
+        for k in names:
+            starts[k] = size
+            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        size = first + -(-(size - first) // unit) * unit
+        spans.append((first, size))
+    return starts, spans
+
+
+def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
+    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
+    element `first` of the layout."""
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
+            for k in names}
+
+
+def whole_matrix_layout(shapes, names, world, first):
+    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
+    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
+    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
+    group (shard_ranges) holds its matrices whole."""
+    order = sorted(names, key=lambda k: shapes[k], reverse=True)
+    ends, local = [0] * world, {}
+    for i, k in enumerate(order):
+        local[k] = (i % world, ends[i % world])
+        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+    stretch = max(ends)
+    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
+
+
+def state_layout(cfg, shapes, world):
+    """(groups, {name: first element}, [(first, end) of each group]): compute_groups' groups in the flat
+    buffers, laid out by flat_layout, and Muon's matrices by whole_matrix_layout after them."""
+    groups = compute_groups(cfg)
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
+    split = [g for g in groups if not muon.intersection(g[0])]
+    starts, spans = flat_layout(shapes, split, world)
+    if len(split) < len(groups):
+        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
+        starts.update(more)
+        spans.append(span)
+    return groups, starts, spans
+
+
+def shard_ranges(starts, shapes, span, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
+    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
+    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
+    n = (span[1] - span[0]) // world
+    first, ranges = span[0] + rank * n, {}
+    for k in starts:
+        if not span[0] <= starts[k] < span[1]:
+            continue
+        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
+        if lo < hi:
+            ranges[k] = (lo, hi)
+    return ranges
+
+
+def gather_state(state, cfg, world):
+    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
+    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
+    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
+    if cfg.zero_stage == 0:
+        return state["params"], state["m"], state["v"]
+    shapes = param_shapes(cfg)
+    full = []
+    for name in ("params", "m", "v"):
+        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
+        names = []
+        for group in state["groups"]:
+            if name not in group:  # Muon's group has no v
+                continue
+            first, end = group["span"]
+            if world > 1:
+                dist.all_gather_single(buffer[first:end], group[name])
+            else:
+                buffer[first:end].copy_(group[name])
+            names += [k for k in shapes if first <= state["starts"][k] < end]
+        full.append(flat_views(buffer, state["starts"], shapes, names))
+    return tuple(full)
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
+    host can queue the step while the GPU is still busy."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def to_numpy(tensors):
+    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
+    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
+
+
+def to_device(arrays, device):
+    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
+    optimizer updates them in place."""
+    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
+
+
+def evaluate_val(row_losses, weights, loader, cfg, device, world):
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
+    each time). Each process reads its rank's rows of every global batch, as llm.c's loader does; rows of
+    the last batch past those sequences count for nothing, so that the same weights give the same loss at
+    any batch size and process count."""
+    loader.reset()
+    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
+    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
+    for counted in val_batches(cfg, loader):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
+        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (cfg.val_tokens // cfg.seq_len)
 
 
 def setup_device(cfg):
@@ -2152,12 +2133,185 @@ def a_lost_process_is_an_error(store, rank, world):
                     "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
         os._exit(1)
 
+# -----------------------------------------------------------------------------
+# Triton plumbing: devices, state and evaluation
+
+def compute_groups(cfg):
+    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
+    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): bf16 copies of
+    every tensor, or with --dtype fp32 the fp32 masters themselves. A recipe's Muon matrices, which a
+    process updates whole, are a last group of their own."""
+    shapes = param_shapes(cfg)
+    muon = RECIPES[cfg.recipe].muon_names(shapes)
+    dtype = compute_dtype(cfg)
+    return [([k for k in shapes if k not in muon], dtype)] + ([(muon, dtype)] if muon else [])
+
+
+def make_state(params, m, v, cfg, device, rank=0, world=1):
+    """The training state on the device, from numpy dicts of the fp32 masters and the moments: every
+    process holds all of the fp32 gradients `grads` (views of one flat buffer, `grad_buffer`, that one
+    kernel zeroes) and all of the `weights` the model computes with (compute_groups: bf16 copies of the
+    masters, or the fp32 masters themselves); what else it holds is its ZeRO stage's (whole_state,
+    sharded_state). train_step updates `shard_params` from `shard_grads`, m and v (v of the AdamW tensors
+    only: Muon keeps one buffer, in m), and refreshes `shard_copies`."""
+    shapes = param_shapes(cfg)
+    _, starts, spans = state_layout(cfg, shapes, world)
+    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
+    if cfg.zero_stage == 0:
+        return whole_state(state, params, m, v, cfg, device)
+    return sharded_state(state, params, m, v, cfg, device, rank, world)
+
+
+def whole_state(state, params, m, v, cfg, device):
+    """Stage 0: a process's shard is the whole model, its one group the whole buffer. It holds all of the
+    fp32 masters `params` and the moments m, v; one all-reduce sums the gradients, and it updates every
+    weight. `shard_params`, `shard_grads`, `shard_copies` are `params`, `grads` and the bf16 `weights`
+    (None in fp32, where the model computes with the masters)."""
+    state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
+    state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()}
+                        if cfg.dtype == "bf16" else state["params"])
+    state.update(shard_params=state["params"], shard_grads=state["grads"],
+                 shard_copies=state["weights"] if cfg.dtype == "bf16" else None,
+                 groups=[{"span": (0, state["grad_buffer"].numel()), "grads": state["grad_buffer"]}])
+    return state
+
+
+def sharded_state(state, params, m, v, cfg, device, rank, world):
+    """Stage 1 (ZeRO-1): per compute group (`groups`), a process keeps 1/world of the group's stretch of
+    the flat layout (state_layout; Muon's holds whole matrices) of the fp32 masters (a piece of the weights
+    themselves where they are fp32), of m and v, and of the summed gradients (reduce-scattered into it). It
+    updates that shard of the masters and of the weights (`own_weights`); one all-gather of the group's
+    weights brings every process every update. `shard_params`, `shard_grads`, `shard_copies`, m and v are
+    {name: 1-D piece} of the tensors in the shard (Muon's matrices whole, in their shapes)."""
+    shapes = param_shapes(cfg)
+    groups, starts, spans = state_layout(cfg, shapes, world)
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
+    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    for (names, dtype), (first, end) in zip(groups, spans):
+        n = (end - first) // world
+        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
+        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
+        views = flat_views(group["weights"], starts, shapes, names, first)
+        for k in names:
+            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        state["weights"].update(views)
+        group["own_weights"] = group["weights"][own - first:own - first + n]  # (S,) a view
+        # fp32 weights are their own masters; bf16 ones get an fp32 shard
+        group["params"] = (group["own_weights"] if dtype == torch.float32 else
+                           torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
+        # one process alone reduces into its gradient buffer itself
+        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
+                          torch.zeros(n, dtype=torch.float32, device=device))  # (S,)
+        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
+        for name in sources:
+            group[name] = torch.zeros(n, dtype=torch.float32, device=device)  # (S,)
+        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
+            sources["params"] = params
+        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
+        for name, source in sources.items():
+            for k, (lo, hi) in ranges.items():
+                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
+        if dtype != torch.float32:
+            pieces["own_weights"] = "shard_copies"
+        for k, (lo, hi) in ranges.items():
+            for name, into in pieces.items():
+                if name in group:
+                    piece = group[name][lo - own:hi - own]  # (hi-lo,)
+                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
+        state["groups"].append(group)
+    state["shard_copies"] = state["shard_copies"] or None
+    return state
+
+
+def device_state_bytes(cfg, shapes, world):
+    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors, not
+    the activations): `params` the bf16 compute copies `weights` (none in fp32, where the model computes
+    with the masters), all at either stage; `grads` the fp32 flat gradient buffer, plus at stage 1 the
+    reduce-scattered shard; `masters` the fp32 masters, all, or at stage 1 a shard of those with bf16
+    copies (fp32 ones are what the model computes with: every process holds them whole); `moments`
+    AdamW's m and v and Muon's momentum, all or (stage 1) a shard."""
+    groups, _, spans = state_layout(cfg, shapes, world)
+    muon = set(RECIPES[cfg.recipe].muon_names(shapes))
+    size = spans[-1][1]
+    if cfg.zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
+    lengths = [(end - first, dtype, bool(muon.intersection(names)))
+               for (names, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
+            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
+
+
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):  # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]  # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int64)  # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)  # (4, n)
+        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+
+
+@torch.no_grad()
+def generate(params, generator, cfg):
+    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
+    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
+    mask makes the not-yet-sampled zeros to the right irrelevant."""
+    recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
+    device = next(iter(params.values())).device
+    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
+    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)  # (S, T)
+    tokens[:, 0] = EOT
+    for t in range(T - 1):  # token t+1 from 0..t
+        h = recipe.forward(params, tokens, cfg, ops)  # (S*T, C)
+        h = h.view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
+        logits = recipe.logits(head_logits(h, params, cfg, ops))[:, :VOCAB_SIZE].float()  # (S, V)
+        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)  # (S, K) each
+        choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
+        tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
+    return tokens
+
+
+def log_event(out_dir, framework, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (the keys of docs/FORMATS.md); framework is
+    f"triton-{backend}"."""
+    record["framework"] = framework
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a half line left is cut off on --resume (drop_partial_log_line)
+        die(write_failure(path, e))
+
+
+def peak_memory_gb(device):
+    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
+    keeps no statistics."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+# -----------------------------------------------------------------------------
+# Main
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
-    if cfg.recipe == "speedrun" and cfg.test and cfg.backend == "torch":
-        die("--test --recipe speedrun checks backend triton's kernels against backend torch (backend torch's "
-            "speedrun ops are held to autograd by tests/test_speedrun_triton.py)")
+    recipe = RECIPES[cfg.recipe]
     if cfg.test:
         run_self_test(cfg)
         return
@@ -2185,7 +2339,7 @@ def main(argv=None):
     else:
         params = init_params_numpy(cfg)
     if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
-        muon = muon_names(param_shapes(cfg))
+        muon = recipe.muon_names(param_shapes(cfg))
         m = {k: np.zeros_like(p) for k, p in params.items()}
         v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
     if cfg.eval_only and not (cfg.resume or cfg.init_from):
@@ -2214,18 +2368,16 @@ def main(argv=None):
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
     # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
-    model, table = ("speedrun GPT", "embed.weight") if cfg.recipe == "speedrun" else ("GPT-2", "wpe")
-    n_params = sum(p.numel() for k, p in weights.items() if k != table)
+    n_params = sum(p.numel() for k, p in weights.items() if k != recipe.table)
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"{table}) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
+    say(f"{recipe.model_name} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters "
+        f"(without {recipe.table}) | {world} x {device_kind} | {cfg.dtype} | backend: {cfg.backend}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    optimizers = "AdamW and Muon" if cfg.recipe == "speedrun" else "AdamW"
     say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-        f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
-        f"stage {cfg.zero_stage} over {world} devices)")
+        f"masters {held['masters'] / 1e6:.1f} MB | {recipe.optimizers} moments {held['moments'] / 1e6:.1f} MB "
+        f"(ZeRO stage {cfg.zero_stage} over {world} devices)")
 
     with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
         def run_evals(step, val, swag):
@@ -2277,10 +2429,9 @@ def main(argv=None):
             if cfg.time_budget and world > 1:
                 dist.broadcast_object_list(stop, src=0)
             last = step if stop[0] else cfg.steps
-            if step == first:
-                say(f"first step: {dt:.1f} s with its one-off costs (kernel compilation and autotuning, whose "
-                    f"copies of the buffers it tunes count in its memory), left out of the mean; peak memory "
-                    f"is reset after it, so later steps show the steady state")
+            if step == first:  # its peak memory holds the autotuner's copies of the buffers it tunes
+                say(f"step {first} includes compile and autotune time: tokens/s and MFU are measured from step "
+                    f"{first + 1}")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
             if profile and step == profile_steps[-1]:
@@ -2332,19 +2483,20 @@ def main(argv=None):
 # Triton kernels
 #
 # Backend `triton`: the op interface filled in by our own kernels, in three groups: first the memory-bound
-# ops (embedding, LayerNorm and RMSNorm, GELU and ReLU^2, cross-entropy, global norm, AdamW, Muon's
-# elementwise work), then the two that hold the FLOPs (matmul with fused epilogues, causal flash
-# attention, with the speedrun model's q/k norm and rotary after it), then the training step's own kernels
-# (zeroing and clipping the gradients, summing the loss, copying a chunk's rows into place), so that no
-# torch op computes anything on the device in backend triton's step: torch allocates memory, makes views,
-# and builds the multi-tensor kernels' small pointer tables on the host. Without a GPU, TRITON_INTERPRET=1
-# (set before triton is imported) runs every kernel in Triton's interpreter: slow, and fp32 only (its
-# bf16 dots are wrong). The interpreter's cost is Python overhead per program and per loop step, not per
-# element, so a few block sizes below take a wide value there (`... if INTERPRET else ...`); the tests
-# pass small ones explicitly where a loop over blocks must run more than once.
+# ops (embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW; RMSNorm, ReLU^2 and the soft cap are
+# flags of the same kernels), then the two that hold the FLOPs (matmul with fused epilogues, causal flash
+# attention), then the training step's own kernels (zeroing and clipping the gradients, summing the loss,
+# copying a chunk's rows into place), so that no torch op computes anything on the device in backend
+# triton's step: torch allocates memory, makes views, and builds the multi-tensor kernels' small pointer
+# tables on the host. The speedrun recipe's ops follow in a section of their own. Without a GPU,
+# TRITON_INTERPRET=1 (set before triton is imported) runs every kernel in Triton's interpreter: slow, and
+# fp32 only (its bf16 dots are wrong). The interpreter's cost is Python overhead per program and per loop
+# step, not per element, so a few block sizes below take a wide value there (`... if INTERPRET else ...`);
+# the tests pass small ones explicitly where a loop over blocks must run more than once.
+
 
 # -----------------------------------------------------------------------------
-# Triton kernels: embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
+# Triton kernels: memory-bound ops
 #
 # Conventions. N = B*T rows, C channels, `dt` the compute dtype (bf16 or fp32). Inputs are loaded in their
 # own dtype, all arithmetic is fp32, each result is rounded once when stored. Every load and store is
@@ -2377,6 +2529,8 @@ LN_REDUCE_BLOCK_P = 256  # the dgamma/dbeta reduce: all (<= 256) partials of 16 
 LN_REDUCE_BLOCK_C = 16   # ... programs at C = 768 reading the 1.5 MB of partials from L2
 ELEM_BLOCK = 4096       # activations: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
 ELEM_WARPS = 8
+
+
 # cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter takes a
 # row in one step (its cost is per loop step, not per element)
 CE_BLOCK_V = 1 << 16 if INTERPRET else 4096
@@ -2390,6 +2544,8 @@ ENC_WARPS = 8           # ... registers (152 with 4 warps)
 ENC_CARRY_TILES = 16    # runs longer than a tile: the partial sums of 16 following tiles per step
 ENC_WPE_BLOCK_T = 8     # wpe reduce: (8 positions, 256 channels) per program, pipelined over the batch
 ENC_WPE_STAGES = 3
+
+
 # multi-tensor kernels: elements per program (8 blocks of MT_BLOCK); the interpreter runs a chunk of one
 # wide block, and fewer programs
 MT_CHUNK = 1 << 16 if INTERPRET else 16384
@@ -2437,11 +2593,6 @@ def encoder_forward(idx, wte, wpe):
                                   HAS_WPE=wpe is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
                                   num_warps=ROW_WARPS)
     return x
-
-
-def embedding_forward(idx, table):
-    """idx (B,T) int64, table (Vp,C) dt -> x (B,T,C) dt: the speedrun model's rows, without positions."""
-    return encoder_forward(idx, table, None)
 
 
 # The token gradient dwte[v] += sum of dx over the rows whose token is v must not race when a token repeats,
@@ -2739,18 +2890,6 @@ def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, HAS_BIAS: tl
         tl.store(db_ptr + cols, db, mask=col_mask)
 
 
-def rmsnorm_forward(x, w, eps):
-    """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
-    _, y, _, rstd = _layernorm_forward(x, None, w, None, eps, rms=True)
-    return y, rstd
-
-
-def residual_rmsnorm_forward(res, h, w, eps):
-    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, RMSNorm(x) (N,C) dt, rstd (N) fp32)."""
-    x, y, _, rstd = _layernorm_forward(res, h, w, None, eps, rms=True)
-    return x, y, rstd
-
-
 def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     """dy, x (N,C) dt; w (C); mean, rstd (N) fp32; dw, db (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt
     (dx includes dres: the residual stream's gradient flowing through the fused add). With mean and db
@@ -2773,12 +2912,6 @@ def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
         partial, dw, dw if rms else db, P, C, HAS_BIAS=not rms, BLOCK_P=LN_REDUCE_BLOCK_P,
         BLOCK_C=LN_REDUCE_BLOCK_C)
     return dx
-
-
-def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
-    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, RMSNorm's
-    (dx includes dres, as layernorm_backward's)."""
-    return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
 
 
 # --- Activations: tanh-GELU, gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), GPT-2's, and ------
@@ -2858,16 +2991,6 @@ def gelu_backward(dy, pre):
     return _activation_backward(dy, pre, "gelu")
 
 
-def relu2_forward(pre):
-    """pre (N,M) dt -> relu(pre)^2 (N,M) dt."""
-    return _activation_forward(pre, "relu2")
-
-
-def relu2_backward(dy, pre):
-    """dy (N,M), pre (N,M) dt -> dpre = dy * 2 relu(pre) (N,M) dt."""
-    return _activation_backward(dy, pre, "relu2")
-
-
 # --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
 # The speedrun model's head soft-caps its logits first, c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2), and takes the
 # loss over all Vp columns (V = Vp): the same kernel with the cap (a constexpr) applied as each logit is
@@ -2929,17 +3052,6 @@ def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V)
     N = logits.numel() // Vp
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
     _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, CAP=0.0, BLOCK_V=block_v,
-                               num_warps=CE_WARPS)
-    return losses
-
-
-def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
-    """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
-    OVERWRITES z with dloss * (softmax(c) - onehot) dc/dz. block_v as in crossentropy_forward_backward."""
-    Vp = z.shape[-1]
-    N = z.numel() // Vp
-    losses = torch.empty(N, dtype=torch.float32, device=z.device)                   # (N,) fp32
-    _crossentropy_kernel[(N,)](z, targets, losses, Vp, Vp, dloss, CAP=SOFTCAP, BLOCK_V=block_v,
                                num_warps=CE_WARPS)
     return losses
 
@@ -3098,186 +3210,6 @@ def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_de
                              num_warps=MT_WARPS)
 
 
-# --- Muon: momentum, Newton-Schulz on the matmul kernels, the update ---------------------------------------
-# muon_update (torch_muon_update's semantics) over n matrices of one shape (r, c) in four steps: (1) one
-# multi-tensor launch updates the momentum buffers and writes Nesterov's u into a stacked (n, r, c) work
-# buffer in the Newton-Schulz dtype, with each chunk's sum of squares of u as stored, so that the Frobenius
-# norms cost no second pass over u; (2) one launch divides each matrix by its norm, each program summing
-# its matrix's chunk partials in order; (3) Newton-Schulz on _matmul, each product one launch batched over
-# the n matrices, the combinations by _axpby_kernel over the whole work buffer, in place; (4) one
-# multi-tensor launch applies the update to the fp32 masters and refreshes their compute-dtype copies.
-
-MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps ...
-MUON_WARPS = 8                               # ... the interpreter takes wide blocks (fewer programs)
-MUON_PARTIALS_BLOCK = 256  # the norm's chunk partials per loop step: a d12 (3072, 768) matrix has 144
-
-
-@triton.jit
-def _lerp(start, end, w):
-    # torch's lerp as its CPU (vectorized) and CUDA kernels compute it, one fused multiply-add each:
-    # start + w (end - start) for w < 0.5, else end - (1 - w) (end - start) (exact at w = 1), w in fp32
-    # as torch casts it, so that fp32 results agree bit for bit
-    small = w < 0.5
-    return tl.fma(tl.where(small, w, w - 1.0), end - start, tl.where(small, start, end))
-
-
-@triton.jit
-def _muon_momentum_kernel(table_ptr, n_tensors, u_ptr, sumsq_ptr, w_m, w_u, ALIGNED: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
-    # table row: numel, first chunk, grad, m pointers. Every matrix has one shape, so the matrix of first
-    # chunk f is f / (its chunk count), and its u is that matrix of the stacked buffer u (n, r, c)
-    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
-    numel = tl.load(row)
-    first = tl.load(row + 1)
-    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
-    g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    if ALIGNED:
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        numel = tl.multiple_of(numel, 16)
-    u_ptr += first // tl.cdiv(numel, CHUNK) * numel
-    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
-    for i0 in range(0, size, BLOCK):
-        o = start + i0
-        mask = offs < size - i0
-        g = tl.load(g_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
-        m = _lerp(tl.load(m_ptr + o + offs, mask=mask, other=0.0), g, w_m)         # (BL,) fp32
-        u = _lerp(g, m, w_u).to(u_ptr.dtype.element_ty)                             # (BL,) Nesterov's
-        tl.store(m_ptr + o + offs, m, mask=mask)
-        tl.store(u_ptr + o + offs, u, mask=mask)
-        acc += u.to(tl.float32) * u.to(tl.float32)  # the norm of u as Newton-Schulz reads it (masked: 0)
-    tl.store(sumsq_ptr + tl.program_id(0), tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _muon_normalize_kernel(x_ptr, sumsq_ptr, numel, chunks, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-    # x (n, numel) /= ||x[i]||_F + 1e-7 over grid (n, blocks): every program of matrix i sums its `chunks`
-    # partials in the same order, so all of them divide by the same bits. The norm and the denominator are
-    # rounded to x's dtype as torch rounds them (a bf16 norm in bf16 Newton-Schulz)
-    i = tl.program_id(0).to(tl.int64)
-    offs_p = tl.arange(0, BLOCK_P)                                                  # (BP,)
-    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)                                    # (BP,)
-    for p0 in range(0, chunks, BLOCK_P):
-        acc += tl.load(sumsq_ptr + i * chunks + p0 + offs_p, mask=offs_p < chunks - p0, other=0.0)
-    norm = tl.sqrt_rn(tl.sum(acc, axis=0)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    denom = (norm + 1e-7).to(x_ptr.dtype.element_ty).to(tl.float32)
-    start = tl.program_id(1).to(tl.int64) * BLOCK
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    mask = offs < numel - start
-    x = tl.load(x_ptr + i * numel + start + offs, mask=mask, other=0.0).to(tl.float32)  # (BL,)
-    tl.store(x_ptr + i * numel + start + offs, tl.div_rn(x, denom).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _axpby_kernel(out_ptr, x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
-    # out may be x or y: each element is read before it is written, by the same program
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    mask = offs < n - start
-    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
-    y = tl.load(y_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
-    tl.store(out_ptr + start + offs, (a * x + b * y).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr,
-                        ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
-    # table row: numel, first chunk, param, copy pointers; the orthogonalized update of the matrix is x's,
-    # found as in _muon_momentum_kernel
-    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
-    numel = tl.load(row)
-    first = tl.load(row + 1)
-    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
-    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    if ALIGNED:
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        numel = tl.multiple_of(numel, 16)
-    if HAS_COPY:
-        c_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
-        if ALIGNED:
-            c_ptr = tl.multiple_of(c_ptr, 16)
-    x_ptr += first // tl.cdiv(numel, CHUNK) * numel
-    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    for i0 in range(0, size, BLOCK):
-        o = start + i0
-        mask = offs < size - i0
-        p = tl.load(p_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
-        update = tl.load(x_ptr + o + offs, mask=mask, other=0.0).to(tl.float32) * scale  # (BL,)
-        # torch's order of roundings: p * decay, then minus lr * update
-        p = p * decay - update * lr                                                 # (BL,) fp32
-        tl.store(p_ptr + o + offs, p, mask=mask)
-        if HAS_COPY:
-            tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-def axpby(out, a, x, b, y):
-    """out = a x + b y elementwise (out, x, y contiguous with as many elements; out may be x or y), in fp32
-    and rounded once to out's dtype."""
-    _flat_check("axpby", out, x, y)
-    if not out.numel() == x.numel() == y.numel():
-        raise ValueError(f"axpby: {x.numel()} and {y.numel()} elements into {out.numel()}")
-    _axpby_kernel[(triton.cdiv(out.numel(), MUON_BLOCK),)](out, x, y, out.numel(), a, b, BLOCK=MUON_BLOCK,
-                                                           num_warps=MUON_WARPS)
-
-
-def add_into(acc, x):
-    """acc += x (same shape and dtype, contiguous), rounded once: h feeds q, k and v, so their input
-    gradients add up."""
-    if acc.shape != x.shape or acc.dtype != x.dtype:
-        raise ValueError(f"add_into: {x.dtype} {tuple(x.shape)} into {acc.dtype} {tuple(acc.shape)}")
-    axpby(acc, 1.0, acc, 1.0, x)
-
-
-def _newton_schulz(x):
-    """newton_schulz's iterations in place on normalized matrices x (n, r, c), contiguous, in their dtype,
-    each step's products batched over the n matrices (one launch each). Tall matrices run them on their
-    transposes, as the reference does, without moving them: with X = x^T the reference's step
-    X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since A = x^T x and so B
-    are symmetric. A symmetric A needs only its upper half computed (half of A = X X^T's flops, and of
-    A @ A's); whether a triangular variant of the matmul kernel pays is left for measurement on a GPU."""
-    tall = x.shape[1] > x.shape[2]
-    for _ in range(NEWTON_SCHULZ_STEPS):
-        xt = x.transpose(1, 2)                                                      # (n, c, r) a view
-        A, _ = _matmul(xt, x) if tall else _matmul(x, xt)                           # (n, k, k), k = min(r, c)
-        AA, _ = _matmul(A, A)                                                       # (n, k, k)
-        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
-        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (n, r, c)
-        axpby(x, 2.0, x, 1.0, Bx)                                                   # (n, r, c)
-
-
-def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
-    """Muon in place, as torch_muon_update: lists of fp32 matrices of one shape (r, c), m = lerp(m, g,
-    1 - momentum), u = lerp(g, m, momentum) orthogonalized by Newton-Schulz in `dtype` (fp32 or bf16),
-    p = p (1 - lr wd) - lr max(1, r/c)^0.5 update; `copies` (bf16, or None) get the updated params rounded
-    to bf16. chunk and block as in global_norm."""
-    if dtype not in (torch.float32, torch.bfloat16) or params[0].dim() != 2:
-        raise ValueError(f"muon_update: fp32 or bf16 Newton-Schulz on matrices, got {dtype} on "
-                         f"{tuple(params[0].shape)}")
-    _check_tensors("muon_update params/grads/m", [*params, *grads, *ms], (torch.float32,),
-                   params[:1] * (3 * len(params)))
-    if copies is not None:
-        _check_tensors("muon_update copies", copies, (torch.bfloat16,), params)
-    n, (r, c) = len(params), params[0].shape
-    u = torch.empty((n, r, c), dtype=dtype, device=params[0].device)  # (n, r, c) u, then its update
-    table, chunks, aligned = _tensor_table([grads, ms], chunk=chunk)
-    sumsq = torch.empty(chunks, dtype=torch.float32, device=u.device)  # (chunks,) fp32 partial sums of u^2
-    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned,
-                                     CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(n),
-                                     num_warps=MT_WARPS)
-    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n,
-                                                                BLOCK=MUON_BLOCK, BLOCK_P=MUON_PARTIALS_BLOCK,
-                                                                num_warps=MUON_WARPS)
-    _newton_schulz(u)
-    table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
-    _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
-                                   HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
-                                   BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
-
 # -----------------------------------------------------------------------------
 # Triton kernels: shared helpers
 
@@ -3324,27 +3256,26 @@ def _num_sms(device):
 
 
 # -----------------------------------------------------------------------------
-# Triton kernels: matmul with fused epilogues (forward, dX) and dW with the bias gradient
+# Triton kernels: matmul with fused epilogues, and dW
+
 # H100 facts the configurations rely on: a 128x256 (or 256x128) tile is the largest whose fp32
 # accumulator fits in 8 warps' registers, and the one that asks least of L2 per flop; a 128x128 tile with 3
 # stages (96 KB of shared memory, at most 128 registers a thread at 8 warps or 255 at 4) leaves room for
 # two programs on an SM, so that one's prologue and epilogue (bias, GELU, the stores) run under the other's
-# main loop: what the K=768 layers need, whose main loop is only 12 steps of 64. One measured run (cuBLAS
-# 0.9x at long K, 0.5-0.75x at K=768 with one program an SM and the epilogue exposed) set these choices.
+# main loop: what the K=768 layers need, whose main loop is only 12 steps of 64 (bench/NOTES.md: how these
+# choices were made).
 
 INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
 INTERPRETER_WIDE = 128  # the interpreter's dimensions of at least this size take one wide block
 
 
 def _matmul_configs(kernel, interpret=INTERPRET):
-    """H100 configurations of kernel "mm" (forward and dX) or "dw". 16-bit inputs: BLOCK_K 64, tiles of
-    128x256 / 256x128 (one program an SM, 3 stages: 144 KB) and 128x128 with 3 stages (two programs an
-    SM); dW runs long K loops on few tiles: the big tiles and a 4-stage 128x128, each with every split
-    count 1..8 (_prune_dw_configs keeps the two its cost model ranks best). "mm" has each of its pointer
-    configs, and a 4-stage 128x128 one, also on the descriptor path (TMA, persistent: PER_SM programs an
-    SM). fp32 inputs run on the FMA units (ieee) and use BLOCK_K 32 so that their stages fit: the prune
-    functions pick the set by input width. The interpreter's set: blocks of 32 to 512 per dimension (see
-    _interpreter_config), dW split in 1 or 2, mm on either path."""
+    """The configurations of kernel "mm" (forward and dX) or "dw": the H100's, or (interpret) blocks of 32
+    to 512 a side (_interpreter_config), dW split in 1 or 2, mm on either path.
+    16-bit inputs: BLOCK_K 64, 128x256 / 256x128 tiles (one program an SM, 3 stages: 144 KB) and 128x128
+    ones (two programs an SM). dW's long K loops: the big tiles and a 4-stage 128x128, each split 1..8
+    ways (_prune_dw_configs keeps two). "mm": each pointer config, and a 4-stage 128x128, also on the
+    descriptor path (TMA, persistent: PER_SM programs an SM). fp32 (FMA units) takes BLOCK_K 32."""
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
                                **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
@@ -3372,8 +3303,8 @@ def _matmul_configs(kernel, interpret=INTERPRET):
 def _tma_block_shapes(nargs):
     """Every mm config's pre-hook: sets the descriptors' block shapes, where they exist, to the tiles of
     the configuration about to run (the wrapper builds them before the autotuner picks one). The pointer
-    path needs it too: its launch still encodes the descriptors it is passed, and [1, 1] blocks of 16-bit
-    elements are refused by the driver (one measured run)."""
+    path needs it too: its launch still encodes the descriptors it is passed, and the driver refuses [1, 1]
+    blocks of 16-bit elements."""
     if nargs["a_desc"] is None:
         return
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
@@ -3578,11 +3509,10 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
                   TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
     """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then an activation (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the
-    pre-activation stored to pre (M,N)]. Two
-    data paths, which the autotuner times against each other as configurations: pointer loads, one tile a
-    program (any strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the
-    descriptors a_desc..pre_desc exist, else they are None). One measured run on the H100 found neither
-    path fastest at every d12 shape (bench/matmul.py). A batch of products (Muon's Newton-Schulz over the
+    pre-activation stored to pre (M,N)]. Two data paths, which the autotuner times against each other as
+    configurations: pointer loads, one tile a program (any strides and alignment), or tensor descriptors,
+    persistent (TMA; where tma_ok: the descriptors a_desc..pre_desc exist, else they are None); neither is
+    fastest at every d12 shape (bench/NOTES.md). A batch of products (Muon's Newton-Schulz over the
     matrices of one shape) runs on the pointer path, grid axis 1 the batch, its strides stride_ab..cb."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
@@ -3654,12 +3584,11 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """The weight gradient dw (M,N) += dy.T (M,K) @ x (K,N) over the K = B*T rows, and the bias gradient
     db (M) += the column sums of dy, computed by the programs of tile column 0. Split-K: the SPLIT_K
-    programs of a tile each sum a chunk of rows and store it to the fp32 workspace ws (tile, SPLIT_K, BM,
-    BN); the last of them to finish (an atomic counter a tile) adds the SPLIT_K partial sums in chunk order
-    and accumulates the result into dw. Their program ids are adjacent: they run in the same wave, and the
-    partial sums are read back soon after they are written, from L2. Deterministic for a given SPLIT_K:
-    which program finishes last changes who adds, never the order of the additions. SPLIT_K == 1
-    accumulates directly."""
+    programs of a tile each sum a chunk of rows into the fp32 workspace ws (tile, SPLIT_K, BM, BN); the
+    last to finish (an atomic counter a tile) adds the partial sums in chunk order into dw: which program
+    finishes last changes who adds, never the order of the additions. SPLIT_K == 1 accumulates directly."""
+    # the SPLIT_K programs of a tile have adjacent ids: they run in the same wave, and the partial sums are
+    # read back soon after they are written, from L2
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -3745,8 +3674,7 @@ def _dw_workspace_sizes(M, N, K, dtype, device):
     """Elements of the split-K buffers (partial dw, partial db, tile counters) that serve whichever config
     the autotuner will run at this shape: the largest need among the configs its pruning keeps (a single
     config is run as it is); () when none splits. Cached: the pruning costs 0.3-0.9 ms of Python, which at
-    ~50 dW products a micro-batch made the H100 wait on the host (one measured run: every d12 dW took
-    0.24-0.26 ms whatever its FLOPs)."""
+    ~50 dW products a micro-batch made the H100 wait on the host (bench/NOTES.md)."""
     configs = matmul_dw_kernel.configs
     if len(configs) > 1:
         configs = DW_PRUNE["early_config_prune"](
@@ -3788,12 +3716,6 @@ def matmul_gelu_forward(x, w, b):
     return _matmul(x, w.t(), b, activation="gelu")
 
 
-def matmul_relu2_forward(x, w, b):
-    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre for its
-    backward."""
-    return _matmul(x, w.t(), b, activation="relu2")
-
-
 def matmul_backward(dy, x, w, dw, db):
     """dx (N,K) = dy (N,M) @ w (M,K); dw (M,K) += dy.T @ x and db (M) += dy.sum(0), both fp32."""
     dx = _matmul(dy, w)[0]  # (N,K)
@@ -3803,6 +3725,7 @@ def matmul_backward(dy, x, w, dw, db):
 
 # -----------------------------------------------------------------------------
 # Triton kernels: causal flash attention
+
 # q, k and v come as three base pointers that share their strides over batch and position, head h being
 # the D-wide slice h*D of a row: the thirds of GPT-2's fused projection qkv (B,T,3C), or the speedrun's
 # separate (B,T,H,D) tensors, read in place either way; their gradients are written with the same
@@ -3813,10 +3736,9 @@ def _attention_configs(kernel, interpret=INTERPRET):
     """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq". H100, D=64, 16-bit: the
     forward and dQ own 64-128 queries and stream 32-128 keys past them, dK/dV the reverse; 128-row
     owners amortise the loads of the streamed blocks, 4-8 warps hold the (BM,BN) scores in registers, 3
-    stages prefetch the next blocks. fp32 runs its dots on the FMA units, whose tiles live in registers:
-    smaller tiles that compile without spills (checked with ptxas for sm_90), 2 stages. The owned block is
-    a multiple of the streamed one, so the diagonal splits into whole sub-blocks (static_assert in the
-    kernels). _prune_attention_configs tells the sets apart by their stage count."""
+    stages prefetch the next blocks. fp32 (FMA units, tiles in registers): smaller tiles without spills, 2
+    stages, which _prune_attention_configs tells apart. The owned block is a multiple of the streamed one,
+    so the diagonal splits into whole sub-blocks (static_assert in the kernels)."""
     if interpret:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
                               else {"BLOCK_M": 32, "BLOCK_N": 16})]
@@ -3841,39 +3763,39 @@ ATTENTION_PRUNE = {"early_config_prune": _prune_attention_configs}
 
 
 @triton.jit
-def _load_rows(base, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr,
                CHECK_T: tl.constexpr):
     """The (len(offs_t), BLOCK_D) tile of rows offs_t of one head; rows >= T (when CHECK_T) and padded
     head-dim columns read as 0, which makes every product they enter vanish."""
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
     if CHECK_T:
-        x = tl.load(ptrs, mask=(offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D == HEAD_DIM:
+        x = tl.load(ptrs, mask=(offs_t[:, None] < T) & (offs_d[None, :] < D), other=0.0)
+    elif BLOCK_D == D:
         x = tl.load(ptrs)
     else:
-        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
     return x
 
 
 @triton.jit
-def _store_rows(base, x, offs_t, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_rows(base, x, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_d[None, :] < D))
 
 
 @triton.jit
 def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """Online softmax over the key blocks [lo, hi): rescales the running output acc (BM,BD), sum l_i and
     max m_i (BM,) by exp2(m_old - m_new) whenever the max grows. DIAGONAL blocks straddle the causal
     boundary (and maybe T): they mask scores of keys after the query and load keys with a row check."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-        k = _load_rows(k_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
-        v = _load_rows(v_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BM, BN) fp32 unscaled scores
         if DIAGONAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))  # (BM, BN)
@@ -3887,10 +3809,10 @@ def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_attention_configs("fwd"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.autotune(configs=_attention_configs("fwd"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
-                    stride_out_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head). Keys strictly before the block need no mask;
     the BLOCK_M diagonal keys are masked; keys after the block are never visited (causal skip).
@@ -3900,27 +3822,27 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, strid
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k and v
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k and v
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
     # a finite start: a row whose first keys are all masked keeps m = -1e30 and p = exp2(-inf) = 0, no NaN
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # (BM,) running max (log2 units)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,) running sum of exp2(s - m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD) running p @ v
     acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
-                                   stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+                                   stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, start_m,
-                                   tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM,
+                                   tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D,
                                    BLOCK_D, BLOCK_M, BLOCK_N, True)
-    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM
-    _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, HEAD_DIM, BLOCK_D)
+    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * D
+    _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, D, BLOCK_D)
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # (BM,) natural-log logsumexp of the scaled scores
     tl.store(lse_ptr + pid_bh * T + offs_m, lse, mask=offs_m < T)
 
 
 @triton.jit
 def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b,
-                          stride_dout_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          stride_dout_t, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr):
     """delta (B,H,T) = rowsum(dout * out) per head: the softmax backward's sum_j p_j dp_j, computed once
     here instead of in every key block of the backward kernels."""
@@ -3928,25 +3850,25 @@ def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stri
     b = pid_bh // H
     h = pid_bh % H
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-    o = _load_rows(out_ptr + b.to(tl.int64) * stride_out_b + h * HEAD_DIM, offs_m, stride_out_t, T,
-                   HEAD_DIM, BLOCK_D, True)  # (BM, BD)
-    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
-                    HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    o = _load_rows(out_ptr + b.to(tl.int64) * stride_out_b + h * D, offs_m, stride_out_t, T,
+                   D, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * D, offs_m, stride_dout_t, T,
+                    D, BLOCK_D, True)  # (BM, BD)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BM,)
     tl.store(delta_ptr + pid_bh * T + offs_m, delta, mask=offs_m < T)
 
 
 @triton.jit
 def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_t,
-                      stride_do_t, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      stride_do_t, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dK, dV of one key block (BN,BD) over the query blocks [lo, hi), in transposed form (keys x queries)
     so the sums over queries are dots: P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T * (dP^T - delta),
     dK += dS^T Q. Queries past T read q = dO = lse = delta = 0 and so add exactly 0."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-        q = _load_rows(q_base, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
-        do = _load_rows(do_base, offs_m, stride_do_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+        q = _load_rows(q_base, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
+        do = _load_rows(do_base, offs_m, stride_do_t, T, D, BLOCK_D, True)  # (BM, BD)
         lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,) log2 units
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
         zeros = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -3961,10 +3883,10 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
     return dk, dv
 
 
-@triton.autotune(configs=_attention_configs("dkdv"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.autotune(configs=_attention_configs("dkdv"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, sm_scale,
-                         qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                         qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_N keys of one (batch, head), their dK and dV written once (no atomics). Only
     queries at or after the block see it: the BLOCK_N diagonal queries with the causal mask, the rest
@@ -3974,35 +3896,35 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_p
     start_n = tl.program_id(1) * BLOCK_N
     b = pid_bh // H
     h = pid_bh % H
-    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and grads
-    do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k, v and grads
+    do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * D
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-    k = _load_rows(k_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
-    v = _load_rows(v_ptr + head, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BN, BD)
+    k = _load_rows(k_ptr + head, offs_n, stride_t, T, D, BLOCK_D, True)  # (BN, BD)
+    v = _load_rows(v_ptr + head, offs_n, stride_t, T, D, BLOCK_D, True)  # (BN, BD)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
     lse_row = lse_ptr + pid_bh * T
     delta_row = delta_ptr + pid_bh * T
     diag_hi = tl.minimum(start_n + BLOCK_N, T)
     dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n,
-                               diag_hi, T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                               diag_hi, T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M,
                                BLOCK_N, True)
     dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T,
-                               T, stride_t, stride_dout_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                               T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N,
                                False)
-    _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
-    _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, D, BLOCK_D)
+    _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, D, BLOCK_D)
 
 
 @triton.jit
 def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
-        k = _load_rows(k_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
-        v = _load_rows(v_base, offs_n, stride_t, T, HEAD_DIM, BLOCK_D, DIAGONAL)  # (BN, BD)
+        k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
         zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         s = tl.dot(q, tl.trans(k), zeros, input_precision="ieee") * qk_scale  # (BM, BN) log2 units
         p = tl.exp2(s - lse2[:, None])  # (BM, BN)
@@ -4014,10 +3936,10 @@ def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, st
     return dq
 
 
-@triton.autotune(configs=_attention_configs("dq"), key=["T", "HEAD_DIM"], prune_configs_by=ATTENTION_PRUNE)
+@triton.autotune(configs=_attention_configs("dq"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, T, H, sm_scale, qk_scale,
-                       stride_b, stride_t, stride_dout_b, stride_dout_t, HEAD_DIM: tl.constexpr,
+                       stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head), their dQ written once (recomputing P costs one
     more dot than atomics in the dK/dV kernel, and keeps the result deterministic)."""
@@ -4026,20 +3948,20 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     b = pid_bh // H
     h = pid_bh % H
-    head = b.to(tl.int64) * stride_b + h * HEAD_DIM  # int64 offset of the head's row 0 in q, k, v and dq
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k, v and dq
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
-    q = _load_rows(q_ptr + head, offs_m, stride_t, T, HEAD_DIM, BLOCK_D, True)  # (BM, BD)
-    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HEAD_DIM, offs_m, stride_dout_t, T,
-                    HEAD_DIM, BLOCK_D, True)  # (BM, BD)
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * D, offs_m, stride_dout_t, T,
+                    D, BLOCK_D, True)  # (BM, BD)
     lse2 = tl.load(lse_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,)
     delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD)
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
-                        stride_t, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+                        stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, start_m,
-                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, HEAD_DIM, BLOCK_D,
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D, BLOCK_D,
                         BLOCK_M, BLOCK_N, True)
-    _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, HEAD_DIM, BLOCK_D)
+    _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, D, BLOCK_D)
 
 
 ATTN_DELTA_BLOCK = 64  # rows a program in attn_bwd_delta_kernel: memory-bound, no tuning needed
@@ -4056,7 +3978,7 @@ def _flash_forward(q, k, v, B, T, H, D, scale):
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
     grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
     attn_fwd_kernel[grid](q, k, v, out, lse, T, H, math.log2(math.e) * scale, q.stride(0), q.stride(1),
-                          out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_D=_head_block(D))
+                          out.stride(0), out.stride(1), D=D, BLOCK_D=_head_block(D))
     return out, lse
 
 
@@ -4067,12 +3989,12 @@ def _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale):
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
     attn_bwd_delta_kernel[(B * H, triton.cdiv(T, ATTN_DELTA_BLOCK))](
         out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        HEAD_DIM=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
+        D=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
     rest = (T, H, scale, math.log2(math.e) * scale, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1))
     attn_bwd_dkdv_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_N"]))](
-        q, k, v, dout, lse, delta, dk, dv, *rest, HEAD_DIM=D, BLOCK_D=BD)
+        q, k, v, dout, lse, delta, dk, dv, *rest, D=D, BLOCK_D=BD)
     attn_bwd_dq_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))](
-        q, k, v, dout, lse, delta, dq, *rest, HEAD_DIM=D, BLOCK_D=BD)
+        q, k, v, dout, lse, delta, dq, *rest, D=D, BLOCK_D=BD)
 
 
 def _thirds(qkv):
@@ -4095,6 +4017,154 @@ def attention_backward(dout, qkv, out, lse, n_head):
     dqkv = torch.empty_like(qkv)  # (B,T,3C) qkv's layout: its thirds share the strides of qkv's
     _flash_backward(dout, *_thirds(qkv), out, lse, *_thirds(dqkv), B, T, n_head, D, 1.0 / math.sqrt(D))
     return dqkv
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: the training step's own
+
+# The training step's own kernels: with them, torch only allocates memory and makes views in backend
+# triton's step (the gradients are views of one flat fp32 buffer, so one launch zeroes or clips them all).
+
+# elements per program: 16 per thread with 8 warps; the interpreter takes wide blocks (fewer programs)
+STEP_BLOCK = 1 << 16 if INTERPRET else 4096
+STEP_WARPS = 8
+SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
+
+
+@triton.jit
+def _zero_fill_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    tl.store(x_ptr + start + offs, tl.zeros((BLOCK,), dtype=x_ptr.dtype.element_ty), mask=offs < n - start)
+
+
+@triton.jit
+def _clip_by_norm_kernel(g_ptr, norm_ptr, n, max_norm, BLOCK: tl.constexpr):
+    # torch.nn.utils.clip_grad_norm_'s rule, read from the norm on the device (no host round trip): scale by
+    # max_norm / (norm + 1e-6) when that is below 1 or NaN (a NaN norm makes every gradient NaN, as torch's
+    # clamp passes NaN on); otherwise every program returns at once
+    coef = tl.div_rn(max_norm, tl.load(norm_ptr) + 1e-6)                            # scalar fp32
+    if (coef < 1.0) | (coef != coef):
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offs = tl.arange(0, BLOCK)                                                  # (BL,)
+        mask = offs < n - start
+        g = tl.load(g_ptr + start + offs, mask=mask, other=0.0)                     # (BL,) fp32
+        tl.store(g_ptr + start + offs, g * coef, mask=mask)
+
+
+@triton.jit
+def _sum_into_kernel(x_ptr, n, acc_ptr, scale, BLOCK: tl.constexpr):
+    # acc += scale * sum(x), one program, blocks in order: the same bits on every run
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)                                    # (BL,)
+    for i0 in range(0, n, BLOCK):
+        total += tl.load(x_ptr + i0 + offs, mask=offs < n - i0, other=0.0).to(tl.float32)
+    tl.store(acc_ptr, tl.load(acc_ptr) + scale * tl.sum(total, axis=0))
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(src_ptr + start + offs, mask=mask)                                  # (BL,)
+    tl.store(dst_ptr + start + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _flat_check(name, *tensors):
+    """The step kernels index raw memory: contiguous tensors on one device only."""
+    for t in tensors:
+        if not t.is_contiguous() or t.device != tensors[0].device:
+            raise ValueError(f"{name}: expected contiguous tensors on one device, got {tuple(t.shape)} with "
+                             f"strides {t.stride()} on {t.device}")
+
+
+def zero_fill(x):
+    """x (any shape, contiguous) = 0."""
+    _flat_check("zero_fill", x)
+    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK,
+                                                             num_warps=STEP_WARPS)
+
+
+def clip_by_norm(g, norm, max_norm):
+    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if that is below 1 (or NaN: a NaN norm
+    turns g into NaN, as torch_clip_by_norm does); norm () fp32."""
+    _flat_check("clip_by_norm", g, norm)
+    _clip_by_norm_kernel[(triton.cdiv(g.numel(), STEP_BLOCK),)](g, norm, g.numel(), max_norm, BLOCK=STEP_BLOCK,
+                                                                num_warps=STEP_WARPS)
+
+
+def sum_into(acc, x, scale):
+    """acc () fp32 += scale * sum(x), x (n) fp32."""
+    _flat_check("sum_into", acc, x)
+    _sum_into_kernel[(1,)](x, x.numel(), acc, scale, BLOCK=SUM_BLOCK, num_warps=STEP_WARPS)
+
+
+def copy_into(dst, src):
+    """dst = src, both contiguous with as many elements (src's values rounded to dst's dtype)."""
+    _flat_check("copy_into", dst, src)
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy_into: {src.numel()} elements into {dst.numel()}")
+    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK,
+                                                          num_warps=STEP_WARPS)
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: speedrun
+#
+# Backend triton's ops of the speedrun recipe: first those that the kernels above serve through a flag
+# (the embedding without positions, RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own
+# scale over separate q, k, v), then its own kernels: q's and k's RMSNorm and rotary, and Muon; then its
+# op table, TRITON_SPEEDRUN_OPS, and the cases of its tools.
+
+def embedding_forward(idx, table):
+    """idx (B,T) int64, table (Vp,C) dt -> x (B,T,C) dt: the speedrun model's rows, without positions."""
+    return encoder_forward(idx, table, None)
+
+
+def rmsnorm_forward(x, w, eps):
+    """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
+    _, y, _, rstd = _layernorm_forward(x, None, w, None, eps, rms=True)
+    return y, rstd
+
+
+def residual_rmsnorm_forward(res, h, w, eps):
+    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, RMSNorm(x) (N,C) dt, rstd (N) fp32)."""
+    x, y, _, rstd = _layernorm_forward(res, h, w, None, eps, rms=True)
+    return x, y, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
+    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, RMSNorm's
+    (dx includes dres, as layernorm_backward's)."""
+    return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
+
+
+def relu2_forward(pre):
+    """pre (N,M) dt -> relu(pre)^2 (N,M) dt."""
+    return _activation_forward(pre, "relu2")
+
+
+def relu2_backward(dy, pre):
+    """dy (N,M), pre (N,M) dt -> dpre = dy * 2 relu(pre) (N,M) dt."""
+    return _activation_backward(dy, pre, "relu2")
+
+
+def matmul_relu2_forward(x, w, b):
+    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre for its
+    backward."""
+    return _matmul(x, w.t(), b, activation="relu2")
+
+
+def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
+    """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
+    OVERWRITES z with dloss * (softmax(c) - onehot) dc/dz. block_v as in crossentropy_forward_backward."""
+    Vp = z.shape[-1]
+    N = z.numel() // Vp
+    losses = torch.empty(N, dtype=torch.float32, device=z.device)                   # (N,) fp32
+    _crossentropy_kernel[(N,)](z, targets, losses, Vp, Vp, dloss, CAP=SOFTCAP, BLOCK_V=block_v,
+                               num_warps=CE_WARPS)
+    return losses
 
 
 def _check_heads(name, qkv, rows):
@@ -4235,95 +4305,419 @@ def qk_norm_rotary_backward(dy, x, rstd):
     return dx
 
 
-# The training step's own kernels: with them, torch only allocates memory and makes views in backend
-# triton's step (the gradients are views of one flat fp32 buffer, so one launch zeroes or clips them all).
+# --- Muon: momentum, Newton-Schulz on the matmul kernels, the update ---------------------------------------
+# muon_update (torch_muon_update's semantics) over n matrices of one shape (r, c) in four steps: (1) one
+# multi-tensor launch updates the momentum buffers and writes Nesterov's u into a stacked (n, r, c) work
+# buffer in the Newton-Schulz dtype, with each chunk's sum of squares of u as stored, so that the Frobenius
+# norms cost no second pass over u; (2) one launch divides each matrix by its norm, each program summing
+# its matrix's chunk partials in order; (3) Newton-Schulz on _matmul, each product one launch batched over
+# the n matrices, the combinations by _axpby_kernel over the whole work buffer, in place; (4) one
+# multi-tensor launch applies the update to the fp32 masters and refreshes their compute-dtype copies.
 
-# elements per program: 16 per thread with 8 warps; the interpreter takes wide blocks (fewer programs)
-STEP_BLOCK = 1 << 16 if INTERPRET else 4096
-STEP_WARPS = 8
-SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
+MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps ...
+MUON_WARPS = 8                               # ... the interpreter takes wide blocks (fewer programs)
+MUON_PARTIALS_BLOCK = 256  # the norm's chunk partials per loop step: a d12 (3072, 768) matrix has 144
 
 
 @triton.jit
-def _zero_fill_kernel(x_ptr, n, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
+def _lerp(start, end, w):
+    # torch's lerp as its CPU (vectorized) and CUDA kernels compute it, one fused multiply-add each:
+    # start + w (end - start) for w < 0.5, else end - (1 - w) (end - start) (exact at w = 1), w in fp32
+    # as torch casts it, so that fp32 results agree bit for bit
+    small = w < 0.5
+    return tl.fma(tl.where(small, w, w - 1.0), end - start, tl.where(small, start, end))
+
+
+@triton.jit
+def _muon_momentum_kernel(table_ptr, n_tensors, u_ptr, sumsq_ptr, w_m, w_u, ALIGNED: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, grad, m pointers. Every matrix has one shape, so the matrix of first
+    # chunk f is f / (its chunk count), and its u is that matrix of the stacked buffer u (n, r, c)
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    u_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    tl.store(x_ptr + start + offs, tl.zeros((BLOCK,), dtype=x_ptr.dtype.element_ty), mask=offs < n - start)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        g = tl.load(g_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        m = _lerp(tl.load(m_ptr + o + offs, mask=mask, other=0.0), g, w_m)         # (BL,) fp32
+        u = _lerp(g, m, w_u).to(u_ptr.dtype.element_ty)                             # (BL,) Nesterov's
+        tl.store(m_ptr + o + offs, m, mask=mask)
+        tl.store(u_ptr + o + offs, u, mask=mask)
+        acc += u.to(tl.float32) * u.to(tl.float32)  # the norm of u as Newton-Schulz reads it (masked: 0)
+    tl.store(sumsq_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 @triton.jit
-def _clip_by_norm_kernel(g_ptr, norm_ptr, n, max_norm, BLOCK: tl.constexpr):
-    # torch.nn.utils.clip_grad_norm_'s rule, read from the norm on the device (no host round trip): scale by
-    # max_norm / (norm + 1e-6) when that is below 1 or NaN (a NaN norm makes every gradient NaN, as torch's
-    # clamp passes NaN on); otherwise every program returns at once
-    coef = tl.div_rn(max_norm, tl.load(norm_ptr) + 1e-6)                            # scalar fp32
-    if (coef < 1.0) | (coef != coef):
-        start = tl.program_id(0).to(tl.int64) * BLOCK
-        offs = tl.arange(0, BLOCK)                                                  # (BL,)
-        mask = offs < n - start
-        g = tl.load(g_ptr + start + offs, mask=mask, other=0.0)                     # (BL,) fp32
-        tl.store(g_ptr + start + offs, g * coef, mask=mask)
-
-
-@triton.jit
-def _sum_into_kernel(x_ptr, n, acc_ptr, scale, BLOCK: tl.constexpr):
-    # acc += scale * sum(x), one program, blocks in order: the same bits on every run
+def _muon_normalize_kernel(x_ptr, sumsq_ptr, numel, chunks, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    # x (n, numel) /= ||x[i]||_F + 1e-7 over grid (n, blocks): every program of matrix i sums its `chunks`
+    # partials in the same order, so all of them divide by the same bits. The norm and the denominator are
+    # rounded to x's dtype as torch rounds them (a bf16 norm in bf16 Newton-Schulz)
+    i = tl.program_id(0).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)                                                  # (BP,)
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)                                    # (BP,)
+    for p0 in range(0, chunks, BLOCK_P):
+        acc += tl.load(sumsq_ptr + i * chunks + p0 + offs_p, mask=offs_p < chunks - p0, other=0.0)
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    denom = (norm + 1e-7).to(x_ptr.dtype.element_ty).to(tl.float32)
+    start = tl.program_id(1).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    total = tl.zeros((BLOCK,), dtype=tl.float32)                                    # (BL,)
-    for i0 in range(0, n, BLOCK):
-        total += tl.load(x_ptr + i0 + offs, mask=offs < n - i0, other=0.0).to(tl.float32)
-    tl.store(acc_ptr, tl.load(acc_ptr) + scale * tl.sum(total, axis=0))
+    mask = offs < numel - start
+    x = tl.load(x_ptr + i * numel + start + offs, mask=mask, other=0.0).to(tl.float32)  # (BL,)
+    tl.store(x_ptr + i * numel + start + offs, tl.div_rn(x, denom).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+def _axpby_kernel(out_ptr, x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
+    # out may be x or y: each element is read before it is written, by the same program
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
     mask = offs < n - start
-    x = tl.load(src_ptr + start + offs, mask=mask)                                  # (BL,)
-    tl.store(dst_ptr + start + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    y = tl.load(y_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    tl.store(out_ptr + start + offs, (a * x + b * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _flat_check(name, *tensors):
-    """The step kernels index raw memory: contiguous tensors on one device only."""
-    for t in tensors:
-        if not t.is_contiguous() or t.device != tensors[0].device:
-            raise ValueError(f"{name}: expected contiguous tensors on one device, got {tuple(t.shape)} with "
-                             f"strides {t.stride()} on {t.device}")
+@triton.jit
+def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr,
+                        ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, param, copy pointers; the orthogonalized update of the matrix is x's,
+    # found as in _muon_momentum_kernel
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    if HAS_COPY:
+        c_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
+        if ALIGNED:
+            c_ptr = tl.multiple_of(c_ptr, 16)
+    x_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        p = tl.load(p_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        update = tl.load(x_ptr + o + offs, mask=mask, other=0.0).to(tl.float32) * scale  # (BL,)
+        # torch's order of roundings: p * decay, then minus lr * update
+        p = p * decay - update * lr                                                 # (BL,) fp32
+        tl.store(p_ptr + o + offs, p, mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def zero_fill(x):
-    """x (any shape, contiguous) = 0."""
-    _flat_check("zero_fill", x)
-    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK,
-                                                             num_warps=STEP_WARPS)
+def axpby(out, a, x, b, y):
+    """out = a x + b y elementwise (out, x, y contiguous with as many elements; out may be x or y), in fp32
+    and rounded once to out's dtype."""
+    _flat_check("axpby", out, x, y)
+    if not out.numel() == x.numel() == y.numel():
+        raise ValueError(f"axpby: {x.numel()} and {y.numel()} elements into {out.numel()}")
+    _axpby_kernel[(triton.cdiv(out.numel(), MUON_BLOCK),)](out, x, y, out.numel(), a, b, BLOCK=MUON_BLOCK,
+                                                           num_warps=MUON_WARPS)
 
 
-def clip_by_norm(g, norm, max_norm):
-    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if that is below 1 (or NaN: a NaN norm
-    turns g into NaN, as torch_clip_by_norm does); norm () fp32."""
-    _flat_check("clip_by_norm", g, norm)
-    _clip_by_norm_kernel[(triton.cdiv(g.numel(), STEP_BLOCK),)](g, norm, g.numel(), max_norm, BLOCK=STEP_BLOCK,
-                                                                num_warps=STEP_WARPS)
+def add_into(acc, x):
+    """acc += x (same shape and dtype, contiguous), rounded once: h feeds q, k and v, so their input
+    gradients add up."""
+    if acc.shape != x.shape or acc.dtype != x.dtype:
+        raise ValueError(f"add_into: {x.dtype} {tuple(x.shape)} into {acc.dtype} {tuple(acc.shape)}")
+    axpby(acc, 1.0, acc, 1.0, x)
 
 
-def sum_into(acc, x, scale):
-    """acc () fp32 += scale * sum(x), x (n) fp32."""
-    _flat_check("sum_into", acc, x)
-    _sum_into_kernel[(1,)](x, x.numel(), acc, scale, BLOCK=SUM_BLOCK, num_warps=STEP_WARPS)
+def _newton_schulz(x):
+    """newton_schulz's iterations in place on normalized matrices x (n, r, c), contiguous, in their dtype,
+    each step's products batched over the n matrices (one launch each). Tall matrices run them on their
+    transposes, as the reference does, without moving them: with X = x^T the reference's step
+    X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since A = x^T x and so B
+    are symmetric (of which only a triangle would need computing: bench/NOTES.md)."""
+    tall = x.shape[1] > x.shape[2]
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        xt = x.transpose(1, 2)                                                      # (n, c, r) a view
+        A, _ = _matmul(xt, x) if tall else _matmul(x, xt)                           # (n, k, k), k = min(r, c)
+        AA, _ = _matmul(A, A)                                                       # (n, k, k)
+        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
+        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (n, r, c)
+        axpby(x, 2.0, x, 1.0, Bx)                                                   # (n, r, c)
 
 
-def copy_into(dst, src):
-    """dst = src, both contiguous with as many elements (src's values rounded to dst's dtype)."""
-    _flat_check("copy_into", dst, src)
-    if dst.numel() != src.numel():
-        raise ValueError(f"copy_into: {src.numel()} elements into {dst.numel()}")
-    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK,
-                                                          num_warps=STEP_WARPS)
+def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
+    """Muon in place, as torch_muon_update: lists of fp32 matrices of one shape (r, c), m = lerp(m, g,
+    1 - momentum), u = lerp(g, m, momentum) orthogonalized by Newton-Schulz in `dtype` (fp32 or bf16),
+    p = p (1 - lr wd) - lr max(1, r/c)^0.5 update; `copies` (bf16, or None) get the updated params rounded
+    to bf16. chunk and block as in global_norm."""
+    if dtype not in (torch.float32, torch.bfloat16) or params[0].dim() != 2:
+        raise ValueError(f"muon_update: fp32 or bf16 Newton-Schulz on matrices, got {dtype} on "
+                         f"{tuple(params[0].shape)}")
+    _check_tensors("muon_update params/grads/m", [*params, *grads, *ms], (torch.float32,),
+                   params[:1] * (3 * len(params)))
+    if copies is not None:
+        _check_tensors("muon_update copies", copies, (torch.bfloat16,), params)
+    n, (r, c) = len(params), params[0].shape
+    u = torch.empty((n, r, c), dtype=dtype, device=params[0].device)  # (n, r, c) u, then its update
+    table, chunks, aligned = _tensor_table([grads, ms], chunk=chunk)
+    sumsq = torch.empty(chunks, dtype=torch.float32, device=u.device)  # (chunks,) fp32 partial sums of u^2
+    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned,
+                                     CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(n),
+                                     num_warps=MT_WARPS)
+    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n,
+                                                                BLOCK=MUON_BLOCK, BLOCK_P=MUON_PARTIALS_BLOCK,
+                                                                num_warps=MUON_WARPS)
+    _newton_schulz(u)
+    table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
+    _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
+                                   HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
+                                   BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
+
+
+TRITON_SPEEDRUN_OPS = op_table("triton", dict(
+    embedding_forward=embedding_forward, embedding_backward=embedding_backward,
+    rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
+    rmsnorm_backward=rmsnorm_backward,
+    qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
+    scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
+    matmul_relu2_forward=matmul_relu2_forward, relu2_forward=relu2_forward, relu2_backward=relu2_backward,
+    softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
+    muon_update=muon_update, add_into=add_into,
+), SPEEDRUN_OP_NAMES)
+
+
+# -- tools
+
+# The speedrun recipe's --test cases (the Self-test section runs them: Recipe.test_cases), its --bench-ops
+# cases and the profiler's work of its ops (Recipe.bench_cases, Recipe.op_work).
+
+def case_embedding(ops, r, B, T, C, H):
+    Vp = B * T + 3
+    idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
+    table = r.rand(Vp, C)  # (Vp, C)
+    x = ops.embedding_forward(idx, table)  # (B, T, C)
+    dtable = r.rand(Vp, C, acc=True)  # (Vp, C) filled: the backward adds into it
+    ops.embedding_backward(r.rand(B, T, C), idx, dtable)
+    return dict(x=x, dtable=dtable)
+
+
+def case_rmsnorm(ops, r, B, T, C, H):
+    eps = torch.finfo(r.rdt).eps  # the model's: the tested dtype's, in the reference too
+    x, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0)  # (N, C), (C,)
+    y, rstd = ops.rmsnorm_forward(x, w, eps)  # (N, C), (N,)
+    dw = r.rand(C, acc=True)  # (C,)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw)  # (N, C)
+    return dict(y=y, rstd=rstd, dx=dx, dw=dw)
+
+
+def case_residual_rmsnorm(ops, r, B, T, C, H):
+    eps = torch.finfo(r.rdt).eps
+    res, h, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C), r.rand(C, shift=1.0)  # (N, C) x2
+    x, y, rstd = ops.residual_rmsnorm_forward(res, h, w, eps)  # (N, C) x2, (N,)
+    dw = r.rand(C, acc=True)  # (C,)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw, dres=r.rand(B * T, C))  # (N, C)
+    return dict(x=x, y=y, rstd=rstd, dx=dx, dw=dw)
+
+
+def case_matmul_relu2(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C), r.rand(4 * C, C, scale=C ** -0.5), r.rand(4 * C)  # (N, C), (4C, C), (4C,)
+    y, pre = ops.matmul_relu2_forward(x, w, b)  # (N, 4C) each
+    dpre = ops.relu2_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
+    return dict(y=y, pre=pre, dpre=dpre)
+
+
+def case_relu2(ops, r, B, T, C, H):
+    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
+    y = ops.relu2_forward(pre)  # (N, 4C)
+    return dict(y=y, dpre=ops.relu2_backward(r.rand(B * T, 4 * C), pre))
+
+
+def case_softcap_crossentropy(ops, r, B, T, C, H):
+    Vp = 5 * C + 8
+    z = r.rand(B * T, Vp, scale=30.0)  # (N, Vp) well into the cap's bend
+    targets = r.randint(Vp, B * T)  # (N,)
+    losses = ops.softcap_crossentropy_forward_backward(z, targets, 1.0 / (B * T))  # (N,)
+    return dict(losses=losses, dz=z)
+
+
+MUON_TEST_WIDTH = 40  # case_muon's widest: two 32-wide tiles (one partial) in the interpreter
+
+
+def case_muon(ops, r, B, T, C, H):
+    """Muon on two matrices of a wide shape and two of a tall one (Newton-Schulz on the transpose), from
+    nonzero momentum (one step: the interpreter runs Newton-Schulz's 36 products a step slowly). The
+    masters are small (scale 0.02, the update's order), so that an error in the orthogonalized update
+    shows in them and is not lost below their own size."""
+    out = {}
+    c = min(C, MUON_TEST_WIDTH)
+    for name, shape in (("wide", (c, 3 * c + 1)), ("tall", (4 * c, c))):
+        params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
+        ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]
+        copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
+        grads = [r.rand(*shape, acc=True) for _ in range(2)]
+        ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
+        for i in range(2):
+            out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
+                        f"{name} copy{i}": params[i] if copies is None else copies[i]})
+    return out
+
+
+def case_add_into(ops, r, B, T, C, H):
+    """acc += x in the compute dtype, as the speedrun model adds q's, k's and v's input gradients."""
+    acc = r.rand(B * T, C)  # (N, C)
+    ops.add_into(acc, r.rand(B * T, C))
+    return dict(acc=acc)
+
+
+def case_scaled_attention(ops, r, B, T, C, H):
+    """The speedrun's attention: separate q, k, v of H heads of HEAD_DIM (C unused), scale ATTN_SCALE. At
+    T = 1 the softmax over a single key is constant: dq and dk are zero up to rounding, and an error
+    relative to rounding means nothing, so only dv is checked there."""
+    q, k, v = (r.rand(B, T, H, HEAD_DIM, scale=1.5) for _ in range(3))  # (B, T, H, D) each
+    out, lse = ops.scaled_attention_forward(q, k, v, ATTN_SCALE)  # (B, T, H*D), (B, H, T)
+    dq, dk, dv = ops.scaled_attention_backward(r.rand(B, T, H * HEAD_DIM), q, k, v, out, lse,
+                                               ATTN_SCALE)  # (B, T, H, D) each
+    return dict(out=out, lse=lse, dv=dv, **(dict(dq=dq, dk=dk) if T > 1 else {}))
+
+
+def case_qk_norm_rotary(ops, r, B, T, C, H):
+    """q or k of H heads of HEAD_DIM (C unused): RMSNorm over each head and the rotary at positions
+    0..T-1, forward and backward, with the model's eps (the tested dtype's machine epsilon)."""
+    x = r.rand(B, T, H, HEAD_DIM, scale=2.0, shift=0.5)  # (B, T, H, D)
+    y, rstd = ops.qk_norm_rotary_forward(x, torch.finfo(r.rdt).eps)  # (B, T, H, D), (B, T, H)
+    dx = ops.qk_norm_rotary_backward(r.rand(B, T, H, HEAD_DIM), x, rstd)  # (B, T, H, D)
+    return dict(y=y, rstd=rstd, dx=dx)
+
+
+# --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
+SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
+                     ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
+                     ("qk norm+rotary fwd+bwd", case_qk_norm_rotary),
+                     ("scaled attention fwd+bwd", case_scaled_attention),
+                     ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
+                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
+                     ("muon_update", case_muon), ("add_into", case_add_into)]
+
+
+def speedrun_bench_cases(cfg, ops, device):
+    """bench_cases of --recipe speedrun: its own ops at its shapes, each against backend torch's (PyTorch
+    ops; F.scaled_dot_product_attention for the attention)."""
+    dt = compute_dtype(cfg)
+    B, T, C, Vp, L = cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
+    H, D = C // HEAD_DIM, HEAD_DIM
+    N, R = B * T, min(B * T, HEAD_ROWS)
+    eps = torch.finfo(dt).eps
+    t = TORCH_SPEEDRUN_OPS
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    idx = torch.randint(cfg.vocab_size, (B, T), device=device)  # (B, T)
+    table, dtable = rand(Vp, C), rand(Vp, C, dtype=torch.float32)  # (Vp, C) each
+    x, h, dy, w = rand(N, C), rand(N, C), rand(N, C), rand(C)  # (N, C) x3, (C,)
+    dw = rand(C, dtype=torch.float32)  # (C,)
+    _, rstd = ops.rmsnorm_forward(x, w, eps)  # (N,)
+    q, k, v, dq = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)  # (B, T, H, D) each
+    _, qrstd = ops.qk_norm_rotary_forward(q, eps)  # (B, T, H)
+    dout = rand(B, T, C)  # (B, T, C)
+    xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
+    pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
+    z, targets = rand(R, Vp), torch.randint(Vp, (R,), device=device)  # (R, Vp), (R,)
+    heads = [s.transpose(1, 2) for s in (q, k, v)]  # (B, H, T, D) each
+
+    def sdpa_forward_backward():
+        with torch.enable_grad():
+            leaves = [_leaf(s) for s in heads]
+            o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=ATTN_SCALE)  # (B, H, T, D)
+            o.backward(dout.view(B, T, H, D).transpose(1, 2))
+
+    cases = [
+        ("embedding_forward", f"{B}x{T}x{C}", lambda: ops.embedding_forward(idx, table),
+         "F.embedding", lambda: F.embedding(idx, table), (idx, table)),
+        ("embedding_backward", f"{B}x{T}x{C}", lambda: ops.embedding_backward(dy.view(B, T, C), idx, dtable),
+         "sort + cumsum + index_add_", lambda: t.embedding_backward(dy.view(B, T, C), idx, dtable),
+         (dy.view(B, T, C), idx, dtable)),
+        ("rmsnorm_forward", f"{N}x{C}", lambda: ops.rmsnorm_forward(x, w, eps),
+         "backend torch (fp32 rsqrt)", lambda: t.rmsnorm_forward(x, w, eps), (x, w, eps)),
+        ("residual_rmsnorm_forward", f"{N}x{C}", lambda: ops.residual_rmsnorm_forward(x, h, w, eps),
+         "add + backend torch's", lambda: t.residual_rmsnorm_forward(x, h, w, eps), (x, h, w, eps)),
+        ("rmsnorm_backward", f"{N}x{C}", lambda: ops.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
+         "backend torch (fp32)", lambda: t.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
+         (dy, x, w, rstd, dw, h)),
+        ("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_forward(q, eps),
+         "backend torch (fp32)", lambda: t.qk_norm_rotary_forward(q, eps), (q, eps)),
+        ("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_backward(dq, q, qrstd),
+         "backend torch (fp32)", lambda: t.qk_norm_rotary_backward(dq, q, qrstd), (dq, q, qrstd)),
+        ("scaled_attention_forward", f"{B}x{H}x{T}x{D}",
+         lambda: ops.scaled_attention_forward(q, k, v, ATTN_SCALE), "SDPA causal",
+         lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE), (q, k, v)),
+        ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
+         lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(
+             q, k, v, ATTN_SCALE), ATTN_SCALE),
+         "SDPA causal fwd+bwd", sdpa_forward_backward, None),
+        ("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", lambda: ops.matmul_relu2_forward(xf, wf, bf),
+         "F.linear + relu + square", lambda: F.relu(F.linear(xf, wf, bf)).square(), (xf, wf, bf)),
+        ("relu2_forward", f"{N}x{4 * C}", lambda: ops.relu2_forward(pre), "relu + square",
+         lambda: F.relu(pre).square(), (pre,)),
+        ("relu2_backward", f"{N}x{4 * C}", lambda: ops.relu2_backward(dpre, pre), "backend torch",
+         lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
+        ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
+         lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
+         "backend torch (fp32 chunks)",
+         lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
+        ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
+    ]
+    for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
+        ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
+        gs, ms = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
+        args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
+        cases.append(("muon_update", f"{n} x {r}x{c}", lambda args=args: ops.muon_update(*args),
+                      "backend torch (torch.bmm)", lambda args=args: t.muon_update(*args), args))
+    return cases
+
+
+def speedrun_op_work(name, args, kwargs, out):
+    """op_work (the profiler's) of an op of SPEEDRUN_OP_NAMES: (flops, bytes) that one call cannot do
+    without; None for any other op."""
+    if name == "matmul_relu2_forward":
+        x, w = args[0], args[1]
+        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
+    if name in ("scaled_attention_forward", "scaled_attention_backward"):
+        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
+        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
+        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
+        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
+    if name == "embedding_forward":
+        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
+    if name == "embedding_backward":  # the table rows it updates, read and written
+        dx, idx, dtable = args[:3]
+        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
+    if name == "rmsnorm_backward":  # dw (and dres) are read and written
+        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
+    if name == "add_into":  # acc read and written
+        return 0, 3 * _nbytes(args[1])
+    if name == "softcap_crossentropy_forward_backward":
+        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
+    if name in SPEEDRUN_OP_NAMES:  # the norms, q/k norm+rotary, relu2: inputs read, outputs written
+        return 0, _nbytes(*args, *(out if isinstance(out, tuple) else (out,)))
+    return None
 
 
 # -----------------------------------------------------------------------------
-# Backend `triton`: the op interface filled in by the kernels above
+# Backend triton: the op interface filled in by the kernels above
 
 TRITON_OPS = op_table("triton", dict(
     encoder_forward=encoder_forward, encoder_backward=encoder_backward,
@@ -4336,17 +4730,6 @@ TRITON_OPS = op_table("triton", dict(
     global_norm=global_norm, adamw_update=adamw_update,
     zero_fill=zero_fill, clip_by_norm=clip_by_norm, sum_into=sum_into, copy_into=copy_into,
 ))
-
-TRITON_SPEEDRUN_OPS = op_table("triton", dict(
-    embedding_forward=embedding_forward, embedding_backward=embedding_backward,
-    rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
-    rmsnorm_backward=rmsnorm_backward,
-    qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
-    scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
-    matmul_relu2_forward=matmul_relu2_forward, relu2_forward=relu2_forward, relu2_backward=relu2_backward,
-    softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
-    muon_update=muon_update, add_into=add_into,
-), SPEEDRUN_OP_NAMES)
 
 
 # -----------------------------------------------------------------------------
@@ -4646,128 +5029,12 @@ def case_step_ops(ops, r, B, T, C, H):
     return dict(zeroed=zeroed, clipped=clipped, kept=kept, acc=acc, copied=copied)
 
 
-def case_embedding(ops, r, B, T, C, H):
-    Vp = B * T + 3
-    idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
-    table = r.rand(Vp, C)  # (Vp, C)
-    x = ops.embedding_forward(idx, table)  # (B, T, C)
-    dtable = r.rand(Vp, C, acc=True)  # (Vp, C) filled: the backward adds into it
-    ops.embedding_backward(r.rand(B, T, C), idx, dtable)
-    return dict(x=x, dtable=dtable)
-
-
-def case_rmsnorm(ops, r, B, T, C, H):
-    eps = torch.finfo(r.rdt).eps  # the model's: the tested dtype's, in the reference too
-    x, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0)  # (N, C), (C,)
-    y, rstd = ops.rmsnorm_forward(x, w, eps)  # (N, C), (N,)
-    dw = r.rand(C, acc=True)  # (C,)
-    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw)  # (N, C)
-    return dict(y=y, rstd=rstd, dx=dx, dw=dw)
-
-
-def case_residual_rmsnorm(ops, r, B, T, C, H):
-    eps = torch.finfo(r.rdt).eps
-    res, h, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C), r.rand(C, shift=1.0)  # (N, C) x2
-    x, y, rstd = ops.residual_rmsnorm_forward(res, h, w, eps)  # (N, C) x2, (N,)
-    dw = r.rand(C, acc=True)  # (C,)
-    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw, dres=r.rand(B * T, C))  # (N, C)
-    return dict(x=x, y=y, rstd=rstd, dx=dx, dw=dw)
-
-
-def case_matmul_relu2(ops, r, B, T, C, H):
-    x, w, b = r.rand(B * T, C), r.rand(4 * C, C, scale=C ** -0.5), r.rand(4 * C)  # (N, C), (4C, C), (4C,)
-    y, pre = ops.matmul_relu2_forward(x, w, b)  # (N, 4C) each
-    dpre = ops.relu2_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
-    return dict(y=y, pre=pre, dpre=dpre)
-
-
-def case_relu2(ops, r, B, T, C, H):
-    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
-    y = ops.relu2_forward(pre)  # (N, 4C)
-    return dict(y=y, dpre=ops.relu2_backward(r.rand(B * T, 4 * C), pre))
-
-
-def case_softcap_crossentropy(ops, r, B, T, C, H):
-    Vp = 5 * C + 8
-    z = r.rand(B * T, Vp, scale=30.0)  # (N, Vp) well into the cap's bend
-    targets = r.randint(Vp, B * T)  # (N,)
-    losses = ops.softcap_crossentropy_forward_backward(z, targets, 1.0 / (B * T))  # (N,)
-    return dict(losses=losses, dz=z)
-
-
-MUON_TEST_WIDTH = 40  # case_muon's widest: two 32-wide tiles (one partial) in the interpreter
-
-
-def case_muon(ops, r, B, T, C, H):
-    """Muon on two matrices of a wide shape and two of a tall one (Newton-Schulz on the transpose), from
-    nonzero momentum (one step: the interpreter runs Newton-Schulz's 36 products a step slowly). The
-    masters are small (scale 0.02, the update's order), so that an error in the orthogonalized update
-    shows in them and is not lost below their own size."""
-    out = {}
-    c = min(C, MUON_TEST_WIDTH)
-    for name, shape in (("wide", (c, 3 * c + 1)), ("tall", (4 * c, c))):
-        params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
-        ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]
-        copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
-        grads = [r.rand(*shape, acc=True) for _ in range(2)]
-        ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
-        for i in range(2):
-            out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
-                        f"{name} copy{i}": params[i] if copies is None else copies[i]})
-    return out
-
-
-def case_add_into(ops, r, B, T, C, H):
-    """acc += x in the compute dtype, as the speedrun model adds q's, k's and v's input gradients."""
-    acc = r.rand(B * T, C)  # (N, C)
-    ops.add_into(acc, r.rand(B * T, C))
-    return dict(acc=acc)
-
-
-def case_scaled_attention(ops, r, B, T, C, H):
-    """The speedrun's attention: separate q, k, v of H heads of HEAD_DIM (C unused), scale ATTN_SCALE. At
-    T = 1 the softmax over a single key is constant: dq and dk are zero up to rounding, and an error
-    relative to rounding means nothing, so only dv is checked there."""
-    q, k, v = (r.rand(B, T, H, HEAD_DIM, scale=1.5) for _ in range(3))  # (B, T, H, D) each
-    out, lse = ops.scaled_attention_forward(q, k, v, ATTN_SCALE)  # (B, T, H*D), (B, H, T)
-    dq, dk, dv = ops.scaled_attention_backward(r.rand(B, T, H * HEAD_DIM), q, k, v, out, lse,
-                                               ATTN_SCALE)  # (B, T, H, D) each
-    return dict(out=out, lse=lse, dv=dv, **(dict(dq=dq, dk=dk) if T > 1 else {}))
-
-
-def case_qk_norm_rotary(ops, r, B, T, C, H):
-    """q or k of H heads of HEAD_DIM (C unused): RMSNorm over each head and the rotary at positions
-    0..T-1, forward and backward, with the model's eps (the tested dtype's machine epsilon)."""
-    x = r.rand(B, T, H, HEAD_DIM, scale=2.0, shift=0.5)  # (B, T, H, D)
-    y, rstd = ops.qk_norm_rotary_forward(x, torch.finfo(r.rdt).eps)  # (B, T, H, D), (B, T, H)
-    dx = ops.qk_norm_rotary_backward(r.rand(B, T, H, HEAD_DIM), x, rstd)  # (B, T, H, D)
-    return dict(y=y, rstd=rstd, dx=dx)
-
-
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
             ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
             ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
             ("gelu fwd+bwd", case_gelu), ("attention fwd+bwd", case_attention),
             ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
-# --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
-SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
-                     ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
-                     ("qk norm+rotary fwd+bwd", case_qk_norm_rotary),
-                     ("scaled attention fwd+bwd", case_scaled_attention),
-                     ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
-                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
-                     ("muon_update", case_muon), ("add_into", case_add_into)]
-
-
-def self_test_config(recipe):
-    """A tiny model of the recipe for the whole-model check: odd sizes (the speedrun model's width is its
-    one 128-wide head), T below block_size, a small padded vocab."""
-    if recipe == "speedrun":
-        return Config(recipe=recipe, n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
-                      padded_vocab_size=64, seq_len=9, batch_size=2)
-    return Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
-                  seq_len=9, batch_size=2)
 
 
 def self_test_model_data(r, cfg):
@@ -4866,7 +5133,12 @@ def first_configs(active=True):
 def run_self_test(cfg):
     """--test: prints a table (check, dtype, max abs error, max relative error, tolerance, result, worst
     output) and exits non-zero if any check fails. TF32 is off while it runs (fp32 references must be
-    fp32) and the caller's settings are restored after it (the tests call it in their own process)."""
+    fp32) and the caller's settings are restored after it (the tests call it in their own process). A
+    recipe whose backend torch ops autograd checks elsewhere (Recipe.autograd_test) refuses backend torch."""
+    recipe = RECIPES[cfg.recipe]
+    if cfg.backend == "torch" and recipe.autograd_test:
+        die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
+            f"torch's {cfg.recipe} ops are held to autograd by {recipe.autograd_test})")
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -4878,7 +5150,7 @@ def run_self_test(cfg):
 def _run_self_test(cfg):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ops = backend_ops(cfg.backend, cfg.recipe)
-    cases = SPEEDRUN_OP_CASES if cfg.recipe == "speedrun" else OP_CASES
+    cases = RECIPES[cfg.recipe].test_cases()
     if cfg.backend == "torch":
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
     else:
@@ -4902,7 +5174,7 @@ def _run_self_test(cfg):
                     want = case(ref_ops, op_inputs(f64, dt, device), *shape)
                     results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
                 rows.append((name, dt, results))
-            tcfg = self_test_config(cfg.recipe)
+            tcfg = RECIPES[cfg.recipe].test_config
             got = case_model(cfg.backend, op_inputs(dt, dt, device), tcfg)
             want = ref_model(op_inputs(f64, dt, device), tcfg)
             rows.append(("model loss and logits", dt,
@@ -4939,9 +5211,13 @@ def op_work(name, args, kwargs, out):
     """(flops, bytes) that one call of op `name` cannot do without: the matmul flops of the matmuls and
     the attention (causal: half the score matrix; its backward recomputes the scores, 5 matmuls in all),
     and for the others the bytes they must read and write. Achieved TFLOP/s and GB/s are measured
-    against these."""
+    against these. A recipe's own ops: its Recipe.op_work."""
+    for recipe in RECIPES.values():
+        work = recipe.op_work(name, args, kwargs, out)
+        if work is not None:
+            return work
     outs = out if isinstance(out, tuple) else (out,)
-    if name in ("matmul_forward", "matmul_gelu_forward", "matmul_relu2_forward"):
+    if name in ("matmul_forward", "matmul_gelu_forward"):
         x, w = args[0], args[1]
         return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
     if name == "matmul_backward":
@@ -4950,29 +5226,16 @@ def op_work(name, args, kwargs, out):
     if name in ("attention_forward", "attention_backward"):
         B, T, C3 = args[0 if name == "attention_forward" else 1].shape
         return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
-    if name in ("scaled_attention_forward", "scaled_attention_backward"):
-        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
-        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
-    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
-        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
-        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
     if name == "encoder_forward":
         idx, x = args[0], outs[0]
         return 0, _nbytes(idx) + 2 * _nbytes(x) + _nbytes(args[2][:idx.shape[1]])
-    if name in ("encoder_backward", "embedding_backward"):
-        dx, idx, dwte = args[:3]
+    if name == "encoder_backward":
+        dx, idx, dwte, dwpe = args[:4]
         rows = dx.numel() * dwte.element_size()  # the wte rows it updates, read and written
-        wpe = 2 * dx[0].numel() * args[3].element_size() if name == "encoder_backward" else 0
-        return 0, _nbytes(dx, idx) + 2 * rows + wpe
-    if name == "embedding_forward":
-        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
+        return 0, _nbytes(dx, idx) + 2 * rows + 2 * dx[0].numel() * dwpe.element_size()
     if name == "layernorm_backward":  # dw, db (and dres) are read and written
         return 0, _nbytes(*args[:5], *args[7:], out, *kwargs.values()) + 2 * _nbytes(*args[5:7])
-    if name == "rmsnorm_backward":  # dw (and dres) are read and written
-        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
-    if name == "add_into":  # acc read and written
-        return 0, 3 * _nbytes(args[1])
-    if name in ("crossentropy_forward_backward", "softcap_crossentropy_forward_backward"):
+    if name == "crossentropy_forward_backward":
         return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
     if name == "global_norm":
         return 0, _nbytes(*args[0])
@@ -5148,8 +5411,7 @@ def kept_bytes(w, x, cfg, ops):
             return out
         return call
     acts = []
-    body = speedrun_forward if cfg.recipe == "speedrun" else model_forward
-    body(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
+    RECIPES[cfg.recipe].forward(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
     saved = {t.data_ptr(): t for a in acts for t in a.values()}  # distinct tensors
     kept = {}
     for ptr, t in saved.items():
@@ -5182,12 +5444,11 @@ def start_profile(ops, device):
 @torch.no_grad()
 def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
     """--profile, after its last step (`steps` the profiled step numbers, `steps_ms` their times): stops
-    recording and writes this process's Chrome trace to OUT_DIR/profile. Rank 0 prints, over the profiled
-    steps, per op and per kernel (under the op that launched it, so forward and backward stay apart):
-    calls, time, share of the steps, achieved TFLOP/s or GB/s, and per op the bytes its outputs keep for
-    the backward (measured on micro-batch x (B, T)); the torch ops the steps ran besides allocation and
-    views (none computes anything in backend triton); on a GPU, all device work that is not one of our
-    kernels; the peak memory since the first step."""
+    recording and writes this process's Chrome trace to OUT_DIR/profile. Rank 0 prints, over those steps,
+    per op and per kernel (under the op that launched it): calls, time, share of the steps, TFLOP/s or
+    GB/s, and per op the bytes its outputs keep for the backward (on micro-batch x (B, T)); the torch ops
+    the steps ran besides allocation and views; on a GPU, all device work that is not one of our kernels;
+    the peak memory since the first step."""
     profile["recording"].close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -5381,84 +5642,6 @@ def bench_cases(cfg, ops, device):
     return cases
 
 
-def speedrun_bench_cases(cfg, ops, device):
-    """bench_cases of --recipe speedrun: its own ops at its shapes, each against backend torch's (PyTorch
-    ops; F.scaled_dot_product_attention for the attention)."""
-    dt = compute_dtype(cfg)
-    B, T, C, Vp, L = cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
-    H, D = C // HEAD_DIM, HEAD_DIM
-    N, R = B * T, min(B * T, HEAD_ROWS)
-    eps = torch.finfo(dt).eps
-    t = TORCH_SPEEDRUN_OPS
-
-    def rand(*shape, dtype=dt):
-        return torch.randn(shape, device=device, dtype=dtype)
-
-    idx = torch.randint(cfg.vocab_size, (B, T), device=device)  # (B, T)
-    table, dtable = rand(Vp, C), rand(Vp, C, dtype=torch.float32)  # (Vp, C) each
-    x, h, dy, w = rand(N, C), rand(N, C), rand(N, C), rand(C)  # (N, C) x3, (C,)
-    dw = rand(C, dtype=torch.float32)  # (C,)
-    _, rstd = ops.rmsnorm_forward(x, w, eps)  # (N,)
-    q, k, v, dq = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)  # (B, T, H, D) each
-    _, qrstd = ops.qk_norm_rotary_forward(q, eps)  # (B, T, H)
-    dout = rand(B, T, C)  # (B, T, C)
-    xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
-    pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
-    z, targets = rand(R, Vp), torch.randint(Vp, (R,), device=device)  # (R, Vp), (R,)
-    heads = [s.transpose(1, 2) for s in (q, k, v)]  # (B, H, T, D) each
-
-    def sdpa_forward_backward():
-        with torch.enable_grad():
-            leaves = [_leaf(s) for s in heads]
-            o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=ATTN_SCALE)  # (B, H, T, D)
-            o.backward(dout.view(B, T, H, D).transpose(1, 2))
-
-    cases = [
-        ("embedding_forward", f"{B}x{T}x{C}", lambda: ops.embedding_forward(idx, table),
-         "F.embedding", lambda: F.embedding(idx, table), (idx, table)),
-        ("embedding_backward", f"{B}x{T}x{C}", lambda: ops.embedding_backward(dy.view(B, T, C), idx, dtable),
-         "sort + cumsum + index_add_", lambda: t.embedding_backward(dy.view(B, T, C), idx, dtable),
-         (dy.view(B, T, C), idx, dtable)),
-        ("rmsnorm_forward", f"{N}x{C}", lambda: ops.rmsnorm_forward(x, w, eps),
-         "backend torch (fp32 rsqrt)", lambda: t.rmsnorm_forward(x, w, eps), (x, w, eps)),
-        ("residual_rmsnorm_forward", f"{N}x{C}", lambda: ops.residual_rmsnorm_forward(x, h, w, eps),
-         "add + backend torch's", lambda: t.residual_rmsnorm_forward(x, h, w, eps), (x, h, w, eps)),
-        ("rmsnorm_backward", f"{N}x{C}", lambda: ops.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
-         "backend torch (fp32)", lambda: t.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
-         (dy, x, w, rstd, dw, h)),
-        ("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_forward(q, eps),
-         "backend torch (fp32)", lambda: t.qk_norm_rotary_forward(q, eps), (q, eps)),
-        ("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_backward(dq, q, qrstd),
-         "backend torch (fp32)", lambda: t.qk_norm_rotary_backward(dq, q, qrstd), (dq, q, qrstd)),
-        ("scaled_attention_forward", f"{B}x{H}x{T}x{D}",
-         lambda: ops.scaled_attention_forward(q, k, v, ATTN_SCALE), "SDPA causal",
-         lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE), (q, k, v)),
-        ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
-         lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(
-             q, k, v, ATTN_SCALE), ATTN_SCALE),
-         "SDPA causal fwd+bwd", sdpa_forward_backward, None),
-        ("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", lambda: ops.matmul_relu2_forward(xf, wf, bf),
-         "F.linear + relu + square", lambda: F.relu(F.linear(xf, wf, bf)).square(), (xf, wf, bf)),
-        ("relu2_forward", f"{N}x{4 * C}", lambda: ops.relu2_forward(pre), "relu + square",
-         lambda: F.relu(pre).square(), (pre,)),
-        ("relu2_backward", f"{N}x{4 * C}", lambda: ops.relu2_backward(dpre, pre), "backend torch",
-         lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
-        ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
-         lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
-         "backend torch (fp32 chunks)",
-         lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
-        ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
-    ]
-    for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
-        ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
-        gs, ms = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
-        copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
-        args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
-        cases.append(("muon_update", f"{n} x {r}x{c}", lambda args=args: ops.muon_update(*args),
-                      "backend torch (torch.bmm)", lambda args=args: t.muon_update(*args), args))
-    return cases
-
-
 COPY_BYTES = 1 << 30  # the copy that measures memory bandwidth: 1 GiB, far beyond any cache
 
 
@@ -5479,7 +5662,7 @@ def bench_ops(cfg, ops, device):
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
     print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
           f"{'rate':>12} {'speed-up':>8}")
-    cases = (speedrun_bench_cases if cfg.recipe == "speedrun" else bench_cases)(cfg, ops, device)
+    cases = RECIPES[cfg.recipe].bench_cases(cfg, ops, device)
     for name, shape, ours, torch_label, theirs, args in cases:
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward

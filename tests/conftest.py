@@ -5,6 +5,7 @@ import http.server
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -177,9 +178,10 @@ def assert_due_events(out, stdout, steps):
 
 
 def step_lines(stdout):
-    """The per-step lines a trainer printed, as their step, loss, grad norm and lr fields."""
+    """The per-step lines a trainer printed ("step N/STEPS | ..."), as their step, loss, grad norm and lr
+    fields."""
     return [line.split(" | ")[:4] for line in stdout.splitlines()
-            if line.startswith("step") and "/" in line.split("|")[0]]
+            if re.match(r"step +\d+/", line)]
 
 
 def assert_same_checkpoint(a, b):
