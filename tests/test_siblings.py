@@ -64,6 +64,7 @@ DIFFERENT = {
     "adamw_update": "a framework's function / the Triton multi-tensor kernel's wrapper",
     "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
     "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
+    "whole_state": "each torch trainer's flat layout", "sharded_state": "each torch trainer's flat layout",
     "compute_groups": "torchfunc keeps its embeddings fp32",
     "state_layout": "JAX's shardings of the state / the torch trainers' flat buffers, Muon's matrices whole",
     "gather_state": "each framework's collectives",
@@ -287,13 +288,14 @@ def test_ops_are_listed_once():
 
 
 def test_triton_trainer_reads_training_first():
-    """train_gpt2_triton.py: the training path (config, ops and backend torch, model, backward, optimizer,
-    data, checkpoints, evaluation, logging, main) comes before the first Triton kernel, the kernels
-    (and backend triton's table) before the self-test and the profiler."""
+    """train_gpt2_triton.py: the training path (GPT-2's ops, model, backward and step, the speedrun recipe,
+    the plumbing, main) comes before the first Triton kernel, the kernels (and backend triton's table)
+    before the self-test and the profiler."""
     with open(os.path.join(REPO, TRAINERS["triton"])) as f:
         lines = f.read().splitlines()
     at = {name: next(i for i, line in enumerate(lines) if line.startswith(prefix)) for name, prefix in (
-        ("ops", "# Ops"), ("model", "# Model"), ("optimizer", "# Optimizer"), ("data", "# Data"),
+        ("ops", "# GPT-2: ops"), ("model", "# GPT-2: model"), ("backward", "# GPT-2: backward"),
+        ("step", "# GPT-2: training step"), ("speedrun", "# Recipe: speedrun"), ("data", "# Data"),
         ("main", "def main("), ("first kernel", "@triton.jit"), ("triton table", "TRITON_OPS = "),
         ("self-test", "# Self-test"), ("profiling", "# Profiling"))}
     assert list(at) == sorted(at, key=at.get), at
