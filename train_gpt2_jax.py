@@ -534,8 +534,8 @@ EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no comp
 
 def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A micro-batch
-    losses (each micro-batch's gradient scaled by 1/A and summed in fp32), or (speedrun) of the sum of
-    every token's loss, clipped to cfg.grad_clip, then AdamW (speedrun: speedrun_update). `layout`
+    losses (each micro-batch's gradient scaled by 1/A and summed in fp32), or of the sum of every token's
+    loss (Recipe.summed), clipped to cfg.grad_clip, then the recipe's update. `layout`
     (state_layout) places the state; at stage 0 every constraint below says "replicated" and changes
     nothing. `copies` are stage 1's bf16 weights ({} otherwise). Returns (params, m, v, copies, mean token
     loss, grad_norm before clipping)."""

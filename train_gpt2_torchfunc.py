@@ -474,8 +474,8 @@ GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
     """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
     losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
-    processes by collectives over the flat gradient buffer), or (speedrun) of the sum of every token's loss,
-    clipped, then the update; grad_fn / update_fn are grads_and_loss / adamw_update or speedrun_update,
+    processes by collectives over the flat gradient buffer), or of the sum of every token's loss
+    (Recipe.summed), clipped, then the update; grad_fn / update_fn are grads_and_loss / the recipe's update,
     compiled or not; `state` is make_state's, updated in place. Returns (mean token loss, grad norm before
     clipping) as 0-d device tensors: nothing here waits for the device."""
     weights, grads = state["weights"], state["grads"]
