@@ -169,15 +169,16 @@ def test_resume_across_stages_and_device_counts(runs):
 
 
 def assert_close_checkpoints(a, b):
-    """Whole tensors in both, the same data position, weights within 1e-5 (a thousandth of a step at lr
+    """Whole tensors in both, the same data position, weights within 3e-5 (a hundredth of a step at lr
     3e-3: AdamW's 1/sqrt(v) turns 1e-7 differences in tiny gradients into larger ones in their
-    coordinates' updates, so weights of runs that sum in another order are not closer than that)."""
+    coordinates' updates, so weights of runs that sum in another order are not closer than that; on some
+    CPUs 2 of wte's 3.2M coordinates land 1.3e-5 apart)."""
     _, wa = tg.read_model_file(str(a / "model.bin"))
     _, wb = tg.read_model_file(str(b / "model.bin"))
     with np.load(a / "state.npz") as x, np.load(b / "state.npz") as y:
         assert int(y["position"]) == int(x["position"]) == STEPS * 256
         for k in tg.PARAM_NAMES:
-            np.testing.assert_allclose(wb[k], wa[k], rtol=0, atol=1e-5, err_msg=k)
+            np.testing.assert_allclose(wb[k], wa[k], rtol=0, atol=3e-5, err_msg=k)
             assert y[f"m.{k}"].shape == y[f"v.{k}"].shape == wa[k].shape
 
 
