@@ -120,7 +120,8 @@ def runs(inits, tiny_shards, tmp_path_factory):
 
 
 
-@pytest.mark.parametrize("key", ["recipe", "random"])
+# [recipe] is the quick tier's --recipe speedrun run of this trainer
+@pytest.mark.parametrize("key", [pytest.param("recipe", marks=pytest.mark.quick), "random"])
 def test_training_matches_the_float64_reference(runs, inits, key, speedrun_reference_losses, one_thread):
     """In fp32, each step's train loss is within 1e-5 of the float64 reference's over 6 steps of two
     micro-batches (the summed token loss's gradient, Muon on the blocks' matrices, AdamW's three groups,

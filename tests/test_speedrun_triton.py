@@ -264,6 +264,7 @@ def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path
         assert train_losses(resumed) == pytest.approx(train_losses(out)[first - 1:], rel=REFERENCE_RTOL)
 
 
+@pytest.mark.quick  # the quick tier's --recipe speedrun runs of this trainer, backend torch and backend triton
 def test_backend_triton_matches_the_reference_and_backend_torch(runs, speedrun_reference_losses, one_thread):
     """Backend triton, fp32, resuming torchfunc's checkpoint of step 5 (another trainer's, from the random
     init): step 6 has its train loss within 1e-5 of the float64 reference's, and its loss and grad norm

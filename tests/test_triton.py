@@ -212,6 +212,7 @@ def test_triton_self_test_covers_every_kernel(capsys, one_thread):
     assert len(launched_in_file) >= 20 and {launch[1] for launch in launches} == launched_in_file
 
 
+@pytest.mark.quick  # the quick tier's --recipe gpt2 run of backend triton
 def test_triton_training_run_matches_backend_torch(tiny_shards, tiny_model_file, tmp_path, capsys, one_thread):
     """Two fp32 steps from the llm.c model file (its full 50304-row lm head): backend triton's per-step train
     loss and grad norm equal backend torch's (rel 1e-5: only summation orders differ), and log.jsonl says
