@@ -1,12 +1,12 @@
 """train_gpt2_triton.py: hand-derived backward and Triton kernels
 (backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
-forward keeps for the backward, --profile (two processes: tests/test_zero.py), --bench-ops; backend triton
-in Triton's interpreter without a GPU (compiled, and bf16 too, with one): every kernel of both recipes
-against backend torch, and with loops over several blocks (the embedding backward at 768 rows with a
-600-row run, cross-entropy and the multi-tensor kernels with small blocks), clipping by a NaN or inf norm
-in both backends, a training run against backend torch, no torch compute op in a step of either recipe,
-its --profile tables, clean errors. Backend torch's training run, exact resume, eval-only, evaluations
-lost to a kill run on resume and bad input are tested in tests/test_trainers.py)."""
+forward keeps for the backward, --profile, --bench-ops; backend triton in Triton's interpreter without a GPU
+(compiled, and bf16 too, with one): every kernel of both recipes against backend torch, and with loops over
+several blocks (the embedding backward at 768 rows with a 600-row run, cross-entropy and the multi-tensor
+kernels with small blocks), clipping by a NaN or inf norm in both backends, a training run against backend
+torch, no torch compute op in a step of either recipe, its --profile tables, clean errors. Backend torch's
+training run, exact resume, eval-only, evaluations lost to a kill run on resume and bad input are tested in
+tests/test_trainers.py, its runs of two processes (ZeRO-1, both recipes) in tests/test_zero.py)."""
 import json
 import math
 import re
