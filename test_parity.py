@@ -1,13 +1,17 @@
 """The test suite: every implementation against the others and against outside references.
 
     python test_parity.py                 # everything (CPU: about 11 minutes on 2 cores, 2 workers)
-    python test_parity.py -k tokenizer    # a selection (pytest -k syntax)
+    python test_parity.py --quick         # the quick tier: every script once, each GPT-2 trainer with
+                                          # each recipe (CPU: about a minute on 2 cores; pytest -m quick)
+    python test_parity.py -k tokenizer    # a selection (pytest -k syntax; with --quick, of the quick tier)
     python test_parity.py --list          # what each test checks, grouped by component
     pytest                                # the same tests under plain pytest
 
 Component tests live in tests/test_<component>.py, the tests every GPT-2 trainer passes (a training run,
 resume, bad input) in tests/test_trainers.py, the cross-framework checks in tests/test_cross.py,
 the shared fixtures (test data, tiny shards and model files, a local HTTP server) in tests/conftest.py.
+The quick tier is the tests marked @pytest.mark.quick: one that runs each GPT-2 trainer with each recipe
+(Triton's trainer with backend torch and with backend triton), and one for every other script.
 Without a CUDA GPU, Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set before triton is
 imported) and JAX and torch run on the CPU; with one, the compiled kernels are also checked in bf16. The
 test data is committed under tests/data (its README.md lists every file), so a bare clone runs every test
@@ -95,6 +99,13 @@ def main(argv):
     listing = "--list" in args
     if listing:
         args.remove("--list")
+    if "--quick" in args:  # the quick tier, or the part of it that a -m of the command line selects
+        args.remove("--quick")
+        if "-m" in args[:-1]:
+            at = args.index("-m") + 1
+            args[at] = f"quick and ({args[at]})"
+        else:
+            args += ["-m", "quick"]
     targets = [os.path.join(REPO, "tests")]
     if listing:
         return pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", *targets, *args],

@@ -1,6 +1,6 @@
 """Fixtures shared by every test file: paths to the committed test data (tests/data), a runner for the
-scripts, tiny llm.c shards and model files built independently of the trainers, and a local HTTP server
-for download tests."""
+scripts, tiny llm.c shards and model files built independently of the trainers, a local HTTP server
+for download tests, and the `quick` marker of the tests in the quick tier (test_parity.py --quick)."""
 import http.server
 import json
 import math
@@ -23,6 +23,12 @@ from test_parity import DATA, configure_environment  # noqa: E402  (sets TRITON_
 configure_environment()
 
 EOT = 50256
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: in the quick tier (python test_parity.py --quick), which runs "
+                            "every script once: each GPT-2 trainer with each recipe (Triton's with both "
+                            "backends), and every other script")
 
 
 def data_file(rel):

@@ -77,6 +77,7 @@ def trained(data_dir, jax_env, tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.quick  # the quick tier's run of train_aiayn_jax.py
 def test_training_loss_falls_and_logs(trained):
     """40 steps of the tiny model cut the training and validation loss; log.jsonl logs every step."""
     out, stdout = trained

@@ -152,6 +152,7 @@ def from_hf(source, path, *flags):
 # -----------------------------------------------------------------------------
 # Tests
 
+@pytest.mark.quick  # the quick tier's run of convert_hf.py
 def test_from_hf_gives_transformers_logits_in_every_trainer(hf_source, converted, shakespeare_tokens):
     """from-hf of a random transformers GPT-2: an fp32 llm.c file (version 3, max T = n_positions, wte
     padded to 50304 rows with zeros); in each trainer (JAX, torchfunc, Triton's backend torch) it gives

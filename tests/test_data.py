@@ -128,6 +128,7 @@ def test_hellaswag_progress_bar_only_on_a_terminal(hellaswag_dir):
     assert piped.stderr == "" and piped.stdout == stdout
 
 
+@pytest.mark.quick  # the quick tier's run of hellaswag.py
 def test_hellaswag_export_parses_back(hellaswag_dir, enc, tmp_path):
     """`hellaswag.py export` writes llm.c's eval file: header magic 20240522, version 1, count, longest
     example; each example's uint16 stream parsed back equals the tiktoken tokens and labels."""
@@ -256,6 +257,7 @@ def expected_names(name, total):
     return [f"{name}_val_000000.bin"] + [f"{name}_train_{i:06d}.bin" for i in range(1, n)]
 
 
+@pytest.mark.quick  # the quick tier's run of prepro_fineweb.py
 def test_prepro_parquet_shards(shakespeare_parquet, shakespeare_tokens, tmp_path):
     """Shards of a parquet input: llm.c headers, shard 0 = val, then train shards of --shard-size tokens;
     their tokens in order equal EOT + tiktoken's tokens of every document. A rerun writes nothing."""

@@ -167,6 +167,7 @@ def test_bad_input(tmp_path):
     assert proc.stdout == "" and not (tmp_path / "fig.png").exists()
 
 
+@pytest.mark.quick  # the quick tier's run of plot_runs.py
 def test_output_is_the_name_reported(tmp_path, capsys):
     """-o NAME without an extension writes a PNG under exactly that name, the one the script reports (not
     NAME.png), replacing an earlier file there through a temporary name that is gone afterwards."""

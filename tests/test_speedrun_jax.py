@@ -19,11 +19,11 @@ import train_gpt2_torchfunc as tf
 from conftest import (REPO, assert_clean_error, assert_refused, run_script, step_events, step_lines,
                       train_losses)
 
-L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6  # test_speedrun.py's shapes: 64 tokens a step
+L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6  # test_speedrun_torchfunc.py's shapes: 64 tokens a step
 FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,
          "--total-batch-size", ACCUM * B * T, "--steps", STEPS, "--val-every", 0, "--hellaswag-every", 0,
          "--sample-every", 0]
-# fp32 against float64 per step, as tests/test_speedrun.py holds torchfunc (its comment explains the
+# fp32 against float64 per step, as tests/test_speedrun_torchfunc.py holds torchfunc (its comment explains the
 # ill-conditioned steps 4-6 from the recipe's init). Measured here: from the recipe's init at most 4.1e-8 in
 # steps 1-3 and 1.4e-6 in steps 4-6, from random weights at most 4.1e-8.
 REFERENCE_RTOL, ILL_CONDITIONED_RTOL = 1e-5, 1e-4
@@ -120,7 +120,8 @@ def runs(inits, tiny_shards, tmp_path_factory):
 
 
 
-@pytest.mark.parametrize("key", ["recipe", "random"])
+# [recipe] is the quick tier's --recipe speedrun run of this trainer
+@pytest.mark.parametrize("key", [pytest.param("recipe", marks=pytest.mark.quick), "random"])
 def test_training_matches_the_float64_reference(runs, inits, key, speedrun_reference_losses, one_thread):
     """In fp32, each step's train loss is within 1e-5 of the float64 reference's over 6 steps of two
     micro-batches (the summed token loss's gradient, Muon on the blocks' matrices, AdamW's three groups,

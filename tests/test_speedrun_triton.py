@@ -1,13 +1,14 @@
 """--recipe speedrun in train_gpt2_triton.py. Backend torch: each speedrun op's hand-derived backward
 against torch.autograd in float64; training held to the float64 outside reference
-(tests/speedrun_reference.py) per step, from the recipe's init and from random weights; two processes at
-ZeRO-1 (Newton-Schulz on whole matrices dealt round-robin) against one; a torchfunc speedrun checkpoint
-resumed here, and one of this trainer resumed by torchfunc; a bf16 step against fp32; the state
-make_state holds. Backend triton (in Triton's interpreter without a GPU, fp32): resuming torchfunc's
-checkpoint, training held to the float64 reference and to backend torch per step, its own checkpoint
-resumed by backend torch, --bench-ops over its speedrun ops. In tests/test_triton.py: its kernels op by op
-(--test --recipe speedrun), and a step of either backend without autograd, of backend triton without torch
-compute ops. The tolerances and shapes are tests/test_speedrun.py's, which explains them."""
+(tests/speedrun_reference.py) per step, from the recipe's init and from random weights; a torchfunc
+speedrun checkpoint resumed here, and one of this trainer resumed by torchfunc; a bf16 step against fp32.
+Backend triton (in Triton's interpreter without a GPU, fp32): resuming torchfunc's checkpoint, training held
+to the float64 reference and to backend torch per step, its own checkpoint resumed by backend torch,
+--bench-ops over its speedrun ops. In tests/test_triton.py: its kernels op by op (--test --recipe
+speedrun), and a step of either backend without autograd, of backend triton without torch compute ops. In
+tests/test_zero.py: two processes at ZeRO-1 (Newton-Schulz on whole matrices dealt round-robin) against
+one, and the state make_state holds at stages 0 and 1. The tolerances and shapes are
+tests/test_speedrun_torchfunc.py's, which explains them."""
 from dataclasses import replace
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 import speedrun_reference as ref
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import allocated_bytes, run_script, speedrun_random_weights, step_events, train_losses
+from conftest import speedrun_random_weights, step_events, train_losses
 
 OPS = tg.TORCH_SPEEDRUN_OPS
 F64 = torch.float64
@@ -28,12 +29,10 @@ L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6
 FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,
          "--total-batch-size", ACCUM * B * T, "--steps", STEPS, "--dtype", "fp32", "--val-every", 0,
          "--hellaswag-every", 0, "--sample-every", 0]
-ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-# tests/test_speedrun.py's, and why: fp32 against float64 per step; from the recipe's init, steps 4-6 are
-# ill-conditioned (the second step's gradients of the blocks' projections are numerically of low rank, and
-# Newton-Schulz magnifies their fp32 error); two processes at stage 1 against one add the micro-batches'
-# gradients in the same fp32 additions
-REFERENCE_RTOL, ILL_CONDITIONED_RTOL, ZERO1_RTOL = 1e-5, 1e-4, 1e-6
+# tests/test_speedrun_torchfunc.py's, and why: fp32 against float64 per step; from the recipe's init,
+# steps 4-6 are ill-conditioned (the second step's gradients of the blocks' projections are numerically of
+# low rank, and Newton-Schulz magnifies their fp32 error)
+REFERENCE_RTOL, ILL_CONDITIONED_RTOL = 1e-5, 1e-4
 OP_RTOL = 1e-10  # float64, hand backward against autograd
 
 
@@ -176,12 +175,12 @@ def tiny_cfg():
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory):
-    """runs(key) -> (out dir, init file), each run made once, when first asked for: "recipe" (--seed 0,
-    its init also written as a model file, checkpoints every 3 steps) and "random" (speedrun_random_weights,
-    checkpoint at step 3) of this trainer, backend torch; "zero1" the "recipe" run's checkpoint of step 3
-    resumed by two processes at stage 1; "torchfunc" train_gpt2_torchfunc.py's run from the "random" init
-    file, its checkpoint at step 5; "triton" backend triton resuming the "torchfunc" run's checkpoint of
-    step 5 (step 6 alone: the interpreter takes ~20 s a step), its checkpoint at step 6."""
+    """runs(key) -> (out dir, init file), each run made once, in this process, when first asked for:
+    "recipe" (--seed 0, its init also written as a model file, checkpoints every 3 steps) and "random"
+    (speedrun_random_weights, checkpoint at step 3) of this trainer, backend torch; "torchfunc"
+    train_gpt2_torchfunc.py's run from the "random" init file, its checkpoint at step 5; "triton" backend
+    triton resuming the "torchfunc" run's checkpoint of step 5 (step 6 alone: the interpreter takes ~20 s
+    a step), its checkpoint at step 6."""
     done = {}
 
     def get(key):
@@ -192,11 +191,7 @@ def runs(tiny_shards, tmp_path_factory):
             tg.write_speedrun_file(str(init), tg.init_params_numpy(cfg) if key == "recipe" else
                                    speedrun_random_weights(tg.param_shapes(cfg), 1), cfg)
             argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(out), "--ckpt-every", "3"]
-            if key == "zero1":  # each process one micro-batch of the one-process run's two
-                run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train_gpt2_triton.py", "torch", *argv, "--zero-stage", "1",
-                           "--resume", get("recipe")[0] / "ckpt_0000003", env=ENV)
-            elif key == "torchfunc":
+            if key == "torchfunc":
                 tf.main([*argv, "--ckpt-every", "5", "--init-from", str(init)])
             elif key == "triton":
                 tg.main(["triton", *argv, "--resume", str(get("torchfunc")[0] / "ckpt_0000005")])
@@ -223,28 +218,6 @@ def test_training_matches_the_float64_reference(runs, key, speedrun_reference_lo
     assert got[-1] < got[0] - 0.5  # it learns
 
 
-def test_zero1_matches_one_process(runs, one_thread):
-    """Two processes at ZeRO-1 resume the one-process run's step-3 checkpoint: the one process's losses of
-    steps 4-6, and the same checkpoint at step 6 (weights, m of every tensor, v of the AdamW ones only),
-    to the order of the gradients' sums."""
-    out, _ = runs("recipe")
-    zero1, _ = runs("zero1")
-    assert [e["step"] for e in step_events(zero1)] == [4, 5, 6]
-    assert train_losses(zero1) == pytest.approx(train_losses(out)[3:], rel=ZERO1_RTOL)
-    shapes = tg.param_shapes(tiny_cfg())
-    muon = set(tg.muon_names(shapes))
-    with np.load(out / "ckpt_0000006" / "state.npz") as x, np.load(zero1 / "ckpt_0000006" / "state.npz") as y:
-        assert x.files == y.files
-        assert {k for k in x.files if k.startswith("v.")} == {f"v.{k}" for k in shapes if k not in muon}
-        for k in x.files:
-            if k != "config":
-                np.testing.assert_allclose(y[k], x[k], rtol=0, atol=1e-6 * np.abs(x[k]).max(), err_msg=k)
-    _, a = tg.read_weights(str(out / "ckpt_0000006" / "model.safetensors"), tiny_cfg())
-    _, b = tg.read_weights(str(zero1 / "ckpt_0000006" / "model.safetensors"), tiny_cfg())
-    for k in a:
-        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-6 * np.abs(a[k]).max() + 1e-30, err_msg=k)
-
-
 def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path, one_thread):
     """From the same random init, in fp32, torchfunc's run has this trainer's losses and grad norms; its
     checkpoint of step 5 (Muon's momentum in m, no v for the matrices) resumes here with the loss of this
@@ -264,6 +237,7 @@ def test_checkpoints_pass_between_the_torch_trainers(runs, tiny_shards, tmp_path
         assert train_losses(resumed) == pytest.approx(train_losses(out)[first - 1:], rel=REFERENCE_RTOL)
 
 
+@pytest.mark.quick  # the quick tier's --recipe speedrun runs of this trainer: backend torch, backend triton
 def test_backend_triton_matches_the_reference_and_backend_torch(runs, speedrun_reference_losses, one_thread):
     """Backend triton, fp32, resuming torchfunc's checkpoint of step 5 (another trainer's, from the random
     init): step 6 has its train loss within 1e-5 of the float64 reference's, and its loss and grad norm
@@ -333,26 +307,6 @@ def test_a_bf16_step_follows_fp32(one_thread):
         assert cosine > 0.99, f"{k}: cosine {cosine:.4f} between the bf16 and fp32 gradients"
         assert state16["params"][k].dtype == torch.float32
         assert torch.equal(state16["weights"][k], state16["params"][k].to(torch.bfloat16)), k
-
-
-def test_state_is_what_device_state_bytes_counts():
-    """make_state, fp32 and bf16, alone at stage 0 and as process 1 of 2 at stage 1: it allocates what
-    device_state_bytes counts (Muon keeps one buffer, AdamW two), keeps v of the AdamW tensors only, and
-    hands the update its Muon matrices whole, in their shapes (at stage 1 those dealt to it)."""
-    for dtype in ("fp32", "bf16"):
-        for stage in (0, 1):
-            cfg = replace(tiny_cfg(), dtype=dtype, zero_stage=stage)
-            shapes = tg.param_shapes(cfg)
-            muon = tg.muon_names(shapes)
-            params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-            world = 1 + stage
-            v = {k: p for k, p in params.items() if k not in muon}
-            state = tg.make_state(params, params, v, cfg, torch.device("cpu"), world - 1, world)
-            assert allocated_bytes(state) == sum(tg.device_state_bytes(cfg, shapes, world).values())
-            assert set(state["v"]).isdisjoint(muon)
-            mine = [k for k in muon if k in state["m"]]
-            assert len(mine) == len(muon) // world
-            assert all(state["shard_params"][k].shape == shapes[k] for k in mine)
 
 
 def test_backend_torch_refuses_the_speedrun_self_test():

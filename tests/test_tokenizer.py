@@ -405,6 +405,7 @@ def cli_error(*args):
     return msg
 
 
+@pytest.mark.quick  # the quick tier's run of tokenizer.py
 def test_cli_train_encode_decode(tmp_path, capsys, enc, shakespeare):
     """CLI train writes a tokenizer, encode an llm.c shard (tiktoken's for gpt2), decode the text."""
     src = data_file("tinyshakespeare/input.txt")

@@ -107,6 +107,7 @@ def trained(tmp_path_factory, tiny_shards, tiny_model_file, hellaswag_dir, env):
     return get
 
 
+@pytest.mark.quick  # the quick tier's --recipe gpt2 run of each trainer (Triton's with backend torch)
 @pytest.mark.parametrize("name", TRAINERS)
 def test_training_run(name, trained, tiny_shards, tiny_model_file):
     """A 6-step run: step 1's loss equals the float64 reference of tests/llmc_reference.py on the first two

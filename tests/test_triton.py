@@ -1,12 +1,12 @@
 """train_gpt2_triton.py: hand-derived backward and Triton kernels
 (backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
-forward keeps for the backward, --profile (two processes: tests/test_zero.py), --bench-ops; backend triton
-in Triton's interpreter without a GPU (compiled, and bf16 too, with one): every kernel of both recipes
-against backend torch, and with loops over several blocks (the embedding backward at 768 rows with a
-600-row run, cross-entropy and the multi-tensor kernels with small blocks), clipping by a NaN or inf norm
-in both backends, a training run against backend torch, no torch compute op in a step of either recipe,
-its --profile tables, clean errors. Backend torch's training run, exact resume, eval-only, evaluations
-lost to a kill run on resume and bad input are tested in tests/test_trainers.py)."""
+forward keeps for the backward, --profile, --bench-ops; backend triton in Triton's interpreter without a GPU
+(compiled, and bf16 too, with one): every kernel of both recipes against backend torch, and with loops over
+several blocks (the embedding backward at 768 rows with a 600-row run, cross-entropy and the multi-tensor
+kernels with small blocks), clipping by a NaN or inf norm in both backends, a training run against backend
+torch, no torch compute op in a step of either recipe, its --profile tables, clean errors. Backend torch's
+training run, exact resume, eval-only, evaluations lost to a kill run on resume and bad input are tested in
+tests/test_trainers.py, its runs of two processes (ZeRO-1, both recipes) in tests/test_zero.py)."""
 import json
 import math
 import re
@@ -212,6 +212,7 @@ def test_triton_self_test_covers_every_kernel(capsys, one_thread):
     assert len(launched_in_file) >= 20 and {launch[1] for launch in launches} == launched_in_file
 
 
+@pytest.mark.quick  # the quick tier's --recipe gpt2 run of backend triton
 def test_triton_training_run_matches_backend_torch(tiny_shards, tiny_model_file, tmp_path, capsys, one_thread):
     """Two fp32 steps from the llm.c model file (its full 50304-row lm head): backend triton's per-step train
     loss and grad norm equal backend torch's (rel 1e-5: only summation orders differ), and log.jsonl says

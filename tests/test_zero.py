@@ -1,20 +1,28 @@
-"""ZeRO-1 in the torch trainers (--zero-stage 1, CPU, gloo): two processes at stage 1 against two at stage 0
-and against one process, in bf16 (where stage 1 shards the fp32 masters too); a stage-1 checkpoint resumed
-by one process of the other torch trainer; the per-device bytes line; --zero-stage 3 refused."""
+"""ZeRO-1 in the torch trainers, train_gpt2_torchfunc.py and train_gpt2_triton.py with backend torch
+(--zero-stage 1, CPU, gloo). The gpt2 recipe: two processes at stage 1 against two at stage 0 and against
+one process, in bf16 (where stage 1 shards the fp32 masters too); a stage-1 checkpoint resumed by one
+process of the other torch trainer; the evaluations a resume runs, decided by process 0; the per-device
+bytes line, the flat layout and what make_state allocates; --zero-stage 3 refused. The speedrun recipe
+(Muon's matrices whole on the process they are dealt to): two processes at stage 1 resuming one process's
+checkpoint against that process, in fp32; torchfunc's whole-matrix layout, and the Triton trainer's state
+at stages 0 and 1. (The JAX trainer's stages 1 and 3: tests/test_jax_sharded.py, and for its speedrun
+recipe tests/test_speedrun_jax.py.)"""
 import json
 import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
 
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
 from conftest import (REPO, allocated_bytes, assert_clean_error, free_port, read_log, run_script, step_events,
-                      step_lines)
+                      step_lines, train_losses)
 
 TRAINERS = {"torchfunc": ["train_gpt2_torchfunc.py"], "triton": ["train_gpt2_triton.py", "torch"]}
 OTHER = {"torchfunc": "triton", "triton": "torchfunc"}
@@ -217,3 +225,128 @@ def test_rank0_decides_the_evaluations_a_resume_runs(runs, name, tiny_shards, tm
     assert [p.returncode for p in procs] == [0, 0], results
     events = [(e["step"], "val_loss" in e) for e in read_log(outs[0])]
     assert events == [(1, True), (2, False), (2, True)]
+
+
+# -----------------------------------------------------------------------------
+# The speedrun recipe: Muon's matrices are dealt whole, round-robin, to the processes
+
+SPEEDRUN_L, SPEEDRUN_C = 2, 128
+SPEEDRUN_MODEL = ["--recipe", "speedrun", "--n-layer", SPEEDRUN_L, "--n-embd", SPEEDRUN_C, "--seed", 0,
+                  "--dtype", "fp32"]
+# tests/test_speedrun_torchfunc.py's runs: 6 steps of two micro-batches of 1 x 32 tokens (one process), or
+# of one micro-batch each (two processes), from the recipe's init; checkpoints at steps 3 and 6
+SPEEDRUN_FLAGS = [*SPEEDRUN_MODEL, "--seq-len", 32, "--batch-size", 1, "--total-batch-size", 64, "--steps", 6,
+                  "--ckpt-every", 3, "--val-every", 0, "--hellaswag-every", 0, "--sample-every", 0]
+# Two processes at stage 1 against one, fp32, add the two micro-batches' gradients in the same fp32
+# additions (measured: the same losses and checkpoints to the last digit); the checkpoints are held to
+# 1e-6 of each tensor's largest magnitude
+SPEEDRUN_ZERO1_RTOL = 1e-6
+
+
+def speedrun_cfg(mod, **kw):
+    """The Config of SPEEDRUN_MODEL in trainer module `mod` (the Triton trainer's with backend torch), with
+    the fields of kw replaced."""
+    cfg, _ = mod.parse_args([*(["torch"] if mod is tg else []), *map(str, SPEEDRUN_MODEL)])
+    return replace(cfg, **kw)
+
+
+@pytest.fixture(scope="module")
+def speedrun_runs(tiny_shards, tmp_path_factory):
+    """speedrun_runs(trainer, key) -> out dir of a run of SPEEDRUN_FLAGS on tiny_shards, each made once, when
+    a test first asks for it: "one" one process, in this process (under the test's one_thread); "zero1" that
+    run's checkpoint of step 3 resumed by two processes at stage 1, each one micro-batch of its two."""
+    done = {}
+
+    def get(name, key):
+        if (name, key) not in done:
+            out = tmp_path_factory.mktemp(f"speedrun_{name}_{key}")
+            argv = [*TRAINERS[name], *SPEEDRUN_FLAGS, "--data", tiny_shards, "--out-dir", out]
+            if key == "zero1":
+                run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv,
+                           "--zero-stage", 1, "--resume", get(name, "one") / "ckpt_0000003", env=ENV)
+            else:
+                (tf if name == "torchfunc" else tg).main([*map(str, argv[1:])])
+            done[name, key] = out
+        return done[name, key]
+    return get
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_speedrun_stage1_resumes_as_one_process(speedrun_runs, name, one_thread):
+    """--recipe speedrun, fp32: two processes at stage 1 (Newton-Schulz on whole matrices dealt round-robin,
+    the updated weights all-gathered; AdamW's state split) resume one process's checkpoint of step 3, print
+    its losses of steps 4-6 and gather the same checkpoint at step 6 (the weights, m of every tensor, v of
+    the AdamW ones only), to the order of the gradients' sums."""
+    mod = tf if name == "torchfunc" else tg
+    one, zero1 = speedrun_runs(name, "one"), speedrun_runs(name, "zero1")
+    assert [e["step"] for e in step_events(zero1)] == [4, 5, 6]
+    assert train_losses(zero1) == pytest.approx(train_losses(one)[3:], rel=SPEEDRUN_ZERO1_RTOL)
+    a, b = one / "ckpt_0000006", zero1 / "ckpt_0000006"
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert list(wa) == list(wb)
+    for k in wa:
+        np.testing.assert_allclose(wb[k], wa[k], rtol=0, atol=1e-6 * np.abs(wa[k]).max() + 1e-30, err_msg=k)
+    shapes = mod.param_shapes(speedrun_cfg(mod))
+    muon = mod.muon_names(shapes)
+    with np.load(a / "state.npz") as x, np.load(b / "state.npz") as y:
+        assert x.files == y.files
+        assert {k for k in x.files if k.startswith("v.")} == {f"v.{k}" for k in shapes if k not in muon}
+        assert {k for k in x.files if k.startswith("m.")} == {f"m.{k}" for k in shapes}
+        for k in x.files:
+            if k != "config":
+                np.testing.assert_allclose(y[k], x[k], rtol=0, atol=1e-6 * np.abs(x[k]).max(), err_msg=k)
+
+
+def test_torchfunc_speedrun_zero1_layout():
+    """torchfunc's ZeRO-1 flat layout of the speedrun recipe, for 1, 2, 3 and 5 processes: Muon's matrices
+    are dealt round-robin, largest first (as the reference's Muon deals them), so that each process's shard
+    holds its matrices whole, and every element of every tensor lies in exactly one shard; make_state
+    allocates what device_state_bytes counts (Muon keeps one buffer, AdamW two), and hands the update its
+    Muon matrices in their shapes."""
+    for dtype in ("fp32", "bf16"):
+        cfg = speedrun_cfg(tf, dtype=dtype, zero_stage=1)
+        shapes = tf.param_shapes(cfg)
+        muon = tf.muon_names(shapes)
+        assert len(muon) == 6 * SPEEDRUN_L and all(k.startswith("blocks.") for k in muon)
+        order = sorted(muon, key=lambda k: shapes[k], reverse=True)
+        for world in (1, 2, 3, 5):
+            groups, starts, spans = tf.state_layout(cfg, shapes, world)
+            assert groups[-1][0] == muon and spans[0][0] == 0
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            pieces = [tf.shard_ranges(starts, shapes, span, rank, world)
+                      for span in spans for rank in range(world)]
+            n = sum(map(math.prod, shapes.values()))
+            assert sum(hi - lo for p in pieces for lo, hi in p.values()) == n
+            for rank in range(world):
+                mine = tf.shard_ranges(starts, shapes, spans[-1], rank, world)
+                assert list(mine) == [k for k in muon if order.index(k) % world == rank]
+                assert all(hi - lo == math.prod(shapes[k]) for k, (lo, hi) in mine.items())
+            for stage in (0, 1) if world <= 2 else ():
+                staged = tf.Config(**{**vars(cfg), "zero_stage": stage})
+                params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+                v = {k: p for k, p in params.items() if k not in muon}
+                state = tf.make_state(params, params, v, staged, torch.device("cpu"), world - 1, world)
+                assert allocated_bytes(state) == sum(tf.device_state_bytes(staged, shapes, world).values())
+                assert all(state["shard_params"][k].shape == shapes[k] for k in muon if k in state["m"])
+                assert set(state["v"]).isdisjoint(muon)
+
+
+def test_triton_speedrun_state_is_what_device_state_bytes_counts():
+    """The Triton trainer's make_state for the speedrun recipe, fp32 and bf16, alone at stage 0 and as
+    process 1 of 2 at stage 1: it allocates what device_state_bytes counts (Muon keeps one buffer, AdamW
+    two), keeps v of the AdamW tensors only, and hands the update its Muon matrices whole, in their shapes
+    (at stage 1 those dealt to it)."""
+    for dtype in ("fp32", "bf16"):
+        for stage in (0, 1):
+            cfg = speedrun_cfg(tg, dtype=dtype, zero_stage=stage)
+            shapes = tg.param_shapes(cfg)
+            muon = tg.muon_names(shapes)
+            params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+            world = 1 + stage
+            v = {k: p for k, p in params.items() if k not in muon}
+            state = tg.make_state(params, params, v, cfg, torch.device("cpu"), world - 1, world)
+            assert allocated_bytes(state) == sum(tg.device_state_bytes(cfg, shapes, world).values())
+            assert set(state["v"]).isdisjoint(muon)
+            mine = [k for k in muon if k in state["m"]]
+            assert len(mine) == len(muon) // world
+            assert all(state["shard_params"][k].shape == shapes[k] for k in mine)

@@ -1,8 +1,8 @@
 """--recipe speedrun in train_gpt2_torchfunc.py: modded-nanogpt's simplified speedrun baseline, held to
 tests/speedrun_reference.py (a float64 rebuild of it from stock PyTorch: nn.Module with the reference's
 parameter names, autograd, torch.optim.AdamW, Muon as its formulas read); the model files' names against
-that module's state_dict, through the safetensors package; checkpoints, ZeRO-1's whole-matrix layout, and
-bad input."""
+that module's state_dict, through the safetensors package; exact resume, and bad input. Its ZeRO-1 tests
+(two processes against one, the whole-matrix layout) are in tests/test_zero.py."""
 import math
 
 import numpy as np
@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import speedrun_reference as sr
 import train_gpt2_torchfunc as tf
-from conftest import (allocated_bytes, assert_clean_error, assert_refused, run_script,
-                      speedrun_random_weights, step_events, train_losses)
+from conftest import (assert_clean_error, assert_refused, run_script, speedrun_random_weights, step_events,
+                      train_losses)
 
 V, VP = 50257, 50304
 
@@ -24,7 +24,7 @@ V, VP = 50257, 50304
 
 L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6
 # From the recipe's init (head and projections zero: the first step moves only the head) or from one in
-# which every tensor is random and nonzero; one process of two micro-batches, or two processes of one
+# which every tensor is random and nonzero; one process of two micro-batches
 FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,
          "--total-batch-size", ACCUM * B * T, "--steps", STEPS, "--dtype", "fp32", "--val-every", 0,
          "--hellaswag-every", 0, "--sample-every", 0]
@@ -38,10 +38,8 @@ ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 # which multiplies a small singular value by up to 2^12, turns that into 1.4e-4 of the update, in fp32
 # and in float64 alike; the float64 reference itself, given gradients off by 1e-6 of their RMS, moves its
 # losses of steps 4-6 by up to 2.7e-5 (from random weights, by 4e-6). Measured against the reference, steps
-# 4-6: up to 2.9e-5 here, 3.8e-5 on a stream of random tokens. Two processes at stage 1 against one, also
-# fp32, add the two micro-batches' gradients in the same fp32 additions (measured: the same losses and
-# checkpoints to the last digit).
-REFERENCE_RTOL, ILL_CONDITIONED_RTOL, ZERO1_RTOL = 1e-5, 1e-4, 1e-6
+# 4-6: up to 2.9e-5 here, 3.8e-5 on a stream of random tokens.
+REFERENCE_RTOL, ILL_CONDITIONED_RTOL = 1e-5, 1e-4
 
 
 def tiny_cfg(**kw):
@@ -53,10 +51,9 @@ def tiny_cfg(**kw):
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory):
-    """runs(key) -> (out dir, init file) of a run of FLAGS on tiny_shards, each made once, when first
-    asked for: "recipe" from --seed 0 (its init also written as a model file for the reference),
-    checkpoints at steps 3 and 6; "random" from speedrun_random_weights; "zero1" the "recipe" run's
-    checkpoint of step 3 resumed by two processes at stage 1."""
+    """runs(key) -> (out dir, init file) of a run of FLAGS on tiny_shards in this process (under the test's
+    one_thread), each made once, when first asked for: "recipe" from --seed 0 (its init also written as a
+    model file for the reference), checkpoints at steps 3 and 6; "random" from speedrun_random_weights."""
     done = {}
 
     def get(key):
@@ -69,19 +66,15 @@ def runs(tiny_shards, tmp_path_factory):
             tf.write_speedrun_file(str(init), weights, cfg)
             argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(out)]
             argv += ["--init-from", str(init)] if key == "random" else ["--seed", "0"]
-            if key == "zero1":  # each process one micro-batch of the one-process run's two
-                run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train_gpt2_torchfunc.py", *argv, "--zero-stage", "1", "--ckpt-every", 3,
-                           "--resume", get("recipe")[0] / "ckpt_0000003", env=ENV)
-            else:  # in this process, under the test's one_thread
-                tf.main([*argv, "--ckpt-every", "3" if key == "recipe" else "0"])
+            tf.main([*argv, "--ckpt-every", "3" if key == "recipe" else "0"])
             done[key] = out, init
         return done[key]
     return get
 
 
 
-@pytest.mark.parametrize("key", ["recipe", "random"])
+# [recipe] is the quick tier's --recipe speedrun run of this trainer
+@pytest.mark.parametrize("key", [pytest.param("recipe", marks=pytest.mark.quick), "random"])
 def test_training_matches_the_float64_reference(runs, key, speedrun_reference_losses, one_thread):
     """In fp32, each step's train loss is within 1e-5 of the float64 reference's, over 6 steps of two
     micro-batches (the gradient of their summed token loss; Muon on the blocks' matrices, AdamW's three
@@ -97,39 +90,14 @@ def test_training_matches_the_float64_reference(runs, key, speedrun_reference_lo
     assert got[-1] < got[0] - 0.5  # it learns
 
 
-def assert_same_checkpoint(a, b, atol_scale):
-    """Two speedrun checkpoints: the same tensor names in model.safetensors and state.npz (m.* of every
-    tensor, v.* of the AdamW ones only), values within atol_scale of each tensor's largest magnitude."""
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert list(wa) == list(wb)
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=atol_scale * float(wa[k].abs().max()) + 1e-30)
-    with np.load(a / "state.npz") as x, np.load(b / "state.npz") as y:
-        assert x.files == y.files
-        shapes = tf.param_shapes(tiny_cfg())
-        muon = tf.muon_names(shapes)
-        assert {k for k in x.files if k.startswith("v.")} == {f"v.{k}" for k in shapes if k not in muon}
-        assert {k for k in x.files if k.startswith("m.")} == {f"m.{k}" for k in shapes}
-        for k in x.files:
-            if k != "config":
-                np.testing.assert_allclose(y[k], x[k], rtol=0, atol=atol_scale * np.abs(x[k]).max(),
-                                           err_msg=k)
-
-
-def test_resume_and_zero1(runs, tiny_shards, tmp_path, one_thread):
+def test_resume(runs, tiny_shards, tmp_path, one_thread):
     """A resume of the step-3 checkpoint prints the uninterrupted run's steps 4-6 exactly (fp32, one
-    process); resumed by two processes at ZeRO-1 (Newton-Schulz on whole matrices dealt round-robin, the
-    updated weights all-gathered; AdamW's state split), it prints the one-process losses and gathers the
-    same checkpoint at step 6, to the order of the gradients' sums."""
+    process). (Resumed by two processes at ZeRO-1: tests/test_zero.py.)"""
     out, _ = runs("recipe")
     tf.main([*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(tmp_path), "--resume",
              str(out / "ckpt_0000003"), "--ckpt-every", "0"])
     assert [e["step"] for e in step_events(tmp_path)] == [4, 5, 6]
     assert train_losses(tmp_path) == train_losses(out)[3:]
-    zero1, _ = runs("zero1")
-    assert [e["step"] for e in step_events(zero1)] == [4, 5, 6]
-    assert train_losses(zero1) == pytest.approx(train_losses(out)[3:], rel=ZERO1_RTOL)
-    assert_same_checkpoint(out / "ckpt_0000006", zero1 / "ckpt_0000006", 1e-6)
 
 
 def test_model_file_is_the_references_state_dict(runs, one_thread):
@@ -229,41 +197,6 @@ def test_flags_init_and_schedule():
     assert eta[31:] == pytest.approx([(1 - it / 100) / 0.7 for it in range(31, 100)], rel=1e-12)
     assert tf.speedrun_lrs(0, cfg) == tf.SPEEDRUN_LRS
     assert tf.speedrun_lrs(99, cfg) == pytest.approx({g: lr * eta[99] for g, lr in tf.SPEEDRUN_LRS.items()})
-
-
-
-def test_zero1_layout():
-    """ZeRO-1's flat layout of the speedrun recipe, for 1, 2, 3 and 5 processes: Muon's matrices are dealt
-    round-robin, largest first (as the reference's Muon deals them), so that each process's shard holds its
-    matrices whole, and every element of every tensor lies in exactly one shard; make_state allocates what
-    device_state_bytes counts (Muon keeps one buffer, AdamW two), and hands the update its Muon matrices in
-    their shapes."""
-    for dtype in ("fp32", "bf16"):
-        cfg = tiny_cfg(dtype=dtype, zero_stage=1)
-        shapes = tf.param_shapes(cfg)
-        muon = tf.muon_names(shapes)
-        assert len(muon) == 6 * L and all(k.startswith("blocks.") for k in muon)
-        order = sorted(muon, key=lambda k: shapes[k], reverse=True)
-        for world in (1, 2, 3, 5):
-            groups, starts, spans = tf.state_layout(cfg, shapes, world)
-            assert groups[-1][0] == muon and spans[0][0] == 0
-            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-            pieces = [tf.shard_ranges(starts, shapes, span, rank, world)
-                      for span in spans for rank in range(world)]
-            n = sum(map(math.prod, shapes.values()))
-            assert sum(hi - lo for p in pieces for lo, hi in p.values()) == n
-            for rank in range(world):
-                mine = tf.shard_ranges(starts, shapes, spans[-1], rank, world)
-                assert list(mine) == [k for k in muon if order.index(k) % world == rank]
-                assert all(hi - lo == math.prod(shapes[k]) for k, (lo, hi) in mine.items())
-            for stage in (0, 1) if world <= 2 else ():
-                staged = tf.Config(**{**vars(cfg), "zero_stage": stage})
-                params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-                v = {k: p for k, p in params.items() if k not in muon}
-                state = tf.make_state(params, params, v, staged, torch.device("cpu"), world - 1, world)
-                assert allocated_bytes(state) == sum(tf.device_state_bytes(staged, shapes, world).values())
-                assert all(state["shard_params"][k].shape == shapes[k] for k in muon if k in state["m"])
-                assert set(state["v"]).isdisjoint(muon)
 
 
 def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thread):
