@@ -2430,8 +2430,9 @@ def main(argv=None):
                 dist.broadcast_object_list(stop, src=0)
             last = step if stop[0] else cfg.steps
             if step == first:  # its peak memory holds the autotuner's copies of the buffers it tunes
-                say(f"step {first} includes compile and autotune time: tokens/s and MFU are measured from step "
-                    f"{first + 1}")
+                costs = "kernel compilation and autotuning" if cfg.backend == "triton" else "start-up"
+                say(f"step {first} holds one-off costs ({costs}): the final mean leaves it out, and peak memory "
+                    "counts from the next step")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
             if profile and step == profile_steps[-1]:
