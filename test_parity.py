@@ -1,6 +1,6 @@
 """The test suite: every implementation against the others and against outside references.
 
-    python test_parity.py                 # everything (CPU: about 11 minutes on 2 cores, 2 workers)
+    python test_parity.py                 # everything (CPU: 6 to 12 minutes on 2 cores, 2 workers)
     python test_parity.py --quick         # the quick tier: every script once, each GPT-2 trainer with
                                           # each recipe (CPU: about a minute on 2 cores; pytest -m quick)
     python test_parity.py -k tokenizer    # a selection (pytest -k syntax; with --quick, of the quick tier)
