@@ -48,18 +48,43 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+# GPT-2's encoder.json and vocab.bpe, committed for the tests; tokenizer.py encodes with them exactly as
+# tiktoken does, so offline with tiktoken's cache empty they serve instead
+COMMITTED_GPT2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "gpt2")
+
+
 def gpt2_encoding():
-    """tiktoken's GPT-2 encoding (also the trainers' sampler's), or a one-line error where tiktoken cannot
-    get its two files: it downloads them once, then reads them from its cache. A failed download raises
-    a requests error (an OSError), a damaged cache file a ValueError (hash mismatch)."""
+    """tiktoken's GPT-2 encoding (also the trainers' sampler's). Where tiktoken cannot get its two files
+    (it downloads them once, then reads its cache; a failed download raises a requests error, an OSError,
+    a damaged cache file a ValueError), tokenizer.py's GPT-2 from tests/data/gpt2, sha256-checked, said
+    in one line on stderr; a one-line error where neither loads."""
     import tiktoken
     try:
         return tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as e:
-        reason = (str(e).splitlines() or [""])[0][:300]
-        die(f"tiktoken could not load GPT-2's encoding ({type(e).__name__}: {reason}); it downloads "
-            f"vocab.bpe and encoder.json from openaipublic.blob.core.windows.net once, then reads them from "
-            f"its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
+        kind, reason = type(e).__name__, (str(e).splitlines() or [""])[0][:300]
+        problem = (f"tiktoken could not load GPT-2's encoding ({kind}: {reason}); it downloads "
+                   f"vocab.bpe and encoder.json from openaipublic.blob.core.windows.net once, then reads them "
+                   f"from its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
+    enc = committed_gpt2()
+    if enc is None:
+        die(f"{problem}; and {COMMITTED_GPT2_DIR} is missing or not the published files")
+    print(f"tiktoken could not load GPT-2's encoding ({kind}): using tokenizer.py's GPT-2 from "
+          f"{COMMITTED_GPT2_DIR} (sha256 checked), which encodes as tiktoken does", file=sys.stderr)
+    return enc
+
+
+def committed_gpt2():
+    """tokenizer.py's BPETokenizer over tests/data/gpt2 with tiktoken's names for what callers read
+    (eot_token, n_vocab), or None where a file is missing or not the published one."""
+    import tokenizer  # only here: most runs use tiktoken
+    paths = [os.path.join(COMMITTED_GPT2_DIR, name) for name in ("encoder.json", "vocab.bpe")]
+    if not all(os.path.isfile(p) and tokenizer.sha256_of(p) == tokenizer.GPT2_SHA256[os.path.basename(p)]
+               for p in paths):
+        return None
+    enc = tokenizer.BPETokenizer.from_gpt2(*paths)
+    enc.eot_token, enc.n_vocab = enc.special_tokens[tokenizer.ENDOFTEXT], enc.vocab_size
+    return enc
 
 
 # -----------------------------------------------------------------------------
@@ -197,8 +222,13 @@ def download(split="val", cache_dir=None, base_url=BASE_URL):
 def iterate_examples(split="val", cache_dir=None):
     """The jsonl rows of a split, in file order, each checked for the fields rendering needs."""
     path = download(split, cache_dir)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # line by line: the error names the line, and a damaged file is no traceback
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                die(f"{path}:{lineno}: not UTF-8 text (byte {e.start}); a corrupt file? delete it and "
+                    f"download again")
             if not line.strip():
                 continue
             try:
@@ -404,6 +434,8 @@ def main(argv=None):
     if os.path.exists(args.out) and os.path.samefile(args.out, path):
         die(f"--out {args.out} is the split file export reads: pick another")
     examples = _labelled_examples(args.split, args.limit, args.cache_dir)
+    if not examples:
+        die(f"{path} holds no examples, nothing to export; a truncated download? delete it and run again")
     write_eval_file(args.out, [encode_example(e, encode) for e in examples])
     print(f"wrote {len(examples):,} examples to {args.out} ({os.path.getsize(args.out):,} bytes)")
 

@@ -16,13 +16,17 @@ is read one row group at a time. A rerun continues after the last complete shard
 `<name>_prepro.json` next to the shards) instead of starting over.
 """
 import argparse
+import contextlib
 import errno
 import itertools
 import json
 import multiprocessing as mp
 import os
 import re
+import signal
+import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from functools import lru_cache
@@ -65,6 +69,52 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 def die(msg):
     """Stops with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
     raise SystemExit(f"error: {msg}")
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the main process (a BaseException, as KeyboardInterrupt: no handler of
+    Exception swallows it)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# The signal handlers' state: a signal that arrives while a shard and the manifest are being written is
+# held until both are, so that the manifest always lists exactly the complete shards
+_signals = dict(critical=0, pending=None, received=0)
+
+
+def _on_signal(signum, frame):
+    _signals["received"] += 1
+    if _signals["received"] > 1:  # a second signal while the first unwinds: stop at once
+        print(f"prepro_fineweb: {signal.Signals(signum).name} again, stopping now; the complete shards are "
+              f"kept", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    if _signals["critical"]:
+        _signals["pending"] = signum
+    else:
+        raise Interrupted(signum)
+
+
+class _uninterrupted:
+    """Holds SIGINT and SIGTERM back for the duration of a with-block, then raises the one that came."""
+
+    def __enter__(self):
+        _signals["critical"] += 1
+
+    def __exit__(self, *exc):
+        _signals["critical"] -= 1
+        if not _signals["critical"] and _signals["pending"] is not None and exc[0] is None:
+            signum, _signals["pending"] = _signals["pending"], None
+            raise Interrupted(signum)
+
+
+def _worker_init():
+    """The workers leave both signals to the main process, which stops them through the pool (a worker
+    killed by a terminal's SIGINT or a process group's SIGTERM would leave its task unanswered)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def positive_int(text):
@@ -314,7 +364,8 @@ def tokenized_chunks(chunks, tokenizer_path, workers):
     would read the whole dataset ahead into memory). At the end of a source (None) it hands over every
     result before reading on, so a run that stops there never downloads the next file.
     Yields (number of documents, tokens, lengths)."""
-    pool = mp.Pool(workers)
+    with _uninterrupted():  # workers that ignore SIGTERM must be joined, never left to Pool's finalizer
+        pool = mp.Pool(workers, initializer=_worker_init)
     pending = deque()
     try:
         for chunk in chunks:
@@ -327,13 +378,11 @@ def tokenized_chunks(chunks, tokenizer_path, workers):
                 yield _result(*pending.popleft())
         while pending:
             yield _result(*pending.popleft())
-    except KeyboardInterrupt:
-        pool.terminate()  # the workers got the interrupt too: what is in flight will never finish
-        raise
     except BaseException:
-        # A caller that stopped early (--max-tokens) or a failed task leaves tasks in flight, and
-        # Pool.terminate() can then hang for good (its task handler stays blocked on the workers' queue
-        # lock; seen here in a loop of early stops), so let them finish and the workers exit as usual.
+        # A caller that stopped early (--max-tokens), a failed task or a signal (Interrupted) leaves tasks
+        # in flight, and Pool.terminate() can then hang for good (its task handler stays blocked on the
+        # workers' queue lock; seen here in a loop of early stops), so let them finish (a chunk takes a
+        # fraction of a second) and the workers exit as usual.
         for _, async_result in pending:
             async_result.wait()
         raise
@@ -441,6 +490,7 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
         die(str(e))
     if vocab > 1 << 16:
         die(f"tokenizer has {vocab:,} tokens; llm.c shards store uint16 ids (at most 65,536)")
+    created = not os.path.isdir(out_dir)
     try:  # only now: a run that cannot tokenize leaves no empty --out-dir behind
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -471,17 +521,19 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
         """Writes the shard being filled; records where the next one starts (document, token offset)."""
         nonlocal index, fill
         fname = shard_name(name, index)
-        write_shard(os.path.join(out_dir, fname), buf[:fill])
-        manifest["shards"].append(dict(file=fname, tokens=fill, next_doc=next_pos[0],
-                                       next_offset=next_pos[1]))
-        save_manifest(manifest_path, manifest)
-        index, fill = index + 1, 0
+        with _uninterrupted():  # a shard counts once the manifest lists it
+            write_shard(os.path.join(out_dir, fname), buf[:fill])
+            manifest["shards"].append(dict(file=fname, tokens=fill, next_doc=next_pos[0],
+                                           next_offset=next_pos[1]))
+            save_manifest(manifest_path, manifest)
+            index, fill = index + 1, 0
 
     first_doc, exhausted = next_doc, budget != 0
     docs = iter_documents(sources, next_doc, timer) if budget != 0 else iter(())
+    results = tokenized_chunks(iter_chunks(docs), tokenizer_path, workers)
     with tqdm(total=max_tokens or None, initial=index * shard_size, unit="tok", unit_scale=True,
-              desc=name) as bar:
-        for ndocs, tokens, lengths in tokenized_chunks(iter_chunks(docs), tokenizer_path, workers):
+              desc=name) as bar, contextlib.closing(results):  # closed: the pool joined, on any exit
+        for ndocs, tokens, lengths in results:
             ends = np.cumsum(lengths)  # (D,) token offset where each document of the chunk ends
             used = skip_tokens         # the resumed document's tokens already in the kept shards
             skip_tokens = 0
@@ -503,6 +555,10 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
                 break
     if fill:
         flush((first_doc, 0))
+    if not manifest["shards"]:  # no document at all: nothing written, and no manifest of nothing
+        if created:
+            os.rmdir(out_dir)
+        die(f"--input {' '.join(s['path'] for s in sources)}: no documents in it, nothing to tokenize")
     manifest["finished"] = dict(exhausted=exhausted)
     save_manifest(manifest_path, manifest)
     return written, docs_read, time.time() - t0, timer["download"]
@@ -533,6 +589,24 @@ def bench_bare_tiktoken(sources, ndocs, workers):
 # Main
 
 def main(argv=None):
+    """Runs the command line; SIGINT and SIGTERM stop it with one line and exit 128 + the signal's number
+    (130, 143), the complete shards kept for a rerun to continue after."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers need the main thread
+        return _main(argv)
+    handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    _signals.update(critical=0, pending=None, received=0)
+    try:
+        return _main(argv)
+    except Interrupted as e:
+        print(f"prepro_fineweb: stopped by {signal.Signals(e.signum).name}; the complete shards and their "
+              f"manifest are kept, run the same command again to continue", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def _main(argv=None):
     args = parse_args(argv)
     if args.input:
         sources = local_sources(args.input)

@@ -7,14 +7,17 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 import hellaswag
 import prepro_fineweb
-from conftest import (EOT, assert_clean_error, data_file, run_script, run_script_on_a_full_disk,
+from conftest import (EOT, REPO, assert_clean_error, data_file, run_script, run_script_on_a_full_disk,
                       run_with_terminal_stderr)
 
 
@@ -37,6 +40,11 @@ def error_line(main, args, capsys):
     code = exc.value.code
     assert code not in (0, None)
     return code if isinstance(code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# no network for a script: a proxy nobody listens on (tiktoken downloads through requests)
+OFFLINE = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "http_proxy":
+           "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
 
 
 # -----------------------------------------------------------------------------
@@ -217,6 +225,48 @@ def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
                                        cache], capsys)
     assert line.startswith("error: --out ") and "the split file export reads" in line
     assert (cache / "hellaswag_val.jsonl").read_text() == good
+
+
+def test_hellaswag_export_damaged_or_empty_cache_file(tmp_path):
+    """`hellaswag.py export` of a cached split file that is not UTF-8, or holds no example, stops with
+    one line naming the file (no traceback, no eval file of 0 examples written)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out = tmp_path / "x.bin"
+    good = open(data_file("hellaswag/hellaswag_val_first10.jsonl"), "rb").read()
+    for content, needles in ((good[:100] + b"\xff\xfe" + good[100:], ["hellaswag_val.jsonl:1", "not UTF-8"]),
+                             (b"", ["hellaswag_val.jsonl", "no examples"]),
+                             (b"\n\n", ["hellaswag_val.jsonl", "no examples"])):
+        (cache / "hellaswag_val.jsonl").write_bytes(content)
+        proc = run_script("hellaswag.py", "export", "--out", out, "--cache-dir", cache, check=False)
+        assert_clean_error(proc, *needles)
+        assert not out.exists()
+
+
+def test_gpt2_encoding_offline_falls_back_to_committed_files(tmp_path):
+    """With tiktoken's cache empty and no network (a proxy nobody listens on), hellaswag.gpt2_encoding()
+    (the trainers' sampler's and HellaSwag's) says in one line that it uses tokenizer.py's GPT-2 from
+    tests/data/gpt2, and encodes and decodes as GPT-2 does."""
+    code = ("import hellaswag; e = hellaswag.gpt2_encoding(); "
+            "print(e.encode_ordinary('Hello world, this is GPT-2!'), e.eot_token, e.n_vocab, "
+            "repr(e.decode([15496, 995, 50256])))")
+    proc = run_script("-c", code, env={**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")})
+    assert proc.stdout.strip() == ("[15496, 995, 11, 428, 318, 402, 11571, 12, 17, 0] 50256 50257 "
+                                   "'Hello world<|endoftext|>'"), proc.stdout
+    assert proc.stderr.count("\n") == 1 and "tests/data/gpt2" in proc.stderr, proc.stderr
+
+
+def test_readme_smoke_run_samples_offline(tmp_path):
+    """The README's smoke run with sampling on (--sample-every 2), offline with tiktoken's cache empty,
+    completes and prints samples through the committed GPT-2 files."""
+    proc = run_script("train_gpt2_jax.py", "--data", "synthetic", "--n-layer", 2, "--n-head", 4, "--n-embd", 64,
+                      "--seq-len", 32, "--batch-size", 2, "--total-batch-size", 64, "--steps", 2, "--warmup",
+                      2, "--lr", "1e-3", "--hellaswag-every", 0, "--sample-every", 2, "--dtype", "fp32",
+                      "--out-dir", tmp_path / "smoke",
+                      env={**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"),
+                           "CUDA_VISIBLE_DEVICES": ""})
+    assert "using tokenizer.py's GPT-2" in proc.stderr + proc.stdout
+    assert re.search(r"^sample 0: '", proc.stdout, re.M), proc.stdout[-2000:]
 
 
 # -----------------------------------------------------------------------------
@@ -421,6 +471,47 @@ def test_prepro_bad_input_clean_errors(enc, tmp_path, capsys):
     proc = run_script("prepro_fineweb.py", "--input", tiny, "--out-dir", out, "--workers", 1, check=False)
     assert_clean_error(proc, "no tiny_prepro.json")
     assert read_shards(out, "tiny")["tiny_val_000000.bin"].tolist() == [EOT] + enc.encode("Hello world.")
+
+
+def test_prepro_empty_input_refused(tmp_path):
+    """An --input with no document (an empty .jsonl, one of blank lines) stops with one line saying there
+    is nothing to tokenize, and leaves no --out-dir or manifest behind."""
+    for content in ("", "\n\n"):
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text(content)
+        proc = run_script("prepro_fineweb.py", "--input", empty, "--out-dir", tmp_path / "out", "--workers", 1,
+                          check=False)
+        assert_clean_error(proc, "empty.jsonl", "nothing to tokenize")
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("signum, group", [(signal.SIGINT, True), (signal.SIGTERM, True),
+                                           (signal.SIGTERM, False)])
+def test_prepro_signal_keeps_complete_shards(tmp_path, signum, group):
+    """SIGINT (Ctrl-C: the terminal signals the whole process group) and SIGTERM (a scheduler: the group,
+    or the main process only) stop `prepro_fineweb.py --workers 2` with one line and exit 128 + signal,
+    no traceback: the shards its manifest lists are complete and readable, and no temporary or unlisted
+    shard is left."""
+    src = tmp_path / "text"
+    src.mkdir()
+    text = open(data_file("tinyshakespeare/input.txt"), encoding="utf-8").read()
+    for i in range(40):  # ~45 MB, ~10 s of tokenizing: the signal comes long before the end
+        (src / f"d{i:02d}.txt").write_text(text)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "prepro_fineweb.py", "--input", src, "--out-dir", out,
+                             "--workers", "2", "--shard-size", "20000"], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (out / "text_train_000002.bin").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    (os.killpg if group else os.kill)(proc.pid, signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"prepro_fineweb: stopped by {signal.Signals(signum).name}")
+    listed = [e["file"] for e in json.load(open(out / "text_prepro.json"))["shards"]]
+    assert len(listed) >= 3 and sorted(os.listdir(out)) == sorted(listed + ["text_prepro.json"])
+    assert [len(t) for t in read_shards(out, "text").values()] == [20000] * len(listed)
 
 
 def test_prepro_custom_tokenizer(shakespeare_parquet, tmp_path, capsys):
