@@ -30,6 +30,7 @@ import errno
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,33 +105,39 @@ def event_kind(event):
 
 def read_events(path):
     """The events of a log.jsonl as (kind, event) in file order, each checked to carry what is plotted.
-    Blank lines are skipped; anything else that is not such an event stops with its line number."""
+    Blank lines are skipped, and so is a last line without its newline that is not JSON: half an event,
+    from a run killed while it wrote it (docs/FORMATS.md; the trainers cut it off), said in one line.
+    Anything else that is not such an event stops with its line number."""
     events = []
     try:
         with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError on bytes that aren't text
-                    die(f"{path} line {lineno}: not valid JSON ({getattr(e, 'msg', e)})")
-                if not isinstance(event, dict) or not isinstance(event.get("step"), int) \
-                        or isinstance(event["step"], bool):
-                    die(f"{path} line {lineno}: not a log event (a JSON object with an integer 'step')")
-                kind = event_kind(event)
-                if kind is None:
-                    continue
-                for key in EVENT_KEYS[kind]:
-                    if not is_number(event.get(key)):
-                        die(f"{path} line {lineno}: a {kind} event whose {key} is {event.get(key)!r}, "
-                            f"not a number")
-                mem = event.get("peak_mem_gb")
-                if kind == "step" and mem is not None and not is_number(mem):
-                    die(f"{path} line {lineno}: peak_mem_gb is {mem!r}, neither a number nor null")
-                events.append((kind, event))
+            lines = f.readlines()
     except OSError as e:
         die(f"cannot read {path}: {e.strerror or e}")
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError on bytes that aren't text
+            if lineno == len(lines) and not line.endswith(b"\n"):
+                print(f"{path} line {lineno}: skipped, an event cut short (a run killed while it wrote it)",
+                      file=sys.stderr)
+                continue
+            die(f"{path} line {lineno}: not valid JSON ({getattr(e, 'msg', e)})")
+        if not isinstance(event, dict) or not isinstance(event.get("step"), int) \
+                or isinstance(event["step"], bool):
+            die(f"{path} line {lineno}: not a log event (a JSON object with an integer 'step')")
+        kind = event_kind(event)
+        if kind is None:
+            continue
+        for key in EVENT_KEYS[kind]:
+            if not is_number(event.get(key)):
+                die(f"{path} line {lineno}: a {kind} event whose {key} is {event.get(key)!r}, not a number")
+        mem = event.get("peak_mem_gb")
+        if kind == "step" and mem is not None and not is_number(mem):
+            die(f"{path} line {lineno}: peak_mem_gb is {mem!r}, neither a number nor null")
+        events.append((kind, event))
     return events
 
 

@@ -140,7 +140,8 @@ def test_bad_input(tmp_path):
     (tmp_path / "empty").mkdir()
     corrupt = write_log(tmp_path / "corrupt", [step_event(1, 9.0, 100), step_event(2, 8.0, 100)])
     with open(corrupt / "log.jsonl", "a") as f:
-        f.write('{"step": 3, "train_loss": 7.0, "dt_\n')          # a line cut short by a killed run
+        f.write('{"step": 3, "train_loss": 7.0, "dt_\n')          # a damaged line, events after it
+        f.write(json.dumps(step_event(4, 7.0, 100)) + "\n")
     no_dt = write_log(tmp_path / "no_dt", [{"step": 1, "train_loss": 9.0, "framework": "jax"}])
     only_val = write_log(tmp_path / "only_val", [dict(step=5, val_loss=3.0, framework="jax")])
     (tmp_path / "file").write_text("not a folder")
@@ -165,6 +166,19 @@ def test_bad_input(tmp_path):
     proc = run_script("plot_runs.py", good, corrupt, "-o", out, check=False)
     assert_clean_error(proc, "line 3")
     assert proc.stdout == "" and not (tmp_path / "fig.png").exists()
+
+
+def test_a_last_line_cut_by_a_crash_is_skipped(tmp_path):
+    """A run killed while it appended an event leaves half a line, without its newline, at the end of
+    log.jsonl (docs/FORMATS.md): plot_runs.py skips it, as the trainers do, says so in one line, and
+    plots the rest."""
+    run = write_log(tmp_path / "killed", [step_event(1, 9.0, 100), step_event(2, 8.0, 100)])
+    with open(run / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "train_loss": 7.0, "dt_')
+    proc = run_script("plot_runs.py", run, "-o", tmp_path / "fig.png")
+    assert "Traceback" not in proc.stderr and "line 3: skipped" in proc.stderr, proc.stderr
+    assert (tmp_path / "fig.png").stat().st_size > 0
+    assert list(pr.load_run(str(run)).steps) == [1, 2]
 
 
 @pytest.mark.quick  # the quick tier's run of plot_runs.py
