@@ -201,6 +201,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-only", action="store_true", help="val loss and BLEU of --resume, then exit")
     p.add_argument("--translate", help="print the translation of this text (needs --resume)")
     given = vars(p.parse_args(argv))
+    if "translate" in given and not given["translate"].strip():  # an unset shell variable, say
+        die("--translate got no text: give the sentence to translate (--translate never trains)")
 
     dataset = given.get("dataset", Config.dataset)
     model = given.get("model", DATASETS[dataset]["model"])
@@ -228,6 +230,8 @@ def check_config(cfg):
         die("--dropout and --label-smoothing must be in [0, 1)")
     if cfg.lr < 0 or cfg.grad_clip < 0 or cfg.alpha < 0:
         die("--lr, --grad-clip and --alpha must be >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
     if cfg.max_len < 2:
         die("--max-len must be at least 2")
     if cfg.bpe_vocab <= 256 + len(SPECIALS):

@@ -385,6 +385,21 @@ def test_bad_input_gets_a_one_line_error(data_dir, jax_env, tmp_path):
         aiayn.parse_args(["--batch-tokens", "2000", "--micro-tokens", "1000", "--max-len", "1000"])
 
 
+def test_seed_out_of_range_and_empty_translate_are_refused(trained, jax_env):
+    """--seed -1 or 2**63 is a one-line error, as in the GPT-2 trainers; --translate '' (an unset shell
+    variable) with --resume is refused in one line and never trains: the run's out dir stays as it was."""
+    for seed in ("-1", str(2**63)):
+        with pytest.raises(SystemExit, match=re.escape("--seed must be in [0, 2**63)")):
+            aiayn.parse_args(["--seed", seed])
+    out, _ = trained
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    for text in ("", "  "):
+        proc = run_script(SCRIPT, "--translate", text, "--resume", out / LAST, env=jax_env, check=False,
+                          timeout=120)
+        assert_clean_error(proc, "--translate got no text")
+        assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
 def test_an_out_dir_holding_a_run_is_not_overwritten(trained, data_dir, jax_env, tmp_path):
     """A fresh run into an --out-dir that holds a run stops with one line naming --resume auto and
     --force, touching nothing; with --force the old run's files move into a replaced_<time> folder and
