@@ -13,7 +13,8 @@ Shard 0 is validation. Documents run on across shard boundaries, as in llm.c's d
 Downloads use plain HTTPS (requests): streamed to `<file>.part`, resumed with a Range request after an
 interruption, retried with backoff, checked against the announced size and sha256, then renamed. Parquet
 is read one row group at a time. A rerun continues after the last complete shard (recorded in
-`<name>_prepro.json` next to the shards) instead of starting over.
+`<name>_prepro.json` next to the shards) instead of starting over. Ctrl-C (SIGINT) or SIGTERM stops the
+workers and the run with one line, exit 130 or 143, the complete shards kept for that rerun.
 """
 import argparse
 import contextlib
@@ -103,11 +104,19 @@ class _uninterrupted:
     def __enter__(self):
         _signals["critical"] += 1
 
+    def __init__(self, defer_raise=False):
+        self.defer_raise = defer_raise  # True: the caller raises it, through _raise_pending()
+
     def __exit__(self, *exc):
         _signals["critical"] -= 1
-        if not _signals["critical"] and _signals["pending"] is not None and exc[0] is None:
-            signum, _signals["pending"] = _signals["pending"], None
-            raise Interrupted(signum)
+        if exc[0] is None and not self.defer_raise:
+            _raise_pending()
+
+
+def _raise_pending():
+    if not _signals["critical"] and _signals["pending"] is not None:
+        signum, _signals["pending"] = _signals["pending"], None
+        raise Interrupted(signum)
 
 
 def _worker_init():
@@ -364,10 +373,13 @@ def tokenized_chunks(chunks, tokenizer_path, workers):
     would read the whole dataset ahead into memory). At the end of a source (None) it hands over every
     result before reading on, so a run that stops there never downloads the next file.
     Yields (number of documents, tokens, lengths)."""
-    with _uninterrupted():  # workers that ignore SIGTERM must be joined, never left to Pool's finalizer
+    # workers that ignore SIGTERM must be joined below, never left to Pool's finalizer (it would wait on
+    # them forever): a signal during the start is raised only once inside the try
+    with _uninterrupted(defer_raise=True):
         pool = mp.Pool(workers, initializer=_worker_init)
     pending = deque()
     try:
+        _raise_pending()
         for chunk in chunks:
             if chunk is None:
                 while pending:
