@@ -676,7 +676,11 @@ def speedrun_next_logits(params, tokens, t, cfg):
 def speedrun_token_losses(params, x, y, cfg):
     """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns."""
     logits = speedrun_forward(params, x, cfg)                                      # (B,T,Vp)
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)  # (B,T)
+    # logsumexp, not F.cross_entropy: after the first step the ~50,000 unseen tokens' head rows are one
+    # vector, so a row's logits are mostly equal, and the CPU log_softmax adds them in long running sums
+    # whose rounding then piles up one way (up to 4e-5 off); torch.logsumexp's blocked sum does not
+    target_logit = logits.gather(-1, y[..., None])[..., 0]                         # (B,T)
+    return torch.logsumexp(logits, -1) - target_logit                              # (B,T)
 
 
 # -- optimizer
