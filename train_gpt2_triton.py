@@ -1843,9 +1843,9 @@ def load_checkpoint(path, cfg):
         if any(t.dtype != np.float32 for t in moments):
             die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(str(t.dtype) for t in moments)}, "
                 "not float32")
-        if not all(np.isfinite(t).all() for t in moments) or (k in v and (v[k] < 0).any()):
-            die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf) or a "
-                "negative second moment: resume from an earlier checkpoint")
+        if not all(np.isfinite(t).all() for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf): resume "
+                "from an earlier checkpoint")
     return header, params, m, v, state
 
 # -----------------------------------------------------------------------------
