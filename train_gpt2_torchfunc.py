@@ -354,8 +354,8 @@ def read_model_file(path):
             t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
         bad = t.size - np.count_nonzero(np.isfinite(t))
         if bad:
-            die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights of "
-                "a diverged run?")
+            die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights "
+                "of a diverged run?")
         params[name] = t.reshape(shapes[name])
         offset += n * itemsize
     return header, params
@@ -850,7 +850,9 @@ def read_safetensors(path, check=None):
         return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
     entries = {}
     for k, e in header.items():
-        shown = k if k.isprintable() and len(k) <= 100 else json.dumps(k[:100])
+        if not k.isprintable():  # a name is printed in one line
+            die(f"model file {path} has a tensor name with unprintable characters: {json.dumps(k)[:100]}")
+        shown = k if len(k) <= 100 else k[:97] + "..."
         if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and naturals(e.get("shape"))
                 and naturals(e.get("data_offsets")) and len(e["data_offsets"]) == 2):
             die(f"model file {path}: tensor {shown} is not described as {{\"dtype\": a type, \"shape\": "
@@ -861,8 +863,8 @@ def read_safetensors(path, check=None):
                 f"{', '.join(SAFETENSORS_TYPES)}")
         if not (lo <= hi <= size - 8 - n and hi - lo == np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
                 * math.prod(shape)):
-            die(f"model file {path}: tensor {shown} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} "
-                f"of the file's {size - 8 - n} (truncated?)")
+            die(f"model file {path}: tensor {shown} ({dtype} {list(shape)}) does not fit its bytes "
+                f"{lo}..{hi} of the file's {size - 8 - n} (truncated?)")
         entries[k] = shown, dtype, shape, lo, hi
     end = 0  # the tensors' bytes, in order, must tile the data: one tensor's end is the next one's begin
     for shown, dtype, shape, lo, hi in sorted(entries.values(), key=lambda e: e[3:]):

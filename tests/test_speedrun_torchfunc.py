@@ -250,16 +250,17 @@ def test_crafted_safetensors_files(tmp_path):
     """A crafted or damaged safetensors file is refused with one line, before its tensors are read: a header
     over the length limit (which it states), one nested deeper than a header is, a name twice, an entry
     whose data_offsets hold three numbers or a number past any integer (1e400), whose dtype is a list, whose
-    shape is not a list of non-negative integers, tensors whose bytes overlap (or are the same), leave a
-    gap, or are followed by junk; and weights that are NaN or inf."""
+    shape is not a list of non-negative integers, a name that would break the error's line, tensors
+    whose bytes overlap (or are the same), leave a gap, or are followed by junk; weights that are NaN or
+    inf."""
     a = np.arange(6, dtype="<f4").reshape(2, 3)
     data = a.tobytes() + np.ones(4, "<f4").tobytes()
 
     def entry(shape=(2, 3), offsets=(0, 24), dtype="F32"):
         return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
     good = {"a": entry(), "b": entry((4,), (24, 40))}
-    assert tf.read_safetensors(write_raw_safetensors(tmp_path / "good.safetensors", good, data))["a"].tolist() \
-        == a.tolist()
+    good_file = write_raw_safetensors(tmp_path / "good.safetensors", good, data)
+    assert tf.read_safetensors(good_file)["a"].tolist() == a.tolist()
     deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     nan = np.array([0, np.nan, 0, 0], "<f4").tobytes()
     cases = {
@@ -278,6 +279,8 @@ def test_crafted_safetensors_files(tmp_path):
         "gap": ({"a": entry(), "b": entry((4,), (28, 44))}, data + bytes(4), "bytes 24..28 that no tensor"),
         "junk": (good, data + b"junk", "4 bytes after its last tensor"),
         "nan": (good, a.tobytes() + nan, "tensor b holds 1 non-finite"),
+        "unprintable": ({"a\nb": entry(), "b": entry((4,), (24, 40))}, data,
+                        'unprintable characters: "a\\nb"'),
         "inf": ({"a": entry(dtype="BF16", offsets=(0, 12)), "b": entry((4,), (12, 28))},
                 np.full(6, 0x7F80, "<u2").tobytes() + data[24:], "tensor a holds 6 non-finite"),
     }
@@ -305,7 +308,8 @@ def test_crafted_speedrun_files(tmp_path, capsys, one_thread):
     huge = "blocks.1000000000000.attn.q.weight"
     nan = {k: t.clone() for k, t in tensors.items()}
     nan["blocks.0.mlp.fc.weight"][3, 5] = float("nan")
-    cases = [({**tensors, huge: tensors["blocks.0.attn.q.weight"].clone()}, f"holds tensor {huge}", "numbered 0..1"),
+    cases = [({**tensors, huge: tensors["blocks.0.attn.q.weight"].clone()}, f"holds tensor {huge}",
+              "numbered 0..1"),
              ({k.replace("blocks.0.", "blocks.1000000000000."): t for k, t in tensors.items()},
               "holds tensor blocks.1000000000000.", "numbered 0..0"),
              (nan, "tensor blocks.0.mlp.fc.weight holds 1 non-finite")]
@@ -324,13 +328,14 @@ def test_crafted_speedrun_files(tmp_path, capsys, one_thread):
     save_file({k: t.contiguous() for k, t in module.state_dict().items()}, str(path))
     capsys.readouterr()
     header, params = tf.read_weights(str(path), tiny_cfg())
-    assert capsys.readouterr().out == f"model file {path}: its BF16 tensors are converted to fp32, the type " \
-        "the trainer keeps its weights in\n"
+    assert capsys.readouterr().out == (f"model file {path}: its BF16 tensors are converted to fp32, the "
+                                       "type the trainer keeps its weights in\n")
     assert header["n_layer"] == L
     for k, p in module.named_parameters():
         np.testing.assert_array_equal(params[k], p.detach().float().numpy(), err_msg=k)
 
-    deep = write_raw_safetensors(tmp_path / "deep.safetensors", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    deep = write_raw_safetensors(tmp_path / "deep.safetensors",
+                                 b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     proc = run_script("train_gpt2_torchfunc.py", "--recipe", "speedrun", "--init-from", deep, "--data",
                       "synthetic", "--out-dir", tmp_path / "out", env=ENV, check=False)
     assert_clean_error(proc, "deep.safetensors", "nests 100001 deep")
