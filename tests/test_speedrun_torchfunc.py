@@ -5,6 +5,7 @@ that module's state_dict, through the safetensors package; exact resume, and bad
 (two processes against one, the whole-matrix layout) are in tests/test_zero.py."""
 import json
 import math
+import shutil
 import time
 
 import numpy as np
@@ -205,7 +206,8 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
     """One line and a non-zero exit, before any training: an llm.c model file given to --recipe speedrun
     (also as a script, without a traceback) and a speedrun file to --recipe gpt2; a speedrun file that
     lacks a tensor, holds one misshapen or one too many (each named); a checkpoint of the other recipe to
-    --resume; --n-head other than width/128, and a width that 128 does not divide."""
+    --resume, or one whose Muon momentum holds a NaN; --n-head other than width/128, and a width that 128
+    does not divide."""
     out, init = runs("random")
     state = load_file(str(init))
     files = {}
@@ -216,6 +218,12 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
         change(edited)
         files[name] = tmp_path / f"{name}.safetensors"
         save_file(edited, str(files[name]))
+    nan_ckpt = tmp_path / "nan_ckpt"  # a Muon momentum gone NaN
+    shutil.copytree(runs("recipe")[0] / "ckpt_0000003", nan_ckpt)
+    with np.load(nan_ckpt / "state.npz") as z:
+        saved = dict(z)
+    saved["m.blocks.1.attn.q.weight"][0, 0] = np.nan
+    np.savez(nan_ckpt / "state.npz", **saved)
     gpt2_ckpt = tmp_path / "gpt2_ckpt"
     gpt2_ckpt.mkdir()
     (gpt2_ckpt / "model.bin").write_bytes(tiny_model_file.read_bytes())
@@ -230,6 +238,7 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
         ([*speedrun, "--init-from", str(files["extra"])], "lm_head.weight"),
         ([*base, "--resume", str(runs("recipe")[0] / "ckpt_0000003")], "checkpoint of the speedrun recipe"),
         ([*speedrun, "--resume", str(gpt2_ckpt)], "checkpoint of the gpt2 recipe"),
+        ([*speedrun, "--resume", str(nan_ckpt)], "optimizer state for blocks.1.attn.q.weight holds non-finite"),
         ([*speedrun, "--n-embd", "256", "--n-head", "4"], "--n-head 4", "has 2 of them"),
         ([*speedrun, "--n-embd", "200"], "--n-embd 200", "multiple of 128"),
     ]
