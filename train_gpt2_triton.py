@@ -1340,7 +1340,7 @@ def read_safetensors(path, check=None):
         die(f"model file {path} has a damaged safetensors header (not a JSON object of tensors)")
 
     def naturals(x):
-        return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
+        return isinstance(x, list) and len(x) <= 32 and all(type(i) is int and 0 <= i < 2**63 for i in x)
     entries = {}
     for k, e in header.items():
         if not k.isprintable():  # a name is printed in one line
@@ -1348,8 +1348,8 @@ def read_safetensors(path, check=None):
         shown = k if len(k) <= 100 else k[:97] + "..."
         if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and naturals(e.get("shape"))
                 and naturals(e.get("data_offsets")) and len(e["data_offsets"]) == 2):
-            die(f"model file {path}: tensor {shown} is not described as {{\"dtype\": a type, \"shape\": "
-                f"non-negative integers, \"data_offsets\": [begin, end]}} ({json.dumps(e)[:100]})")
+            die(f"model file {path}: tensor {shown} is not described as {{\"dtype\": a type, \"shape\": up "
+                f"to 32 integers in [0, 2**63), \"data_offsets\": [begin, end]}} ({json.dumps(e)[:100]})")
         dtype, shape, (lo, hi) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
         if dtype not in SAFETENSORS_TYPES:
             die(f"model file {path}: tensor {shown} is {json.dumps(dtype)[:40]}, not one of "

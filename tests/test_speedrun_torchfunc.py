@@ -238,7 +238,8 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
         ([*speedrun, "--init-from", str(files["extra"])], "lm_head.weight"),
         ([*base, "--resume", str(runs("recipe")[0] / "ckpt_0000003")], "checkpoint of the speedrun recipe"),
         ([*speedrun, "--resume", str(gpt2_ckpt)], "checkpoint of the gpt2 recipe"),
-        ([*speedrun, "--resume", str(nan_ckpt)], "optimizer state for blocks.1.attn.q.weight holds non-finite"),
+        ([*speedrun, "--resume", str(nan_ckpt)], "optimizer state for blocks.1.attn.q.weight",
+         "non-finite"),
         ([*speedrun, "--n-embd", "256", "--n-head", "4"], "--n-head 4", "has 2 of them"),
         ([*speedrun, "--n-embd", "200"], "--n-embd 200", "multiple of 128"),
     ]
@@ -259,9 +260,9 @@ def test_crafted_safetensors_files(tmp_path):
     """A crafted or damaged safetensors file is refused with one line, before its tensors are read: a header
     over the length limit (which it states), one nested deeper than a header is, a name twice, an entry
     whose data_offsets hold three numbers or a number past any integer (1e400), whose dtype is a list, whose
-    shape is not a list of non-negative integers, a name that would break the error's line, tensors
-    whose bytes overlap (or are the same), leave a gap, or are followed by junk; weights that are NaN or
-    inf."""
+    shape is not a list of up to 32 non-negative integers, a name that would break the error's line,
+    tensors whose bytes overlap (or are the same), leave a gap, or are followed by junk; weights that are
+    NaN or inf."""
     a = np.arange(6, dtype="<f4").reshape(2, 3)
     data = a.tobytes() + np.ones(4, "<f4").tobytes()
 
@@ -282,6 +283,7 @@ def test_crafted_safetensors_files(tmp_path):
         "dtype_list": ({**good, "a": entry(dtype=["F32"])}, data, "tensor a is not described"),
         "shape_text": ({**good, "a": {**entry(), "shape": "23"}}, data, "tensor a is not described"),
         "shape_bool": ({**good, "a": entry(shape=(True, 6))}, data, "tensor a is not described"),
+        "shape_33": ({**good, "a": entry(shape=(1,) * 33 + (6,))}, data, "tensor a is not described"),
         "shape_negative": ({**good, "a": entry(shape=(-2, -3))}, data, "tensor a is not described"),
         "overlap": ({"a": entry(), "b": entry((4,), (16, 32))}, data[:32], "bytes 16..32 overlap"),
         "same": ({**good, "c": entry((4,), (24, 40))}, data, "bytes 24..40 overlap"),
