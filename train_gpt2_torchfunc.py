@@ -327,10 +327,10 @@ def read_model_file(path):
     """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
     if not os.path.isfile(path):
         die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    if raw.size < 1024:
-        die(f"model file {path} is truncated: {raw.size} bytes")
-    h = raw[:1024].view("<i4")
+    size = os.path.getsize(path)  # the header is checked before the weights are read
+    if size < 1024:
+        die(f"model file {path} is truncated: {size} bytes")
+    h = np.fromfile(path, "<i4", count=256)
     if h[0] != MODEL_MAGIC:
         die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
     if h[1] not in (3, 5):
@@ -342,9 +342,9 @@ def read_model_file(path):
     shapes = param_shapes(Config(**header))
     itemsize = 4 if h[1] == 3 else 2
     expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
-    if raw.size != expected:
-        die(f"model file {path} has {raw.size} bytes, its header implies {expected}")
-    params, offset = {}, 1024
+    if size != expected:
+        die(f"model file {path} has {size} bytes, its header implies {expected}")
+    raw, params, offset = np.fromfile(path, np.uint8), {}, 1024
     for name in PARAM_NAMES:
         n = math.prod(shapes[name])
         chunk = raw[offset: offset + n * itemsize]
@@ -352,6 +352,10 @@ def read_model_file(path):
             t = chunk.view("<f4").astype(np.float32)
         else:
             t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        bad = t.size - np.count_nonzero(np.isfinite(t))
+        if bad:
+            die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights "
+                "of a diverged run?")
         params[name] = t.reshape(shapes[name])
         offset += n * itemsize
     return header, params
@@ -810,36 +814,83 @@ def write_safetensors(path, tensors):
     os.replace(tmp, path)
 
 
-def read_safetensors(path):
-    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES), each checked to lie
-    within the file."""
+def read_safetensors(path, check=None):
+    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES). Before any tensor is
+    read, the header is checked: its size and nesting, its JSON shape and types, and that the tensors' bytes
+    tile the data exactly (no overlap, gap or trailing byte); then check({name: (type, shape)}) if given
+    (the caller's names and shapes). Every value must be finite."""
     if not os.path.isfile(path):
         die(f"model file {path} does not exist")
-    raw = np.fromfile(path, dtype=np.uint8)
-    n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
-    if not 0 < n <= raw.size - 8:
-        die(f"model file {path} is not a safetensors file, or is truncated: {raw.size} bytes")
+    size, limit = os.path.getsize(path), 100_000_000  # safetensors' own limit on the header's length
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if n > limit:
+            die(f"model file {path}: its header claims {n} bytes, over the {limit}-byte limit of a "
+                "safetensors header")
+        if not 0 < n <= size - 8:
+            die(f"model file {path} is not a safetensors file, or is truncated: {size} bytes")
+        text = f.read(n)
+    # the nesting, outside strings, before json recurses into it: a header is {name: {"shape": [..]}}
+    outside = b"".join(text.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
+    brackets = np.frombuffer(outside, np.uint8)
+    brackets = brackets[np.isin(brackets, list(b"{[]}"))]
+    depth = int(np.cumsum(np.where(np.isin(brackets, list(b"{[")), 1, -1)).max(initial=0))
+    if depth > 3:
+        die(f"model file {path} has a damaged safetensors header: it nests {depth} deep, a header 3 at most")
+
+    def unique(pairs):
+        names = [k for k, _ in pairs]
+        if len(set(names)) < len(names):
+            raise ValueError(f"a name appears twice: {sorted(names, key=names.count)[-1][:80]}")
+        return dict(pairs)
     try:
-        header = json.loads(raw[8:8 + n].tobytes())
-        header.pop("__metadata__", None)
-        entries = {k: (e["dtype"], tuple(int(d) for d in e["shape"]), [int(o) for o in e["data_offsets"]])
-                   for k, e in header.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        die(f"model file {path} has a damaged safetensors header ({type(e).__name__})")
-    data, tensors = raw[8 + n:], {}
-    for k, (dtype, shape, (lo, hi)) in entries.items():
+        header = json.loads(text, object_pairs_hook=unique)
+    except (ValueError, RecursionError) as e:  # not UTF-8 nor JSON, a name twice
+        die(f"model file {path} has a damaged safetensors header ({str(e).splitlines()[0][:120]})")
+    if not isinstance(header, dict) or not isinstance(header.pop("__metadata__", {}), dict):
+        die(f"model file {path} has a damaged safetensors header (not a JSON object of tensors)")
+
+    def naturals(x):
+        return isinstance(x, list) and len(x) <= 32 and all(type(i) is int and 0 <= i < 2**63 for i in x)
+    entries = {}
+    for k, e in header.items():
+        if not k.isprintable():  # a name is printed in one line
+            die(f"model file {path} has a tensor name with unprintable characters: {json.dumps(k)[:100]}")
+        shown = k if len(k) <= 100 else k[:97] + "..."
+        if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and naturals(e.get("shape"))
+                and naturals(e.get("data_offsets")) and len(e["data_offsets"]) == 2):
+            die(f"model file {path}: tensor {shown} is not described as {{\"dtype\": a type, \"shape\": up "
+                f"to 32 integers in [0, 2**63), \"data_offsets\": [begin, end]}} ({json.dumps(e)[:100]})")
+        dtype, shape, (lo, hi) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
         if dtype not in SAFETENSORS_TYPES:
-            die(f"model file {path}: tensor {k} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
-        size = np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
-        fits = 0 <= lo <= hi <= data.size and min(shape, default=0) >= 0
-        if not (fits and hi - lo == size * math.prod(shape)):
-            die(f"model file {path}: tensor {k} ({dtype} {list(shape)}) does not fit its bytes {lo}..{hi} of "
-                f"the file's {data.size} (truncated?)")
+            die(f"model file {path}: tensor {shown} is {json.dumps(dtype)[:40]}, not one of "
+                f"{', '.join(SAFETENSORS_TYPES)}")
+        if not (lo <= hi <= size - 8 - n and hi - lo == np.dtype(SAFETENSORS_TYPES[dtype]).itemsize
+                * math.prod(shape)):
+            die(f"model file {path}: tensor {shown} ({dtype} {list(shape)}) does not fit its bytes "
+                f"{lo}..{hi} of the file's {size - 8 - n} (truncated?)")
+        entries[k] = shown, dtype, shape, lo, hi
+    end = 0  # the tensors' bytes, in order, must tile the data: one tensor's end is the next one's begin
+    for shown, dtype, shape, lo, hi in sorted(entries.values(), key=lambda e: e[3:]):
+        if lo != end:
+            die(f"model file {path}: tensor {shown}'s bytes {lo}..{hi} " + (
+                "overlap another tensor's" if lo < end else f"leave bytes {end}..{lo} that no tensor holds"))
+        end = hi
+    if end != size - 8 - n:
+        die(f"model file {path} has {size - 8 - n - end} bytes after its last tensor (a damaged file?)")
+    if check is not None:
+        check({k: e[1:3] for k, e in entries.items()})
+    data, tensors = np.fromfile(path, np.uint8, offset=8 + n), {}
+    for k, (shown, dtype, shape, lo, hi) in entries.items():
         chunk = data[lo:hi]
         if dtype == "BF16":
             t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
         else:
             t = chunk.view(SAFETENSORS_TYPES[dtype]).astype(np.float32)
+        bad = t.size - np.count_nonzero(np.isfinite(t))
+        if bad:
+            die(f"model file {path}: tensor {shown} holds {bad} non-finite values (NaN or inf): the weights "
+                "of a diverged run?")
         tensors[k] = t.reshape(shape)
     return tensors
 
@@ -862,35 +913,50 @@ def write_speedrun_file(path, params, cfg):
 
 def read_speedrun_file(path):
     """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
-    or any float type); the shape comes from embed.weight and the blocks' count, and every tensor of it must
-    be there in its shape, with no other."""
-    tensors = read_safetensors(path)
-    embed = tensors.get("embed.weight")
-    if embed is None or embed.ndim != 2:
-        die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
-    layers = {k.split(".")[1] for k in tensors if k.startswith("blocks.")}
-    n_layer = 1 + max((int(i) for i in layers if i.isdigit()), default=-1)
-    padded, n_embd = embed.shape
-    if n_embd % HEAD_DIM or n_layer == 0:
-        die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
-            f"{HEAD_DIM}, or it has no blocks")
-    header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
-                  n_head=n_embd // HEAD_DIM, n_embd=n_embd)
-    shapes = speedrun_shapes(Config(**header))
-    freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
-    expected = {**shapes, **freqs}
-    for k, shape in expected.items():
-        if k not in tensors:
-            die(f"model file {path} lacks tensor {k} {list(shape)}")
-        if tensors[k].shape != shape:
-            die(f"model file {path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
-    extra = [k for k in tensors if k not in expected]
-    if extra:
-        die(f"model file {path} holds tensor {extra[0]}, which the speedrun model does not have")
-    for i in range(n_layer):
-        if not np.allclose(tensors[f"blocks.{i}.attn.rotary.angular_freq"], rotary_freq_numpy(HEAD_DIM),
-                           rtol=1e-6, atol=0):
-            die(f"model file {path}: blocks.{i}.attn.rotary.angular_freq are not the recipe's frequencies")
+    or any float type, converted to fp32 with a line); the shape comes from embed.weight and the blocks'
+    count, and every tensor of it must be there in its shape, with no other: checked before any is read."""
+    found = {}
+
+    def check(entries):  # {name: (type, shape)}: the layer count from names alone, bounded by theirs
+        embed = entries.get("embed.weight", (None, ()))[1]
+        if len(embed) != 2:
+            die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+        blocks = [k for k in entries if k.startswith("blocks.")]
+        n_layer = len({k.split(".")[1] for k in blocks})
+        indices = set(map(str, range(n_layer)))
+        for k in blocks:
+            if k.split(".")[1] not in indices:
+                die(f"model file {path} holds tensor {k[:100]}: the tensors of {n_layer} blocks must be "
+                    f"numbered 0..{n_layer - 1}")
+        padded, n_embd = embed
+        if n_embd % HEAD_DIM or n_embd == 0 or n_layer == 0:
+            die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+                f"{HEAD_DIM}, or it has no blocks")
+        header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                      n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+        shapes = speedrun_shapes(Config(**header))
+        freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+        expected = {**shapes, **freqs}
+        for k, shape in expected.items():
+            if k not in entries:
+                die(f"model file {path} lacks tensor {k} {list(shape)}")
+            if entries[k][1] != shape:
+                die(f"model file {path}: tensor {k} has shape {list(entries[k][1])}, expected {list(shape)}")
+        extra = [k for k in entries if k not in expected]
+        if extra:
+            die(f"model file {path} holds tensor {extra[0][:100]}, which the speedrun model does not have")
+        found.update(header=header, shapes=shapes, types={k: e[0] for k, e in entries.items()})
+    tensors = read_safetensors(path, check)
+    header, shapes, types = found["header"], found["shapes"], found["types"]
+    for i in range(header["n_layer"]):  # as the file's type rounds them (the reference's bf16 state_dict)
+        k = f"blocks.{i}.attn.rotary.angular_freq"
+        if not np.allclose(tensors[k], rotary_freq_numpy(HEAD_DIM), atol=0,
+                           rtol={"BF16": 2**-7, "F16": 2**-10}.get(types[k], 1e-6)):
+            die(f"model file {path}: {k} are not the recipe's frequencies")
+    converted = sorted({t for t in types.values() if t != "F32"})
+    if converted:
+        print(f"model file {path}: its {'/'.join(converted)} tensors are converted to fp32, the type the "
+              "trainer keeps its weights in")
     return header, {k: tensors[k] for k in shapes}
 
 
@@ -1273,8 +1339,8 @@ def load_checkpoint(path, cfg):
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
     for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
-        if state[k] < low:
-            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be >= {low})")
+        if not low <= state[k] < 2**63:  # int64, as saved; a seed as --seed takes it
+            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
     for k in params:
         moments = [m[k], v[k]] if k in v else [m[k]]
         if any(t.shape != params[k].shape for t in moments):
@@ -1283,6 +1349,9 @@ def load_checkpoint(path, cfg):
         if any(t.dtype != np.float32 for t in moments):
             die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(str(t.dtype) for t in moments)}, "
                 "not float32")
+        if not all(np.isfinite(t).all() for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf): resume "
+                "from an earlier checkpoint")
     return header, params, m, v, state
 
 # -----------------------------------------------------------------------------

@@ -151,3 +151,45 @@ def write_damaged_checkpoints(mod, folder):
         shutil.copy(good / "model.bin", d)
         (d / "state.npz").write_bytes(data)
     return dirs
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_non_finite_or_out_of_range_checkpoints_are_refused(module, tmp_path):
+    """A checkpoint is refused with one line that names the problem when its model.bin holds a NaN or an
+    inf (an llm.c model file given to --init-from is read by the same reader, in fp32 and in bf16), its
+    optimizer state holds a NaN or an inf (a first moment: AdamW's, or Muon's momentum in the speedrun
+    recipe; an AdamW second moment), or its seed is out of the range that --seed takes."""
+    mod = importlib.import_module(module)
+    cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8,
+                     out_dir=str(tmp_path))
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
+    good = Path(mod.save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg))
+    with np.load(good / "state.npz") as z:
+        state = dict(z)
+    model = (good / "model.bin").read_bytes()
+    nan_fp32 = bytearray(model)
+    nan_fp32[-4:] = np.float32(np.nan).tobytes()
+    header = np.frombuffer(model[:1024], "<i4").copy()
+    header[1] = 5
+    inf_bf16 = bytearray(header.tobytes() + bytes((len(model) - 1024) // 2))
+    inf_bf16[1030:1032] = np.uint16(0xFF80).tobytes()  # -inf, in wte
+    cases = {
+        "nan_weights": ({}, bytes(nan_fp32), "tensor ln_f.b holds 1 non-finite"),
+        "inf_bf16_weights": ({}, bytes(inf_bf16), "tensor wte holds 1 non-finite"),
+        "nan_m": ({"m.wte": np.full_like(state["m.wte"], np.nan)}, model, "optimizer state for wte"),
+        "inf_v": ({"v.ln_f.b": np.full_like(state["v.ln_f.b"], np.inf)}, model, "optimizer state for ln_f.b"),
+        "seed_uint64": ({"seed": np.uint64(2**64 - 1)}, model, "seed is 18446744073709551615, out of range"),
+    }
+    for name, (changes, weights, needle) in cases.items():
+        d = tmp_path / name / "ckpt_0000003"
+        d.mkdir(parents=True)
+        (d / "model.bin").write_bytes(weights)
+        np.savez(d / "state.npz", **{**state, **changes})
+        with pytest.raises(SystemExit) as e:
+            mod.load_checkpoint(str(d), cfg)
+        message = str(e.value)
+        assert message.startswith("error: ") and "\n" not in message and needle in message, (name, message)
+        if name.endswith("weights"):
+            with pytest.raises(SystemExit) as e:
+                mod.read_model_file(str(d / "model.bin"))
+            assert needle in str(e.value)

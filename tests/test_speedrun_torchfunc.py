@@ -3,7 +3,10 @@ tests/speedrun_reference.py (a float64 rebuild of it from stock PyTorch: nn.Modu
 parameter names, autograd, torch.optim.AdamW, Muon as its formulas read); the model files' names against
 that module's state_dict, through the safetensors package; exact resume, and bad input. Its ZeRO-1 tests
 (two processes against one, the whole-matrix layout) are in tests/test_zero.py."""
+import json
 import math
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -220,7 +223,8 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
     """One line and a non-zero exit, before any training: an llm.c model file given to --recipe speedrun
     (also as a script, without a traceback) and a speedrun file to --recipe gpt2; a speedrun file that
     lacks a tensor, holds one misshapen or one too many (each named); a checkpoint of the other recipe to
-    --resume; --n-head other than width/128, and a width that 128 does not divide."""
+    --resume, or one whose Muon momentum holds a NaN; --n-head other than width/128, and a width that 128
+    does not divide."""
     out, init = runs("random")
     state = load_file(str(init))
     files = {}
@@ -231,6 +235,12 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
         change(edited)
         files[name] = tmp_path / f"{name}.safetensors"
         save_file(edited, str(files[name]))
+    nan_ckpt = tmp_path / "nan_ckpt"  # a Muon momentum gone NaN
+    shutil.copytree(runs("recipe")[0] / "ckpt_0000003", nan_ckpt)
+    with np.load(nan_ckpt / "state.npz") as z:
+        saved = dict(z)
+    saved["m.blocks.1.attn.q.weight"][0, 0] = np.nan
+    np.savez(nan_ckpt / "state.npz", **saved)
     gpt2_ckpt = tmp_path / "gpt2_ckpt"
     gpt2_ckpt.mkdir()
     (gpt2_ckpt / "model.bin").write_bytes(tiny_model_file.read_bytes())
@@ -245,6 +255,8 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
         ([*speedrun, "--init-from", str(files["extra"])], "lm_head.weight"),
         ([*base, "--resume", str(runs("recipe")[0] / "ckpt_0000003")], "checkpoint of the speedrun recipe"),
         ([*speedrun, "--resume", str(gpt2_ckpt)], "checkpoint of the gpt2 recipe"),
+        ([*speedrun, "--resume", str(nan_ckpt)], "optimizer state for blocks.1.attn.q.weight",
+         "non-finite"),
         ([*speedrun, "--n-embd", "256", "--n-head", "4"], "--n-head 4", "has 2 of them"),
         ([*speedrun, "--n-embd", "200"], "--n-embd 200", "multiple of 128"),
     ]
@@ -252,3 +264,107 @@ def test_bad_input(runs, tiny_shards, tiny_model_file, tmp_path, capsys, one_thr
     assert not (tmp_path / "out").exists()
     proc = run_script("train_gpt2_torchfunc.py", *cases[0][0], env=ENV, check=False)
     assert_clean_error(proc, "llm.c model file")
+
+
+def write_raw_safetensors(path, header, data=b""):
+    """A safetensors file of `header` (a dict, written as JSON, or bytes as they are) and data bytes."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return str(path)
+
+
+def test_crafted_safetensors_files(tmp_path):
+    """A crafted or damaged safetensors file is refused with one line, before its tensors are read: a header
+    over the length limit (which it states), one nested deeper than a header is, a name twice, an entry
+    whose data_offsets hold three numbers or a number past any integer (1e400), whose dtype is a list, whose
+    shape is not a list of up to 32 non-negative integers, a name that would break the error's line,
+    tensors whose bytes overlap (or are the same), leave a gap, or are followed by junk; weights that are
+    NaN or inf."""
+    a = np.arange(6, dtype="<f4").reshape(2, 3)
+    data = a.tobytes() + np.ones(4, "<f4").tobytes()
+
+    def entry(shape=(2, 3), offsets=(0, 24), dtype="F32"):
+        return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+    good = {"a": entry(), "b": entry((4,), (24, 40))}
+    good_file = write_raw_safetensors(tmp_path / "good.safetensors", good, data)
+    assert tf.read_safetensors(good_file)["a"].tolist() == a.tolist()
+    deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nan = np.array([0, np.nan, 0, 0], "<f4").tobytes()
+    cases = {
+        "limit": (b"{" + b" " * 99, b"", "over the 100000000-byte limit"),  # length field patched below
+        "deep": (deep, b"", "nests 100001 deep"),
+        "twice": (b'{"a": %s, "a": %s}' % (json.dumps(entry()).encode(), json.dumps(entry()).encode()),
+                  a.tobytes(), "a name appears twice: a"),
+        "three_offsets": ({**good, "a": entry(offsets=(0, 24, 24))}, data, "tensor a is not described"),
+        "1e400": (json.dumps(good).replace("40]", "1e400]").encode(), data, "tensor b is not described"),
+        "dtype_list": ({**good, "a": entry(dtype=["F32"])}, data, "tensor a is not described"),
+        "shape_text": ({**good, "a": {**entry(), "shape": "23"}}, data, "tensor a is not described"),
+        "shape_bool": ({**good, "a": entry(shape=(True, 6))}, data, "tensor a is not described"),
+        "shape_33": ({**good, "a": entry(shape=(1,) * 33 + (6,))}, data, "tensor a is not described"),
+        "shape_negative": ({**good, "a": entry(shape=(-2, -3))}, data, "tensor a is not described"),
+        "overlap": ({"a": entry(), "b": entry((4,), (16, 32))}, data[:32], "bytes 16..32 overlap"),
+        "same": ({**good, "c": entry((4,), (24, 40))}, data, "bytes 24..40 overlap"),
+        "gap": ({"a": entry(), "b": entry((4,), (28, 44))}, data + bytes(4), "bytes 24..28 that no tensor"),
+        "junk": (good, data + b"junk", "4 bytes after its last tensor"),
+        "nan": (good, a.tobytes() + nan, "tensor b holds 1 non-finite"),
+        "unprintable": ({"a\nb": entry(), "b": entry((4,), (24, 40))}, data,
+                        'unprintable characters: "a\\nb"'),
+        "inf": ({"a": entry(dtype="BF16", offsets=(0, 12)), "b": entry((4,), (12, 28))},
+                np.full(6, 0x7F80, "<u2").tobytes() + data[24:], "tensor a holds 6 non-finite"),
+    }
+    for name, (header, body, needle) in cases.items():
+        path = write_raw_safetensors(tmp_path / f"{name}.safetensors", header, body)
+        if name == "limit":
+            with open(path, "r+b") as f:
+                f.write((200_000_000).to_bytes(8, "little"))
+        with pytest.raises(SystemExit) as e:
+            tf.read_safetensors(path)
+        message = str(e.value)
+        assert message.startswith("error: ") and "\n" not in message and needle in message, (name, message)
+
+
+def test_crafted_speedrun_files(tmp_path, capsys, one_thread):
+    """A speedrun file whose names say more blocks than its tensors hold (an index of 10**12: the reader
+    once allocated a model of that many blocks) is refused at once, by its names; so are NaN weights. The
+    reference's whole state_dict in bf16, its rotary buffers too (as a bf16 run of it holds them), loads,
+    converted to fp32 with a line that says so; a crafted file given to the script is one line, no
+    traceback."""
+    cfg = tiny_cfg(n_layer=1, padded_vocab_size=8)
+    state = tf.init_params_numpy(cfg)
+    tf.write_speedrun_file(str(tmp_path / "tiny.safetensors"), state, cfg)
+    tensors = load_file(str(tmp_path / "tiny.safetensors"))
+    huge = "blocks.1000000000000.attn.q.weight"
+    nan = {k: t.clone() for k, t in tensors.items()}
+    nan["blocks.0.mlp.fc.weight"][3, 5] = float("nan")
+    cases = [({**tensors, huge: tensors["blocks.0.attn.q.weight"].clone()}, f"holds tensor {huge}",
+              "numbered 0..1"),
+             ({k.replace("blocks.0.", "blocks.1000000000000."): t for k, t in tensors.items()},
+              "holds tensor blocks.1000000000000.", "numbered 0..0"),
+             (nan, "tensor blocks.0.mlp.fc.weight holds 1 non-finite")]
+    for i, (edited, *needles) in enumerate(cases):
+        path = str(tmp_path / f"case{i}.safetensors")
+        save_file(edited, path)
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            tf.read_speedrun_file(path)
+        assert time.monotonic() - start < 2
+        assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
+
+    module = sr.GPT(L, C).bfloat16()
+    assert all(t.dtype == torch.bfloat16 for t in module.state_dict().values())
+    path = tmp_path / "bf16.safetensors"
+    save_file({k: t.contiguous() for k, t in module.state_dict().items()}, str(path))
+    capsys.readouterr()
+    header, params = tf.read_weights(str(path), tiny_cfg())
+    assert capsys.readouterr().out == (f"model file {path}: its BF16 tensors are converted to fp32, the "
+                                       "type the trainer keeps its weights in\n")
+    assert header["n_layer"] == L
+    for k, p in module.named_parameters():
+        np.testing.assert_array_equal(params[k], p.detach().float().numpy(), err_msg=k)
+
+    deep = write_raw_safetensors(tmp_path / "deep.safetensors",
+                                 b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    proc = run_script("train_gpt2_torchfunc.py", "--recipe", "speedrun", "--init-from", deep, "--data",
+                      "synthetic", "--out-dir", tmp_path / "out", env=ENV, check=False)
+    assert_clean_error(proc, "deep.safetensors", "nests 100001 deep")
+    assert not (tmp_path / "out").exists()
