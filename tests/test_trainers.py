@@ -255,8 +255,9 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary),
     missing data (the default --data too: the error says how to get shards), a model file that
     contradicts the flags or is cut short, a directory that is not a checkpoint, a damaged checkpoint
-    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags, impossible
-    batch settings and the trainer's own cases in TRAINERS (a flag's bad value, a missing or unknown
+    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags (NaN, an empty
+    path as an unset shell variable gives, --seed or --init-from that --resume would ignore, --val-tokens
+    past the val shard), impossible batch settings and the trainer's own cases in TRAINERS (a flag's bad value, a missing or unknown
     backend) end with a one-line error naming the problem, and write nothing; so does a run of the script
     on bad shards, without a traceback."""
     t = TRAINERS[name]
