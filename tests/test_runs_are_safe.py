@@ -1,8 +1,8 @@
 """What the GPT-2 trainers never lose, in all three: a second fresh run into an --out-dir that holds one
 is refused (--force moves the old run aside, into a folder of its own however fast --force runs follow
-each other), a run live in an --out-dir locks it against a second one, an unwritable --out-dir and a full disk during a checkpoint
-are one line (the partial checkpoint removed, the earlier ones intact, --resume auto then continues
-exactly), a crafted state.npz is refused field by field, --resume auto says what it skips, and the val
+each other), a live run locks its --out-dir against a second one, an unwritable --out-dir and a full
+disk during a checkpoint are one line (the partial checkpoint removed, the earlier ones intact, --resume
+auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it skips, and the val
 loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
 import datetime
 import errno
