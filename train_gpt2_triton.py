@@ -1833,8 +1833,8 @@ def check_val_tokens(cfg, loader):
     held = sum((n - 1) // (batch * cfg.seq_len) for n in sizes) * batch
     if rows > held:
         die(f"--val-tokens {cfg.val_tokens} asks for {rows} sequences of {cfg.seq_len} tokens, but the val "
-            f"shards ({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of {batch} "
-            "sequences: lower --val-tokens (or --val-steps)")
+            f"shards ({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of "
+            f"{batch} sequences: lower --val-tokens (or --val-steps)")
 
 
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
@@ -1900,10 +1900,11 @@ class RunLock:
             except BlockingIOError:
                 holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
                 os.close(fd)
-                die(f"--out-dir {out} is in use by another run ({holder}): wait for it to end, stop it, or give "
-                    "another --out-dir")
-            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                break
+                die(f"--out-dir {out} is in use by another run ({holder}): wait for it to end, stop it, or "
+                    "give another --out-dir")
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
             os.close(fd)  # its holder removed it as we opened it: take the new one
         self.fd = fd
         os.ftruncate(fd, 0)

@@ -2,8 +2,9 @@
 is refused (--force moves the old run aside, into a folder of its own however fast --force runs follow
 each other), a live run locks its --out-dir against a second one, an unwritable --out-dir and a full
 disk during a checkpoint are one line (the partial checkpoint removed, the earlier ones intact, --resume
-auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it skips, and the val
-loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
+auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it
+skips, and the val loss of the same weights is the same on 1, 2 and 4 devices or processes and in every
+trainer."""
 import datetime
 import errno
 import json
