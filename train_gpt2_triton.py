@@ -1429,7 +1429,7 @@ def lr_at(it, cfg):
 def parse_args(argv=None):
     """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
     named only here and as Config's field), and the model-shape flags given, which a model file's header
-    must then match (--model gives all three)."""
+    must then match (--model gives all three), and --seed, which a checkpoint's must."""
     d = Config()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
@@ -1527,10 +1527,8 @@ def parse_args(argv=None):
         if flag in given and not given[flag]:
             die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the "
                 "flag out")
-    for flag in ("init_from", "seed"):  # what --resume would otherwise ignore
-        if cfg.resume and flag in given:
-            die(f"--{flag.replace('_', '-')} with --resume: a resumed run continues its checkpoint's weights "
-                "and seed; leave it out, or start a new run without --resume")
+    if cfg.resume and "init_from" in given:  # which --resume would otherwise ignore
+        die("--init-from with --resume: a resumed run continues its checkpoint's weights; leave one out")
     if not 0 < cfg.lr < math.inf:
         die("--lr must be positive and finite")
     if not 0 <= cfg.lr_decay_frac <= 1:
@@ -1546,8 +1544,16 @@ def parse_args(argv=None):
     RECIPES[cfg.recipe].configure(cfg, given, shape)
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    explicit = {k: given[k] for k in shape if k in given}
+    explicit = {k: given[k] for k in (*shape, "seed") if k in given}
     return cfg, ({**shape, **explicit} if preset else explicit)
+
+
+def check_resumed_seed(explicit, seed):
+    """A resumed run keeps its checkpoint's seed (its synthetic data, its samples): --seed, if given, must
+    be that one."""
+    if explicit.get("seed", seed) != seed:
+        die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {seed}, which a resumed run "
+            f"keeps; leave --seed out, or give {seed}")
 
 
 def default_dtype(cfg, gpu):
@@ -2462,6 +2468,7 @@ def main(argv=None):
     if cfg.resume:
         header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
         apply_model_header(cfg, header, explicit)
+        check_resumed_seed(explicit, saved["seed"])
         cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
     elif cfg.init_from:
         header, params = read_weights(cfg.init_from, cfg)

@@ -256,10 +256,10 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     missing data (the default --data too: the error says how to get shards), a model file that
     contradicts the flags or is cut short, a directory that is not a checkpoint, a damaged checkpoint
     state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags (NaN, an empty
-    path as an unset shell variable gives, --seed or --init-from that --resume would ignore, --val-tokens
-    past the val shard), impossible batch settings and the trainer's own cases in TRAINERS (a flag's bad value, a missing or unknown
-    backend) end with a one-line error naming the problem, and write nothing; so does a run of the script
-    on bad shards, without a traceback."""
+    path as an unset shell variable gives, --init-from or another --seed than the checkpoint's with
+    --resume, --val-tokens past the val shard), impossible batch settings and the trainer's own cases in
+    TRAINERS (a flag's bad value, a missing or unknown backend) end with a one-line error naming the
+    problem, and write nothing; so does a run of the script on bad shards, without a traceback."""
     t = TRAINERS[name]
     mod = importlib.import_module(t.module)
     monkeypatch.chdir(tmp_path)  # where the default --data data/fineweb_edu does not exist
@@ -272,6 +272,9 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     tokens[-1] = 65535
     write_shard(bad / "wide_val_000000.bin", tokens)
     damaged = write_damaged_checkpoints(mod, tmp_path / "damaged")
+    cfg = mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64)  # seed 1337
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
+    good = mod.save_checkpoint(str(tmp_path / "good"), 1, zeros, zeros, zeros, (0, 0), cfg)
     out = tmp_path / "out"
     # a case that does not stop as it should trains one step, not the default 18,865
     base = ["--out-dir", str(out), *map(str, TINY + t.flags), "--steps", "1", "--ckpt-every", "0",
@@ -302,7 +305,7 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
         (["--data", shards, "--init-from", ""], "--init-from is empty"),  # an unset shell variable
         (["--data", shards, "--resume", ""], "--resume is empty"),
         (["--data", shards, "--force", "--out-dir", ""], "--out-dir is empty"),
-        (["--data", shards, "--resume", "auto", "--seed", "5"], "--seed with --resume"),
+        (["--data", shards, "--resume", good, "--seed", "5"], "--seed 5 with --resume", "seed is 1337"),
         (["--data", shards, "--resume", "auto", "--init-from", str(tiny_model_file)],
          "--init-from with --resume"),
         (["--data", shards, "--val-every", "1", "--val-steps", "1000"], "--val-tokens ",
