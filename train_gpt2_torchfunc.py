@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import datetime
 import errno
+import fcntl
 import glob
 import json
 import math
@@ -38,6 +39,7 @@ import os
 import shutil
 import socket
 import time
+import weakref
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -92,7 +94,7 @@ class Config:
     warmup: int = 700
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    dtype: str = "bf16"
+    dtype: str = ""  # "": the device's default (default_dtype): bf16 on a GPU, fp32 on a CPU
     seed: int = 1337
     # checkpoints, evaluation, output
     init_from: str = ""
@@ -997,7 +999,7 @@ def lr_at(it, cfg):
 def parse_args(argv=None):
     """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
     named only here and as Config's field), and the model-shape flags given, which a model file's header
-    must then match (--model gives all three)."""
+    must then match (--model gives all three), and --seed, which a checkpoint's must."""
     d = Config()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
@@ -1039,7 +1041,7 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
                    f"(default {d.grad_clip})")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
-                   f"state stay fp32 (default {d.dtype})")
+                   "state stay fp32 (default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
     p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
                    f"(default {d.seed})")
     p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
@@ -1089,8 +1091,14 @@ def parse_args(argv=None):
         die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
                  "time_budget"):
-        if getattr(cfg, flag) < 0:
+        if not getattr(cfg, flag) >= 0:  # NaN fails this too
             die(f"--{flag.replace('_', '-')} must be >= 0")
+    for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag
+        if flag in given and not given[flag]:
+            die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the "
+                "flag out")
+    if cfg.resume and "init_from" in given:  # which --resume would otherwise ignore
+        die("--init-from with --resume: a resumed run continues its checkpoint's weights; leave one out")
     if not 0 < cfg.lr < math.inf:
         die("--lr must be positive and finite")
     if not 0 <= cfg.lr_decay_frac <= 1:
@@ -1106,8 +1114,28 @@ def parse_args(argv=None):
     RECIPES[cfg.recipe].configure(cfg, given, shape)
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
-    explicit = {k: given[k] for k in shape if k in given}
+    explicit = {k: given[k] for k in (*shape, "seed") if k in given}
     return cfg, ({**shape, **explicit} if preset else explicit)
+
+
+def check_resumed_seed(explicit, seed):
+    """A resumed run keeps its checkpoint's seed (its synthetic data, its samples): --seed, if given, must
+    be that one."""
+    if explicit.get("seed", seed) != seed:
+        die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {seed}, which a resumed run "
+            f"keeps; leave --seed out, or give {seed}")
+
+
+def default_dtype(cfg, gpu):
+    """Sets --dtype where it was not given, once the trainer knows its device: bf16 on a GPU, fp32 on a
+    CPU, which only emulates bf16 (2-4x slower; llm.c's train_gpt2.py defaults to fp32 too). Returns
+    what the start line says of it."""
+    if cfg.dtype:
+        return cfg.dtype
+    cfg.dtype = "bf16" if gpu else "fp32"
+    if gpu:
+        return "bf16 (the default on a GPU; --dtype fp32 for full precision)"
+    return "fp32 (the default on a CPU, which only emulates bf16; --dtype bf16 for it)"
 
 
 def apply_model_header(cfg, header, explicit):
@@ -1373,6 +1401,21 @@ def val_batches(cfg, loader):
     return hellaswag.terminal_progress(counted, len(counted), "val")
 
 
+def check_val_tokens(cfg, loader):
+    """A validation (--eval-only, or --val-every) must find its --val-tokens in the val shards as this run
+    reads them, none twice: whole global batches from each shard in turn, moving on where one no longer
+    fits. Else one line says what they hold."""
+    if loader is None or not (cfg.eval_only or cfg.val_every > 0):
+        return
+    batch, rows = loader.B * loader.world, cfg.val_tokens // cfg.seq_len
+    sizes = [len(read_shard(f)) for f in loader.files]
+    held = sum((n - 1) // (batch * cfg.seq_len) for n in sizes) * batch
+    if rows > held:
+        die(f"--val-tokens {cfg.val_tokens} asks for {rows} sequences of {cfg.seq_len} tokens, but the val "
+            f"shards ({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of "
+            f"{batch} sequences: lower --val-tokens (or --val-steps)")
+
+
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
     "H100 PCIe": (756e12, 378e12),
     "H100 NVL": (835e12, 417.5e12),
@@ -1417,27 +1460,108 @@ def write_failure(path, e):
     return f"cannot write {path}: {e.strerror}"
 
 
-def prepare_out_dir(cfg, master):
-    """Makes --out-dir, checked writable. One that holds a run (log.jsonl, checkpoints) is refused unless
-    this run continues it (--resume) or starts over (--force: process 0 first moves that run's files into
-    a replaced_<time> folder there, so that log.jsonl holds one run). A half line that a kill left at the
-    end of the log is cut off."""
-    out = cfg.out_dir
-    run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
-    run += [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
-    if any(name != "profile" for name in run) and not cfg.resume:
-        if not cfg.force:
-            listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
-            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
-                "over")
-        if master:
-            aside = os.path.join(out, f"replaced_{datetime.datetime.now():%Y%m%d_%H%M%S}")
-            os.makedirs(aside)
-            for name in run:
-                os.replace(os.path.join(out, name), os.path.join(aside, name))
-            print(f"--force: the run in {out} moved to {aside}")
-    if not master:
+class RunLock:
+    """<out_dir>/.lock, flock'ed by process 0 while this object lives (main holds it: one out dir, one live
+    run), and naming its holder; the kernel drops a dead process's flock, so a stale file blocks nothing.
+    The file goes when the lock is released, with the inode checked on taking it (a run that opened the
+    file just before it went would otherwise lock a deleted one)."""
+    held = None  # weakref.ref to the lock this process holds
+
+    def __init__(self, out):
+        earlier = RunLock.held and RunLock.held()
+        if earlier is not None:  # an earlier main() of this process, ended (main runs one run at a time)
+            earlier.release()
+        self.path, self.fd = os.path.join(out, ".lock"), None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+                os.close(fd)
+                die(f"--out-dir {out} is in use by another run ({holder}): wait for it to end, stop it, or "
+                    "give another --out-dir")
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            os.close(fd)  # its holder removed it as we opened it: take the new one
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        RunLock.held = weakref.ref(self)
+
+    def release(self):
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+def move_aside(out, names, prefix):
+    """Moves <out>/<names> into a new <out>/<prefix><time>[_n] folder (unique however fast runs follow
+    each other); returns its path."""
+    stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    for n in range(1, 1000):
+        aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            os.mkdir(aside)
+            break
+        except FileExistsError:
+            continue
+    for name in names:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+    return aside
+
+
+def abandon_newer(out, step):
+    """A resume from step `step`: the out dir's newer checkpoints are of an abandoned branch, and so are
+    log.jsonl's lines past that step. Both move into an abandoned_<time> folder, so that --resume auto
+    and the log follow the live branch."""
+    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))
+             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
+    if not newer:
         return
+    aside = move_aside(out, newer, "abandoned_")
+    log = os.path.join(out, "log.jsonl")
+    if os.path.isfile(log):
+        kept, cut = [], []
+        with open(log, "rb") as f:
+            for line in f:
+                try:
+                    later = json.loads(line).get("step", 0) > step
+                except (ValueError, AttributeError, TypeError):
+                    later = False
+                (cut if later else kept).append(line)
+        with open(os.path.join(aside, "log.jsonl"), "wb") as f:
+            f.writelines(cut)
+        with open(log + ".tmp", "wb") as f:
+            f.writelines(kept)
+        os.replace(log + ".tmp", log)
+    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+          f"{step} moved to {aside}")
+
+
+def prepare_out_dir(cfg, master, step):
+    """Makes --out-dir, checked writable, and returns process 0's RunLock on it (None elsewhere), which
+    the caller holds for the run's life. One that holds a run (log.jsonl, checkpoints) is refused unless
+    this run continues it (--resume from `step`: newer checkpoints then go to abandoned_<time>,
+    abandon_newer) or starts over (--force: that run's files move into a replaced_<time> folder there, so
+    that log.jsonl holds one run). A half line that a kill left at the end of the log is cut off."""
+    out = cfg.out_dir
+
+    def held_run():
+        run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
+        return run + [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
+    run = held_run()
+    if any(name != "profile" for name in run) and not cfg.resume and not cfg.force:
+        listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+        die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
+            "over")
+    if not master:
+        return None
     try:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, ".writable.tmp"), "w"):
@@ -1445,7 +1569,18 @@ def prepare_out_dir(cfg, master):
         os.remove(os.path.join(out, ".writable.tmp"))
     except OSError as e:
         die(f"--out-dir: {write_failure(out, e)}")
+    lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    try:
+        if cfg.resume and not cfg.eval_only:
+            abandon_newer(out, step)
+        run = held_run()
+        if cfg.force and not cfg.resume and any(name != "profile" for name in run):
+            aside = move_aside(out, run, "replaced_")
+            print(f"--force: the run in {out} moved to {aside}")
+    except OSError as e:
+        die(f"--out-dir: {write_failure(getattr(e, 'filename', None) or out, e)}")
     drop_partial_log_line(out)
+    return lock
 
 
 def logged_evals(out_dir, step):
@@ -1927,6 +2062,7 @@ INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 
 def main(argv=None):
     cfg, explicit = parse_args(argv)
+    dtype = default_dtype(cfg, gpu=torch.cuda.is_available())  # the device setup_device picks
     rank, world, device, store = setup_device(cfg)
     master = rank == 0
     say = print if master else (lambda *args, **kwargs: None)
@@ -1936,6 +2072,7 @@ def main(argv=None):
     if cfg.resume:
         header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
         apply_model_header(cfg, header, explicit)
+        check_resumed_seed(explicit, saved["seed"])
         cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
     elif cfg.init_from:
         header, params = read_weights(cfg.init_from, cfg)
@@ -1955,6 +2092,7 @@ def main(argv=None):
     train_files, val_files = find_shards(cfg)
     train_loader = None if cfg.eval_only else DataLoader(train_files, B, T, rank, world, seed=cfg.seed)
     val_loader = DataLoader(val_files, B, T, rank, world) if val_files else None
+    check_val_tokens(cfg, val_loader)
     if train_loader is not None:
         n_shards = len(train_files) if train_files else 1
         shard, position = loader_state
@@ -1966,7 +2104,7 @@ def main(argv=None):
     if val_loader is None and (cfg.eval_only or cfg.val_every > 0):
         say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
     encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
-    prepare_out_dir(cfg, master)
+    lock = prepare_out_dir(cfg, master, step)  # noqa: F841  held for the run's life: main's return frees it
 
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)
@@ -1977,7 +2115,7 @@ def main(argv=None):
     n_params = sum(p.numel() for k, p in weights.items() if k != table)
     device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"{table}) | {world} x {device_kind} | {cfg.dtype} | compile: {'on' if cfg.compile else 'off'}")
+        f"{table}) | {world} x {device_kind} | {dtype} | compile: {'on' if cfg.compile else 'off'}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)

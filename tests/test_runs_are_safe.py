@@ -1,10 +1,18 @@
 """What the GPT-2 trainers never lose, in all three: a second fresh run into an --out-dir that holds one
-is refused (--force moves the old run aside), an unwritable --out-dir and a full disk during a checkpoint
-are one line (the partial checkpoint removed, the earlier ones intact, --resume auto then continues
-exactly), a crafted state.npz is refused field by field, --resume auto says what it skips, and the val
-loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
+is refused (--force moves the old run aside, into a folder of its own however fast --force runs follow
+each other), a live run locks its --out-dir against a second one, an unwritable --out-dir and a full
+disk during a checkpoint are one line (the partial checkpoint removed, the earlier ones intact, --resume
+auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it
+skips, and the val loss of the same weights is the same on 1, 2 and 4 devices or processes and in every
+trainer."""
+import datetime
+import errno
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -159,3 +167,57 @@ def test_val_loss_is_the_same_on_any_device_count(tiny_shards, tiny_model_file, 
         losses[name, count], = (e["val_loss"] for e in read_log(out) if "val_loss" in e)
     first = losses["jax", 1]
     assert all(v == pytest.approx(first, rel=1e-6) for v in losses.values()), losses
+
+
+def test_force_at_the_edges(tmp_path, capsys, monkeypatch):
+    """(prepare_out_dir is the same code in all three trainers.) --force never collides with an earlier
+    replaced_<time> folder (two --force runs in one second), and a --force whose move fails (here a full
+    disk) is one line."""
+    mod, out = tf, tmp_path / "run"
+    argv = [*MICRO, "--steps", "1", "--ckpt-every", "0", "--out-dir", str(out), "--force"]
+    mod.main(argv)
+    now = datetime.datetime.now()
+    for s in range(4):  # the names of this second's and the next ones' --force runs are taken
+        (out / f"replaced_{now + datetime.timedelta(seconds=s):%Y%m%d_%H%M%S}").mkdir()
+    mod.main(argv)
+    assert f"--force: the run in {out} moved to {out}/replaced_" in capsys.readouterr().out
+    assert len(list(out.glob("replaced_*"))) == 5 and [e["step"] for e in read_log(out)] == [1]
+    mkdir = os.mkdir
+
+    def full(path, *args, **kwargs):
+        if "replaced_" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", full)
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert str(e.value).startswith("error: --out-dir: cannot write ") and "the disk is full" in str(e.value)
+    assert "\n" not in str(e.value) and [e["step"] for e in read_log(out)] == [1]
+
+
+def test_one_live_run_per_out_dir(tmp_path):
+    """A run holds its --out-dir for its life (flock on <out_dir>/.lock, naming its pid and host): a second
+    run there, even with --force, is refused in one line naming the holder and moves nothing; once the
+    holder is killed, its .lock blocks nothing (the kernel dropped the flock); a run that ends removes its
+    .lock."""
+    out = tmp_path / "run"
+    args = [*SCRIPTS["torchfunc"], *MICRO, "--steps", "100000", "--ckpt-every", "0", "--out-dir", out]
+    holder = subprocess.Popen([sys.executable, *map(str, args)], cwd=Path(tf.__file__).parent,
+                              env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while not (out / "log.jsonl").exists():
+            assert holder.poll() is None and time.time() < deadline, holder.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        with pytest.raises(SystemExit) as e:
+            tf.main([*MICRO, "--steps", "2", "--out-dir", str(out), "--force"])
+        message = str(e.value)
+        assert message.startswith(f"error: --out-dir {out} is in use by another run (pid {holder.pid} on "
+                                  f"{socket.gethostname()})") and "\n" not in message
+        assert not list(out.glob("replaced_*")) and (out / "log.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (out / ".lock").exists()  # a SIGKILL leaves the file, not the flock
+    tf.main([*MICRO, "--steps", "1", "--ckpt-every", "0", "--out-dir", str(out), "--force"])
+    assert [e["step"] for e in read_log(out)] == [1] and not (out / ".lock").exists()

@@ -162,7 +162,8 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
 def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellaswag_dir, env):
     """Resuming the step-3 checkpoint for steps 4-6 (by its path, or with --resume auto where TRAINERS
     says so) prints the uninterrupted run's losses and grad norms digit for digit, logs steps 4-6 and ends
-    on byte-identical weights and AdamW state; --eval-only on the step-6 checkpoint reproduces that run's
+    on byte-identical weights and AdamW state; a later resume of step 3 there moves step 6's checkpoint
+    and log lines into abandoned_<time> (--resume auto then follows the live run); --eval-only on the step-6 checkpoint reproduces that run's
     val loss and HellaSwag scores and trains nothing."""
     t = TRAINERS[name]
     out, stdout = trained(name)
@@ -179,6 +180,18 @@ def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellas
     final = out / "ckpt_0000006"
     assert_same_checkpoint(final, resumed / "ckpt_0000006")
 
+    # resuming step 3 again makes it the live run: step 6's checkpoint and log lines go to abandoned_*,
+    # so that --resume auto follows the live run (here nothing is left to train at --steps 3)
+    mod = importlib.import_module(t.module)
+    mod.main([*map(str, t.argv[1:]), "--data", str(tiny_shards), "--resume", str(out / "ckpt_0000003"),
+              "--steps", "3", "--out-dir", str(resumed), "--ckpt-every", "3", "--val-every", "0",
+              "--hellaswag-every", "0", "--sample-every", "0", *map(str, t.flags)])
+    aside, = resumed.glob("abandoned_*")
+    assert sorted(os.listdir(aside)) == ["ckpt_0000006", "log.jsonl"]
+    assert [e["step"] for e in read_log(aside)] == [4, 5, 6] and read_log(resumed) == []
+    live = str(resumed / "ckpt_0000003") if t.resume_auto else None  # (the others resumed out's)
+    assert mod.latest_checkpoint(str(resumed)) == live
+
     evaluated = tmp_path / "eval"
     run_script(*t.argv, "--data", tiny_shards, "--resume", final, "--eval-only", "--out-dir", evaluated,
                *t.flags, env={"HELLASWAG_DIR": str(hellaswag_dir), **env(name)})
@@ -190,12 +203,19 @@ def test_time_budget_stops_early_on_the_same_schedule(name, trained, tiny_shards
                                                       env):
     """--time-budget (here far below one step) stops the run after the step that reaches it, with that
     step's checkpoint and val loss as a last step's; the step is the 6-step run's own, digit for digit (the
-    lr schedule still spans --steps)."""
+    lr schedule still spans --steps). Without --dtype, the start line says which dtype the device's default
+    is: on a CPU fp32 (the same digits as the run's --dtype fp32)."""
     out = tmp_path / "out"
-    proc = run_script(*TRAINERS[name].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+    t = TRAINERS[name]
+    flags = t.flags
+    if not (t.gpu and torch.cuda.is_available()):  # --dtype's default on a CPU is fp32: the same digits
+        at = flags.index("--dtype")
+        flags = flags[:at] + flags[at + 2:]
+    proc = run_script(*t.argv, "--data", tiny_shards, "--init-from", tiny_model_file,
                       "--steps", STEPS, "--time-budget", 1e-9, "--out-dir", out, "--ckpt-every", 3,
-                      "--val-every", 3, "--hellaswag-every", 0, "--sample-every", 0, *TRAINERS[name].flags,
-                      env=env(name))
+                      "--val-every", 3, "--hellaswag-every", 0, "--sample-every", 0, *flags, env=env(name))
+    assert flags != t.flags or "| bf16 (the default on a GPU" in proc.stdout
+    assert flags == t.flags or "| fp32 (the default on a CPU, which only emulates bf16" in proc.stdout
     assert step_lines(proc.stdout) == step_lines(trained(name)[1])[:1]
     assert f"--time-budget 1e-09 s reached: stopped after step 1 of {STEPS}" in proc.stdout
     assert [(e["step"], "val_loss" in e) for e in read_log(out)] == [(1, False), (1, True)]
@@ -235,10 +255,11 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary),
     missing data (the default --data too: the error says how to get shards), a model file that
     contradicts the flags or is cut short, a directory that is not a checkpoint, a damaged checkpoint
-    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags, impossible
-    batch settings and the trainer's own cases in TRAINERS (a flag's bad value, a missing or unknown
-    backend) end with a one-line error naming the problem, and write nothing; so does a run of the script
-    on bad shards, without a traceback."""
+    state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags (NaN, an empty
+    path as an unset shell variable gives, --init-from or another --seed than the checkpoint's with
+    --resume, --val-tokens past the val shard), impossible batch settings and the trainer's own cases in
+    TRAINERS (a flag's bad value, a missing or unknown backend) end with a one-line error naming the
+    problem, and write nothing; so does a run of the script on bad shards, without a traceback."""
     t = TRAINERS[name]
     mod = importlib.import_module(t.module)
     monkeypatch.chdir(tmp_path)  # where the default --data data/fineweb_edu does not exist
@@ -251,6 +272,9 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     tokens[-1] = 65535
     write_shard(bad / "wide_val_000000.bin", tokens)
     damaged = write_damaged_checkpoints(mod, tmp_path / "damaged")
+    cfg = mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64)  # seed 1337
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
+    good = mod.save_checkpoint(str(tmp_path / "good"), 1, zeros, zeros, zeros, (0, 0), cfg)
     out = tmp_path / "out"
     # a case that does not stop as it should trains one step, not the default 18,865
     base = ["--out-dir", str(out), *map(str, TINY + t.flags), "--steps", "1", "--ckpt-every", "0",
@@ -277,6 +301,15 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
         (["--data", shards, "--seed", "-1"], "--seed"),
         (["--data", shards, "--grad-clip", "nan"], "--grad-clip"),
         (["--data", shards, "--lr", "inf"], "--lr"),
+        (["--data", shards, "--time-budget", "nan"], "--time-budget must be >= 0"),
+        (["--data", shards, "--init-from", ""], "--init-from is empty"),  # an unset shell variable
+        (["--data", shards, "--resume", ""], "--resume is empty"),
+        (["--data", shards, "--force", "--out-dir", ""], "--out-dir is empty"),
+        (["--data", shards, "--resume", good, "--seed", "5"], "--seed 5 with --resume", "seed is 1337"),
+        (["--data", shards, "--resume", "auto", "--init-from", str(tiny_model_file)],
+         "--init-from with --resume"),
+        (["--data", shards, "--val-every", "1", "--val-steps", "1000"], "--val-tokens ",
+         "val shards (1 file(s), 32768 tokens)"),
         (["--data", shards, "--resume", "auto", "--out-dir", str(damaged["text"].parent)],
          str(damaged["text"] / "state.npz"), "damaged"),
     ]
