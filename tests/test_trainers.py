@@ -349,3 +349,23 @@ def test_torchfunc_two_processes_match_one(trained, tiny_shards, tiny_model_file
     assert_same_steps(one, step_events(out))
     with np.load(out / "ckpt_0000003" / "state.npz") as z:
         assert int(z["position"]) == 3 * TRAINERS["torchfunc"].batch[2]
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_divergence_stops_before_its_checkpoint(name, tiny_shards, tiny_model_file, tmp_path, env):
+    """A run that diverges (--lr 1e8, no clipping: a non-finite loss or grad norm within 3 steps) stops with
+    one line naming the step, exit non-zero, no traceback; the step is neither logged nor saved, so the
+    latest checkpoint is the last finite one and holds finite values only."""
+    out = tmp_path / "out"
+    proc = run_script(*TRAINERS[name].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 4, "--out-dir", out, "--ckpt-every", 1, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, *TRAINERS[name].flags, "--lr", 1e8,
+                      "--warmup", 0, "--grad-clip", 0, check=False, env=env(name))
+    assert_clean_error(proc, "the run diverged")
+    step = int(proc.stderr.strip().splitlines()[-1].split("step ")[1].split(":")[0])
+    assert 2 <= step <= 3
+    assert [e["step"] for e in step_events(out)] == list(range(1, step))
+    latest = sorted(glob.glob(str(out / "ckpt_*")))[-1]
+    assert latest.endswith(f"ckpt_{step - 1:07d}") and f"{latest} stays the latest" in proc.stderr
+    with np.load(os.path.join(latest, "state.npz")) as z:
+        assert all(np.isfinite(z[k]).all() for k in z.files if k[:2] in ("m.", "v."))
