@@ -31,12 +31,15 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import functools
 import glob
 import json
 import math
 import os
 import shutil
+import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -1358,6 +1361,12 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
         if os.path.isdir(stale):
             shutil.rmtree(stale)
     names = list(param_shapes(cfg))
+    # a diverged run must not leave non-finite values in the latest checkpoint: the earlier ones stay
+    for label, tensors in (("weight", params), ("first moment", m), ("second moment", v)):
+        bad = next((k for k in names if k in tensors and not np.isfinite(tensors[k]).all()), None)
+        if bad is not None:
+            die(f"not writing {final}: the {label} {bad} holds non-finite values (the run diverged; try a "
+                "lower --lr): the earlier checkpoints are kept")
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
@@ -1372,13 +1381,18 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
         shutil.rmtree(tmp, ignore_errors=True)
         die(write_failure(tmp, e))
-    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
-    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
+    # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+        if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return final
 
 
@@ -1681,6 +1695,68 @@ PROFILE_STEPS = 3
 
 def due(every, step, steps):
     return every > 0 and (step % every == 0 or step == steps)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; what schedulers (SLURM, Kubernetes) send before a kill
+
+
+class StopSignals:
+    """SIGINT and SIGTERM: during training (`training` set) the first asks the run to stop at the end of the
+    step (`received` holds its number; main checks it at each step boundary, writes a checkpoint, exits
+    128 + the number as a shell reports it); outside training, or a second one, stops at once. Either way
+    one line (process 0's) and no traceback."""
+
+    def __init__(self):
+        self.received, self.training, self.master, self.previous = 0, False, True, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.training and not self.received:
+            self.received = signum
+            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
+            return
+        self.tell(f"{name}: stopped at once; --resume auto continues from the latest checkpoint")
+        raise SystemExit(128 + signum)
+
+    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
+        if self.master:
+            os.write(2, f"{line}\n".encode())
+
+
+def stops_on_signals(main):
+    """main(argv, signals) run under StopSignals, the handlers before restored when it ends."""
+    @functools.wraps(main)
+    def run(argv=None):
+        with StopSignals() as signals:
+            return main(argv, signals)
+    return run
+
+
+def stopped_by_signal(signum, step, cfg, master):
+    """Ends a run that a signal stopped after `step` (its checkpoint written): one line, 128 + signum."""
+    if master:
+        saved = "its checkpoint saved" if due(cfg.ckpt_every, step, step) else "no checkpoint (--ckpt-every 0)"
+        print(f"{signal.Signals(signum).name}: stopped after step {step} of {cfg.steps}, {saved}; --resume auto "
+              "continues", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def stop_diverged(step, loss, norm, cfg):
+    """The one line that stops a run whose step `step` gave a non-finite loss or grad norm, before that
+    step is logged or checkpointed (llm.c and modded-nanogpt stop too)."""
+    latest = sorted(glob.glob(os.path.join(cfg.out_dir, "ckpt_*[0-9]")))
+    kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
+    die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
+        f"stopped before logging or saving this step, {kept}")
 
 # -----------------------------------------------------------------------------
 # JAX plumbing: devices, processes, ZeRO state and evaluation
@@ -2070,7 +2146,8 @@ def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
 # -----------------------------------------------------------------------------
 # Main
 
-def main(argv=None):
+@stops_on_signals
+def main(argv, signals):
     cfg, explicit = parse_args(argv)
     if cfg.scan_layers and not RECIPES[cfg.recipe].scan_layers:
         die(f"--scan-layers: the {cfg.recipe} model's layers are separate tensors (no L axis) to scan over")
@@ -2082,7 +2159,7 @@ def main(argv=None):
     world, platform = len(devices), devices[0].platform
     dtype = default_dtype(cfg, gpu=platform != "cpu")
     rank, ranks = jax.process_index(), jax.process_count()
-    master = rank == 0  # the one process that prints, logs and writes checkpoints
+    master = signals.master = rank == 0  # the one process that prints, logs and writes checkpoints
     say = print if master else (lambda *args, **kwargs: None)
 
     # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
@@ -2198,6 +2275,7 @@ def main(argv=None):
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile_dir = os.path.join(cfg.out_dir, "profile")
         times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
+        signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
@@ -2212,11 +2290,15 @@ def main(argv=None):
                 dt = time.perf_counter() - t0
             times[step] = dt
             spent += dt
-            # --time-budget: process 0's clock decides for all, which must stop at the same step
-            stop = bool(cfg.time_budget) and spent >= cfg.time_budget
-            if cfg.time_budget and jax.process_count() > 1:
-                stop = bool(multihost_utils.broadcast_one_to_all(np.array(stop)))
-            last = step if stop else cfg.steps
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
+                stop_diverged(step, loss, norm, cfg)
+            # --time-budget and signals: all processes must stop at the same step, process 0's clock
+            # deciding for all, and a signal to any process stopping all
+            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
+            if jax.process_count() > 1:
+                flags = multihost_utils.process_allgather(np.array([budget_spent, signum], np.int32))
+                budget_spent, signum = bool(flags[0, 0]), int(flags[:, 1].max())
+            last = step if budget_spent or signum else cfg.steps
             if cfg.profile and step == profile_steps[-1]:
                 jax.profiler.stop_trace()
                 ms = [1000 * times[s] for s in profile_steps]
@@ -2238,6 +2320,8 @@ def main(argv=None):
                     path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg)
                     say(f"saved {path}")
                 multihost_utils.sync_global_devices(f"checkpoint {step}")
+            if signum:  # the step's evaluations are left to --resume, which runs those log.jsonl lacks
+                stopped_by_signal(signum, step, cfg, master)
             run_evals(params, step, due(cfg.val_every, step, last),
                       due(cfg.hellaswag_every, step, last))
             if due(cfg.sample_every, step, last):
@@ -2245,7 +2329,7 @@ def main(argv=None):
                 for i, row in enumerate(np.asarray(generate_jit(params, key))):
                     text = encoder.decode([int(t) for t in row[1:]])
                     say(f"sample {i}: {text!r}")
-            if stop:
+            if budget_spent:
                 say(f"--time-budget {cfg.time_budget:g} s reached: stopped after step {step} of {cfg.steps}")
                 break
 

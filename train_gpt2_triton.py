@@ -55,7 +55,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
+import sys
+import threading
 import time
 import weakref
 import zipfile
@@ -1786,6 +1789,12 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
         if os.path.isdir(stale):
             shutil.rmtree(stale)
     names = list(param_shapes(cfg))
+    # a diverged run must not leave non-finite values in the latest checkpoint: the earlier ones stay
+    for label, tensors in (("weight", params), ("first moment", m), ("second moment", v)):
+        bad = next((k for k in names if k in tensors and not np.isfinite(tensors[k]).all()), None)
+        if bad is not None:
+            die(f"not writing {final}: the {label} {bad} holds non-finite values (the run diverged; try a "
+                "lower --lr): the earlier checkpoints are kept")
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
@@ -1800,13 +1809,18 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
         shutil.rmtree(tmp, ignore_errors=True)
         die(write_failure(tmp, e))
-    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
-    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
+    # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+        if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return final
 
 
@@ -2110,6 +2124,68 @@ PROFILE_STEPS = 3
 def due(every, step, steps):
     return every > 0 and (step % every == 0 or step == steps)
 
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; what schedulers (SLURM, Kubernetes) send before a kill
+
+
+class StopSignals:
+    """SIGINT and SIGTERM: during training (`training` set) the first asks the run to stop at the end of the
+    step (`received` holds its number; main checks it at each step boundary, writes a checkpoint, exits
+    128 + the number as a shell reports it); outside training, or a second one, stops at once. Either way
+    one line (process 0's) and no traceback."""
+
+    def __init__(self):
+        self.received, self.training, self.master, self.previous = 0, False, True, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.training and not self.received:
+            self.received = signum
+            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
+            return
+        self.tell(f"{name}: stopped at once; --resume auto continues from the latest checkpoint")
+        raise SystemExit(128 + signum)
+
+    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
+        if self.master:
+            os.write(2, f"{line}\n".encode())
+
+
+def stops_on_signals(main):
+    """main(argv, signals) run under StopSignals, the handlers before restored when it ends."""
+    @functools.wraps(main)
+    def run(argv=None):
+        with StopSignals() as signals:
+            return main(argv, signals)
+    return run
+
+
+def stopped_by_signal(signum, step, cfg, master):
+    """Ends a run that a signal stopped after `step` (its checkpoint written): one line, 128 + signum."""
+    if master:
+        saved = "its checkpoint saved" if due(cfg.ckpt_every, step, step) else "no checkpoint (--ckpt-every 0)"
+        print(f"{signal.Signals(signum).name}: stopped after step {step} of {cfg.steps}, {saved}; --resume auto "
+              "continues", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def stop_diverged(step, loss, norm, cfg):
+    """The one line that stops a run whose step `step` gave a non-finite loss or grad norm, before that
+    step is logged or checkpointed (llm.c and modded-nanogpt stop too)."""
+    latest = sorted(glob.glob(os.path.join(cfg.out_dir, "ckpt_*[0-9]")))
+    kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
+    die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
+        f"stopped before logging or saving this step, {kept}")
+
 # -----------------------------------------------------------------------------
 # Torch: processes, ZeRO-1 and failures
 
@@ -2314,6 +2390,15 @@ def lost_processes(store, rank, world):
         return None
 
 
+def agree_to_stop(budget_spent, signum, rank, device):
+    """(--time-budget reached, signal number or 0) as every process takes them at a step boundary, so that
+    all stop at the same step: process 0's clock decides, and a signal to any process stops all."""
+    flags = torch.tensor([int(budget_spent and rank == 0), signum], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    budget_spent, signum = flags.tolist()
+    return bool(budget_spent), signum
+
+
 @contextlib.contextmanager
 def a_lost_process_is_an_error(store, rank, world):
     """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
@@ -2513,7 +2598,8 @@ def peak_memory_gb(device):
 # -----------------------------------------------------------------------------
 # Main
 
-def main(argv=None):
+@stops_on_signals
+def main(argv, signals):
     cfg, explicit = parse_args(argv)
     dtype = default_dtype(cfg, gpu=torch.cuda.is_available())  # the device setup_device picks
     recipe = RECIPES[cfg.recipe]
@@ -2529,7 +2615,7 @@ def main(argv=None):
     if cfg.bench_ops:
         bench_ops(cfg, ops, device)
         return
-    master = rank == 0
+    master = signals.master = rank == 0
     say = print if master else (lambda *args, **kwargs: None)
 
     # weights and optimizer state: a checkpoint, an llm.c model file, or GPT-2 init from the seed
@@ -2621,6 +2707,7 @@ def main(argv=None):
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile = None
         times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
+        signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
                 profile = start_profile(ops, device)
@@ -2631,11 +2718,13 @@ def main(argv=None):
             dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
             times[step] = dt
             spent += dt
-            # --time-budget: process 0's clock decides for all, which must stop at the same step
-            stop = [bool(cfg.time_budget) and spent >= cfg.time_budget]
-            if cfg.time_budget and world > 1:
-                dist.broadcast_object_list(stop, src=0)
-            last = step if stop[0] else cfg.steps
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
+                stop_diverged(step, loss, norm, cfg)
+            # --time-budget and signals: all processes must stop at the same step
+            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
+            if world > 1:
+                budget_spent, signum = agree_to_stop(budget_spent, signum, rank, device)
+            last = step if budget_spent or signum else cfg.steps
             if step == first:  # its peak memory holds the autotuner's copies of the buffers it tunes
                 costs = "kernel compilation and autotuning" if cfg.backend == "triton" else "start-up"
                 say(f"step {first} holds one-off costs ({costs}): the final mean leaves it out, and peak memory "
@@ -2661,6 +2750,8 @@ def main(argv=None):
                     say(f"saved {path}")
                 if world > 1:  # the others wait while rank 0 writes
                     dist.barrier()
+            if signum:  # the step's evaluations are left to --resume, which runs those log.jsonl lacks
+                stopped_by_signal(signum, step, cfg, master)
             run_evals(step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
             if master and due(cfg.sample_every, step, last):
                 seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
@@ -2668,7 +2759,7 @@ def main(argv=None):
                 for i, row in enumerate(generate(weights, generator, cfg).tolist()):
                     text = encoder.decode(row[1:])
                     say(f"sample {i}: {text!r}")
-            if stop[0]:
+            if budget_spent:
                 say(f"--time-budget {cfg.time_budget:g} s reached: stopped after step {step} of {cfg.steps}")
                 break
 

@@ -382,3 +382,56 @@ def test_torchfunc_two_processes_match_one(trained, tiny_shards, tiny_model_file
     assert_same_steps(one, step_events(out))
     with np.load(out / "ckpt_0000003" / "state.npz") as z:
         assert int(z["position"]) == 3 * TRAINERS["torchfunc"].batch[2]
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_divergence_stops_before_its_checkpoint(name, tiny_shards, tiny_model_file, tmp_path, env):
+    """A run that diverges (--lr 1e8, no clipping: a non-finite loss or grad norm within 3 steps) stops with
+    one line naming the step, exit non-zero, no traceback; the step is neither logged nor saved, so the
+    latest checkpoint is the last finite one and holds finite values only."""
+    out = tmp_path / "out"
+    proc = run_script(*TRAINERS[name].argv, "--data", tiny_shards, "--init-from", tiny_model_file,
+                      "--steps", 4, "--out-dir", out, "--ckpt-every", 1, "--val-every", 0,
+                      "--hellaswag-every", 0, "--sample-every", 0, *TRAINERS[name].flags, "--lr", 1e8,
+                      "--warmup", 0, "--grad-clip", 0, check=False, env=env(name))
+    assert_clean_error(proc, "the run diverged")
+    step = int(proc.stderr.strip().splitlines()[-1].split("step ")[1].split(":")[0])
+    assert 2 <= step <= 3
+    assert [e["step"] for e in step_events(out)] == list(range(1, step))
+    latest = sorted(glob.glob(str(out / "ckpt_*")))[-1]
+    assert latest.endswith(f"ckpt_{step - 1:07d}") and f"{latest} stays the latest" in proc.stderr
+    with np.load(os.path.join(latest, "state.npz")) as z:
+        assert all(np.isfinite(z[k]).all() for k in z.files if k[:2] in ("m.", "v."))
+
+
+@pytest.mark.parametrize("name,sig", [("torchfunc", "SIGINT"), ("triton-torch", "SIGTERM")])
+def test_a_signal_stops_at_a_step_boundary_and_resume_is_exact(name, sig, trained, tiny_shards,
+                                                                tiny_model_file, tmp_path, env):
+    """SIGINT or SIGTERM after step 2 is logged: the run writes a checkpoint at the step it is in, says so
+    in one line, exits 128 + the signal's number without a traceback; --resume auto then logs the 6-step
+    run's train losses, grad norms and lrs bit for bit (the other trainer x signal pairs: by hand)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import REPO
+    t, out = TRAINERS[name], tmp_path / "out"
+    args = [*t.argv, "--data", tiny_shards, "--init-from", tiny_model_file, "--steps", STEPS, "--out-dir", out,
+            "--ckpt-every", 3, "--val-every", 0, "--hellaswag-every", 0, "--sample-every", 0, *t.flags]
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1", **env(name)))
+    log = out / "log.jsonl"
+    while not (log.exists() and '"step": 2' in log.read_text()) and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(getattr(signal, sig))
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + getattr(signal, sig) and "Traceback" not in stderr, stderr[-2000:]
+    stopped = int(stderr.strip().splitlines()[-1].split("stopped after step ")[1].split()[0])
+    assert f"{sig}: stopped after step {stopped} of {STEPS}, its checkpoint saved" in stderr
+    assert f"saved {out / f'ckpt_{stopped:07d}'}" in stdout and 2 <= stopped < STEPS
+    init = args.index("--init-from")
+    run_script(*args[:init], *args[init + 2:], "--resume", "auto", env=env(name))
+    final = {e["step"]: e for e in step_events(out)}
+    full = step_events(trained(name)[0])
+    assert [[final[e["step"]][k] for k in ("train_loss", "grad_norm", "lr")] for e in full] == \
+        [[e[k] for k in ("train_loss", "grad_norm", "lr")] for e in full]
