@@ -131,6 +131,32 @@ def train_losses(out_dir):
     return [e["train_loss"] for e in step_events(out_dir)]
 
 
+def stop_by_signals_and_resume(argv, first, out, env):
+    """Runs a trainer (`argv`: the script, then its flags with `--out-dir out`; `first`: the flags of the
+    first launch only, its init) as a user's interrupted run goes: SIGINT just after step 2 is logged, then
+    --resume auto with SIGTERM just after step 4, then --resume auto to the end (tests/signal_at_step.py
+    delivers them). Each stop is checked: the step the signal landed in finishes, its checkpoint is written
+    and said, one line names the signal, exit 128 + its number, no traceback. Returns the run's step events,
+    for the caller to compare with an uninterrupted run's."""
+    import signal
+    stops = [(2, "SIGINT", [*first]), (4, "SIGTERM", ["--resume", "auto"])]
+    for at, name, extra in stops:
+        proc = run_script("tests/signal_at_step.py", at, name, *argv, *extra, env=env, check=False)
+        assert proc.returncode == 128 + getattr(signal, name), proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"{name}: stopped after step {at + 1} of "), \
+            proc.stderr[-3000:]
+        assert f"saved {out / f'ckpt_{at + 1:07d}'}" in proc.stdout
+    run_script(*argv, "--resume", "auto", env=env)
+    return step_events(out)
+
+
+def assert_same_step_values(got, expected):
+    """The logged train losses, grad norms and lrs of two runs' steps, bit for bit."""
+    keys = ("step", "train_loss", "grad_norm", "lr")
+    assert [[e[k] for k in keys] for e in got] == [[e[k] for k in keys] for e in expected]
+
+
 def allocated_bytes(tree):
     """Bytes of the distinct storages behind the torch tensors anywhere in a nest of dicts, lists and tuples
     (what a trainer's make_state allocates, against its device_state_bytes)."""

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 import speedrun_reference as ref
 import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
-from conftest import (REPO, assert_clean_error, assert_refused, run_script, step_events, step_lines,
-                      train_losses)
+from conftest import (REPO, assert_clean_error, assert_refused, assert_same_step_values, run_script,
+                      step_events, step_lines, stop_by_signals_and_resume, train_losses)
 
 L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6  # test_speedrun_torchfunc.py's shapes: 64 tokens a step
 FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,
@@ -233,3 +233,15 @@ def test_bad_input(tiny_shards, tiny_model_file, tmp_path):
     assert not (tmp_path / "out").exists()
     proc = run_script("train_gpt2_jax.py", *cases[0][0], env={"JAX_PLATFORMS": "cpu"}, check=False)
     assert_clean_error(proc, "llm.c model file")
+
+
+def test_signals_stop_at_a_step_boundary_and_resume_is_exact(runs, tiny_shards, tmp_path):
+    """SIGINT, then SIGTERM in the resumed run, each stopping at a step boundary with a checkpoint (as
+    test_trainers.py checks the gpt2 recipe): --resume auto logs the "recipe" run's values bit for bit."""
+    out = tmp_path / "out"
+    argv = ["train_gpt2_jax.py", *FLAGS, "--data", tiny_shards, "--dtype", "fp32", "--out-dir", out,
+            "--ckpt-every", 3]
+    env = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    got = stop_by_signals_and_resume(argv, ["--seed", 0], out, env)
+    assert_same_step_values(got, step_events(runs("recipe")[0]))

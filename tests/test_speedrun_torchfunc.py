@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 import speedrun_reference as sr
 import train_gpt2_torchfunc as tf
-from conftest import (assert_clean_error, assert_refused, run_script, speedrun_random_weights, step_events,
-                      train_losses)
+from conftest import (assert_clean_error, assert_refused, assert_same_step_values, run_script,
+                      speedrun_random_weights, step_events, stop_by_signals_and_resume, train_losses)
 
 V, VP = 50257, 50304
 
@@ -96,6 +96,15 @@ def test_resume(runs, tiny_shards, tmp_path, one_thread):
              str(out / "ckpt_0000003"), "--ckpt-every", "0"])
     assert [e["step"] for e in step_events(tmp_path)] == [4, 5, 6]
     assert train_losses(tmp_path) == train_losses(out)[3:]
+
+
+def test_signals_stop_at_a_step_boundary_and_resume_is_exact(runs, tiny_shards, tmp_path):
+    """SIGINT, then SIGTERM in the resumed run, each stopping at a step boundary with a checkpoint (as
+    test_trainers.py checks the gpt2 recipe): --resume auto logs the "recipe" run's values bit for bit."""
+    out = tmp_path / "out"
+    argv = ["train_gpt2_torchfunc.py", *FLAGS, "--data", tiny_shards, "--out-dir", out, "--ckpt-every", 3]
+    got = stop_by_signals_and_resume(argv, ["--seed", 0], out, ENV)
+    assert_same_step_values(got, step_events(runs("recipe")[0]))
 
 
 def test_model_file_is_the_references_state_dict(runs, one_thread):

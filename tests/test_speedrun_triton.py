@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import speedrun_reference as ref
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import speedrun_random_weights, step_events, train_losses
+from conftest import (assert_same_step_values, run_script, speedrun_random_weights, step_events,
+                      stop_by_signals_and_resume, train_losses)
 
 OPS = tg.TORCH_SPEEDRUN_OPS
 F64 = torch.float64
@@ -315,3 +316,17 @@ def test_backend_torch_refuses_the_speedrun_self_test():
     message = str(e.value)
     assert message.startswith("error: ") and "\n" not in message
     assert "--test --recipe speedrun checks backend triton's kernels" in message
+
+
+def test_signals_stop_at_a_step_boundary_and_resume_is_exact(runs, tiny_shards, tmp_path):
+    """SIGINT, then SIGTERM in the resumed run, each stopping at a step boundary with a checkpoint (as
+    test_trainers.py checks the gpt2 recipe), backend torch: --resume auto logs the uninterrupted run's
+    values bit for bit (that run also a process of one thread: the thread count moves a grad norm's last
+    bits)."""
+    argv = ["train_gpt2_triton.py", "torch", *FLAGS, "--data", tiny_shards, "--ckpt-every", 3,
+            "--init-from", runs("recipe")[1]]
+    env = {"OMP_NUM_THREADS": "1"}
+    run_script(*argv, "--out-dir", tmp_path / "whole", env=env)
+    out = tmp_path / "out"
+    got = stop_by_signals_and_resume([*argv[:-2], "--out-dir", out], argv[-2:], out, env)
+    assert_same_step_values(got, step_events(tmp_path / "whole"))
