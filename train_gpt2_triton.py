@@ -121,6 +121,7 @@ class Config:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     dtype: str = ""  # "": the device's default (default_dtype): bf16 on a GPU, fp32 on a CPU
+    recompute: str = "none"  # what the backward recomputes instead of keeping: RECOMPUTE_LEVELS
     seed: int = 1337
     # checkpoints, evaluation, output
     init_from: str = ""
@@ -184,6 +185,10 @@ class Recipe:
 
 
 ZERO_STAGES = (0, 1)
+# --recompute: none keeps what the backward reads; pointwise recomputes the norms' outputs and the MLP's
+# activation from the kept matmul and attention outputs; block keeps each block's input alone and reruns
+# the block's forward in the backward (docs/FORMATS.md)
+RECOMPUTE_LEVELS = ("none", "pointwise", "block")
 
 
 def framework_flags(p):
@@ -1541,6 +1546,9 @@ def parse_args(argv=None):
                    f"(default {d.grad_clip})")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
                    "state stay fp32 (default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
+    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="activation memory against compute: none "
+                   "keeps what the backward reads, pointwise recomputes the norms and the MLP activation, "
+                   f"block reruns each block's forward in the backward (default {d.recompute})")
     p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
                    f"(default {d.seed})")
     p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: "
