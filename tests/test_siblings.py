@@ -35,7 +35,7 @@ IDENTICAL = {
     ("jax", "torchfunc", "triton"): [
         "VOCAB_SIZE", "PADDED_VOCAB_SIZE", "EOT", "MODEL_PRESETS", "die", "PARAM_NAMES", "DECAY_NAMES",
         "gpt2_shapes", "init_gpt2_numpy", "MODEL_MAGIC", "write_model_file", "read_model_file",
-        "is_model_file", "cosine_lr", "grad_accum_steps", "CENSUS_SECONDS",
+        "is_model_file", "cosine_lr", "grad_accum_steps", "CENSUS_SECONDS", "RECOMPUTE_LEVELS",
         # the speedrun recipe: its defaults, shapes, init, schedule and model files
         "SPEEDRUN_LRS", "SPEEDRUN_DEFAULTS", "HEAD_DIM", "configure_speedrun", "speedrun_shapes",
         "muon_names", "init_speedrun_numpy", "rotary_freq_numpy", "SPEEDRUN_COOLDOWN", "speedrun_lr",
