@@ -567,28 +567,61 @@ def compute_dtype(cfg):
 # and all (T, Vp) logits (98 MiB). The whole d12 bf16 step at B=16 then needs about 5.8 GB (arithmetic, not
 # a measurement): fp32 masters, AdamW moments and gradients 2.0 GB, bf16 weights 0.25 GB, a micro-batch's
 # saved tensors 3.0 GB, one lm-head chunk of logits (HEAD_ROWS x Vp bf16) 0.4 GB.
+# --recompute pointwise keeps the same: the tensors above are the matmuls' and the attention's outputs and the
+# norms' inputs, and the norms' outputs and gelu(fch) are recomputed at none already, so that none and
+# pointwise are one level here. --recompute block keeps each layer's res and lse alone (1.55 MiB of the 15.05)
+# and the backward reruns the layer's forward from them (gpt2_block_forward) just before the layer's
+# backward: one layer's tensors exist at a time, for a second forward of the blocks.
+
+def kept_for_backward(saved, cfg):
+    """What a block keeps for its backward of what its forward made for it (`saved`, {name: tensor}, both
+    recipes naming the block's input res and its attention's row logsumexp lse): all of it at --recompute
+    none and pointwise, res and lse alone at block (the backward reruns the block from res; lse, a 1/D of
+    res, is kept as issue 35 asks and the backward reads it rather than the rerun's equal copy)."""
+    return {k: saved[k] for k in ("res", "lse")} if cfg.recompute == "block" else saved
+
+
+def gpt2_block_forward(w, l, res, h, shape, cfg, ops):
+    """Layer l from its input res (N, C) and ln_1's output h (N, C), (B, T) = shape, up to its MLP's
+    activation: returns (what its backward reads: res, qkv, atty, lse, res2, fch; gelu(fch) (N, 4C)). The
+    forward runs it once; at --recompute block the backward runs it again, the same ops on the same input."""
+    B, T = shape
+    C = cfg.n_embd
+    qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
+    atty, lse = ops.attention_forward(qkv.view(B, T, 3 * C), cfg.n_head)  # (B, T, C), (B, H, T) fp32
+    h = ops.matmul_forward(atty.view(B * T, C), w["attn.c_proj.w"][l], w["attn.c_proj.b"][l])  # (N, C)
+    res2, h, _, _ = ops.residual_layernorm_forward(res, h, w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C) x2
+    h, fch = ops.matmul_gelu_forward(h, w["c_fc.w"][l], w["c_fc.b"][l])  # (N, 4C) x2
+    return dict(res=res, qkv=qkv, atty=atty, lse=lse, res2=res2, fch=fch), h
+
+
+def gpt2_block_rerun(w, l, kept, shape, cfg, ops):
+    """--recompute block: layer l's forward again from what it kept (kept_for_backward), just before its
+    backward, with ln_1's output recomputed from res as the fused kernel of the layer before made it: the
+    same ops on the same input, so what its backward reads (gpt2_block_forward's dict), bit for bit."""
+    h, _, _ = ops.layernorm_forward(kept["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
+    saved, _ = gpt2_block_forward(w, l, kept["res"], h, shape, cfg, ops)  # {name: tensor}
+    return {**saved, "lse": kept["lse"]}
+
 
 def gpt2_forward(w, idx, cfg, ops, acts=None):
     """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
-    head's input. With a list `acts`, every layer appends what its backward needs (see above) and a last
-    entry holds the final residual and ln_f's statistics; without, nothing outlives its use."""
+    head's input. With a list `acts`, every layer appends what its backward needs (see above; at
+    --recompute block only its input and lse: kept_for_backward) and a last entry holds the final residual
+    and ln_f's statistics; without, nothing outlives its use."""
     B, T = idx.shape
-    C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
+    C, L = cfg.n_embd, cfg.n_layer
     res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
     h, _, _ = ops.layernorm_forward(res, w["ln_1.w"][0], w["ln_1.b"][0])  # (N, C)
     for l in range(L):
-        qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
-        atty, lse = ops.attention_forward(qkv.view(B, T, 3 * C), H)  # (B, T, C), (B, H, T) fp32
-        h = ops.matmul_forward(atty.view(B * T, C), w["attn.c_proj.w"][l], w["attn.c_proj.b"][l])  # (N, C)
-        res2, h, _, _ = ops.residual_layernorm_forward(res, h, w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C) x2
-        h, fch = ops.matmul_gelu_forward(h, w["c_fc.w"][l], w["c_fc.b"][l])  # (N, 4C) x2
+        saved, h = gpt2_block_forward(w, l, res, h, (B, T), cfg, ops)  # {name: tensor}, (N, 4C)
         h = ops.matmul_forward(h, w["mlp.c_proj.w"][l], w["mlp.c_proj.b"][l])  # (N, C)
         # the residual add closing this layer is fused with the LayerNorm opening the next (or ln_f)
         ln_w, ln_b = (w["ln_1.w"][l + 1], w["ln_1.b"][l + 1]) if l + 1 < L else (w["ln_f.w"], w["ln_f.b"])
-        res3, h, mean, rstd = ops.residual_layernorm_forward(res2, h, ln_w, ln_b)  # (N, C) x2, (N,) x2
+        res, h, mean, rstd = ops.residual_layernorm_forward(saved["res2"], h, ln_w, ln_b)  # (N, C) x2, (N,) x2
         if acts is not None:
-            acts.append(dict(res=res, qkv=qkv, atty=atty, lse=lse, res2=res2, fch=fch))
-        res = res3  # (N, C)
+            acts.append(kept_for_backward(saved, cfg))
+        del saved  # at --recompute block all but res and lse, freed before the next layer allocates its own
     if acts is not None:
         acts.append(dict(res=res, mean=mean, rstd=rstd))
     return h  # (N, C) ln_f's output
@@ -722,7 +755,8 @@ def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS)
 def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
     """The forward in reverse, from dh (N, C), the gradient of ln_f's output: ln_f, then per layer the MLP
     and the attention, then the embedding. Pops each layer's saved tensors off `acts` as it goes, so their
-    memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed."""
+    memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed;
+    at --recompute block, each layer's forward reruns from what it kept just before its backward."""
     B, T = idx.shape
     C, H = cfg.n_embd, cfg.n_head
     g = grads
@@ -731,6 +765,8 @@ def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
                                   g["ln_f.b"])  # (N, C) gradient of the residual stream
     for l in reversed(range(cfg.n_layer)):
         a = acts.pop()
+        if cfg.recompute == "block":
+            a = gpt2_block_rerun(w, l, a, (B, T), cfg, ops)
         # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2))))
         ln, mean, rstd = ops.layernorm_forward(a["res2"], w["ln_2.w"][l], w["ln_2.b"][l])  # (N, C)
         dgelu = ops.matmul_backward(dres, ops.gelu_forward(a["fch"]), w["mlp.c_proj.w"][l],
@@ -749,6 +785,8 @@ def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
                                   g["c_attn.b"][l])  # (N, C)
         dres = ops.layernorm_backward(dln, a["res"], w["ln_1.w"][l], mean, rstd, g["ln_1.w"][l],
                                       g["ln_1.b"][l], dres=dres)  # (N, C)
+        # the layer's saved tensors and its gradients (14 C per token), freed before the next layer's rerun
+        del a, ln, mean, rstd, dgelu, dfch, dln, datty, dqkv
     ops.encoder_backward(dres.view(B, T, C), idx, g["wte"], g["wpe"])
 
 
@@ -1142,14 +1180,44 @@ def speedrun_ops(backend):
 # in channels of the residual stream: res (C), q and k before their norm (C each), v (C), the attention's
 # output y (C) and its row logsumexp, res2 (C) and the MLP's pre-activation (4C): 10 C, as GPT-2's. The
 # norms' outputs, the rotated q and k and relu(pre)^2 are recomputed by the backward; the embedding's
-# rows and the final residual with their norms' statistics are kept once.
+# rows and the final residual with their norms' statistics are kept once. So --recompute pointwise keeps
+# what none keeps, as in GPT-2; block keeps res and lse alone and reruns the block (speedrun_block_rerun).
+
+def speedrun_block_forward(w, l, res, h, shape, cfg, ops):
+    """Block l from its input res (N, C) and norm1's output h (N, C), (B, T) = shape, up to its MLP's
+    activation: returns (what its backward reads: res, q, k, v, y, lse, res2, pre; relu(pre)^2 (N, 4C)).
+    The forward runs it once; at --recompute block the backward runs it again (speedrun_block_rerun)."""
+    B, T = shape
+    C, H, D = cfg.n_embd, cfg.n_embd // HEAD_DIM, HEAD_DIM
+    eps = torch.finfo(res.dtype).eps
+    b = {k[len(f"blocks.{l}."):]: t for k, t in w.items() if k.startswith(f"blocks.{l}.")}
+    q, k, v = (ops.matmul_forward(h, b[f"attn.{n}.weight"], b[f"attn.{n}.bias"]) for n in "qkv")  # (N, C) each
+    qr, _ = ops.qk_norm_rotary_forward(q.view(B, T, H, D), eps)  # (B, T, H, D)
+    kr, _ = ops.qk_norm_rotary_forward(k.view(B, T, H, D), eps)  # (B, T, H, D)
+    y, lse = ops.scaled_attention_forward(qr, kr, v.view(B, T, H, D), ATTN_SCALE)  # (B, T, C), (B, H, T)
+    del qr, kr  # the backward recomputes them
+    h = ops.matmul_forward(y.view(B * T, C), b["attn.proj.weight"], b["attn.proj.bias"])  # (N, C)
+    res2, h, _ = ops.residual_rmsnorm_forward(res, h, b["norm2.gains"], eps)  # (N, C) x2
+    h, pre = ops.matmul_relu2_forward(h, b["mlp.fc.weight"], b["mlp.fc.bias"])  # (N, 4C) x2
+    return dict(res=res, q=q, k=k, v=v, y=y, lse=lse, res2=res2, pre=pre), h
+
+
+def speedrun_block_rerun(w, l, kept, shape, cfg, ops):
+    """--recompute block: block l's forward again from what it kept (kept_for_backward), just before its
+    backward, with norm1's output recomputed from res as the fused kernel of the block before made it: the
+    same ops on the same input, so what its backward reads (speedrun_block_forward's dict), bit for bit."""
+    h, _ = ops.rmsnorm_forward(kept["res"], w[f"blocks.{l}.norm1.gains"], torch.finfo(kept["res"].dtype).eps)
+    saved, _ = speedrun_block_forward(w, l, kept["res"], h, shape, cfg, ops)  # {name: tensor}
+    return {**saved, "lse": kept["lse"]}
+
 
 def speedrun_forward(w, idx, cfg, ops, acts=None):
     """Embedding, its RMSNorm, the L blocks and the final RMSNorm for token ids idx (B, T): returns the
     final norm's output (B*T, C), the head's input. RMSNorm's eps is the compute dtype's machine epsilon
-    (the reference's F.rms_norm default). With a list `acts`, what the backward needs (see above)."""
+    (the reference's F.rms_norm default). With a list `acts`, what the backward needs (see above; at
+    --recompute block only each block's input and lse: kept_for_backward)."""
     B, T = idx.shape
-    C, L, H, D = cfg.n_embd, cfg.n_layer, cfg.n_embd // HEAD_DIM, HEAD_DIM
+    C, L = cfg.n_embd, cfg.n_layer
     emb = ops.embedding_forward(idx, w["embed.weight"]).view(B * T, C)  # (N, C)
     eps = torch.finfo(emb.dtype).eps
     res, rstd = ops.rmsnorm_forward(emb, w["norm1.gains"], eps)  # (N, C) residual stream, (N,)
@@ -1157,22 +1225,14 @@ def speedrun_forward(w, idx, cfg, ops, acts=None):
         acts.append(dict(emb=emb, rstd=rstd))
     h, _ = ops.rmsnorm_forward(res, w["blocks.0.norm1.gains"], eps)  # (N, C)
     for l in range(L):
-        b = {k[len(f"blocks.{l}."):]: t for k, t in w.items() if k.startswith(f"blocks.{l}.")}
-        q, k, v = (ops.matmul_forward(h, b[f"attn.{n}.weight"], b[f"attn.{n}.bias"])
-                   for n in "qkv")  # (N, C) each
-        qr, _ = ops.qk_norm_rotary_forward(q.view(B, T, H, D), eps)  # (B, T, H, D)
-        kr, _ = ops.qk_norm_rotary_forward(k.view(B, T, H, D), eps)  # (B, T, H, D)
-        y, lse = ops.scaled_attention_forward(qr, kr, v.view(B, T, H, D), ATTN_SCALE)  # (B, T, C), (B, H, T)
-        h = ops.matmul_forward(y.view(B * T, C), b["attn.proj.weight"], b["attn.proj.bias"])  # (N, C)
-        res2, h, _ = ops.residual_rmsnorm_forward(res, h, b["norm2.gains"], eps)  # (N, C) x2
-        h, pre = ops.matmul_relu2_forward(h, b["mlp.fc.weight"], b["mlp.fc.bias"])  # (N, 4C) x2
-        h = ops.matmul_forward(h, b["mlp.proj.weight"], b["mlp.proj.bias"])  # (N, C)
+        saved, h = speedrun_block_forward(w, l, res, h, (B, T), cfg, ops)  # {name: tensor}, (N, 4C)
+        h = ops.matmul_forward(h, w[f"blocks.{l}.mlp.proj.weight"], w[f"blocks.{l}.mlp.proj.bias"])  # (N, C)
         # the residual add closing this block is fused with the norm opening the next (or the final one)
         gains = w[f"blocks.{l + 1}.norm1.gains"] if l + 1 < L else w["norm2.gains"]
-        res3, h, rstd = ops.residual_rmsnorm_forward(res2, h, gains, eps)  # (N, C) x2, (N,)
+        res, h, rstd = ops.residual_rmsnorm_forward(saved["res2"], h, gains, eps)  # (N, C) x2, (N,)
         if acts is not None:
-            acts.append(dict(res=res, q=q, k=k, v=v, y=y, lse=lse, res2=res2, pre=pre))
-        res = res3  # (N, C)
+            acts.append(kept_for_backward(saved, cfg))
+        del saved  # at --recompute block all but res and lse, freed before the next block allocates its own
     if acts is not None:
         acts.append(dict(res=res, rstd=rstd))
     return h  # (N, C) the final norm's output
@@ -1197,7 +1257,8 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
     """speedrun_forward in reverse, from dh (N, C), the gradient of the final norm's output: that norm,
     then per block the MLP and the attention, then the embedding's norm and the embedding. Pops each
     block's saved tensors off `acts` as it goes; the norms' outputs, the rotated q and k and relu(pre)^2
-    are recomputed."""
+    are recomputed; at --recompute block, each block's forward reruns from what it kept just before its
+    backward."""
     B, T = idx.shape
     C, H, D = cfg.n_embd, cfg.n_embd // HEAD_DIM, HEAD_DIM
     a = acts.pop()
@@ -1205,6 +1266,8 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
     dres = ops.rmsnorm_backward(dh, a["res"], w["norm2.gains"], a["rstd"], grads["norm2.gains"])  # (N, C)
     for l in reversed(range(cfg.n_layer)):
         a = acts.pop()
+        if cfg.recompute == "block":
+            a = speedrun_block_rerun(w, l, a, (B, T), cfg, ops)
         b, g = ({k[len(f"blocks.{l}."):]: t for k, t in d.items() if k.startswith(f"blocks.{l}.")}
                 for d in (w, grads))
         # MLP: res3 = res2 + proj(relu(fc(norm2(res2)))^2)
@@ -1232,6 +1295,8 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
                                                  g[f"attn.{n}.weight"], g[f"attn.{n}.bias"]))  # (N, C)
         dres = ops.rmsnorm_backward(dh, a["res"], b["norm1.gains"], rstd, g["norm1.gains"],
                                     dres=dres)  # (N, C)
+        # the block's saved tensors and its gradients (16 C per token), freed before the next block's rerun
+        del a, h, rstd, dr, dpre, dh, dy, q, k, qr, rq, kr, rk, dq, dk, dv, d
     a = acts.pop()
     demb = ops.rmsnorm_backward(dres, a["emb"], w["norm1.gains"], a["rstd"], grads["norm1.gains"])  # (N, C)
     ops.embedding_backward(demb.view(B, T, C), idx, grads["embed.weight"])
