@@ -168,6 +168,7 @@ class Recipe:
     model_name: str       # the start line's name of the model
     table: str            # the embedding that only gathers rows: no flops counted for it
     optimizers: str       # the start line's name of the optimizers
+    activation_bytes: Callable  # cfg -> bytes one micro-batch's activations hold per device at cfg.recompute
     # the Triton trainer's own
     ops: Callable         # backend name -> its op namespace: OP_NAMES' ops and the recipe's own
     forward: Callable     # (w, idx, cfg, ops, acts=None) -> the head's input (B*T, C), acts what backward needs
@@ -889,12 +890,31 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     return loss.item(), norm.item()  # the step's one wait for the device
 
 
+def gpt2_activation_bytes(cfg):
+    """GPT-2's Recipe.activation_bytes: the bytes that one micro-batch's saved tensors (gpt2_forward's
+    `acts`, and at --recompute block the layer rerun) hold at their peak, which none and pointwise reach at
+    the forward's end, block at the first rerun (ln_f's tensors freed by then): per token, times B*T."""
+    C, H, L, x = cfg.n_embd, cfg.n_head, cfg.n_layer, compute_dtype(cfg).itemsize
+    kept = (C * x    # res (N, C): the layer's input
+            + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
+    rest = (3 * C * x  # qkv (N, 3C): the attention's input projection
+            + C * x    # atty (N, C): the attention's output
+            + C * x    # res2 (N, C): the residual stream after the attention
+            + 4 * C * x)  # fch (N, 4C): the MLP's pre-activation
+    if cfg.recompute == "block":
+        per_token = L * kept + rest  # every layer's res and lse, one layer's rest
+    else:
+        per_token = (L * (kept + rest)
+                     + C * x + 8)  # the final residual (N, C), ln_f's mean and rstd (N,) fp32
+    return cfg.batch_size * cfg.seq_len * per_token
+
+
 RECIPES = {"gpt2": Recipe(
     help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
     shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
     model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
     read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
-    optimizers="AdamW",
+    optimizers="AdamW", activation_bytes=gpt2_activation_bytes,
     ops=gpt2_ops, forward=gpt2_forward, backward=gpt2_backward, head=("wte", None), loss=gpt2_loss,
     logits=lambda z: z, summed=False, update=gpt2_update,
     test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
@@ -1526,6 +1546,27 @@ def read_speedrun_file(path):
 
 # -- training step
 
+def speedrun_activation_bytes(cfg):
+    """The speedrun recipe's Recipe.activation_bytes: the bytes that one micro-batch's saved tensors
+    (speedrun_forward's `acts`, and at --recompute block the block rerun) hold at their peak, which none and
+    pointwise reach at the forward's end, block at the first rerun (the final norm's tensors freed by then,
+    the embedding's still kept): per token, times B*T."""
+    C, H, L, x = cfg.n_embd, cfg.n_embd // HEAD_DIM, cfg.n_layer, compute_dtype(cfg).itemsize
+    kept = (C * x    # res (N, C): the block's input
+            + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
+    rest = (3 * C * x  # q, k, v (N, C) each: the projections, before q's and k's norm and rotary
+            + C * x    # y (N, C): the attention's output
+            + C * x    # res2 (N, C): the residual stream after the attention
+            + 4 * C * x)  # pre (N, 4C): the MLP's pre-activation
+    embedding = C * x + 4  # emb (N, C): the embedding's rows, and its norm's rstd (N,) fp32
+    if cfg.recompute == "block":
+        per_token = embedding + L * kept + rest  # every block's res and lse, one block's rest
+    else:
+        per_token = (embedding + L * (kept + rest)
+                     + C * x + 4)  # the final residual (N, C) and its norm's rstd (N,) fp32
+    return cfg.batch_size * cfg.seq_len * per_token
+
+
 RECIPES["speedrun"] = Recipe(
     help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
     f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
@@ -1537,6 +1578,7 @@ RECIPES["speedrun"] = Recipe(
     file_kind="a safetensors file of the reference's state_dict (.safetensors)",
     is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
     model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    activation_bytes=speedrun_activation_bytes,
     ops=speedrun_ops, forward=speedrun_forward, backward=speedrun_backward,
     head=("proj.weight", "proj.bias"), loss=speedrun_loss, logits=speedrun_logits, summed=True,
     update=speedrun_update,
