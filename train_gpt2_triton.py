@@ -572,13 +572,15 @@ def compute_dtype(cfg):
 # norms' inputs, and the norms' outputs and gelu(fch) are recomputed at none already, so that none and
 # pointwise are one level here. --recompute block keeps each layer's res and lse alone (1.55 MiB of the 15.05)
 # and the backward reruns the layer's forward from them (gpt2_block_forward) just before the layer's
-# backward: one layer's tensors exist at a time, for a second forward of the blocks.
+# backward: one layer's tensors exist at a time, at the cost of a second forward of the layers up to their
+# MLP's activation (8 of the 12 C^2 multiply-adds per token of their matmuls, and the attention's forward).
 
 def kept_for_backward(saved, cfg):
     """What a block keeps for its backward of what its forward made for it (`saved`, {name: tensor}, both
     recipes naming the block's input res and its attention's row logsumexp lse): all of it at --recompute
-    none and pointwise, res and lse alone at block (the backward reruns the block from res; lse, a 1/D of
-    res, is kept as issue 35 asks and the backward reads it rather than the rerun's equal copy)."""
+    none and pointwise, res and lse alone at block (the backward reruns the block from res; lse, H fp32 per
+    token beside res's C, is kept as issue 35 asks, and the backward reads it rather than the rerun's equal
+    copy)."""
     return {k: saved[k] for k in ("res", "lse")} if cfg.recompute == "block" else saved
 
 
@@ -1215,7 +1217,7 @@ def speedrun_block_forward(w, l, res, h, shape, cfg, ops):
     qr, _ = ops.qk_norm_rotary_forward(q.view(B, T, H, D), eps)  # (B, T, H, D)
     kr, _ = ops.qk_norm_rotary_forward(k.view(B, T, H, D), eps)  # (B, T, H, D)
     y, lse = ops.scaled_attention_forward(qr, kr, v.view(B, T, H, D), ATTN_SCALE)  # (B, T, C), (B, H, T)
-    del qr, kr  # the backward recomputes them
+    del qr, kr  # freed before the MLP allocates: the backward recomputes them
     h = ops.matmul_forward(y.view(B * T, C), b["attn.proj.weight"], b["attn.proj.bias"])  # (N, C)
     res2, h, _ = ops.residual_rmsnorm_forward(res, h, b["norm2.gains"], eps)  # (N, C) x2
     h, pre = ops.matmul_relu2_forward(h, b["mlp.fc.weight"], b["mlp.fc.bias"])  # (N, 4C) x2
