@@ -415,7 +415,9 @@ def recomputed(block_fn, cfg):
         # the rerun's inputs are made to depend on this block's dy, by adding -0.0 (times one element of
         # dy), which leaves every value as it is: XLA's CPU pipeline drops optimization barriers and
         # would run the rerun as soon as its inputs exist, in the forward, keeping all it makes (as none).
-        # A NaN or inf there makes every gradient NaN, where the step's grad norm is non-finite anyway.
+        # The weights too: XLA's CPU backend writes broadcasts of the norms' gains out (B,T,C). With the
+        # batch split over devices that element costs one scalar all-reduce per block; a NaN or inf there
+        # makes every gradient NaN, where the step's grad norm is non-finite anyway.
         after_dy = -0.0 * jnp.abs(dy.ravel()[0])                                  # ()
         return jax.tree.map(lambda r: r + after_dy.astype(r.dtype), vjp)(dy)
 
