@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import distributed as jax_distributed
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -152,6 +153,7 @@ class Recipe:
     model_name: str       # the start line's name of the model
     table: str            # the embedding that only gathers rows: no flops counted for it
     optimizers: str       # the start line's name of the optimizers
+    activation_bytes: Callable  # cfg -> bytes one micro-batch's activations hold per device at cfg.recompute
     # JAX's own
     token_losses: Callable  # (params, x, y, cfg) -> per-token losses (B,T) fp32
     summed: bool            # the step's gradient is of the summed token losses (else of their mean)
@@ -349,8 +351,9 @@ cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def linear(x, w, b):
-    """x (..., in) @ w (out, in).T + b (out): llm.c's / torch's Linear layout."""
-    return x @ w.T + b                                                             # (..., out)
+    """x (..., in) @ w (out, in).T + b (out): llm.c's / torch's Linear layout; the output is named
+    "matmul" for --recompute pointwise (RECOMPUTE_POLICIES)."""
+    return checkpoint_name(x @ w.T + b, "matmul")                                  # (..., out)
 
 
 def attention(q, k, v, cfg):
@@ -361,7 +364,7 @@ def attention(q, k, v, cfg):
     q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))                           # (B,T,H,D) each
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                      implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
-    return y.reshape(B, T, C)                                                      # (B,T,C)
+    return checkpoint_name(y.reshape(B, T, C), "attention")                        # (B,T,C)
 
 
 def block(x, lp, cfg):
@@ -382,6 +385,46 @@ def block(x, lp, cfg):
     return x + linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                  # (B,T,C)
 
 
+# --recompute as the jax.checkpoint policy around each block (both recipes): what the policy saves is
+# kept for the backward, the rest of the block's forward reruns there, one block at a time. none: no
+# checkpoint (autodiff keeps what its backward reads); pointwise: the values named "matmul" (linear's
+# outputs) and "attention" (the attention's output), so the norms, the rotary and the MLP's activation
+# rerun, and so does the attention's softmax (from the kept q and k) where XLA's kernel kept its scores
+# (cuDNN's forward reruns for its row logsumexp, which has no name); block: nothing, so only each block's
+# input stays (the argument of the checkpoint)
+RECOMPUTE_POLICIES = {"none": None,
+                      "pointwise": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
+                      "block": jax.checkpoint_policies.nothing_saveable}
+
+
+def recomputed(block_fn, cfg):
+    """block_fn(x, weights) -> x with its backward keeping what cfg.recompute keeps (RECOMPUTE_POLICIES)."""
+    policy = RECOMPUTE_POLICIES[cfg.recompute]
+    if policy is None:
+        return block_fn
+    checkpointed = jax.checkpoint(block_fn, policy=policy)
+
+    @jax.custom_vjp
+    def layer(x, weights):
+        return checkpointed(x, weights)
+
+    def layer_fwd(x, weights):
+        return jax.vjp(checkpointed, x, weights)  # the vjp's leaves: what the policy keeps
+
+    def layer_bwd(vjp, dy):
+        # the rerun's inputs are made to depend on this block's dy, by adding -0.0 (times one element of
+        # dy), which leaves every value as it is: XLA's CPU pipeline drops optimization barriers and
+        # would run the rerun as soon as its inputs exist, in the forward, keeping all it makes (as none).
+        # The weights too: XLA's CPU backend writes broadcasts of the norms' gains out (B,T,C). With the
+        # batch split over devices that element costs one scalar all-reduce per block; a NaN or inf there
+        # makes every gradient NaN, where the step's grad norm is non-finite anyway.
+        after_dy = -0.0 * jnp.abs(dy.ravel()[0])                                  # ()
+        return jax.tree.map(lambda r: r + after_dy.astype(r.dtype), vjp)(dy)
+
+    layer.defvjp(layer_fwd, layer_bwd)
+    return layer
+
+
 def transformer(params, idx, cfg):
     """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype. Tensors that are
     not in the compute dtype yet (fp32 masters) are cast here."""
@@ -394,11 +437,12 @@ def transformer(params, idx, cfg):
     pos = jnp.broadcast_to(jnp.arange(T), idx.shape)                                # (B,T)
     x = (jnp.take(params["wte"], idx, axis=0) + jnp.take(params["wpe"], pos, axis=0)).astype(dt)  # (B,T,C)
     layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
+    layer = recomputed(lambda x, lp: block(x, lp, cfg), cfg)
     if cfg.scan_layers:  # one compiled block whatever the depth; activations pass through (L, ...) stacks
-        x, _ = jax.lax.scan(lambda x, lp: (block(x, lp, cfg), None), x, layers)  # (B,T,C)
+        x, _ = jax.lax.scan(lambda x, lp: (layer(x, lp), None), x, layers)       # (B,T,C)
     else:  # unrolled: XLA sees every layer's activations as plain buffers
         for l in range(cfg.n_layer):
-            x = block(x, {k: w[l] for k, w in layers.items()}, cfg)               # (B,T,C)
+            x = layer(x, {k: w[l] for k, w in layers.items()})                    # (B,T,C)
     return layernorm(x, params["ln_f.w"].astype(dt), params["ln_f.b"].astype(dt))  # (B,T,C)
 
 
@@ -586,12 +630,51 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     return params, m, v, cast_copies(params, copies, cfg), loss, norm
 
 
+def attention_bytes(cfg, n_head):
+    """Bytes that one block's attention keeps for its backward beyond q, k, v and its output, with nothing
+    recomputed: XLA's kernel keeps its (B,H,T,T) scores, cuDNN's (--attn cudnn, or auto in bf16: a GPU's
+    choice) only its row logsumexp, which activation_bytes leaves out with the other row statistics."""
+    if cfg.attn == "cudnn" or (cfg.attn == "auto" and cfg.dtype == "bf16"):
+        return 0
+    scores = cfg.batch_size * n_head * cfg.seq_len**2                               # B*H*T*T
+    # the causal mask (bool), the masked scores and their exp (fp32), the probabilities (compute dtype)
+    return scores * (1 + 4 + 4 + jnp.dtype(compute_dtype(cfg)).itemsize)
+
+
+def gpt2_activation_bytes(cfg):
+    """What one micro-batch's saved activations hold at the backward's start, per device: autodiff's
+    residuals (jax.ad_checkpoint.print_saved_residuals lists them) at cfg.recompute, in bytes. Row
+    statistics ((B,T) means and rstds, (B,H,T) row sums), under 1% of it, are left out."""
+    N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
+    block = {  # per block
+        "none": (N * C * d                   # ln_1's input x (B,T,C)
+                 + N * C * d                 # ln_1's output (B,T,C), c_attn's input (the barrier's 3 are one)
+                 + 3 * N * C * d             # q, k, v (B,T,C)
+                 + attention_bytes(cfg, cfg.n_head)
+                 + N * C * d                 # the attention's output (B,T,C), attn.c_proj's input
+                 + N * C * d                 # ln_2's input (B,T,C)
+                 + N * C * d                 # ln_2's output (B,T,C), c_fc's input
+                 + N * 4 * C * d             # c_fc's output (B,T,4C), GELU's input
+                 + N * 4 * C * d),           # GELU's output (B,T,4C), mlp.c_proj's input
+        "pointwise": (N * C * d              # the block's input x (B,T,C)
+                      + 3 * N * C * d        # q, k, v (B,T,C)
+                      + N * C * d            # the attention's output (B,T,C)
+                      + N * C * d            # attn.c_proj's output (B,T,C): with x, ln_2's input
+                      + N * 4 * C * d),      # c_fc's output (B,T,4C)
+        "block": N * C * d,                  # the block's input x (B,T,C)
+    }[cfg.recompute]
+    head = (N * C * d                        # ln_f's input (B,T,C)
+            + N * C * d                      # ln_f's output (B,T,C), the lm head's input
+            + N * cfg.padded_vocab_size * d)  # the logits (B,T,Vp), the cross-entropy's backward's input
+    return cfg.n_layer * block + head
+
+
 RECIPES = {"gpt2": Recipe(
     help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
     shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
     model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
     read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
-    optimizers="AdamW",
+    optimizers="AdamW", activation_bytes=gpt2_activation_bytes,
     token_losses=token_losses, summed=False, scalars=adam_scalars,
     update=lambda params, grads, m, v, scalars, cfg, layout: adamw_update(params, grads, m, v, scalars, cfg),
     embeddings=EMBEDDINGS, next_logits=next_logits, scan_layers=True)}
@@ -713,7 +796,8 @@ def speedrun_block(x, params, layer, cfg):
     q, k = (rotary(rms_norm(t, None, eps)) for t in (q, k))                        # (B,T,H,D) each
     y = jax.nn.dot_product_attention(q, k, v, scale=ATTN_SCALE, is_causal=True,
                                      implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
-    x = x + linear(y.reshape(B, T, C), w["attn.proj.weight"], w["attn.proj.bias"])  # (B,T,C)
+    y = checkpoint_name(y.reshape(B, T, C), "attention")                           # (B,T,C)
+    x = x + linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                 # (B,T,C)
     h = rms_norm(x, w["norm2.gains"], eps)                                         # (B,T,C)
     h = jnp.square(jax.nn.relu(linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"])))  # (B,T,4C)
     return x + linear(h, w["mlp.proj.weight"], w["mlp.proj.bias"])                # (B,T,C)
@@ -727,8 +811,9 @@ def speedrun_transformer(params, idx, cfg):
     # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
     x = jnp.take(params["embed.weight"], idx, axis=0).astype(dt)                  # (B,T,C)
     x = rms_norm(x, params["norm1.gains"], eps)                                    # (B,T,C)
-    for layer in range(cfg.n_layer):
-        x = speedrun_block(x, params, layer, cfg)                                  # (B,T,C)
+    for layer in range(cfg.n_layer):  # each block sees its own weights: --recompute checkpoints it alone
+        weights = {k: p for k, p in params.items() if k.startswith(f"blocks.{layer}.")}
+        x = recomputed(partial(speedrun_block, layer=layer, cfg=cfg), cfg)(x, weights)  # (B,T,C)
     return rms_norm(x, params["norm2.gains"], eps)                                 # (B,T,C)
 
 
@@ -1038,6 +1123,36 @@ def read_speedrun_file(path):
 
 # -- training step
 
+def speedrun_activation_bytes(cfg):
+    """gpt2_activation_bytes' count for the speedrun model: autodiff's residuals at cfg.recompute."""
+    N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
+    # an RMSNorm with gains keeps its input in fp32 (an fp32 copy where the compute dtype is bf16), 2x
+    # (x^2's derivative) and the normalized x, fp32 (B,T,C) each, and its output (B,T,C), a matmul's input
+    norm = N * C * (3 * 4 + d)
+    block = {  # per block
+        "none": (norm                        # norm1 (its input: the block's input)
+                 + 2 * N * C * 2 * 4         # q's and k's RMSNorms: the input in fp32 and 2x (B,T,H,D) each
+                 + N * C * d                 # v (B,T,H,D)
+                 + 2 * N * C * d             # q and k after the rotary (B,T,H,D), the attention's inputs
+                 + attention_bytes(cfg, C // HEAD_DIM)
+                 + N * C * d                 # the attention's output (B,T,C), attn.proj's input
+                 + norm                      # norm2
+                 + N * 4 * C * (1 + 2 * d)),  # ReLU^2: ReLU's mask (bool), 2 ReLU(h) and the output (B,T,4C)
+        "pointwise": (N * C * d              # the block's input x (B,T,C)
+                      + 3 * N * C * d        # q, k, v (B,T,C)
+                      + N * C * d            # the attention's output (B,T,C)
+                      + N * C * d            # attn.proj's output (B,T,C): with x, norm2's input
+                      + N * 4 * C * d),      # mlp.fc's output (B,T,4C)
+        "block": N * C * d,                  # the block's input x (B,T,C)
+    }[cfg.recompute]
+    head = (N * C * 3 * 4                    # the embedding's RMSNorm, less its output (block 0's input)
+            + norm                           # the final RMSNorm
+            # the head's logits before the cap, the cap's rsqrt and the softmax's exp (B,T,Vp) fp32 each: what
+            # XLA keeps of autodiff's five (the cap's two products are recomputed inside their consumers)
+            + 3 * N * cfg.padded_vocab_size * 4)
+    return cfg.n_layer * block + head
+
+
 RECIPES["speedrun"] = Recipe(
     help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
     f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
@@ -1049,6 +1164,7 @@ RECIPES["speedrun"] = Recipe(
     file_kind="a safetensors file of the reference's state_dict (.safetensors)",
     is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
     model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    activation_bytes=speedrun_activation_bytes,
     token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars,
     update=lambda params, grads, m, v, scalars, cfg, layout: speedrun_update(params, grads, m, v, scalars,
                                                                              cfg, layout["matrices"]),
