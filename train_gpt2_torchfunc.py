@@ -16,7 +16,7 @@ Map: the file's sections, in order. Delete `Recipe: speedrun` and GPT-2 trains a
     GPT-2: config                          Config, the Recipe row type, this trainer's own flags
     GPT-2: model                           shapes, init, the forward, --recompute's reruns, llm.c's model file
     GPT-2: AdamW and the lr schedule       llm.c's cosine schedule, AdamW, clipping
-    GPT-2: training step                   micro-batch gradients, the step, activation bytes, GPT-2's row of RECIPES
+    GPT-2: training step                   micro-batch gradients, the step, activation bytes, RECIPES' row
     Recipe: speedrun                       modded-nanogpt's baseline: model, Muon, model files, its row
     Flags and recipe lookups               parse_args, and what the rest of the file asks of a recipe
     Data                                   llm.c's token shards and the loader
