@@ -299,11 +299,19 @@ class LinearsAfter(torch.autograd.Function):
         return None, None, None, *pre_vjp(dh), *grads
 
 
+def differentiated(tensors):
+    """Whether autograd records what is computed from tensors: grad mode on, and one of them requires grad.
+    Else no backward comes to rerun anything for (and Dynamo, tracing an autograd.Function whose inputs
+    need no gradient, would call its forward with a ctx first)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def linears(pre, x, pre_args, pairs, cfg):
     """[F.linear(pre(x, *pre_args), w, b) for (w, b) in pairs]; at --recompute pointwise the backward
     recomputes pre's output instead of keeping it (LinearsAfter)."""
-    if cfg.recompute == "pointwise":
-        return LinearsAfter.apply(pre, cfg, len(pre_args), x, *pre_args, *[t for pair in pairs for t in pair])
+    tensors = [x, *pre_args, *[t for pair in pairs for t in pair]]
+    if cfg.recompute == "pointwise" and differentiated(tensors):
+        return LinearsAfter.apply(pre, cfg, len(pre_args), *tensors)
     h = pre(x, *pre_args)                                                          # (B,T,Cin)
     return [F.linear(h, w, b) for w, b in pairs]                                   # (B,T,Cout) each
 
@@ -311,7 +319,7 @@ def linears(pre, x, pre_args, pairs, cfg):
 def recomputed(f, cfg, level, acts, weights=()):
     """f(*acts, *weights); at --recompute `level` it keeps only its arguments, and the backward reruns f
     (Recomputed)."""
-    if cfg.recompute == level:
+    if cfg.recompute == level and differentiated([*acts, *weights]):
         return Recomputed.apply(f, cfg, len(acts), *acts, *weights)
     return f(*acts, *weights)
 

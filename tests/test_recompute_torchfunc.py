@@ -80,9 +80,12 @@ def test_compiled_levels_give_eager_gradients(recipe, one_thread):
     """torch.compile (fullgraph; AOTAutograd's graph run op by op, as backend aot_eager does) traces
     pointwise's and block's autograd.Functions, their torch.func reruns and after(): one micro-batch's loss
     and every gradient equal the eager ones at that level bit for bit, and the graph that Inductor would
-    get holds each rerun's after(), which keeps Inductor from fusing the rerun into the forward's kernels."""
+    get holds each rerun's after(), which keeps Inductor from fusing the rerun into the forward's kernels.
+    The evaluations' compiled token losses (no gradient: no rerun) are none's."""
     cfg, state = tiny(recipe, "none")
     (xs, ys), = batches(cfg, 1)
+    row = tf.RECIPES[recipe]
+    losses = row.token_losses(state["weights"], xs[0], ys[0], cfg)                  # (B,T)
     for level in LEVELS[1:]:
         at = dataclasses.replace(cfg, recompute=level)
         grads, loss = tf.grads_and_loss(state["weights"], xs[0], ys[0], 1.0, at)
@@ -99,6 +102,9 @@ def test_compiled_levels_give_eager_gradients(recipe, one_thread):
         (graph,) = graphs
         afters = [n for n in graph.graph.nodes if n.target is torch.ops.llmc.after.default]
         assert len(afters) == AFTERS[recipe][level] * cfg.n_layer, (level, len(afters))
+        torch._dynamo.reset()
+        row_losses = torch.compile(row.token_losses, fullgraph=True, backend="aot_eager")
+        assert torch.equal(row_losses(state["weights"], xs[0], ys[0], at), losses), level
 
 
 def test_a_checkpoint_resumes_at_another_level(tmp_path, one_thread):
