@@ -235,9 +235,10 @@ def attention(q, k, v, cfg):
 # keep their inputs alone and rerun a piece of the forward in the backward: Recomputed a whole function
 # (torch.func.vjp of it: a block at --recompute block), LinearsAfter the pointwise function before matmuls
 # (a norm, the MLP's activation), keeping the matmuls' input and weights and differentiating the matmuls
-# by hand. Compiled, a recomputation that reads only forward tensors would be fused into the forward's
-# kernels (Inductor merges it with the original: measured, no memory saved): after() makes it wait for
-# the incoming gradient, as jax.checkpoint's optimization barrier does.
+# by hand. Compiled, a recomputation that reads only forward tensors is fused into the forward's kernels
+# (Inductor merges it with the original; measured on the CPU at L4 C256 T512 B8, block's peak stays
+# none's 299 MB): after() makes it wait for the incoming gradient (124 MB), as jax.checkpoint's
+# optimization barrier does.
 
 @torch.library.custom_op("llmc::after", mutates_args=())
 def after(xs: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor]:
