@@ -236,8 +236,8 @@ def attention(q, k, v, cfg):
 # (torch.func.vjp of it: a block at --recompute block), LinearsAfter the pointwise function before matmuls
 # (a norm, the MLP's activation), keeping the matmuls' input and weights and differentiating the matmuls
 # by hand. Compiled, a recomputation that reads only forward tensors is fused into the forward's kernels
-# (Inductor merges it with the original; measured on the CPU at L4 C256 T512 B8, block's peak stays
-# none's 299 MB): after() makes it wait for the incoming gradient (124 MB), as jax.checkpoint's
+# (Inductor merges it with the original; measured on the CPU at L4 C256 T512 B8 Vp 512, block's peak
+# stays none's 299 MB): after() makes it wait for the incoming gradient (124 MB), as jax.checkpoint's
 # optimization barrier does.
 
 @torch.library.custom_op("llmc::after", mutates_args=())
