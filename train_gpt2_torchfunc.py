@@ -14,9 +14,9 @@ data parallel, ZeRO-1 with --zero-stage 1. Formats, flags and logs: docs/FORMATS
 
 Map: the file's sections, in order. Delete `Recipe: speedrun` and GPT-2 trains as before.
     GPT-2: config                          Config, the Recipe row type, this trainer's own flags
-    GPT-2: model                           shapes, init, the forward and its loss, llm.c's model file
+    GPT-2: model                           shapes, init, the forward, --recompute's reruns, llm.c's model file
     GPT-2: AdamW and the lr schedule       llm.c's cosine schedule, AdamW, clipping
-    GPT-2: training step                   micro-batch gradients, the step, GPT-2's row of RECIPES
+    GPT-2: training step                   micro-batch gradients, the step, activation bytes, RECIPES' row
     Recipe: speedrun                       modded-nanogpt's baseline: model, Muon, model files, its row
     Flags and recipe lookups               parse_args, and what the rest of the file asks of a recipe
     Data                                   llm.c's token shards and the loader
@@ -144,6 +144,7 @@ class Recipe:
     model_name: str       # the start line's name of the model
     table: str            # the embedding that only gathers rows: no flops counted for it
     optimizers: str       # the start line's name of the optimizers
+    activation_bytes: Callable  # cfg -> bytes one micro-batch's activations hold per device at cfg.recompute
     # torchfunc's own
     token_losses: Callable  # (params, x, y, cfg) -> per-token losses (B,T) fp32
     summed: bool            # the step's gradient is of the summed token losses (else of their mean)
@@ -227,19 +228,124 @@ def attention(q, k, v, cfg):
     return y.transpose(1, 2).reshape(B, T, C)                                      # (B,T,C)
 
 
+# --recompute. torch.utils.checkpoint (plain or selective) keeps its tensors through saved-tensor hooks,
+# which torch.func refuses ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks",
+# eager and compiled alike), and compiled, the gradient is one graph with no forward/backward split for
+# Inductor's activation_memory_budget to cut (it changes nothing). So the two autograd.Functions below
+# keep their inputs alone and rerun a piece of the forward in the backward: Recomputed a whole function
+# (torch.func.vjp of it: a block at --recompute block), LinearsAfter the pointwise function before matmuls
+# (a norm, the MLP's activation), keeping the matmuls' input and weights and differentiating the matmuls
+# by hand. Compiled, a recomputation that reads only forward tensors is fused into the forward's kernels
+# (Inductor merges it with the original; measured on the CPU at L4 C256 T512 B8 Vp 512, block's peak
+# stays none's 299 MB): after() makes it wait for the incoming gradient (124 MB), as jax.checkpoint's
+# optimization barrier does.
+
+@torch.library.custom_op("llmc::after", mutates_args=())
+def after(xs: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of xs that a compiled graph can only compute once g exists (an op opaque to Inductor)."""
+    return [x.clone() for x in xs]
+
+
+after.register_fake(lambda xs, g: [torch.empty_like(x) for x in xs])
+
+
+class Recomputed(torch.autograd.Function):
+    """f(*args) -> one tensor, keeping only args (the first n are activations, the rest weights): the
+    backward reruns f under cfg's autocast and differentiates that run (torch.func.vjp)."""
+
+    @staticmethod
+    def forward(f, cfg, n, *args):
+        return f(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.f, ctx.cfg, ctx.n = inputs[:3]
+        ctx.save_for_backward(*inputs[3:])
+
+    @staticmethod
+    def backward(ctx, g):
+        args = ctx.saved_tensors
+        with autocast(ctx.cfg, g.device):
+            f_vjp = torch.func.vjp(ctx.f, *after(args[:ctx.n], g), *args[ctx.n:])[1]  # f's output unkept
+        return None, None, None, *f_vjp(g)
+
+
+class LinearsAfter(torch.autograd.Function):
+    """[F.linear(pre(x, *pre_args), w, b) for each (w, b)] of n pre_args then the pairs, keeping x and the
+    weights, not pre's output: the backward recomputes pre(x) under cfg's autocast and differentiates the
+    matmuls as autograd does (so fp32 gives its bits), then pre (torch.func.vjp)."""
+
+    @staticmethod
+    def forward(pre, cfg, n, x, *args):
+        h = pre(x, *args[:n])                                                      # (B,T,Cin)
+        return tuple(F.linear(h, w, b) for w, b in zip(args[n::2], args[n + 1::2]))  # (B,T,Cout) each
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.pre, ctx.cfg, ctx.n = inputs[:3]
+        ctx.save_for_backward(*inputs[3:])
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, *args = ctx.saved_tensors
+        n, weights = ctx.n, args[ctx.n::2]
+        with autocast(ctx.cfg, x.device):
+            h, pre_vjp = torch.func.vjp(ctx.pre, *after([x], gs[0]), *args[:n])   # (B,T,Cin)
+        h2 = h.flatten(0, -2).to(weights[0].dtype)                                 # (BT,Cin), autocast's cast
+        gs2 = [g.flatten(0, -2) for g in gs]                                       # (BT,Cout) each
+        grads = [d for g2 in gs2 for d in (g2.t().mm(h2), g2.sum(0))]             # (Cout,Cin), (Cout,) each
+        # summed in autograd's order: the last matmul's gradient first
+        dh = functools.reduce(torch.add, [g2.mm(w).view(h.shape).to(h.dtype)
+                                          for g2, w in zip(gs2[::-1], weights[::-1])])  # (B,T,Cin)
+        return None, None, None, *pre_vjp(dh), *grads
+
+
+def differentiated(tensors):
+    """Whether autograd records what is computed from tensors: grad mode on, and one of them requires grad.
+    Else no backward comes to rerun anything for (and Dynamo, tracing an autograd.Function whose inputs
+    need no gradient, would call its forward with a ctx first)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def linears(pre, x, pre_args, pairs, cfg):
+    """[F.linear(pre(x, *pre_args), w, b) for (w, b) in pairs]; at --recompute pointwise the backward
+    recomputes pre's output instead of keeping it (LinearsAfter)."""
+    tensors = [x, *pre_args, *[t for pair in pairs for t in pair]]
+    if cfg.recompute == "pointwise" and differentiated(tensors):
+        return LinearsAfter.apply(pre, cfg, len(pre_args), *tensors)
+    h = pre(x, *pre_args)                                                          # (B,T,Cin)
+    return [F.linear(h, w, b) for w, b in pairs]                                   # (B,T,Cout) each
+
+
+def recomputed(f, cfg, level, acts, weights=()):
+    """f(*acts, *weights); at --recompute `level` it keeps only its arguments, and the backward reruns f
+    (Recomputed)."""
+    if cfg.recompute == level and differentiated([*acts, *weights]):
+        return Recomputed.apply(f, cfg, len(acts), *acts, *weights)
+    return f(*acts, *weights)
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
+
+
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
 def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's slice of the stacked weights."""
     C = cfg.n_embd
-    h = F.layer_norm(x, (C,), lp["ln_1.w"], lp["ln_1.b"], 1e-5)                   # (B,T,C)
     # q, k, v from c_attn's three row blocks: three contiguous outputs whose gradients feed the
     # matmuls as they are, where slicing one (B,T,3C) product would cost a copy of the attention's
     # three gradients into one (B,T,3C) tensor in every layer's backward
-    q, k, v = (F.linear(h, lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
-               for i in range(3))                                                  # (B,T,C) each
+    q, k, v = linears(layer_norm, x, (lp["ln_1.w"], lp["ln_1.b"]),
+                      [(lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
+                       for i in range(3)], cfg)                                    # (B,T,C) each
     x = x + F.linear(attention(q, k, v, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
-    h = F.layer_norm(x, (C,), lp["ln_2.w"], lp["ln_2.b"], 1e-5)                   # (B,T,C)
-    h = F.gelu(F.linear(h, lp["c_fc.w"], lp["c_fc.b"]), approximate="tanh")       # (B,T,4C)
-    return x + F.linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                # (B,T,C)
+    h, = linears(layer_norm, x, (lp["ln_2.w"], lp["ln_2.b"]), [(lp["c_fc.w"], lp["c_fc.b"])], cfg)  # (B,T,4C)
+    h, = linears(gelu_tanh, h, (), [(lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])], cfg)    # (B,T,C)
+    return x + h                                                                   # (B,T,C)
 
 
 def autocast(cfg, device):
@@ -261,7 +367,8 @@ def transformer(params, idx, cfg):
     # gradients, where indexing it L times would sum L zero-padded copies of the whole (L, ...) tensor
     layers = {k: params[k].unbind(0) for k in LAYER_NAMES}                        # L x (...) each
     for layer in range(cfg.n_layer):
-        x = block(x, {k: layers[k][layer] for k in LAYER_NAMES}, cfg)             # (B,T,C)
+        x = recomputed(lambda x, *ws: block(x, dict(zip(LAYER_NAMES, ws)), cfg), cfg, "block", [x],
+                       [layers[k][layer] for k in LAYER_NAMES])                    # (B,T,C)
     return F.layer_norm(x, (cfg.n_embd,), params["ln_f.w"], params["ln_f.b"], 1e-5)  # (B,T,C)
 
 
@@ -480,7 +587,14 @@ def grads_and_loss(weights, x, y, scale, cfg):
     """({name: gradient}, loss) of scale x the loss of one micro-batch (loss_fn's), by reverse mode through
     torch.func: the weights stay plain tensors (no requires_grad, no .grad, no autograd graph kept
     between calls), and each gradient comes back in its weight's dtype."""
-    return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
+    if torch.compiler.is_compiling():  # one graph, whose tensors Inductor frees after their last use
+        return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
+    # eager, vjp: grad's backward records a graph of itself (for nested transforms), which holds every
+    # tensor the forward saved and every backward temporary until it returns (measured, L4 C256 T512 B8
+    # Vp 512: a 527 MB peak against 313 MB); this backward frees each as it goes, with the same bits.
+    # (Compiled, Dynamo fails on a vjp inside this one's backward, as --recompute's are.)
+    loss, loss_vjp = torch.func.vjp(lambda w: scaled_loss(w, x, y, scale, cfg), weights)
+    return loss_vjp(torch.ones_like(loss), retain_graph=False, create_graph=False)[0], loss
 
 
 GRADIENT = "gradient"  # the profiler's name for one grad_fn call
@@ -533,12 +647,52 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
     return (loss / cfg.total_batch_size if summed else loss), norm
 
 
+def gpt2_activation_bytes(cfg):
+    """Bytes one micro-batch's activations hold at the peak of its forward+backward at cfg.recompute, as
+    this trainer's eager backward keeps and frees them (tests/test_recompute_torchfunc.py measures it):
+    what the blocks keep for the backward, and the larger of what the head's backward and a block's add.
+    Compiled, Inductor fuses the cross-entropy's backward and a block's backward temporaries."""
+    N, C, V, H = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_head
+    s = compute_dtype(cfg).itemsize  # the activations' bytes; the fp32 ones say 4
+    kept = {  # per block, from its forward to its backward
+        "none": (C           # x (B,T,C): the block's input, ln_1's
+                 + C         # ln_1's output (B,T,C): the q, k, v matmuls' input
+                 + 3 * C     # q, k, v (B,T,C) each: the attention's inputs
+                 + C         # the attention's output (B,T,C): c_proj's input
+                 + C         # x + attention (B,T,C): ln_2's input
+                 + C         # ln_2's output (B,T,C): c_fc's input
+                 + 4 * C     # c_fc's output (B,T,4C): GELU's input
+                 + 4 * C) * s  # GELU's output (B,T,4C): the MLP's c_proj's input
+        + (4 + H) * 4,       # fp32: mean and rstd (B,T) of both LayerNorms, the attention's logsumexp (B,H,T)
+        "pointwise": (C + 3 * C + C + C + 4 * C) * s  # x, q, k, v, the attention's output, x + attention,
+        + H * 4,             # c_fc's output (B,T,4C); the attention's logsumexp (B,H,T) fp32
+        "block": C * s,      # x (B,T,C) alone
+    }[cfg.recompute]
+    head = (2 * C * s        # ln_f's input and output (B,T,C)
+            + V * s          # the logits (B,T,Vp)
+            + 3 * V * 4 + V)  # the cross-entropy's backward: softmax, softmax minus one-hot and the gradient
+    #                          (B,T,Vp) fp32, the target mask (B,T,Vp) bool
+    in_block = {  # a block's backward at its peak, in its MLP's: beyond what the blocks keep,
+        "none": (C           # the gradient at the block's output (B,T,C)
+                 + 4 * C) * s,  # the gradient at GELU's output (B,T,4C)
+        "pointwise": (C + 4 * C  # those two
+                      + 4 * C    # c_fc's output's copy (after(), B,T,4C)
+                      + 4 * C    # GELU's output recomputed (B,T,4C)
+                      + 4 * C) * s,  # the gradient at GELU's input (B,T,4C)
+        "block": (C + 4 * C + 4 * C  # those three gradients
+                  + C        # x's copy (after(), B,T,C)
+                  + 15 * C   # the block's rerun: what none keeps beyond x
+                  + C) * s,  # the rerun's output (B,T,C)
+    }[cfg.recompute]
+    return N * (cfg.n_layer * kept + max(head, in_block))
+
+
 RECIPES = {"gpt2": Recipe(
     help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
     shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
     model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
     read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
-    optimizers="AdamW",
+    optimizers="AdamW", activation_bytes=gpt2_activation_bytes,
     token_losses=token_losses, summed=False, scalars=adam_scalars, update=adamw_update,
     embeddings=EMBEDDINGS, next_logits=next_logits)}
 
@@ -637,23 +791,39 @@ def rotary(x):
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).type_as(x)   # (B,T,H,D)
 
 
-def speedrun_block(x, params, layer, cfg):
-    """One pre-norm block of the speedrun model, with the weights blocks.<layer>.* of params."""
-    B, T, C = x.shape
-    H, D = C // HEAD_DIM, HEAD_DIM
+def speedrun_attention(q, k, v, cfg):
+    """Causal attention (B,T,C) of the q, k, v linears' outputs (B,T,H,D), after q's and k's RMSNorm and
+    rotary."""
+    B, T, H, D = q.shape
     eps = torch.finfo(compute_dtype(cfg)).eps
-    w = {k[len(f"blocks.{layer}."):]: p for k, p in params.items() if k.startswith(f"blocks.{layer}.")}
-    h = F.rms_norm(x, (C,), w["norm1.gains"], eps)                                 # (B,T,C)
-    q, k, v = (F.linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).view(B, T, H, D)
-               for n in "qkv")                                                     # (B,T,H,D) each
     q, k = (rotary(F.rms_norm(t, (D,), eps=eps)) for t in (q, k))                 # (B,T,H,D) each
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        scale=ATTN_SCALE, is_causal=True)           # (B,H,T,D)
-    y = y.transpose(1, 2).reshape(B, T, C)                                         # (B,T,C)
+    return y.transpose(1, 2).reshape(B, T, H * D)                                  # (B,T,C)
+
+
+def relu_square(x):
+    return F.relu(x).square()
+
+
+def speedrun_block(x, w, cfg):
+    """One pre-norm block of the speedrun model, with one layer's weights w (the names after blocks.<layer>.).
+    At --recompute pointwise the backward recomputes the norms, the MLP's ReLU^2 and the q/k norms and
+    rotary; the last sit between the kept q, k and the attention, whose backward torch offers only through
+    autograd, from a forward it saved: so the attention reruns in the backward too (Recomputed)."""
+    B, T, C = x.shape
+    H, D = C // HEAD_DIM, HEAD_DIM
+
+    def rms_norm(x, gains):
+        return F.rms_norm(x, (C,), gains, torch.finfo(compute_dtype(cfg)).eps)
+    q, k, v = (t.view(B, T, H, D) for t in linears(
+        rms_norm, x, (w["norm1.gains"],), [(w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]) for n in "qkv"],
+        cfg))                                                                      # (B,T,H,D) each
+    y = recomputed(functools.partial(speedrun_attention, cfg=cfg), cfg, "pointwise", [q, k, v])  # (B,T,C)
     x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
-    h = F.rms_norm(x, (C,), w["norm2.gains"], eps)                                 # (B,T,C)
-    h = F.relu(F.linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"])).square()        # (B,T,4C)
-    return x + F.linear(h, w["mlp.proj.weight"], w["mlp.proj.bias"])              # (B,T,C)
+    h, = linears(rms_norm, x, (w["norm2.gains"],), [(w["mlp.fc.weight"], w["mlp.fc.bias"])], cfg)  # (B,T,4C)
+    h, = linears(relu_square, h, (), [(w["mlp.proj.weight"], w["mlp.proj.bias"])], cfg)  # (B,T,C)
+    return x + h                                                                   # (B,T,C)
 
 
 def speedrun_transformer(params, idx, cfg):
@@ -663,8 +833,10 @@ def speedrun_transformer(params, idx, cfg):
     eps = torch.finfo(dt).eps
     # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
     x = F.rms_norm(params["embed.weight"][idx].to(dt), (C,), params["norm1.gains"], eps).to(dt)  # (B,T,C)
+    parts = [k[len("blocks.0."):] for k in params if k.startswith("blocks.0.")]  # a layer's weights' names
     for layer in range(cfg.n_layer):
-        x = speedrun_block(x, params, layer, cfg)                                  # (B,T,C)
+        x = recomputed(lambda x, *ws: speedrun_block(x, dict(zip(parts, ws)), cfg), cfg, "block", [x],
+                       [params[f"blocks.{layer}.{n}"] for n in parts])             # (B,T,C)
     return F.rms_norm(x, (C,), params["norm2.gains"], eps)                         # (B,T,C)
 
 
@@ -973,6 +1145,47 @@ def read_speedrun_file(path):
 
 # -- training step
 
+def speedrun_activation_bytes(cfg):
+    """gpt2_activation_bytes for the speedrun model: what its blocks keep for the backward, and the larger of
+    what the head's backward and a block's add (tests/test_recompute_torchfunc.py measures it)."""
+    N, C, V, H = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_head
+    s = compute_dtype(cfg).itemsize  # the activations' bytes; the fp32 ones say 4
+    kept = {  # per block, from its forward to its backward
+        "none": (C           # x (B,T,C): the block's input, norm1's
+                 + 2 * C     # norm1's normalized x and output (B,T,C): its gains' and q, k, v's input
+                 + 3 * C     # q, k, v (B,T,C) each: q's and k's norms' inputs, the attention's
+                 + 2 * C     # q and k after their norm and rotary (B,T,C) each: the attention's inputs
+                 + C         # the attention's output (B,T,C): proj's input
+                 + C         # x + attention (B,T,C): norm2's input
+                 + 2 * C     # norm2's normalized x and output (B,T,C): its gains' and fc's input
+                 + 4 * C     # ReLU's output (B,T,4C): square's input
+                 + 4 * C) * s  # ReLU^2 (B,T,4C): the MLP's proj's input
+        + (2 + 3 * H) * 4,   # fp32: rstd (B,T) of norm1 and norm2, (B,T,H) of q's and k's norms, the
+        #                      attention's logsumexp (B,H,T)
+        "pointwise": (C + 3 * C + C + C + 4 * C) * s,  # x, q, k, v, attention's output, x + attention, fc's
+        #                                                output (the attention reruns: no logsumexp kept)
+        "block": C * s,      # x (B,T,C) alone
+    }[cfg.recompute]
+    embed = 2 * C * s        # the embedding's rows and their norm's normalized x (B,T,C)
+    head = (3 * C * s        # the last block's output, the final norm's normalized x and output (B,T,C)
+            + 4 * V * 4      # the head's output z, 15 z, rsqrt(z^2 + 15^2) and the logits (B,T,Vp) fp32
+            + 3 * V * 4)     # logsumexp's backward: logits minus logsumexp, its exp, times the gradient
+    in_block = {  # a block's backward at its peak, in square's: beyond what the blocks keep,
+        "none": (C           # the gradient at the block's output (B,T,C)
+                 + 4 * C     # the gradient at ReLU^2 (B,T,4C)
+                 + 3 * 4 * C  # square's backward's three temporaries (B,T,4C each)
+                 - 4 * C) * s,  # less ReLU^2, which proj's backward has freed
+        "pointwise": (C + 4 * C + 3 * 4 * C  # those gradients and temporaries
+                      + 4 * C    # fc's output's copy (after(), B,T,4C)
+                      + 2 * 4 * C) * s,  # ReLU's output and ReLU^2 recomputed (B,T,4C each)
+        "block": (C + 4 * C + 3 * 4 * C  # those gradients and temporaries
+                  + C        # x's copy (after(), B,T,C)
+                  + 19 * C   # the block's rerun: what none keeps beyond x
+                  + C) * s,  # the rerun's output (B,T,C)
+    }[cfg.recompute]
+    return N * (cfg.n_layer * kept + embed + max(head, in_block))
+
+
 RECIPES["speedrun"] = Recipe(
     help="modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped "
     f"head, AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and "
@@ -984,6 +1197,7 @@ RECIPES["speedrun"] = Recipe(
     file_kind="a safetensors file of the reference's state_dict (.safetensors)",
     is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
     model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    activation_bytes=speedrun_activation_bytes,
     token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars, update=speedrun_update,
     embeddings=("embed.weight",), next_logits=speedrun_next_logits)
 
