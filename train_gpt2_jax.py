@@ -1188,6 +1188,12 @@ def lr_at(it, cfg):
     return RECIPES[cfg.recipe].lr_at(it, cfg)
 
 
+def activation_bytes(cfg):
+    """Bytes that one micro-batch's activations hold on a device at cfg.recompute, by this trainer's own
+    accounting of what its backward keeps (the recipe's)."""
+    return RECIPES[cfg.recipe].activation_bytes(cfg)
+
+
 def parse_args(argv=None):
     """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
     named only here and as Config's field), and the model-shape flags given, which a model file's header
@@ -1807,6 +1813,22 @@ def logged_evals(out_dir, step):
     return found
 
 
+def format_memory(cfg, held, activations, world):
+    """The start line's bytes per device: the training state (device_state_bytes) and one micro-batch's
+    activations at --recompute (activation_bytes)."""
+    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
+            f"masters {held['masters'] / 1e6:.1f} MB | {RECIPES[cfg.recipe].optimizers} moments "
+            f"{held['moments'] / 1e6:.1f} MB (ZeRO stage {cfg.zero_stage} over {world} devices) | "
+            f"activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
+
+
+def start_event(cfg, step, world, held, activations):
+    """log.jsonl's first event of each launch (docs/FORMATS.md): the step it starts from, the config, the
+    device count and the bytes of the start line."""
+    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
+                config=dict(vars(cfg)))
+
+
 def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb):
     mfu_s = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
     mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
@@ -2025,13 +2047,6 @@ def device_state_bytes(cfg, shapes, world):
             "grads": sum(held(s, cfg.zero_stage >= 1) for s in shapes.values()),
             "masters": sum(held(s, cfg.zero_stage == 3 or k in copied) for k, s in shapes.items()),
             "moments": sum((1 if k in muon else 2) * held(s, cfg.zero_stage >= 1) for k, s in shapes.items())}
-
-
-def format_state_bytes(cfg, held, world):
-    optimizers = RECIPES[cfg.recipe].optimizers
-    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | "
-            f"fp32 masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} "
-            f"MB (ZeRO stage {cfg.zero_stage} over {world} devices)")
 
 
 def log_event(out_dir, **record):
@@ -2349,7 +2364,10 @@ def main(argv, signals):
         f"attention: {cfg.attn}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
-    say(format_state_bytes(cfg, device_state_bytes(cfg, param_shapes(cfg), world), world))
+    held, activations = device_state_bytes(cfg, param_shapes(cfg), world), activation_bytes(cfg)
+    say(format_memory(cfg, held, activations, world))
+    if master:
+        log_event(cfg.out_dir, **start_event(cfg, step, world, held, activations))
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()

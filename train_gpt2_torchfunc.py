@@ -1219,6 +1219,12 @@ def lr_at(it, cfg):
     return RECIPES[cfg.recipe].lr_at(it, cfg)
 
 
+def activation_bytes(cfg):
+    """Bytes that one micro-batch's activations hold on a device at cfg.recompute, by this trainer's own
+    accounting of what its backward keeps (the recipe's)."""
+    return RECIPES[cfg.recipe].activation_bytes(cfg)
+
+
 def parse_args(argv=None):
     """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
     named only here and as Config's field), and the model-shape flags given, which a model file's header
@@ -1838,6 +1844,22 @@ def logged_evals(out_dir, step):
     return found
 
 
+def format_memory(cfg, held, activations, world):
+    """The start line's bytes per device: the training state (device_state_bytes) and one micro-batch's
+    activations at --recompute (activation_bytes)."""
+    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
+            f"masters {held['masters'] / 1e6:.1f} MB | {RECIPES[cfg.recipe].optimizers} moments "
+            f"{held['moments'] / 1e6:.1f} MB (ZeRO stage {cfg.zero_stage} over {world} devices) | "
+            f"activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
+
+
+def start_event(cfg, step, world, held, activations):
+    """log.jsonl's first event of each launch (docs/FORMATS.md): the step it starts from, the config, the
+    device count and the bytes of the start line."""
+    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
+                config=dict(vars(cfg)))
+
+
 def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, mfu, peak_mem_gb):
     mfu_s = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
     mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
@@ -2427,11 +2449,10 @@ def main(argv, signals):
         f"{table}) | {world} x {device_kind} | {dtype} | compile: {'on' if cfg.compile else 'off'}")
     say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
-    held = device_state_bytes(cfg, param_shapes(cfg), world)
-    optimizers = recipe.optimizers
-    say(f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-        f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments {held['moments'] / 1e6:.1f} MB (ZeRO "
-        f"stage {cfg.zero_stage} over {world} devices)")
+    held, activations = device_state_bytes(cfg, param_shapes(cfg), world), activation_bytes(cfg)
+    say(format_memory(cfg, held, activations, world))
+    if master:
+        log_event(cfg.out_dir, **start_event(cfg, step, world, held, activations))
 
     with out_of_memory_is_an_error(cfg), a_lost_process_is_an_error(store, rank, world):
         def compile_(fn, **kwargs):

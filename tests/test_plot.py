@@ -74,6 +74,7 @@ def test_real_runs(runs, tmp_path):
     assert list(jax_run.steps) == [1, 2, 3, 4] and list(jax_run.val_steps) == [2, 4]
     assert len(jax_run.swag_steps) == 0 and jax_run.peak_mem_gb is None
     log = read_log(jax_dir)
+    assert log[0]["event"] == "start" and pr.event_kind(log[0]) is None  # a launch's start: not plotted
     for kind in ("step", "val"):
         assert set(pr.EVENT_KEYS[kind]) <= next(set(e) for e in log if pr.event_kind(e) == kind)
     assert set(pr.EVENT_KEYS["step"]) | {"peak_mem_gb"} <= STEP_KEYS

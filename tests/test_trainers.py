@@ -114,7 +114,8 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
     micro-batches of the train shard (rel 1e-6), the loss falls, val/HellaSwag/samples/checkpoints happen
     when due, log.jsonl holds only the documented keys (peak memory and MFU only from a run on a GPU), the
     run prints what TRAINERS says, and each checkpoint holds the model file and a state.npz that records
-    the step, the data position, the seed, the config and AdamW moments of the weights' shapes."""
+    the step, the data position, the seed, the config and AdamW moments of the weights' shapes; the log
+    starts with the start event, whose bytes are those the start line prints."""
     t = TRAINERS[name]
     mod = importlib.import_module(t.module)
     B, T, total = t.batch
@@ -135,6 +136,14 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
                          for s in (0, B * T)])
     assert events[0]["train_loss"] == pytest.approx(first, rel=1e-6)
     assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
+
+    start = read_log(out)[0]  # the launch's start event: the config, devices and bytes of the start line
+    cfg = mod.Config(**start["config"])
+    assert start["event"] == "start" and start["step"] == 0 and start["devices"] == 1
+    assert (cfg.batch_size, cfg.seq_len, cfg.n_layer, cfg.recompute) == (B, T, 2, "none")
+    assert start["framework"] == name and start["activation_bytes"] == mod.activation_bytes(cfg) > 0
+    assert start["state_bytes"] == mod.device_state_bytes(cfg, mod.param_shapes(cfg), 1)
+    assert mod.format_memory(cfg, start["state_bytes"], start["activation_bytes"], 1) in stdout
 
     assert_due_events(out, stdout, STEPS)
     swag = next(e for e in read_log(out) if "hellaswag_acc" in e)  # a share of the examples scored
