@@ -54,6 +54,9 @@ DIFFERENT = {
     "Config": "the shared fields, then each trainer's own (JAX: attention, scan, processes; torchfunc: "
               "compile; triton: backend, --test, --bench-ops)",
     "ZERO_STAGES": "JAX also shards the weights (stage 3)",
+    "gpt2_activation_bytes": "what each framework's backward keeps at each --recompute level",
+    "speedrun_activation_bytes": "what each framework's backward keeps at each --recompute level",
+    "recomputed": "--recompute in each framework's terms (jax.checkpoint policies; autograd.Functions)",
     "framework_flags": "each trainer's own flags",
     "main": "the same steps in the same order, in each framework's terms",
     "forward": "the model in each framework", "token_losses": "the model in each framework",
@@ -308,3 +311,18 @@ def test_the_lines_table_is_the_files():
     lines = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lines)
     assert lines.readme_table() == lines.table(), "README.md's table is stale: run python bench/lines.py"
+
+
+def test_the_activation_table_is_the_accounting():
+    """README's activation table is what each trainer's activation_bytes gives now (bench/activations.py),
+    and in each trainer and recipe no level holds more than the one before it."""
+    spec = importlib.util.spec_from_file_location("bench_activations",
+                                                  os.path.join(REPO, "bench", "activations.py"))
+    activations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(activations)
+    table = activations.table()
+    assert activations.readme_table() == table, "README.md's table is stale: run python bench/activations.py"
+    rows = [[float(c.replace(",", "")) for c in line.strip("|").split("|")[2:]] for line in table.splitlines()[2:]]
+    for recipe in range(0, len(rows), 3):
+        none, pointwise, block = rows[recipe:recipe + 3]
+        assert all(a >= b >= c for a, b, c in zip(none, pointwise, block)) and all(a > c for a, c in zip(none, block))
