@@ -116,10 +116,12 @@ def assert_refused(main, cases):
         assert all(n in message for n in needles), (message, needles)
 
 
-def read_log(out_dir):
-    """The events of <out_dir>/log.jsonl, in order."""
+def read_log(out_dir, starts=False):
+    """The events of <out_dir>/log.jsonl, in order: its steps and evaluations, and with `starts` also the
+    start event that each launch logs first."""
     with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        events = [json.loads(line) for line in f if line.strip()]
+    return [e for e in events if starts or e.get("event") != "start"]
 
 
 def step_events(out_dir):

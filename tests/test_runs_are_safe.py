@@ -97,17 +97,17 @@ def test_a_full_disk_during_a_checkpoint(tmp_path):
 
 def test_a_full_disk_during_a_log_append(tmp_path):
     """(log_event is the same code in all three trainers.) The log meeting a full disk (every file limited
-    to 1 KB: about four step events) ends the run with one line naming log.jsonl and saying the disk is
-    full; the lines before the failed append are whole events (the half line it left is what
-    drop_partial_log_line cuts off when the run resumes)."""
+    to 2 KB: the start event and about four step events) ends the run with one line naming log.jsonl and
+    saying the disk is full; the lines before the failed append are whole events (the half line it left
+    is what drop_partial_log_line cuts off when the run resumes)."""
     out = tmp_path / "run"
     args = [*SCRIPTS["triton"], *MICRO, "--ckpt-every", "0", "--steps", "20", "--out-dir", out]
-    proc = run_script_on_a_full_disk(1024, *args, env=ENV)
+    proc = run_script_on_a_full_disk(2048, *args, env=ENV)
     assert_clean_error(proc, f"cannot write {out / 'log.jsonl'}", "no space left, the disk is full")
     data = (out / "log.jsonl").read_bytes()
     complete = data[:data.rfind(b"\n") + 1]
-    assert len(data) == 1024 and not data.endswith(b"\n")  # the failed append's half line
-    steps = [json.loads(line)["step"] for line in complete.splitlines()]
+    assert len(data) == 2048 and not data.endswith(b"\n")  # the failed append's half line
+    steps = [json.loads(line)["step"] for line in complete.splitlines()][1:]  # after the start event
     assert steps == list(range(1, len(steps) + 1)) and steps
 
 

@@ -137,7 +137,7 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
     assert events[0]["train_loss"] == pytest.approx(first, rel=1e-6)
     assert events[-1]["train_loss"] < events[0]["train_loss"] - 0.5
 
-    start = read_log(out)[0]  # the launch's start event: the config, devices and bytes of the start line
+    start = read_log(out, starts=True)[0]  # the launch's start event: the config, devices and bytes of the start line
     cfg = mod.Config(**start["config"])
     assert start["event"] == "start" and start["step"] == 0 and start["devices"] == 1
     assert (cfg.batch_size, cfg.seq_len, cfg.n_layer, cfg.recompute) == (B, T, 2, "none")

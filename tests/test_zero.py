@@ -96,7 +96,7 @@ def printed_bytes(stdout):
     """The per-device line's four figures, in MB, and its stage and device count."""
     lines = [line for line in stdout.splitlines() if line.startswith("per device: ")]
     assert len(lines) == 1
-    figures, where = lines[0][len("per device: "):].split(" (")
+    figures, where = lines[0][len("per device: "):].split(" | activations ")[0].split(" (")
     return (dict(zip(("params", "grads", "masters", "moments"),
                      (float(part.split()[-2]) for part in figures.split(" | ")))), where)
 
