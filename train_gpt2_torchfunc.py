@@ -1798,13 +1798,13 @@ def prepare_out_dir(cfg, master, step):
     def held_run():
         run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
         return run + [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
+    if not master:  # process 0 decides: its start event may already be in the log the others would see
+        return None
     run = held_run()
     if any(name != "profile" for name in run) and not cfg.resume and not cfg.force:
         listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
         die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
             "over")
-    if not master:
-        return None
     try:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, ".writable.tmp"), "w"):
