@@ -2497,12 +2497,14 @@ def setup_device(cfg):
 
 @contextlib.contextmanager
 def out_of_memory_is_an_error(cfg):
-    """Running out of device memory (at compile or run time) is a bad --batch-size: one line, no trace."""
+    """Running out of device memory (at compile or run time) is a bad --batch-size or --recompute: one line,
+    no trace."""
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
-        die(f"out of device memory at --batch-size {cfg.batch_size} (try a smaller one): "
-            f"{str(e).splitlines()[0][:200]}")
+        cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+        die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a "
+            f"smaller batch{cheaper}): {str(e).splitlines()[0][:200]}")
 
 
 CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other

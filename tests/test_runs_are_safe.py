@@ -3,8 +3,8 @@ is refused (--force moves the old run aside, into a folder of its own however fa
 each other), a live run locks its --out-dir against a second one, an unwritable --out-dir and a full
 disk during a checkpoint are one line (the partial checkpoint removed, the earlier ones intact, --resume
 auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it
-skips, and the val loss of the same weights is the same on 1, 2 and 4 devices or processes and in every
-trainer."""
+skips, running out of device memory is one line that names the way out, and the val loss of the same
+weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
 import datetime
 import errno
 import json
@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+import torch
 
 import hellaswag
 import train_gpt2_jax as tj
@@ -109,6 +111,27 @@ def test_a_full_disk_during_a_log_append(tmp_path):
     assert len(data) == 2048 and not data.endswith(b"\n")  # the failed append's half line
     steps = [json.loads(line)["step"] for line in complete.splitlines()][1:]  # after the start event
     assert steps == list(range(1, len(steps) + 1)) and steps
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_out_of_device_memory_is_one_line(name):
+    """Device memory running out (XLA's RESOURCE_EXHAUSTED, torch's OutOfMemoryError) is one line naming the
+    micro-batch and the level, with the cheaper levels as a way out while one is left; another runtime
+    error passes through."""
+    mod = MODULES[name]
+    oom = (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2147483648 bytes.\nmore")
+           if name == "jax" else torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"))
+    first = str(oom).splitlines()[0]
+    for level, hint in [("none", " or a cheaper --recompute"), ("pointwise", " or a cheaper --recompute"),
+                        ("block", "")]:
+        cfg = mod.Config(batch_size=16, recompute=level)
+        with pytest.raises(SystemExit) as e, mod.out_of_memory_is_an_error(cfg):
+            raise oom
+        assert str(e.value) == (f"error: out of device memory at --batch-size 16 --recompute {level} (try a "
+                                f"smaller batch{hint}): {first}")
+    other = jax.errors.JaxRuntimeError("INTERNAL: something else") if name == "jax" else RuntimeError("else")
+    with pytest.raises(type(other)), mod.out_of_memory_is_an_error(mod.Config()):
+        raise other
 
 
 @pytest.mark.parametrize("name", MODULES)
