@@ -1822,6 +1822,27 @@ def format_memory(cfg, held, activations, world):
             f"activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
 
 
+def host_memory_available():
+    """Bytes this host can give a process without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def memory_warning(held, activations, world, available):
+    """On the CPU, running out of memory is the kernel's kill (exit 137, not a word from the trainer): a
+    warning line when the accounting's state and one micro-batch's activations on `world` devices exceed
+    the host's `available` bytes; None when they fit or `available` is unknown."""
+    need = (sum(held.values()) + activations) * world
+    if available is None or need <= available:
+        return None
+    return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
+            f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or "
+            f"a cheaper --recompute)")
+
+
 def start_event(cfg, step, world, held, activations):
     """log.jsonl's first event of each launch (docs/FORMATS.md): the step it starts from, the config, the
     device count and the bytes of the start line."""
@@ -2368,6 +2389,8 @@ def main(argv, signals):
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held, activations = device_state_bytes(cfg, param_shapes(cfg), world), activation_bytes(cfg)
     say(format_memory(cfg, held, activations, world))
+    if jax.default_backend() == "cpu" and (warning := memory_warning(held, activations, world, host_memory_available())):
+        say(warning)
     if master:
         log_event(cfg.out_dir, **start_event(cfg, step, world, held, activations))
 

@@ -3,8 +3,9 @@ is refused (--force moves the old run aside, into a folder of its own however fa
 each other), a live run locks its --out-dir against a second one, an unwritable --out-dir and a full
 disk during a checkpoint are one line (the partial checkpoint removed, the earlier ones intact, --resume
 auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it
-skips, running out of device memory is one line that names the way out, and the val loss of the same
-weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
+skips, running out of device memory is one line that names the way out (and a run beyond the host's
+memory on the CPU is warned at its start), and the val loss of the same weights is the same on 1, 2 and 4
+devices or processes and in every trainer."""
 import datetime
 import errno
 import json
@@ -132,6 +133,28 @@ def test_out_of_device_memory_is_one_line(name):
     other = jax.errors.JaxRuntimeError("INTERNAL: something else") if name == "jax" else RuntimeError("else")
     with pytest.raises(type(other)), mod.out_of_memory_is_an_error(mod.Config()):
         raise other
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_run_beyond_the_hosts_memory_is_warned(name, tmp_path, capsys, monkeypatch):
+    """On the CPU, where running out of memory is the kernel's silent kill, a run whose accounted state and
+    activations on all its devices exceed the host's available memory says so in one line at the start;
+    one that fits, or where the host's memory is unknown, says nothing."""
+    mod = MODULES[name]
+    held = {"params": 1e9, "grads": 2e9, "masters": 2e9, "moments": 4e9}
+    assert mod.memory_warning(held, 3e9, 2, 24e9) is None and mod.memory_warning(held, 3e9, 2, None) is None
+    assert mod.memory_warning(held, 3e9, 2, 23.9e9) == (
+        "warning: by the accounting above, 2 device(s) need 24.0 GB and this host has 23.9 GB available: the "
+        "kernel may kill the run (try a smaller --batch-size or a cheaper --recompute)")
+    assert mod.host_memory_available() is None or mod.host_memory_available() > 0
+    argv = [*ARGV[name], *MICRO, "--steps", "1", "--ckpt-every", "0"]
+    mod.main([*argv, "--out-dir", str(tmp_path / "fits")])
+    assert "warning: by the accounting" not in capsys.readouterr().out
+    monkeypatch.setattr(mod, "host_memory_available", lambda: 1000)
+    mod.main([*argv, "--out-dir", str(tmp_path / "short")])
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: by the")]
+    assert len(warned) == 1 and warned[0].endswith("this host has 0.0 GB available: the kernel may kill the "
+                                                   "run (try a smaller --batch-size or a cheaper --recompute)")
 
 
 @pytest.mark.parametrize("name", MODULES)
