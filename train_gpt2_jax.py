@@ -1891,7 +1891,9 @@ class StopSignals:
             self.received = signum
             self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
             return
-        self.tell(f"{name}: stopped at once; --resume auto continues from the latest checkpoint")
+        # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
+        hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
+        self.tell(f"{name}: stopped at once{hint}")
         raise SystemExit(128 + signum)
 
     def tell(self, line):  # os.write: print could be inside a print of the interrupted code

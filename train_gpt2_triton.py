@@ -2312,7 +2312,9 @@ class StopSignals:
             self.received = signum
             self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
             return
-        self.tell(f"{name}: stopped at once; --resume auto continues from the latest checkpoint")
+        # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
+        hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
+        self.tell(f"{name}: stopped at once{hint}")
         raise SystemExit(128 + signum)
 
     def tell(self, line):  # os.write: print could be inside a print of the interrupted code
@@ -5594,7 +5596,7 @@ def first_configs(active=True):
 
 
 def run_self_test(cfg):
-    """--test: prints a table (check, dtype, max abs error, max relative error, tolerance, result, worst
+    """--test: prints a table row by row as the checks run (check, dtype, max abs error, max relative error, tolerance, result, worst
     output) and exits non-zero if any check fails. TF32 is off while it runs (fp32 references must be
     fp32) and the caller's settings are restored after it (the tests call it in their own process). A
     recipe whose backend torch ops autograd checks elsewhere (Recipe.autograd_test) refuses backend torch."""
@@ -5626,8 +5628,20 @@ def _run_self_test(cfg):
     print(f"--test: backend {cfg.backend}, the {cfg.recipe} recipe's ops, against {ref_name} (run in fp64) "
           f"on {device}"
           + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
+    names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
+    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  "
+          f"worst")
+
+    def report(name, dt, results):  # a row as soon as it is known: a run cut short keeps what it checked
+        abs_err = max(r[0] for r in results)
+        _, rel_err, worst = max(results, key=lambda r: r[1])
+        ok = rel_err <= TEST_TOLERANCES[dt]
+        print(f"{name:<34} {names[dt]:<5} {abs_err:11.2e} {rel_err:11.2e} {TEST_TOLERANCES[dt]:9.0e}  "
+              f"{'pass' if ok else 'FAIL':<6}  {worst}", flush=True)
+        return ok
+
     f64 = torch.float64
-    rows = []
+    passed = []
     with torch.no_grad(), first_configs(pinned):
         for dt in dtypes:
             for name, case in cases:
@@ -5636,28 +5650,17 @@ def _run_self_test(cfg):
                     got = case(ops, op_inputs(dt, dt, device), *shape)
                     want = case(ref_ops, op_inputs(f64, dt, device), *shape)
                     results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
-                rows.append((name, dt, results))
+                passed.append(report(name, dt, results))
             tcfg = RECIPES[cfg.recipe].test_config
             got = case_model(cfg.backend, op_inputs(dt, dt, device), tcfg)
             want = ref_model(op_inputs(f64, dt, device), tcfg)
-            rows.append(("model loss and logits", dt,
-                         [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
-            rows.append(("model: every parameter gradient", dt,
-                         [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
-    names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
-    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  "
-          f"worst")
-    failed = 0
-    for name, dt, results in rows:
-        abs_err = max(r[0] for r in results)
-        _, rel_err, worst = max(results, key=lambda r: r[1])
-        ok = rel_err <= TEST_TOLERANCES[dt]
-        failed += not ok
-        print(f"{name:<34} {names[dt]:<5} {abs_err:11.2e} {rel_err:11.2e} {TEST_TOLERANCES[dt]:9.0e}  "
-              f"{'pass' if ok else 'FAIL':<6}  {worst}")
-    if failed:
-        die(f"--test: {failed} of {len(rows)} checks failed")
-    print(f"--test: all {len(rows)} checks passed")
+            passed.append(report("model loss and logits", dt,
+                                 [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
+            passed.append(report("model: every parameter gradient", dt,
+                                 [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
+    if not all(passed):
+        die(f"--test: {passed.count(False)} of {len(passed)} checks failed")
+    print(f"--test: all {len(passed)} checks passed")
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The d12 step table of bench/h100.sh: for each run under RUNS_DIR (one folder a run, holding its
+"""The step table of bench/h100.sh and bench/h100_recompute.sh: for each run under RUNS_DIR (one folder a run, holding its
 log.jsonl), tokens/s and MFU over the steps after the first (which compiles and autotunes), and the peak
 memory; each run's last val loss, and the largest gap between the runs' val losses at the steps all of
-them validated; then backend triton against torchfunc.
+them validated; for the runs of one recipe on the same tokens from the same init (their start events'
+config), the largest relative gap between their train losses at each step; then backend triton against
+torchfunc.
 
     python bench/h100_table.py RUNS_DIR
 """
@@ -12,6 +14,7 @@ import sys
 
 def summary(log_path):
     events = list(map(json.loads, open(log_path)))
+    start = next((e["config"] for e in events if e.get("event") == "start"), None)
     steps = [e for e in events if "train_loss" in e]
     timed = [e for e in steps if e["step"] > 1] or steps  # a run of one step: that step, compile and all
     if not timed:
@@ -22,7 +25,34 @@ def summary(log_path):
     flops_share = sum((e["mfu"] or 0.0) * e["dt_ms"] / 1000 for e in timed)  # mfu is null on the CPU
     return dict(steps=len(steps), tokens_per_s=tokens / seconds, mfu=flops_share / seconds,
                 peak_mem_gb=max(e["peak_mem_gb"] or 0.0 for e in steps), loss=steps[-1]["train_loss"],
-                val={e["step"]: e["val_loss"] for e in events if "val_loss" in e})
+                val={e["step"]: e["val_loss"] for e in events if "val_loss" in e},
+                train={e["step"]: e["train_loss"] for e in steps}, start=start)
+
+
+# what makes two runs' train losses comparable step by step: one recipe and model, the same tokens, the
+# same init (the data loader and init_params_numpy are the same code in every trainer)
+SAME_RUN = ("recipe", "n_layer", "n_head", "n_embd", "seq_len", "total_batch_size", "data", "seed", "init_from",
+            "dtype", "steps")
+
+
+def train_loss_gaps(rows):
+    """For each group of two or more runs that SAME_RUN makes comparable: (names, step, largest relative
+    train-loss gap at that step, over the steps all of them ran)."""
+    groups = {}
+    for name, s in rows.items():
+        if s["start"] is not None:
+            groups.setdefault(tuple(s["start"].get(k) for k in SAME_RUN), []).append(name)
+    gaps = []
+    for names in groups.values():
+        common = set.intersection(*(set(rows[n]["train"]) for n in names))
+        if len(names) < 2 or not common:
+            continue
+        def gap(step):
+            losses = [rows[n]["train"][step] for n in names]
+            return (max(losses) - min(losses)) / abs(min(losses))
+        worst = max(sorted(common), key=gap)
+        gaps.append((names, worst, gap(worst), len(common)))
+    return gaps
 
 
 def main():
@@ -47,6 +77,9 @@ def main():
         gap = max(max(s["val"][k] for s in rows.values()) - min(s["val"][k] for s in rows.values())
                   for k in common)
         print(f"largest val-loss gap between the runs at the {len(common)} steps all validated: {gap:.2e}")
+    for names, step, gap, n in train_loss_gaps(rows):
+        print(f"{', '.join(names)}: largest relative train-loss gap over the {n} steps all ran: {gap:.2e} "
+              f"(step {step})")
     tri = [s for n, s in rows.items() if n.startswith("triton")]
     tf = [s for n, s in rows.items() if n.startswith("torchfunc")]
     if tri and tf:

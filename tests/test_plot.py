@@ -1,6 +1,6 @@
 """plot_runs.py: overlaying runs from their log.jsonl
 (logs of real tiny JAX and torchfunc runs; synthetic logs for peak memory, HellaSwag and resumed runs; bad
-input)."""
+input); and bench/h100_table.py's step-by-step comparison of the trainers' train losses."""
 import json
 import os
 import struct
@@ -83,6 +83,27 @@ def test_real_runs(runs, tmp_path):
     # the wall time at a validation is the sum of the step times up to it, evaluations left out
     dt_ms = [e["dt_ms"] for e in log if "train_loss" in e]
     assert jax_run.val_wall_s == pytest.approx(np.cumsum(dt_ms)[[1, 3]] / 1000)
+
+
+def test_the_gpu_table_compares_the_trainers_step_by_step(runs, tmp_path):
+    """bench/h100_table.py: runs whose start events hold the same recipe, shape, tokens, init, dtype and
+    steps (here JAX and torchfunc from one model file) get their largest relative train-loss gap, at the
+    step where it is; a run of another seed is left out of their comparison."""
+    import shutil
+    jax_dir, torch_dir = runs
+    runs_dir = tmp_path / "runs"
+    for d in runs:
+        shutil.copytree(d, runs_dir / d.name)
+    events = read_log(jax_dir, starts=True)
+    events[0]["config"]["seed"] += 1
+    write_log(runs_dir / "other_seed", events)
+    out = run_script("bench/h100_table.py", runs_dir).stdout
+    losses = [[e["train_loss"] for e in read_log(d) if "train_loss" in e] for d in runs]
+    gaps = [abs(a - b) / min(a, b) for a, b in zip(*losses)]
+    step = 1 + gaps.index(max(gaps))
+    said = [line for line in out.splitlines() if "train-loss gap" in line]
+    assert said == [f"jax, torchfunc: largest relative train-loss gap over the 4 steps all ran: {max(gaps):.2e} "
+                    f"(step {step})"]
 
 
 def test_synthetic_logs(tmp_path):

@@ -4,12 +4,13 @@ each other), a live run locks its --out-dir against a second one, an unwritable 
 disk during a checkpoint are one line (the partial checkpoint removed, the earlier ones intact, --resume
 auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it
 skips, running out of device memory is one line that names the way out (and a run beyond the host's
-memory on the CPU is warned at its start), and the val loss of the same weights is the same on 1, 2 and 4
-devices or processes and in every trainer."""
+memory on the CPU is warned at its start), a signal's line points at --resume only where it can continue,
+and the val loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
 import datetime
 import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -155,6 +156,25 @@ def test_a_run_beyond_the_hosts_memory_is_warned(name, tmp_path, capsys, monkeyp
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: by the")]
     assert len(warned) == 1 and warned[0].endswith("this host has 0.0 GB available: the kernel may kill the "
                                                    "run (try a smaller --batch-size or a cheaper --recompute)")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_signal_says_what_resume_can_do(name, capfd):
+    """A signal before training (startup, --eval-only, --test, --bench-ops) stops at once without pointing
+    at --resume, which has nothing of the launch to continue; during training the first asks for the end
+    of the step and the second stops at once, pointing at --resume auto. Exit 128 + the signal's number."""
+    signals = MODULES[name].StopSignals()
+    with pytest.raises(SystemExit) as e:
+        signals.handle(signal.SIGTERM, None)
+    assert e.value.code == 143 and capfd.readouterr().err == "SIGTERM: stopped at once\n"
+    signals.training = True
+    signals.handle(signal.SIGINT, None)
+    assert signals.received == signal.SIGINT
+    with pytest.raises(SystemExit) as e:
+        signals.handle(signal.SIGINT, None)
+    assert e.value.code == 130 and capfd.readouterr().err.splitlines() == [
+        "SIGINT: stopping at the end of this step, with a checkpoint (SIGINT again stops at once)",
+        "SIGINT: stopped at once; --resume auto continues from the latest checkpoint"]
 
 
 @pytest.mark.parametrize("name", MODULES)

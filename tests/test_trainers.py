@@ -458,7 +458,8 @@ def test_a_second_signal_stops_at_once(trained, tiny_shards, tiny_model_file, tm
     proc = run_script("tests/signal_at_step.py", 2, "SIGINT,SIGINT", *argv, "--init-from", tiny_model_file,
                       env=env(name), check=False)
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("SIGINT: stopped at once")
+    said = "SIGINT: stopped at once; --resume auto continues from the latest checkpoint"
+    assert proc.stderr.strip().splitlines()[-1] == said
     assert sorted(os.listdir(out / "ckpt_0000001")) and not (out / "ckpt_0000002").exists()
     run_script(*argv, "--resume", "auto", env=env(name))
     got = step_events(out)
