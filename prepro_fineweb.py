@@ -36,7 +36,8 @@ import numpy as np
 import requests
 from tqdm import tqdm
 
-from hellaswag import download_file, sha256_of  # one copy of the resumable, checked download
+# one copy of the resumable, checked download, and of the committed GPT-2 files' loader
+from hellaswag import COMMITTED_GPT2_DIR, committed_gpt2, download_file, sha256_of
 
 # -----------------------------------------------------------------------------
 # Config
@@ -319,19 +320,28 @@ class TokenizerError(Exception):
     """A --tokenizer file that cannot be used (raised in a worker too, where SystemExit would hang it)."""
 
 
-def gpt2_encoding():
-    """tiktoken's GPT-2 encoding, or TokenizerError where tiktoken cannot get its two files: it downloads
-    them once, then reads them from its cache. A failed download raises a requests error (an OSError), a
-    damaged cache file a ValueError (hash mismatch)."""
+def gpt2_encoding(fallback=True):
+    """tiktoken's GPT-2 encoding. Where tiktoken cannot get its two files (it downloads them once, then
+    reads them from its cache; a failed download raises a requests error, an OSError, a damaged cache file
+    a ValueError), with `fallback` tokenizer.py's GPT-2 from the repository's tests/data/gpt2
+    (hellaswag.committed_gpt2, sha256-checked), which encodes as tiktoken does, said in one line by the
+    main process; TokenizerError where neither loads."""
     import tiktoken
     try:
         return tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as e:
-        reason = (str(e).splitlines() or [""])[0][:300]
-        raise TokenizerError(f"tiktoken could not load GPT-2's encoding ({type(e).__name__}: {reason}); it "
-                             f"downloads vocab.bpe and encoder.json from openaipublic.blob.core.windows.net "
-                             f"once, then reads them from its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache "
-                             f"in the temp dir)") from None
+        kind, reason = type(e).__name__, (str(e).splitlines() or [""])[0][:300]
+        problem = (f"tiktoken could not load GPT-2's encoding ({kind}: {reason}); it downloads vocab.bpe and "
+                   f"encoder.json from openaipublic.blob.core.windows.net once, then reads them from its "
+                   f"cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
+    enc = committed_gpt2() if fallback else None
+    if enc is None:
+        raise TokenizerError(problem + (f"; and {COMMITTED_GPT2_DIR} is missing or not the published files"
+                                        if fallback else ""))
+    if mp.parent_process() is None:
+        print(f"tiktoken could not load GPT-2's encoding ({kind}): using tokenizer.py's GPT-2 from "
+              f"{COMMITTED_GPT2_DIR} (sha256 checked), which encodes as tiktoken does", file=sys.stderr)
+    return enc
 
 
 @lru_cache(maxsize=None)
@@ -584,7 +594,7 @@ def bench_bare_tiktoken(sources, ndocs, workers):
     encoding is timed: encode_ordinary_batch on `workers` threads, and encode_ordinary in a loop on one.
     Each returns (tokens, seconds); tokens count one EOT per document, as the shards do."""
     try:
-        enc = gpt2_encoding()
+        enc = gpt2_encoding(fallback=False)  # tiktoken itself, or its timing would be ours
     except TokenizerError as e:
         die(str(e))
     texts = (d for d in iter_documents(sources, 0, dict(download=0.0)) if d is not None)

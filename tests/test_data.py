@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -541,17 +542,35 @@ def test_prepro_custom_tokenizer(shakespeare_parquet, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_prepro_without_tiktoken_leaves_no_out_dir(tmp_path):
-    """Where tiktoken can load GPT-2's encoding neither from its (empty) cache nor from the network (a
-    proxy nobody listens on), prepro_fineweb.py stops with tiktoken's one-line error before it creates
-    --out-dir, so no empty folder is left behind."""
+def test_prepro_offline_uses_the_committed_gpt2(shakespeare_parquet, shakespeare_tokens, tmp_path):
+    """Offline with tiktoken's cache empty (a proxy nobody listens on), prepro_fineweb.py says in one line
+    that it tokenizes with tokenizer.py's GPT-2 from tests/data/gpt2 and writes the shards tiktoken would
+    (2 workers); --bench, which times tiktoken itself, refuses instead."""
+    offline = {**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
+    out = tmp_path / "out"
+    proc = run_script("prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out, "--shard-size",
+                      SHARD, "--workers", 2, env=offline)
+    said = [line for line in proc.stderr.splitlines() if "tiktoken" in line]
+    assert len(said) == 1 and "using tokenizer.py's GPT-2 from" in said[0] and "tests/data/gpt2" in said[0]
+    assert np.array_equal(np.concatenate(list(read_shards(out, "shakespeare").values())), shakespeare_tokens)
+    proc = run_script("prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", tmp_path / "b",
+                      "--bench", "--workers", 1, env=offline, check=False)
+    assert_clean_error(proc, "tiktoken could not load GPT-2's encoding", "TIKTOKEN_CACHE_DIR")
+
+
+def test_prepro_without_any_gpt2_leaves_no_out_dir(tmp_path):
+    """Where neither tiktoken (empty cache, no network) nor the committed files (prepro_fineweb.py copied
+    without the repository's tests/data) give GPT-2's encoding, prepro_fineweb.py stops with one line
+    naming both, before it creates --out-dir, so no empty folder is left behind."""
+    for script in ("prepro_fineweb.py", "hellaswag.py", "tokenizer.py"):
+        shutil.copy(os.path.join(REPO, script), tmp_path / script)
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog.\n")
-    offline = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "",
-               "NO_PROXY": "", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
-    proc = run_script("prepro_fineweb.py", "--input", text, "--out-dir", tmp_path / "out" / "shards",
-                      "--workers", 1, env=offline, check=False)
-    assert_clean_error(proc, "tiktoken could not load GPT-2's encoding", "TIKTOKEN_CACHE_DIR")
+    proc = run_script(tmp_path / "prepro_fineweb.py", "--input", text, "--out-dir", tmp_path / "out" / "shards",
+                      "--workers", 1, env={**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")},
+                      check=False)
+    assert_clean_error(proc, "tiktoken could not load GPT-2's encoding", "TIKTOKEN_CACHE_DIR",
+                       "tests/data/gpt2 is missing")
     assert not (tmp_path / "out").exists()
 
 
