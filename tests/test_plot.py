@@ -88,7 +88,9 @@ def test_real_runs(runs, tmp_path):
 def test_the_gpu_table_compares_the_trainers_step_by_step(runs, tmp_path):
     """bench/h100_table.py: runs whose start events hold the same recipe, shape, tokens, init, dtype and
     steps (here JAX and torchfunc from one model file) get their largest relative train-loss gap, at the
-    step where it is; a run of another seed is left out of their comparison."""
+    step where it is, and their largest val-loss gap where both validated; a run of another seed is left
+    out of their comparison. Where one framework ran both recipes on the same tokens, the step and the
+    step time at which speedrun reaches gpt2's final val loss."""
     import shutil
     jax_dir, torch_dir = runs
     runs_dir = tmp_path / "runs"
@@ -97,13 +99,29 @@ def test_the_gpu_table_compares_the_trainers_step_by_step(runs, tmp_path):
     events = read_log(jax_dir, starts=True)
     events[0]["config"]["seed"] += 1
     write_log(runs_dir / "other_seed", events)
-    out = run_script("bench/h100_table.py", runs_dir).stdout
+    twin = [dict(e, val_loss=e["val_loss"] + 0.25) if "val_loss" in e else e for e in events]
+    twin[0]["config"]["seed"] = events[0]["config"]["seed"]
+    write_log(runs_dir / "other_seed_twin", twin)
+    out = run_script("bench/h100_table.py", runs_dir).stdout.splitlines()
     losses = [[e["train_loss"] for e in read_log(d) if "train_loss" in e] for d in runs]
     gaps = [abs(a - b) / min(a, b) for a, b in zip(*losses)]
-    step = 1 + gaps.index(max(gaps))
-    said = [line for line in out.splitlines() if "train-loss gap" in line]
-    assert said == [f"jax, torchfunc: largest relative train-loss gap over the 4 steps all ran: {max(gaps):.2e} "
-                    f"(step {step})"]
+    said = [line for line in out if "gap" in line]
+    assert said == [f"jax, torchfunc: largest relative train-loss gap {max(gaps):.2e} (step "
+                    f"{1 + gaps.index(max(gaps))} of the 4 all ran)",
+                    "other_seed, other_seed_twin: largest relative train-loss gap 0.00e+00 (step 1 of the 4 "
+                    "all ran); largest val-loss gap 2.50e-01 (step 2 of the 2 all validated)"]
+    start = dict(event="start", framework="jax", config=dict(recipe="gpt2", data="d", seed=1, steps=9))
+    dt = [500.0, 250.0, 250.0, 250.0]  # step 1 compiles
+    gpt2 = [start] + [step_event(k, 6.0 - k / 4, dt[k - 1]) for k in range(1, 5)] + [
+        dict(step=2, val_loss=5.6), dict(step=4, val_loss=5.1)]
+    speedrun = [dict(start, config=dict(start["config"], recipe="speedrun", steps=7))] + [
+        step_event(k, 5.0, dt[k - 1]) for k in range(1, 5)] + [dict(step=2, val_loss=5.3), dict(step=3, val_loss=5.0)]
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    write_log(recipes / "gpt2_jax", gpt2), write_log(recipes / "speedrun_jax", speedrun)
+    out = run_script("bench/h100_table.py", recipes).stdout.splitlines()
+    assert ("jax: speedrun reaches gpt2's final val loss 5.1000 (step 4, 1.2 s of step time) at step 3, 1.0 s: "
+            "gpt2 took 1.3x the steps and 1.2x the time") in out
 
 
 def test_synthetic_logs(tmp_path):
