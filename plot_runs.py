@@ -317,7 +317,12 @@ def build_figure(runs, smooth=0):
         ax.set_title(title)
         ax.grid(alpha=0.3)
     handles, labels = fig.axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(runs), 3), frameon=False)
+    renderer = fig.canvas.get_renderer()
+    for ncols in range(min(len(runs), 3), 0, -1):  # as many columns as the labels' width lets fit
+        legend = fig.legend(handles, labels, loc="outside lower center", ncols=ncols, frameon=False)
+        if ncols == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width:
+            break
+        legend.remove()
     return fig
 
 

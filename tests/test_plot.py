@@ -148,6 +148,21 @@ def test_synthetic_logs(tmp_path):
     assert len(pr.build_figure(runs[1:], smooth=1).axes[0].get_lines()) == 1   # 1 = off
 
 
+def test_the_legend_fits_the_figure(tmp_path):
+    """Long out dirs (a GPU call's LOGDIR/runs/NAME) make long labels: the legend takes fewer columns,
+    so that every label lies inside the figure."""
+    deep = tmp_path / "h100_call" / "runs"
+    deep.mkdir(parents=True)
+    runs = [pr.load_run(str(write_log(deep / f"speedrun_{name}", [step_event(s, 9.0 - s, 50, name)
+                                                                  for s in range(1, 4)])))
+            for name in ("jax", "torchfunc", "triton-triton", "triton-torch")]
+    fig = pr.build_figure(runs)
+    fig.canvas.draw()
+    box, legend = fig.bbox, fig.legends[0].get_window_extent()
+    assert box.x0 <= legend.x0 and legend.x1 <= box.x1 and box.y0 <= legend.y0
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [run.label for run in runs]
+
+
 def test_resumed_run(tmp_path):
     """A run killed after step 5 and resumed from its step-2 checkpoint by another trainer: the later events
     of steps 3-5 win, the val and HellaSwag events of the abandoned steps are dropped (the one at the
