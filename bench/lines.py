@@ -2,8 +2,8 @@
 what the speedrun recipe adds, counted from the files' banner sections (and the `# -- part` sub-banners
 inside a recipe's section).
 
-    python bench/lines.py            # the table, as README.md's "Code: lines per part" holds it
-    python bench/lines.py --check    # exit 1 when README.md's table is not what the files give
+    python bench/lines.py            # the table, as docs/RESULTS.md's "Code: lines per part" holds it
+    python bench/lines.py --check    # exit 1 when docs/RESULTS.md's table is not what the files give
 
 Every line counts (comments and blank lines too: they are part of what a reader reads); a section's lines
 run from its banner to the next banner. The module docstring and imports count as "docstring, map and
@@ -67,7 +67,7 @@ def count(path):
 
 
 def table():
-    """README's markdown table: a row per part, two columns per trainer."""
+    """The markdown table: a row per part, two columns per trainer."""
     counts = {name: count(path) for name, path in TRAINERS.items()}
     head = "| part | " + " | ".join(f"{n}: gpt2 | + speedrun" for n in counts) + " |"
     rows = [head, "|---|" + "---:|" * (2 * len(counts))]
@@ -81,25 +81,28 @@ def table():
     return "\n".join(rows)
 
 
-def readme_table():
-    """The table between README.md's markers."""
-    with open(os.path.join(REPO, "README.md")) as f:
+DOC = os.path.join("docs", "RESULTS.md")  # where the table is published
+
+
+def published_table():
+    """The table between DOC's markers."""
+    with open(os.path.join(REPO, DOC)) as f:
         text = f.read()
     if START not in text or END not in text:
-        raise SystemExit(f"error: README.md has no {START} ... {END} block")
+        raise SystemExit(f"error: {DOC} has no {START} ... {END} block")
     return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="compare with README.md's table; exit 1 if they differ")
+    p.add_argument("--check", action="store_true", help=f"compare with {DOC}'s table; exit 1 if they differ")
     args = p.parse_args(argv)
     if args.check:
-        if readme_table() != table():
-            print("README.md's lines-per-part table is stale: run python bench/lines.py and paste it",
+        if published_table() != table():
+            print(f"{DOC}'s lines-per-part table is stale: run python bench/lines.py and paste it",
                   file=sys.stderr)
             return 1
-        print("README.md's lines-per-part table matches the files")
+        print(f"{DOC}'s lines-per-part table matches the files")
         return 0
     print(table())
     return 0
