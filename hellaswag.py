@@ -53,11 +53,15 @@ def die(msg):
 COMMITTED_GPT2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "gpt2")
 
 
-def gpt2_encoding():
-    """tiktoken's GPT-2 encoding (also the trainers' sampler's). Where tiktoken cannot get its two files
-    (it downloads them once, then reads its cache; a failed download raises a requests error, an OSError,
-    a damaged cache file a ValueError), tokenizer.py's GPT-2 from tests/data/gpt2, sha256-checked, said
-    in one line on stderr; a one-line error where neither loads."""
+class EncodingUnavailable(Exception):
+    """Neither tiktoken nor the committed files give GPT-2's encoding; the message says why in one line."""
+
+
+def load_gpt2_encoding(fallback=True, announce=True):
+    """tiktoken's GPT-2 encoding. Where tiktoken cannot get its two files (it downloads them once, then
+    reads its cache; a failed download raises a requests error, an OSError, a damaged cache file a
+    ValueError), with `fallback` tokenizer.py's GPT-2 from tests/data/gpt2, sha256-checked, said in one
+    line on stderr where `announce`; EncodingUnavailable where neither loads."""
     import tiktoken
     try:
         return tiktoken.get_encoding("gpt2")
@@ -66,12 +70,23 @@ def gpt2_encoding():
         problem = (f"tiktoken could not load GPT-2's encoding ({kind}: {reason}); it downloads "
                    f"vocab.bpe and encoder.json from openaipublic.blob.core.windows.net once, then reads them "
                    f"from its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
+    if not fallback:
+        raise EncodingUnavailable(problem)
     enc = committed_gpt2()
     if enc is None:
-        die(f"{problem}; and {COMMITTED_GPT2_DIR} is missing or not the published files")
-    print(f"tiktoken could not load GPT-2's encoding ({kind}): using tokenizer.py's GPT-2 from "
-          f"{COMMITTED_GPT2_DIR} (sha256 checked), which encodes as tiktoken does", file=sys.stderr)
+        raise EncodingUnavailable(f"{problem}; and {COMMITTED_GPT2_DIR} is missing or not the published files")
+    if announce:
+        print(f"tiktoken could not load GPT-2's encoding ({kind}): using tokenizer.py's GPT-2 from "
+              f"{COMMITTED_GPT2_DIR} (sha256 checked), which encodes as tiktoken does", file=sys.stderr)
     return enc
+
+
+def gpt2_encoding():
+    """load_gpt2_encoding() (also the trainers' sampler's), or a one-line error where neither loads."""
+    try:
+        return load_gpt2_encoding()
+    except EncodingUnavailable as e:
+        die(str(e))
 
 
 def committed_gpt2():

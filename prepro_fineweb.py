@@ -36,8 +36,8 @@ import numpy as np
 import requests
 from tqdm import tqdm
 
-# one copy of the resumable, checked download, and of the committed GPT-2 files' loader
-from hellaswag import COMMITTED_GPT2_DIR, committed_gpt2, download_file, sha256_of
+# one copy of the resumable, checked download, and of GPT-2's encoding with its offline fallback
+from hellaswag import EncodingUnavailable, download_file, load_gpt2_encoding, sha256_of
 
 # -----------------------------------------------------------------------------
 # Config
@@ -321,27 +321,12 @@ class TokenizerError(Exception):
 
 
 def gpt2_encoding(fallback=True):
-    """tiktoken's GPT-2 encoding. Where tiktoken cannot get its two files (it downloads them once, then
-    reads them from its cache; a failed download raises a requests error, an OSError, a damaged cache file
-    a ValueError), with `fallback` tokenizer.py's GPT-2 from the repository's tests/data/gpt2
-    (hellaswag.committed_gpt2, sha256-checked), which encodes as tiktoken does, said in one line by the
-    main process; TokenizerError where neither loads."""
-    import tiktoken
+    """hellaswag.load_gpt2_encoding: tiktoken's GPT-2 encoding, or with `fallback` the committed files'
+    where tiktoken cannot load (said by the main process alone); TokenizerError where none loads."""
     try:
-        return tiktoken.get_encoding("gpt2")
-    except (OSError, ValueError) as e:
-        kind, reason = type(e).__name__, (str(e).splitlines() or [""])[0][:300]
-        problem = (f"tiktoken could not load GPT-2's encoding ({kind}: {reason}); it downloads vocab.bpe and "
-                   f"encoder.json from openaipublic.blob.core.windows.net once, then reads them from its "
-                   f"cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
-    enc = committed_gpt2() if fallback else None
-    if enc is None:
-        raise TokenizerError(problem + (f"; and {COMMITTED_GPT2_DIR} is missing or not the published files"
-                                        if fallback else ""))
-    if mp.parent_process() is None:
-        print(f"tiktoken could not load GPT-2's encoding ({kind}): using tokenizer.py's GPT-2 from "
-              f"{COMMITTED_GPT2_DIR} (sha256 checked), which encodes as tiktoken does", file=sys.stderr)
-    return enc
+        return load_gpt2_encoding(fallback, announce=mp.parent_process() is None)
+    except EncodingUnavailable as e:
+        raise TokenizerError(str(e)) from None
 
 
 @lru_cache(maxsize=None)

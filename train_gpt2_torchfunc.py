@@ -2476,7 +2476,8 @@ def main(argv, signals):
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held, activations = device_state_bytes(cfg, param_shapes(cfg), world), activation_bytes(cfg)
     say(format_memory(cfg, held, activations, world))
-    if device.type == "cpu" and (warning := memory_warning(held, activations, world, host_memory_available())):
+    warning = device.type == "cpu" and memory_warning(held, activations, world, host_memory_available())
+    if warning:  # on a GPU, running out is an error the trainer reports (out_of_memory_is_an_error)
         say(warning)
     if master:
         log_event(cfg.out_dir, **start_event(cfg, step, world, held, activations))

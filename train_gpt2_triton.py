@@ -2833,7 +2833,8 @@ def main(argv, signals):
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held, activations = device_state_bytes(cfg, param_shapes(cfg), world), activation_bytes(cfg)
     say(format_memory(cfg, held, activations, world))
-    if device.type == "cpu" and (warning := memory_warning(held, activations, world, host_memory_available())):
+    warning = device.type == "cpu" and memory_warning(held, activations, world, host_memory_available())
+    if warning:  # on a GPU, running out is an error the trainer reports (out_of_memory_is_an_error)
         say(warning)
     if master:
         log_event(cfg.out_dir, framework, **start_event(cfg, step, world, held, activations))
@@ -5596,10 +5597,11 @@ def first_configs(active=True):
 
 
 def run_self_test(cfg):
-    """--test: prints a table row by row as the checks run (check, dtype, max abs error, max relative error, tolerance, result, worst
-    output) and exits non-zero if any check fails. TF32 is off while it runs (fp32 references must be
-    fp32) and the caller's settings are restored after it (the tests call it in their own process). A
-    recipe whose backend torch ops autograd checks elsewhere (Recipe.autograd_test) refuses backend torch."""
+    """--test: prints a table row by row as the checks run (check, dtype, max abs error, max relative
+    error, tolerance, result, worst output) and exits non-zero if any check fails. TF32 is off while it
+    runs (fp32 references must be fp32) and the caller's settings are restored after it (the tests call it
+    in their own process). A recipe whose backend torch ops autograd checks elsewhere
+    (Recipe.autograd_test) refuses backend torch."""
     recipe = RECIPES[cfg.recipe]
     if cfg.backend == "torch" and recipe.autograd_test:
         die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "

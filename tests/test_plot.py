@@ -3,6 +3,7 @@
 input); and bench/h100_table.py's step-by-step comparison of the trainers' train losses."""
 import json
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -91,7 +92,6 @@ def test_the_gpu_table_compares_the_trainers_step_by_step(runs, tmp_path):
     step where it is, and their largest val-loss gap where both validated; a run of another seed is left
     out of their comparison. Where one framework ran both recipes on the same tokens, the step and the
     step time at which speedrun reaches gpt2's final val loss."""
-    import shutil
     jax_dir, torch_dir = runs
     runs_dir = tmp_path / "runs"
     for d in runs:
