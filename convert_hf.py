@@ -28,32 +28,32 @@ import errno
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from trainkit import die
+from trainkit.gpt2 import (EOT, LAYER_NAMES, PADDED_VOCAB_SIZE, PARAM_NAMES, VOCAB_SIZE, gpt2_shapes,
+                           model_file_header, read_model_header)
+
 # -----------------------------------------------------------------------------
 # Constants
 
-MODEL_MAGIC = 20240326
-VOCAB_SIZE = 50257          # GPT-2's BPE; EOT = 50256 is the last token
-PADDED_VOCAB_SIZE = 50304   # rows of our wte (a multiple of 128); the padding rows are zero
-EOT = 50256
 LN_EPS = 1e-5
 # the tanh approximation of GELU, which the trainers compute, under transformers' two names for it
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
-# Our per-layer tensors in file order, with transformers' name inside a block h.<l>. The 2-D ones are the
-# four Linear weights, which transformers' Conv1D stores transposed.
-LAYER_TENSORS = [
-    ("ln_1.w", "ln_1.weight"), ("ln_1.b", "ln_1.bias"),
-    ("c_attn.w", "attn.c_attn.weight"), ("c_attn.b", "attn.c_attn.bias"),
-    ("attn.c_proj.w", "attn.c_proj.weight"), ("attn.c_proj.b", "attn.c_proj.bias"),
-    ("ln_2.w", "ln_2.weight"), ("ln_2.b", "ln_2.bias"),
-    ("c_fc.w", "mlp.c_fc.weight"), ("c_fc.b", "mlp.c_fc.bias"),
-    ("mlp.c_proj.w", "mlp.c_proj.weight"), ("mlp.c_proj.b", "mlp.c_proj.bias"),
-]
-PARAM_NAMES = ["wte", "wpe", *(ours for ours, _ in LAYER_TENSORS), "ln_f.w", "ln_f.b"]
+# transformers' name, inside a block h.<l>, of each of our per-layer tensors (LAYER_NAMES). The 2-D ones
+# are the four Linear weights, which transformers' Conv1D stores transposed.
+HF_LAYER_NAMES = {
+    "ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias",
+    "c_attn.w": "attn.c_attn.weight", "c_attn.b": "attn.c_attn.bias",
+    "attn.c_proj.w": "attn.c_proj.weight", "attn.c_proj.b": "attn.c_proj.bias",
+    "ln_2.w": "ln_2.weight", "ln_2.b": "ln_2.bias",
+    "c_fc.w": "mlp.c_fc.weight", "c_fc.b": "mlp.c_fc.bias",
+    "mlp.c_proj.w": "mlp.c_proj.weight", "mlp.c_proj.b": "mlp.c_proj.bias",
+}
 
 # What to-hf writes into its directory; an existing directory holding nothing else may be replaced
 HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json")
@@ -67,11 +67,6 @@ FLOAT_DTYPES = ("F32", "F16", "F64", "BF16")
 COMMITTED_GPT2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "gpt2")
 # a write that fails for want of room: a full disk, a full quota, a file-size limit reached
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def die(msg):
-    """Stops with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
-    raise SystemExit(f"error: {msg}")
 
 
 def die_writing(path, e):
@@ -90,15 +85,6 @@ def refuse_replacing_inputs(out, inputs, command):
             die(f"-o {out} would replace {path}, which {command} reads: pick another -o")
 
 
-def param_shapes(T, L, C, Vp):
-    """Our tensors' shapes, in file order (docs/FORMATS.md, Model files)."""
-    per_layer = {"ln_1.w": (C,), "ln_1.b": (C,), "c_attn.w": (3 * C, C), "c_attn.b": (3 * C,),
-                 "attn.c_proj.w": (C, C), "attn.c_proj.b": (C,), "ln_2.w": (C,), "ln_2.b": (C,),
-                 "c_fc.w": (4 * C, C), "c_fc.b": (4 * C,), "mlp.c_proj.w": (C, 4 * C), "mlp.c_proj.b": (C,)}
-    return {"wte": (Vp, C), "wpe": (T, C), **{k: (L, *s) for k, s in per_layer.items()},
-            "ln_f.w": (C,), "ln_f.b": (C,)}
-
-
 # -----------------------------------------------------------------------------
 # llm.c model files: 256 int32 of header, then the tensors in PARAM_NAMES order, fp32 or bf16
 
@@ -113,55 +99,37 @@ def is_speedrun_file(path):
     return "embed.weight" in names and any(k.startswith("blocks.") for k in names)
 
 
-def read_model_file(path):
-    """(header dict, {name: fp32 array}) of an llm.c model file. fp32 tensors are read-only views of a
-    memory map (a 1.5B model is not copied into memory at once); bf16 ones are widened to fp32."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
+def map_model_file(path):
+    """(header dict, version, {name: fp32 array}) of an llm.c model file of GPT-2's vocabulary, its header
+    checked by trainkit. Not trainkit's read_model_file, which copies every tensor into memory: here fp32
+    tensors are read-only views of a memory map (a 1.5B model is not copied into memory at once), and bf16
+    ones are widened to fp32."""
     if is_speedrun_file(path):
         die(f"model file {path} is a speedrun model (the trainers' --recipe speedrun): transformers has no "
             "such model (RMSNorm, rotary, ReLU^2, an untied soft-capped head), so to-hf converts GPT-2 only")
-    size = os.path.getsize(path)
-    if size < 1024:
-        die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")
-    h = np.fromfile(path, dtype="<i4", count=256)
-    if h[0] != MODEL_MAGIC:
-        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
-    if h[1] not in (3, 5):
-        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
-    header = dict(version=int(h[1]), max_t=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]),
-                  n_head=int(h[5]), n_embd=int(h[6]), padded_vocab_size=int(h[7]))
-    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
-        die(f"model file {path} has an invalid header {header}")
+    header, version = read_model_header(path)
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
         die(f"model file {path} has a vocabulary of {header['vocab_size']} tokens padded to "
             f"{header['padded_vocab_size']}; GPT-2's is {VOCAB_SIZE}")
-    shapes = param_shapes(header["max_t"], header["n_layer"], header["n_embd"], header["padded_vocab_size"])
-    itemsize = 4 if header["version"] == 3 else 2
-    expected = 1024 + itemsize * sum(int(np.prod(s)) for s in shapes.values())
-    if size != expected:
-        die(f"model file {path} has {size:,} bytes, its header implies {expected:,}"
-            f"{' (truncated)' if size < expected else ''}")
-    data = np.memmap(path, dtype="<f4" if itemsize == 4 else "<u2", mode="r", offset=1024)
+    shapes = gpt2_shapes(SimpleNamespace(**header))
+    data = np.memmap(path, dtype="<f4" if version == 3 else "<u2", mode="r", offset=1024)
     params, offset = {}, 0
     for name, shape in shapes.items():
         n = int(np.prod(shape))
         t = data[offset:offset + n]
-        if itemsize == 2:  # a bf16 value is the top half of the fp32 one
+        if version == 5:  # a bf16 value is the top half of the fp32 one
             t = (t.astype(np.uint32) << 16).view(np.float32)
         params[name] = t.reshape(shape)
         offset += n
-    return header, params
+    return header, version, params
 
 
-def write_model_file(path, T, L, H, C, tensors):
-    """Writes an llm.c model file, version 3 (fp32), from `tensors`: (name, parts) pairs in PARAM_NAMES
-    order, where parts are arrays that, concatenated in row-major order, make the tensor (a stacked
-    tensor is given as its L layers, so no (L, ...) copy is ever made). Written under a temporary name,
-    then renamed."""
+def write_model_file_in_parts(path, cfg, tensors):
+    """Writes an llm.c model file of cfg's shape, version 3 (fp32), from `tensors`: (name, parts) pairs
+    in PARAM_NAMES order, where parts are arrays that, concatenated in row-major order, make the tensor (a
+    stacked tensor is given as its L layers, so no (L, ...) copy is ever made; trainkit's
+    write_model_file takes whole tensors). Written under a temporary name, then renamed."""
     assert [name for name, _ in tensors] == PARAM_NAMES
-    header = np.zeros(256, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, 3, T, VOCAB_SIZE, L, H, C, PADDED_VOCAB_SIZE]
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -170,7 +138,7 @@ def write_model_file(path, T, L, H, C, tensors):
         die_writing(path, e)
     try:
         with f:
-            f.write(header.tobytes())
+            f.write(model_file_header(cfg).tobytes())
             for _, parts in tensors:
                 for part in parts:
                     # file.write, not ndarray.tofile: tofile's OSError on a full disk carries no errno
@@ -189,8 +157,9 @@ def write_model_file(path, T, L, H, C, tensors):
 # Hugging Face directories: config.json and safetensors files
 
 def read_hf_config(folder, source):
-    """(T, L, H, C) of the transformers GPT-2 in `folder`, after checking that its config describes the
-    model the trainers build. Keys an older config leaves out take transformers' GPT-2 defaults."""
+    """The shape (trainkit.gpt2's header keys) of the transformers GPT-2 in `folder`, after checking that
+    its config describes the model the trainers build. Keys an older config leaves out take transformers'
+    GPT-2 defaults."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         die(f"{source} has no config.json (not a transformers model directory)")
@@ -220,7 +189,8 @@ def read_hf_config(folder, source):
         if value not in allowed:
             die(f"{source} is not GPT-2 as the trainers build it: config.json has {key} = {value!r}, "
                 f"expected {' or '.join(map(repr, allowed))}")
-    return T, L, H, C
+    return SimpleNamespace(block_size=T, vocab_size=VOCAB_SIZE, n_layer=L, n_head=H, n_embd=C,
+                           padded_vocab_size=PADDED_VOCAB_SIZE)
 
 
 def hf_tensor_index(folder, source):
@@ -266,18 +236,20 @@ def load_hf_tensor(entry):
     return t.float().numpy() if dtype == "BF16" else t.astype(np.float32, copy=False)
 
 
-def check_hf_tensors(entries, source, T, L, C):
-    """Refuses a folder whose tensors are not exactly GPT-2's of this shape: a missing tensor, a wrong
+def check_hf_tensors(entries, source, cfg):
+    """Refuses a folder whose tensors are not exactly GPT-2's of cfg's shape: a missing tensor, a wrong
     shape, or an unexpected extra tensor (another model's head, say)."""
+    T, C = cfg.block_size, cfg.n_embd
     expected = {"wte.weight": (VOCAB_SIZE, C), "wpe.weight": (T, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
-    shapes = param_shapes(T, L, C, VOCAB_SIZE)
-    for ours, hf in LAYER_TENSORS:
+    shapes = gpt2_shapes(cfg)
+    for ours in LAYER_NAMES:
         shape = shapes[ours][1:]
-        for layer in range(L):
-            expected[f"h.{layer}.{hf}"] = shape[::-1]  # Conv1D: (in, out); 1-D shapes are unchanged
+        for layer in range(cfg.n_layer):
+            # Conv1D: (in, out); 1-D shapes are unchanged
+            expected[f"h.{layer}.{HF_LAYER_NAMES[ours]}"] = shape[::-1]
     for name, shape in expected.items():
         if name not in entries:
-            die(f"{source} has no tensor {name} (not a complete GPT-2 of {L} layers)")
+            die(f"{source} has no tensor {name} (not a complete GPT-2 of {cfg.n_layer} layers)")
         if entries[name][3] != shape:
             die(f"{source}: tensor {name} has shape {entries[name][3]}, expected {shape}")
     for name in entries:
@@ -294,7 +266,7 @@ def hf_config(header):
     model was trained without dropout, and fine-tuning in transformers would otherwise add 0.1 of it."""
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": VOCAB_SIZE, "n_positions": header["max_t"], "n_embd": header["n_embd"],
+        "vocab_size": VOCAB_SIZE, "n_positions": header["block_size"], "n_embd": header["n_embd"],
         "n_layer": header["n_layer"], "n_head": header["n_head"], "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": LN_EPS,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
@@ -309,9 +281,9 @@ def hf_state_dict(params, header):
     layer, Conv1D weights transposed, no lm_head (tied)."""
     out = {"transformer.wte.weight": params["wte"][:VOCAB_SIZE], "transformer.wpe.weight": params["wpe"],
            "transformer.ln_f.weight": params["ln_f.w"], "transformer.ln_f.bias": params["ln_f.b"]}
-    for ours, hf in LAYER_TENSORS:
+    for ours in LAYER_NAMES:
         for layer in range(header["n_layer"]):
-            out[f"transformer.h.{layer}.{hf}"] = params[ours][layer].T  # .T of a 1-D tensor: itself
+            out[f"transformer.h.{layer}.{HF_LAYER_NAMES[ours]}"] = params[ours][layer].T  # 1-D: .T is itself
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
@@ -320,7 +292,7 @@ def write_safetensors(path, tensors, metadata):
     length (8 bytes, little-endian), the header (JSON: each tensor's dtype, shape and byte range, by name,
     and the metadata; padded with spaces to a multiple of 8 bytes), then the tensors' bytes in that order.
     Written here because save_file reports a full disk as a SafetensorError whose errno is only in its
-    text."""
+    text, and safetensors.numpy.save (bytes, for a plain write) would hold a second copy of the weights."""
     header, offset = {"__metadata__": metadata}, 0
     for name in sorted(tensors):
         t = tensors[name]
@@ -366,12 +338,12 @@ def cmd_to_hf(args):
         die(f"-o {args.out} exists and is not an earlier to-hf output: remove it or pick another")
     if os.path.exists(out) and os.listdir(out) and not args.force:
         die(f"-o {args.out} holds an earlier to-hf output: pass --force to replace it")
-    header, params = read_model_file(args.model)
+    header, version, params = map_model_file(args.model)
     tokenizer_files = gpt2_tokenizer_files(args.gpt2_dir)
     state = hf_state_dict(params, header)
     # GPT2Tokenizer's defaults are GPT-2's (<|endoftext|> as bos, eos and unk; no prefix space); the
     # length is the model's, so that transformers warns of longer inputs
-    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": header["max_t"]}
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": header["block_size"]}
     # the directory is assembled beside its final name and renamed into place; an earlier output is
     # moved aside first and removed once the new one is in place
     tmp, old = f"{out}.{os.getpid()}.tmp", f"{out}.{os.getpid()}.old"
@@ -395,7 +367,7 @@ def cmd_to_hf(args):
         shutil.rmtree(tmp, ignore_errors=True)
     n = sum(t.size for t in state.values())
     print(f"wrote {out}: GPT-2 L{header['n_layer']} H{header['n_head']} C{header['n_embd']}, max T "
-          f"{header['max_t']}, {n:,} parameters (fp32), from {args.model} (version {header['version']})")
+          f"{header['block_size']}, {n:,} parameters (fp32), from {args.model} (version {version})")
 
 
 # -----------------------------------------------------------------------------
@@ -423,29 +395,29 @@ def cmd_from_hf(args):
     if os.path.exists(args.out) and not args.force:
         die(f"-o {args.out} exists: pass --force to replace it")
     folder = resolve_source(args.source)
-    T, L, H, C = read_hf_config(folder, args.source)
+    cfg = read_hf_config(folder, args.source)
     entries = hf_tensor_index(folder, args.source)
     read = [os.path.join(folder, name) for name in ("config.json", "model.safetensors.index.json")]
     read = [p for p in read if os.path.exists(p)] + [entry[0] for entry in entries.values()]
     refuse_replacing_inputs(args.out, read, "from-hf")
-    check_hf_tensors(entries, args.source, T, L, C)
+    check_hf_tensors(entries, args.source, cfg)
     load = lambda name: load_hf_tensor(entries[name])  # noqa: E731
 
     def layers(hf):  # one layer at a time, read while the file is written (a 1.5B model is 6 GB)
-        for layer in range(L):
+        for layer in range(cfg.n_layer):
             yield load(f"h.{layer}.{hf}").T
 
     wte = load("wte.weight")
     if "lm_head.weight" in entries and not np.array_equal(load("lm_head.weight"), wte):
         die(f"{args.source} has an lm head that differs from wte; llm.c models tie the two")
-    pad = np.zeros((PADDED_VOCAB_SIZE - VOCAB_SIZE, C), np.float32)
+    pad = np.zeros((PADDED_VOCAB_SIZE - VOCAB_SIZE, cfg.n_embd), np.float32)
     tensors = [("wte", [wte, pad]), ("wpe", [load("wpe.weight")])]
-    tensors += [(ours, layers(hf)) for ours, hf in LAYER_TENSORS]
+    tensors += [(ours, layers(HF_LAYER_NAMES[ours])) for ours in LAYER_NAMES]
     tensors += [("ln_f.w", [load("ln_f.weight")]), ("ln_f.b", [load("ln_f.bias")])]
-    write_model_file(args.out, T, L, H, C, tensors)
-    n = sum(int(np.prod(shape)) for shape in param_shapes(T, L, C, PADDED_VOCAB_SIZE).values())
-    print(f"wrote {args.out}: GPT-2 L{L} H{H} C{C}, max T {T}, {n:,} parameters with the padded vocabulary "
-          f"(fp32, version 3), from {args.source}")
+    write_model_file_in_parts(args.out, cfg, tensors)
+    n = sum(int(np.prod(shape)) for shape in gpt2_shapes(cfg).values())
+    print(f"wrote {args.out}: GPT-2 L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, max T {cfg.block_size}, "
+          f"{n:,} parameters with the padded vocabulary (fp32, version 3), from {args.source}")
 
 
 # -----------------------------------------------------------------------------

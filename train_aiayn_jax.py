@@ -19,8 +19,6 @@ function per bucket shape, compiled ahead of time, so a run compiles a handful o
 log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
 """
 import argparse
-import datetime
-import errno
 import glob
 import gzip
 import hashlib
@@ -43,6 +41,9 @@ from tqdm import tqdm
 
 from hellaswag import download_file  # one copy of the resumable, checked download
 from tokenizer import BPETokenizer
+from trainkit import die, write_failure
+from trainkit.checkpoints import drop_partial_log_line, move_aside
+from trainkit.logs import due, log_event
 
 FRAMEWORK = "jax"
 
@@ -136,11 +137,6 @@ class Config:
 
 
 MODEL_FIELDS = ("n_layer", "n_head", "d_model", "d_ff")  # with vocab_size: the parameters' shapes
-
-
-def die(msg):
-    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
-    raise SystemExit(f"error: {msg}")
 
 
 def parse_args(argv=None):
@@ -1092,43 +1088,14 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
 
 
 # -----------------------------------------------------------------------------
-# Logging
-
-def log_event(out_dir, **record):
-    """Appends one JSON object to <out_dir>/log.jsonl (the GPT-2 trainers' keys, plus bleu)."""
-    record["framework"] = FRAMEWORK
-    path = os.path.join(out_dir, "log.jsonl")
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:  # a half line left is cut off when the run resumes (drop_partial_log_line)
-        die(write_failure(path, e))
-
-
-def drop_partial_log_line(out_dir):
-    """Cuts <out_dir>/log.jsonl back to its last complete line. A process killed while it appended an event
-    leaves half a line, which the next event would otherwise be glued to and lost with."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def write_failure(path, e):
-    """The one line that says why writing `path` failed, a full disk said as such."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
-    return f"cannot write {path}: {e.strerror}"
-
+# Logging (log.jsonl's events are trainkit.logs.log_event's: the GPT-2 trainers' keys, plus bleu)
 
 def prepare_out_dir(cfg, resuming):
     """Makes --out-dir, checked writable. One that holds a run (log.jsonl, checkpoints) is refused unless
     this run continues it (resuming) or starts over (--force: that run's files are first moved into a
     replaced_<time> folder there, so that log.jsonl holds one run). A half line that a kill left at the
-    end of the log is cut off."""
+    end of the log is cut off. Not trainkit's prepare_out_dir: a translator's run takes no lock, its
+    hypotheses belong to the run, and a resume moves no newer checkpoint aside."""
     out = cfg.out_dir
     run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
     run += [name for name in ("log.jsonl", "hyp_val.txt", "hyp_test.txt")
@@ -1138,10 +1105,7 @@ def prepare_out_dir(cfg, resuming):
             listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
             die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
                 "over")
-        aside = os.path.join(out, f"replaced_{datetime.datetime.now():%Y%m%d_%H%M%S}")
-        os.makedirs(aside)
-        for name in run:
-            os.replace(os.path.join(out, name), os.path.join(aside, name))
+        aside = move_aside(out, run, "replaced_")
         print(f"--force: the run in {out} moved to {aside}")
     try:
         os.makedirs(out, exist_ok=True)
@@ -1167,10 +1131,6 @@ def peak_memory_gb(device):
 
 # -----------------------------------------------------------------------------
 # Main
-
-def due(every, step, steps):
-    return every > 0 and (step % every == 0 or step == steps)
-
 
 def compile_train_steps(step_jit, params, m, v, batches, cfg):
     """The train step compiled ahead of time for every bucket's shape (A,R_T,T), in parallel threads
@@ -1247,7 +1207,7 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
     def run_val(step, weights):
         loss, nll = evaluate_loss(eval_fn, weights, val_batches)
         print(f"step {step:5d} | val loss {loss:.6f} | nll {nll:.4f} | ppl {math.exp(nll):.2f}")
-        log_event(cfg.out_dir, step=step, val_loss=loss)
+        log_event(cfg.out_dir, FRAMEWORK, step=step, val_loss=loss)
 
     def run_bleu(step, weights, note):
         if cfg.bleu_split == "none":
@@ -1260,7 +1220,7 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
         print(f"step {step:5d} | {cfg.bleu_split} BLEU {bleu.score:.2f} ({how}, {note}; "
               f"{len(refs)} sentences in {time.perf_counter() - t0:.1f} s) -> {path}")
         print(f"sacrebleu: {bleu}")
-        log_event(cfg.out_dir, step=step, bleu=bleu.score)
+        log_event(cfg.out_dir, FRAMEWORK, step=step, bleu=bleu.score)
 
     def final_weights(step):
         """The weights to score: the newest --average checkpoints up to `step` averaged, when there are."""
@@ -1314,7 +1274,7 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
         counts.append(tokens)
         lr, mem = lr_at(step, cfg), peak_memory_gb(device)
         print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens / dt, mem))
-        log_event(cfg.out_dir, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
+        log_event(cfg.out_dir, FRAMEWORK, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                   tokens_per_s=tokens / dt, peak_mem_gb=mem)
         if due(cfg.val_every, step, cfg.steps):
             run_val(step, params)

@@ -22,8 +22,10 @@ START, END = "<!-- activations-table -->", "<!-- /activations-table -->"
 def table():
     """The markdown table: a row per recipe and level, a column per trainer, MB per micro-batch."""
     import importlib
+
+    from trainkit.flags import RECOMPUTE_LEVELS
     modules = {name: importlib.import_module(module) for name, module in TRAINERS.items()}
-    levels, recipes = modules["JAX"].RECOMPUTE_LEVELS, list(modules["JAX"].RECIPES)
+    levels, recipes = RECOMPUTE_LEVELS, list(modules["JAX"].RECIPES)
     rows = ["| recipe | --recompute | " + " | ".join(modules) + " |",
             "|---|---|" + "---:|" * len(modules)]
     for recipe in recipes:
@@ -32,7 +34,7 @@ def table():
             for name, m in modules.items():
                 backend = ["torch"] if name == "Triton" else []
                 cfg, _ = m.parse_args([*backend, *FLAGS, "--recipe", recipe, "--recompute", level])
-                cells.append(f"{m.activation_bytes(cfg) / 1e6:,.0f}")
+                cells.append(f"{m.RECIPES[cfg.recipe].activation_bytes(cfg) / 1e6:,.0f}")
             rows.append(f"| {recipe} | {level} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

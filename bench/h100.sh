@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU's first call (issue 36), at most 9 minutes, in the order that a cut-off costs least:
+# The GPU's first call, at most 9 minutes, in the order that a cut-off costs least:
 #   1. correctness: backend triton's --test of both recipes, compiled, fp32 then bf16, each row written as
 #      it is checked (the two recipes at once: compiling kernels is CPU work, and the card has 16 cores);
 #   2. the d12 step of both recipes in the three trainers (bf16, T = 1024, 4 steps of 524,288 tokens of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --recompute on one GPU, in one call of at most 9 minutes (issue 35's GPU part):
+# --recompute on one GPU, in one call of at most 9 minutes (its memory and speed goals):
 #   1. backend triton's d12 step at B = 16 at each level, beside torch.compile's (torchfunc, level none):
 #      tokens/s and peak memory, a table last (goal: <= 4.1 GB and >= 1.05x torch.compile's tokens/s);
 #   2. d48 (1.5B) at T = 1024, B = 16 for 6 steps in JAX (--scan-layers) and backend triton, each at the cheapest

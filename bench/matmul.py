@@ -16,6 +16,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2_triton as tt  # noqa: E402
+import triton_kernels as tk  # noqa: E402
 
 
 def median_ms(fn):
@@ -66,7 +67,7 @@ def main():
     dev, dt, C, Vp = torch.device("cuda"), torch.bfloat16, 768, 50304
     N = args.batch_size * 1024
     pointer_only = lambda *tensors: False  # noqa: E731
-    tma_ready = tt._tma_ready
+    tma_ready = tk._tma_ready
     rows = []
     for label, rows_, K, M, gelu in (("c_attn", N, C, 3 * C, False), ("attn.c_proj", N, C, C, False),
                                       ("c_fc+gelu", N, C, 4 * C, True), ("mlp.c_proj", N, 4 * C, C, False),
@@ -82,10 +83,10 @@ def main():
         flops = 2 * rows_ * K * M
         if gelu:
             cublas_fwd = lambda: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
-            ours_fwd = lambda: tt.matmul_gelu_forward(x, w, b)[1]  # noqa: E731 pre-activation checked
+            ours_fwd = lambda: tk.matmul_gelu_forward(x, w, b)[1]  # noqa: E731 pre-activation checked
         else:
             cublas_fwd = lambda: F.linear(x, w, b)  # noqa: E731
-            ours_fwd = lambda: tt.matmul_forward(x, w, b)  # noqa: E731
+            ours_fwd = lambda: tk.matmul_forward(x, w, b)  # noqa: E731
         dw = torch.zeros(M, K, device=dev)  # (M, K) fp32
         db = torch.zeros(M, device=dev) if b is not None else None
         line = {"op": label, "shape": f"{rows_}x{K}x{M}"}
@@ -93,19 +94,19 @@ def main():
         line["cublas dX"] = flops / median_ms(lambda: dy @ w) / 1e9
         line["cublas dW"] = flops / median_ms(lambda: dy.t() @ x) / 1e9
         for name, ready in (("ptr", pointer_only), ("auto", tma_ready)):
-            tt._tma_ready = ready
+            tk._tma_ready = ready
             line[f"{name} fwd"] = flops / median_ms(ours_fwd) / 1e9
             line[f"{name} fwd err"] = rel_err(ours_fwd(), ref_y)
-            dx_call = lambda: tt._matmul(dy, w)[0]  # noqa: E731
+            dx_call = lambda: tk._matmul(dy, w)[0]  # noqa: E731
             line[f"{name} dX"] = flops / median_ms(dx_call) / 1e9
             line[f"{name} dX err"] = rel_err(dx_call(), ref_dx)
-        tt._tma_ready = tma_ready
+        tk._tma_ready = tma_ready
         if args.configs:
-            for prod, call in (("fwd", ours_fwd), ("dX", lambda: tt._matmul(dy, w)[0])):
+            for prod, call in (("fwd", ours_fwd), ("dX", lambda: tk._matmul(dy, w)[0])):
                 print(f"configs of {label} {prod}: autotuner ms | alone ms (the autotuner's pick first)")
-                for c, tuned_ms, alone_ms in config_rankings(call, tt.matmul_kernel):
+                for c, tuned_ms, alone_ms in config_rankings(call, tk.matmul_kernel):
                     print(f"  {config_name(c):36s} {tuned_ms:8.4f} {alone_ms:8.4f}", flush=True)
-        dw_call = lambda: tt._matmul_dw(dy, x, dw, db)  # noqa: E731
+        dw_call = lambda: tk._matmul_dw(dy, x, dw, db)  # noqa: E731
         line["ours dW"] = flops / median_ms(dw_call) / 1e9
         dw.zero_()
         dw_call()

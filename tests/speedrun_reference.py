@@ -1,7 +1,7 @@
 """An outside reference for `--recipe speedrun`: modded-nanogpt's simplified speedrun baseline
-(records/track_3_optimization/train_gpt_simple.py) as issue 24 describes it, rebuilt from stock PyTorch parts
+(records/track_3_optimization/train_gpt_simple.py) as its code defines it, rebuilt from stock PyTorch parts
 (nn.Linear, nn.Embedding, F.rms_norm, F.scaled_dot_product_attention, F.cross_entropy, autograd,
-torch.optim.AdamW) plus a Muon written from the issue's formulas, run in float64 on the CPU.
+torch.optim.AdamW) plus a Muon written from the reference's formulas, run in float64 on the CPU.
 
 It shares no code with the trainers: it reads and writes the speedrun model file (.safetensors, fp32, named
 as GPT.state_dict() names its tensors) itself, and takes llm.c's token shards and data order from

@@ -418,6 +418,21 @@ def test_an_out_dir_holding_a_run_is_not_overwritten(trained, data_dir, jax_env,
     assert [e["step"] for e in step_events(out)] == [1, 2]
 
 
+def test_force_twice_in_a_second_keeps_both_runs(tmp_path, capsys):
+    """Two --force starts in quick succession (the same second, as a script's retries may be) each move
+    the run they replace into a replaced_ folder of its own, so that neither run is lost."""
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = replace(aiayn.Config(), out_dir=str(out), force=True)
+    for text in ("first run\n", "second run\n"):
+        (out / "log.jsonl").write_text(text)
+        aiayn.prepare_out_dir(cfg, resuming=False)
+    aside = sorted(p for p in out.iterdir() if p.name.startswith("replaced_"))  # names sort by time
+    assert [(p / "log.jsonl").read_text() for p in aside] == ["first run\n", "second run\n"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in aside)
+    assert capsys.readouterr().out.count("--force: the run in") == 2
+
+
 def test_a_full_disk_during_a_checkpoint(trained, data_dir, jax_env, tmp_path):
     """A checkpoint that meets a full disk (every file limited to the size of params.npz: state.npz, with
     both Adam moments, does not fit) ends the run with one line naming it and saying the disk is full;

@@ -384,18 +384,22 @@ def test_bad_input(hf_source, converted, tmp_path):
 
 def test_more_bad_input(hf_source, converted, tmp_path):
     """Further bad input, run in-process (a script start each would cost a second), each a one-line error:
-    to-hf of a missing file, of a speedrun model file, of another vocabulary, or into a directory holding other files; from-hf into a
-    directory, from-hf of a file, a directory without config.json or model.safetensors, a config of another activation, LayerNorm
-    eps or MLP width or an untied head, an lm_head tensor unlike wte, a tensor of the wrong shape or dtype,
-    an extra tensor, a corrupt safetensors file."""
+    to-hf of a missing file, of one shorter than its header, of a speedrun model file, of another
+    vocabulary, or into a directory holding other files; from-hf into a directory, from-hf of a file, a
+    directory without config.json or model.safetensors, a config of another activation, LayerNorm eps or
+    MLP width or an untied head, an lm_head tensor unlike wte, a tensor of the wrong shape or dtype, an
+    extra tensor, a corrupt safetensors file."""
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
+    header_cut = tmp_path / "header_cut.bin"
+    header_cut.write_bytes(converted.read_bytes()[:100])
     speedrun_file = tmp_path / "speedrun.safetensors"  # what --recipe speedrun writes (one layer, width 128)
     speedrun_reference.write_model_file(speedrun_file, speedrun_reference.init_state_dict(1, 128, seed=0))
     variant = lambda name, *args, **kw: str(hf_variant(hf_source, tmp_path, name, *args, **kw))  # noqa: E731
     wte = load_file(hf_source[0] / "model.safetensors")["transformer.wte.weight"]
     cases = [
         (["to-hf", str(tmp_path / "no_such_model.bin")], "does not exist"),
+        (["to-hf", str(header_cut)], "is truncated: 100 bytes, shorter than its 1024-byte header"),
         (["to-hf", str(speedrun_file)], "is a speedrun model"),
         (["to-hf", str(model_file_variant(converted, tmp_path, "v.bin", h3=50000))], "vocabulary of 50000"),
         (["to-hf", str(converted), "-o", str(tmp_path / "taken")], "exists and is not an earlier to-hf output"),

@@ -11,6 +11,9 @@ import pytest
 import llmc_reference
 from conftest import (assert_clean_error, read_log, run_script, run_with_terminal_stderr, step_events,
                       tiny_params, write_model_file, write_shard)
+from trainkit.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainkit.data import DataLoader, val_batches
+from trainkit.gpt2 import PARAM_NAMES
 
 # log.jsonl's framework name: the command line that runs it. Backend triton is held to backend torch
 # in tests/test_triton.py (same shards, same model file, fp32): on the CPU its kernels run in Triton's
@@ -83,20 +86,18 @@ def test_checkpoint_passes_between_frameworks(reference, tiny_shards, tiny_model
 MODULES = ["train_gpt2_jax", "train_gpt2_torchfunc", "train_gpt2_triton"]
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_ranks_read_what_one_reader_reads(module, tmp_path):
+def test_ranks_read_what_one_reader_reads(tmp_path):
     """Two ranks of B rows read, step after step and across shard ends (wrapping around), exactly the rows
     that one loader of 2B rows reads, and both report its position. The shard lengths leave rank 1 (whose
     rows start B*T further on) too little room for a next step while rank 0 still has it: llm.c's test
     of each rank's own position moves rank 1 to the next shard a step early there."""
-    mod = importlib.import_module(module)
     B, T = 2, 8
     files = []
     for i, n in enumerate((134, 101, 77)):  # 3, 2 and 1 steps of 2*B*T = 32 tokens, plus 38, 37, 45
         files.append(str(tmp_path / f"t_train_{i + 1:06d}.bin"))
         write_shard(files[-1], (np.arange(n) + 1000 * i) % 50257)
-    one = mod.DataLoader(files, 2 * B, T)
-    ranks = [mod.DataLoader(files, B, T, rank, 2) for rank in range(2)]
+    one = DataLoader(files, 2 * B, T)
+    ranks = [DataLoader(files, B, T, rank, 2) for rank in range(2)]
     for _ in range(20):
         x, y = one.next_batch()                                                    # (2B, T) each
         parts = [loader.next_batch() for loader in ranks]
@@ -116,7 +117,7 @@ def test_bf16_model_file_loads_everywhere(tmp_path):
         mod = importlib.import_module(module)
         header, loaded = mod.read_model_file(str(path))
         assert (header["n_layer"], header["n_head"], header["n_embd"]) == (2, 4, 64), module
-        for name, t in zip(mod.PARAM_NAMES, params):
+        for name, t in zip(PARAM_NAMES, params):
             np.testing.assert_array_equal(loaded[name], t, err_msg=f"{module} {name}")
 
 
@@ -144,29 +145,28 @@ def test_from_scratch_on_synthetic_tokens(tmp_path):
             assert loss == pytest.approx(loss32, abs=5e-3), framework
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_checkpoint_save_clears_a_crashed_save(module, tmp_path):
+def test_checkpoint_save_clears_a_crashed_save(tmp_path):
     """A save finds what a run that died while saving the same step left behind (a half-written .tmp dir, an
     .old dir from a replacement cut short) and still writes a complete checkpoint; saving the step again
     replaces it whole; a resume reads back the weights, moments and data position."""
-    mod = importlib.import_module(module)
+    mod = importlib.import_module("train_gpt2_jax")  # its Config and RECIPES; the checkpoints are trainkit's
     cfg = mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64, seq_len=32)
     shapes = mod.param_shapes(cfg)
     rng = np.random.default_rng(0)
-    params, m, v = ({k: rng.standard_normal(shapes[k]).astype(np.float32) for k in mod.PARAM_NAMES}
+    params, m, v = ({k: rng.standard_normal(shapes[k]).astype(np.float32) for k in PARAM_NAMES}
                     for _ in range(3))
     final = tmp_path / "ckpt_0000002"
     for stale in ("ckpt_0000002.tmp", "ckpt_0000002.old"):
         (tmp_path / stale).mkdir()
         (tmp_path / stale / "model.bin").write_bytes(b"half")
-    assert mod.save_checkpoint(str(tmp_path), 2, params, m, v, (0, 64), cfg) == str(final)
+    assert save_checkpoint(str(tmp_path), 2, params, m, v, (0, 64), cfg, mod.RECIPES[cfg.recipe]) == str(final)
     params["wte"][0, 0] = 7.0
-    mod.save_checkpoint(str(tmp_path), 2, params, m, v, (0, 96), cfg)
+    save_checkpoint(str(tmp_path), 2, params, m, v, (0, 96), cfg, mod.RECIPES[cfg.recipe])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000002"]
-    assert mod.latest_checkpoint(str(tmp_path)) == str(final)
-    _, loaded, m2, v2, state = mod.load_checkpoint(str(final), cfg)
+    assert latest_checkpoint(str(tmp_path)) == str(final)
+    _, loaded, m2, v2, state = load_checkpoint(str(final), cfg, mod.RECIPES)
     assert state["step"] == 2 and (state["shard"], state["position"]) == (0, 96)
-    for k in mod.PARAM_NAMES:
+    for k in PARAM_NAMES:
         np.testing.assert_array_equal(loaded[k], params[k])
         np.testing.assert_array_equal(m2[k], m[k])
         np.testing.assert_array_equal(v2[k], v[k])
@@ -198,8 +198,8 @@ def test_eval_only_shows_progress_on_a_terminal(framework, tiny_shards, tiny_mod
     # global batches of 2 rows of 8 tokens: 40 rows fill 20, 41 rows take a 21st with one row counted
     for rows, counted, rank, bar in ((40, [2] * 20, 0, False), (41, [2] * 20 + [1], 1, False),
                                      (41, [2] * 20 + [1], 0, True)):
-        loader = mod.DataLoader(None, 1, 8, rank=rank, world=2)
-        batches = mod.val_batches(mod.Config(val_tokens=8 * rows, seq_len=8), loader)
+        loader = DataLoader(None, 1, 8, rank=rank, world=2)
+        batches = val_batches(mod.Config(val_tokens=8 * rows, seq_len=8), loader)
         assert list(batches) == counted and isinstance(batches, list) != bar
 
 

@@ -106,7 +106,7 @@ def state_line(stdout):
 
 
 def state_part(cfg, held, world):
-    return tg.format_memory(cfg, held, 0, world).split(" | activations ")[0]
+    return tg.format_memory(cfg, held, 0, world, tg.RECIPES[cfg.recipe].optimizers).split(" | activations ")[0]
 
 
 def test_zero_stages_match_stage_0(runs):

@@ -1,16 +1,19 @@
-"""A forker's cut: each GPT-2 trainer with its speedrun section(s) deleted by their banners (as an outside
-tool would: from the banner to the next one) still imports, trains the gpt2 recipe with the whole file's
-losses, and refuses --recipe speedrun in one line. The cut copies run in this process, loaded from a
-temporary folder."""
+"""A forker's cut: each GPT-2 trainer with its speedrun section deleted by its banner (as an outside tool
+would: from the banner to the next one) still imports, trains the gpt2 recipe with the whole file's
+losses, and refuses --recipe speedrun in one line; the Triton trainer's copy does so without the speedrun
+recipe's kernels file, triton_kernels_speedrun.py, which a forker deletes with the section. The cut copies
+run in this process, loaded from a temporary folder."""
 import importlib.util
 import os
+import sys
 
 import pytest
 
 from conftest import REPO, assert_refused, step_events
 from test_siblings import sections
 
-CUT = ("Recipe: speedrun", "Triton kernels: speedrun")
+CUT = ("Recipe: speedrun",)
+SPEEDRUN_FILE = "triton_kernels_speedrun"  # the Triton trainer's speedrun kernels, deleted with the section
 # the command line after the script: backend triton runs one step, in the interpreter without a GPU
 CASES = {
     "jax": ("train_gpt2_jax.py", [], 2),
@@ -36,13 +39,17 @@ def cut_copy(script, folder):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_the_speedrun_recipe_cuts_out(case, tmp_path, tiny_shards):
+def test_the_speedrun_recipe_cuts_out(case, tmp_path, tiny_shards, monkeypatch):
     """The cut copy's gpt2 run logs the whole file's losses, grad norms and lrs (same code, same bits), and
-    --recipe speedrun is then no choice: one line."""
+    --recipe speedrun is then no choice: one line. The speedrun kernels file cannot be imported meanwhile
+    (None in sys.modules), and the cut copy does not import it."""
     script, argv, steps = CASES[case]
     whole = importlib.import_module(script[:-3])
     cut = cut_copy(script, tmp_path)
     assert "speedrun" not in cut.RECIPES and set(whole.RECIPES) == {"gpt2", "speedrun"}
+    with open(cut.__file__) as f:
+        assert f"import {SPEEDRUN_FILE}" not in f.read()
+    monkeypatch.setitem(sys.modules, SPEEDRUN_FILE, None)  # an import of it raises ModuleNotFoundError
     run = [*argv, "--data", str(tiny_shards), "--n-layer", "2", "--n-head", "4", "--n-embd", "64",
            "--seq-len", "32", "--batch-size", "2", "--total-batch-size", "128", "--steps", str(steps),
            "--dtype", "fp32", "--val-every", "0", "--hellaswag-every", "0", "--sample-every", "0",

@@ -16,6 +16,7 @@ import pytest
 
 import train_gpt2_jax as tg
 from conftest import speedrun_random_weights, step_events
+from trainkit.flags import RECOMPUTE_LEVELS
 
 RTOL = 1e-6
 # tiny models, 3 steps of 2 micro-batches of 2 x 32 tokens: one block (each run's time is its compilation),
@@ -114,12 +115,12 @@ def test_each_level_keeps_less_as_accounted(recipe):
     head_temp = temp_bytes(replace(tg.parse_args(flags)[0], n_layer=0))
     count = tg.RECIPES[recipe].activation_bytes
     measured, accounted = {}, {}
-    for level in tg.RECOMPUTE_LEVELS:
+    for level in RECOMPUTE_LEVELS:
         cfg, _ = tg.parse_args([*flags, "--recompute", level])
         measured[level] = temp_bytes(cfg) - head_temp
         accounted[level] = count(cfg) - count(replace(cfg, n_layer=0))
     assert measured["none"] > measured["pointwise"] > measured["block"] > 0, measured
-    for level in tg.RECOMPUTE_LEVELS:
+    for level in RECOMPUTE_LEVELS:
         assert accounted[level] == pytest.approx(measured[level], rel=0.15), (level, measured, accounted)
 
 
@@ -128,5 +129,5 @@ def test_scanned_layers_keep_less_too():
     held to activation_bytes: XLA keeps the scan's per-layer stacks its own way, 14% below the count at
     none, and has the backward loop's (L, ...) weight gradients allocated at the peak.)"""
     temps = [temp_bytes(tg.parse_args([*memory_flags("gpt2"), "--scan-layers", "--recompute", level])[0])
-             for level in tg.RECOMPUTE_LEVELS]
+             for level in RECOMPUTE_LEVELS]
     assert temps == sorted(temps, reverse=True) and len(set(temps)) == len(temps), temps

@@ -19,9 +19,10 @@ from torch._dynamo.backends.common import aot_autograd
 
 import train_gpt2_torchfunc as tf
 from conftest import speedrun_random_weights, step_events
+from trainkit.flags import RECOMPUTE_LEVELS
 
 CPU = torch.device("cpu")
-LEVELS = tf.RECOMPUTE_LEVELS
+LEVELS = RECOMPUTE_LEVELS
 
 
 def tiny(recipe, level, **kw):

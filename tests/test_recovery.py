@@ -20,40 +20,38 @@ import numpy as np
 import pytest
 
 from conftest import REPO, read_log, run_script
+from trainkit.checkpoints import drop_partial_log_line, load_checkpoint, save_checkpoint
+from trainkit.logs import logged_evals
 
 MODULES = ["train_gpt2_jax", "train_gpt2_torchfunc", "train_gpt2_triton"]
 TIMING_KEYS = {"dt_ms", "tokens_per_s", "mfu", "peak_mem_gb"}  # the only keys that differ between runs
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_logged_evals_reads_the_log(module, tmp_path):
+def test_logged_evals_reads_the_log(tmp_path):
     """logged_evals names the evaluations log.jsonl records at a step, whatever trainer wrote them; a
     missing log records none, and a line cut short by a crash is no event."""
-    mod = importlib.import_module(module)
-    assert mod.logged_evals(str(tmp_path), 3) == set()
+    assert logged_evals(str(tmp_path), 3) == set()
     events = [{"step": 3, "train_loss": 5.0, "framework": "jax"},
               {"step": 3, "val_loss": 4.9, "framework": "torchfunc"},
               {"step": 6, "hellaswag_acc": 0.3, "hellaswag_acc_norm": 0.2, "framework": "jax"}]
     lines = [json.dumps(e) + "\n" for e in events]
     (tmp_path / "log.jsonl").write_text("".join(lines) + '{"step": 9, "val_lo')
-    assert mod.logged_evals(str(tmp_path), 3) == {"val_loss"}
-    assert mod.logged_evals(str(tmp_path), 6) == {"hellaswag_acc"}
-    assert mod.logged_evals(str(tmp_path), 9) == set()
+    assert logged_evals(str(tmp_path), 3) == {"val_loss"}
+    assert logged_evals(str(tmp_path), 6) == {"hellaswag_acc"}
+    assert logged_evals(str(tmp_path), 9) == set()
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_drop_partial_log_line(module, tmp_path):
+def test_drop_partial_log_line(tmp_path):
     """drop_partial_log_line cuts log.jsonl back to its last complete line (a kill while appending leaves
     half a line, which the next event would be glued to); a complete log, an empty one or none is left as
     it is."""
-    mod = importlib.import_module(module)
-    mod.drop_partial_log_line(str(tmp_path))
+    drop_partial_log_line(str(tmp_path))
     assert not (tmp_path / "log.jsonl").exists()
     complete = '{"step": 1, "train_loss": 5.0}\n{"step": 1, "val_loss": 4.9}\n'
     for text, kept in ((complete + '{"step": 2, "tra', complete), (complete, complete), ("", ""),
                        ('{"step": 1, "tra', "")):
         (tmp_path / "log.jsonl").write_text(text)
-        mod.drop_partial_log_line(str(tmp_path))
+        drop_partial_log_line(str(tmp_path))
         assert (tmp_path / "log.jsonl").read_text() == kept
 
 
@@ -131,7 +129,7 @@ def write_damaged_checkpoints(mod, folder):
     state saved compressed with a member whose bytes do not inflate."""
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = Path(mod.save_checkpoint(str(folder), 3, zeros, zeros, zeros, (0, 0), cfg))
+    good = Path(save_checkpoint(str(folder), 3, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe]))
     state = (good / "state.npz").read_bytes()
     crc = bytearray(state)
     start, size = member_data(state, "m.wte.npy")
@@ -153,17 +151,16 @@ def write_damaged_checkpoints(mod, folder):
     return dirs
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_non_finite_or_out_of_range_checkpoints_are_refused(module, tmp_path):
+def test_non_finite_or_out_of_range_checkpoints_are_refused(tmp_path):
     """A checkpoint is refused with one line that names the problem when its model.bin holds a NaN or an
     inf (an llm.c model file given to --init-from is read by the same reader, in fp32 and in bf16), its
     optimizer state holds a NaN or an inf (a first moment: AdamW's, or Muon's momentum in the speedrun
     recipe; an AdamW second moment), or its seed is out of the range that --seed takes."""
-    mod = importlib.import_module(module)
+    mod = importlib.import_module("train_gpt2_jax")  # its Config and RECIPES; the checks are trainkit's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8,
                      out_dir=str(tmp_path))
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = Path(mod.save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg))
+    good = Path(save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe]))
     with np.load(good / "state.npz") as z:
         state = dict(z)
     model = (good / "model.bin").read_bytes()
@@ -186,7 +183,7 @@ def test_non_finite_or_out_of_range_checkpoints_are_refused(module, tmp_path):
         (d / "model.bin").write_bytes(weights)
         np.savez(d / "state.npz", **{**state, **changes})
         with pytest.raises(SystemExit) as e:
-            mod.load_checkpoint(str(d), cfg)
+            load_checkpoint(str(d), cfg, mod.RECIPES)
         message = str(e.value)
         assert message.startswith("error: ") and "\n" not in message and needle in message, (name, message)
         if name.endswith("weights"):

@@ -27,6 +27,8 @@ import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
 from conftest import assert_clean_error, read_log, run_script, run_script_on_a_full_disk, step_events
+from trainkit.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainkit.signals import StopSignals
 
 MODULES = {"jax": tj, "torchfunc": tf, "triton": tg}
 SCRIPTS = {"jax": ["train_gpt2_jax.py"], "torchfunc": ["train_gpt2_torchfunc.py"],
@@ -127,12 +129,12 @@ def test_out_of_device_memory_is_one_line(name):
     for level, hint in [("none", " or a cheaper --recompute"), ("pointwise", " or a cheaper --recompute"),
                         ("block", "")]:
         cfg = mod.Config(batch_size=16, recompute=level)
-        with pytest.raises(SystemExit) as e, mod.out_of_memory_is_an_error(cfg):
+        with pytest.raises(SystemExit) as e, mod.fail_on_out_of_memory(cfg):
             raise oom
         assert str(e.value) == (f"error: out of device memory at --batch-size 16 --recompute {level} (try a "
                                 f"smaller batch{hint}): {first}")
     other = jax.errors.JaxRuntimeError("INTERNAL: something else") if name == "jax" else RuntimeError("else")
-    with pytest.raises(type(other)), mod.out_of_memory_is_an_error(mod.Config()):
+    with pytest.raises(type(other)), mod.fail_on_out_of_memory(mod.Config()):
         raise other
 
 
@@ -159,12 +161,11 @@ def test_a_run_beyond_the_hosts_memory_is_warned(name, tmp_path, capsys, monkeyp
                                                    "run (try a smaller --batch-size or a cheaper --recompute)")
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_a_signal_says_what_resume_can_do(name, capfd):
+def test_a_signal_says_what_resume_can_do(capfd):
     """A signal before training (startup, --eval-only, --test, --bench-ops) stops at once without pointing
     at --resume, which has nothing of the launch to continue; during training the first asks for the end
     of the step and the second stops at once, pointing at --resume auto. Exit 128 + the signal's number."""
-    signals = MODULES[name].StopSignals()
+    signals = StopSignals()
     with pytest.raises(SystemExit) as e:
         signals.handle(signal.SIGTERM, None)
     assert e.value.code == 143 and capfd.readouterr().err == "SIGTERM: stopped at once\n"
@@ -178,15 +179,14 @@ def test_a_signal_says_what_resume_can_do(name, capfd):
         "SIGINT: stopped at once; --resume auto continues from the latest checkpoint"]
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_checkpoint_fields_are_checked(name, tmp_path, capsys):
+def test_checkpoint_fields_are_checked(tmp_path, capsys):
     """A state.npz whose step, shard, position or seed is out of range (a negative step would train with
     a negative learning rate) or not an integer scalar is refused with one line naming the field; --resume
     auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
-    mod = MODULES[name]
+    mod = tj  # its Config and RECIPES; the checks are trainkit's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = Path(mod.save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg))
+    good = Path(save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe]))
     with np.load(good / "state.npz") as z:
         fields = dict(z)
     cases = {"step": np.int64(-4), "shard": np.int64(-1), "position": np.int64(-1), "seed": np.int64(-7)}
@@ -198,11 +198,11 @@ def test_checkpoint_fields_are_checked(name, tmp_path, capsys):
         (bad / "model.bin").write_bytes((good / "model.bin").read_bytes())
         np.savez(bad / "state.npz", **{**fields, field: value})
         with pytest.raises(SystemExit) as e:
-            mod.load_checkpoint(str(bad), cfg)
+            load_checkpoint(str(bad), cfg, mod.RECIPES)
         message = str(e.value)
         assert message.startswith(f"error: checkpoint {bad / 'state.npz'}: {field} ") and needle in message
     (tmp_path / "good" / "ckpt_0000004").mkdir()
-    assert mod.latest_checkpoint(str(tmp_path / "good")) == str(good)
+    assert latest_checkpoint(str(tmp_path / "good")) == str(good)
     said = capsys.readouterr().out.splitlines()
     assert said == [f"--resume auto: skipping {tmp_path / 'good' / 'ckpt_0000004'}, which has no state.npz"]
 

@@ -1,20 +1,25 @@
-"""The three GPT-2 trainers as siblings, and every script's flags: the code the trainers share stays the
-same in each (a listed function changed in one trainer only fails here), every difference is a listed,
-deliberate one, every flag of every script explains itself, and the Triton trainer reads training-first."""
+"""The three GPT-2 trainers as siblings, and every script's flags: the trainers tell one story in the same
+section order, the parts that differ by framework keep the same names, no two scripts repeat each other's
+code (what they share is trainkit's), every flag of every script explains itself, and the Triton trainer
+reads training-first."""
 import ast
 import contextlib
-import difflib
 import importlib
 import importlib.util
 import io
+import itertools
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
+import triton_kernels as tk
+import triton_tools as tools
 from conftest import REPO
 
 TRAINERS = {"jax": "train_gpt2_jax.py", "torchfunc": "train_gpt2_torchfunc.py",
@@ -22,31 +27,12 @@ TRAINERS = {"jax": "train_gpt2_jax.py", "torchfunc": "train_gpt2_torchfunc.py",
 MODULES = {"jax": tj, "torchfunc": tf, "triton": tg}
 ARGV = {"jax": [], "torchfunc": [], "triton": ["torch"]}
 
-# The shared plumbing: banner sections that are the same, character for character, from their banner to
-# the next, in each trainer of the group (one paste per section carries a change to all of them).
-SHARED_SECTIONS = {
-    ("jax", "torchfunc", "triton"): ["Flags and recipe lookups", "Data", "Checkpoints",
-                                     "Evaluation and logging"],
-    ("torchfunc", "triton"): ["Torch: processes, ZeRO-1 and failures"],
-}
-# Top-level names outside those sections whose source must be the same in each trainer of the group:
-# GPT-2's constants, shapes, init and model files, and the speedrun recipe's shared parts.
-IDENTICAL = {
-    ("jax", "torchfunc", "triton"): [
-        "VOCAB_SIZE", "PADDED_VOCAB_SIZE", "EOT", "MODEL_PRESETS", "die", "PARAM_NAMES", "DECAY_NAMES",
-        "gpt2_shapes", "init_gpt2_numpy", "MODEL_MAGIC", "write_model_file", "read_model_file",
-        "is_model_file", "cosine_lr", "grad_accum_steps", "CENSUS_SECONDS", "RECOMPUTE_LEVELS",
-        # the speedrun recipe: its defaults, shapes, init, schedule and model files
-        "SPEEDRUN_LRS", "SPEEDRUN_DEFAULTS", "HEAD_DIM", "configure_speedrun", "speedrun_shapes",
-        "muon_names", "init_speedrun_numpy", "rotary_freq_numpy", "SPEEDRUN_COOLDOWN", "speedrun_lr",
-        "speedrun_lrs", "adamw_group", "SAFETENSORS_TYPES", "write_safetensors", "read_safetensors",
-        "is_safetensors_file", "write_speedrun_file", "read_speedrun_file", "ATTN_SCALE", "SOFTCAP"],
-    # the two torch trainers: Muon's orthogonalization
-    ("torchfunc", "triton"): ["newton_schulz"],
-    # the two that write the model as functions of a weights dict
-    ("jax", "torchfunc"): ["EMBEDDINGS", "LAYER_NAMES"],
-}
-# Names two or more trainers define differently, on purpose.
+# The files that must not repeat each other: what two of them would share belongs in trainkit/
+NO_REPEATS = ["train_gpt2_jax.py", "train_gpt2_torchfunc.py", "train_gpt2_triton.py", "convert_hf.py",
+              "train_aiayn_jax.py"]
+REPEAT_LINES = 10  # a run of this many identical lines (blank lines and imports aside) is a copy
+# Names that two or more trainers define, each in its framework's terms: the parts that differ by
+# framework keep the same names, so that a diff of two trainers lines them up.
 DIFFERENT = {
     "FRAMEWORK": "each trainer's own name in log.jsonl",
     "Recipe": "the shared fields, then each trainer's own (its model and update functions)",
@@ -58,34 +44,26 @@ DIFFERENT = {
     "speedrun_activation_bytes": "what each framework's backward keeps at each --recompute level",
     "recomputed": "--recompute in each framework's terms (jax.checkpoint policies; autograd.Functions)",
     "framework_flags": "each trainer's own flags",
+    "parse_args": "trainkit.flags.parse_args over each trainer's own Config, RECIPES and flags",
+    "param_shapes": "a lookup in each trainer's own RECIPES",
+    "EMBEDDINGS": "the tables JAX and torchfunc keep fp32 in bf16 runs (the Triton trainer keeps none)",
     "main": "the same steps in the same order, in each framework's terms",
     "forward": "the model in each framework", "token_losses": "the model in each framework",
     "loss_fn": "the model in each framework", "compute_dtype": "the model in each framework",
     "attention": "the model in each framework", "block": "the model in each framework",
-    "transformer": "the model in each framework", "_gelu_tanh": "a JAX function / a Triton jit helper",
-    "global_norm": "a framework's function / the Triton multi-tensor kernel's wrapper",
-    "adamw_update": "a framework's function / the Triton multi-tensor kernel's wrapper",
+    "transformer": "the model in each framework",
+    "global_norm": "each framework's function", "adamw_update": "each framework's function",
     "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
     "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
-    "whole_state": "each torch trainer's flat layout", "sharded_state": "each torch trainer's flat layout",
+    "whole_state": "each torch trainer's flat layout",
     "compute_groups": "torchfunc keeps its embeddings fp32",
-    "state_layout": "JAX's shardings of the state / the torch trainers' flat buffers, Muon's matrices whole",
-    "gather_state": "each framework's collectives",
-    "device_state_bytes": "each trainer's layout of the state",
-    "evaluate_val": "JAX places batches on its mesh; the torch trainers all-reduce",
-    "evaluate_hellaswag": "each framework's compiled row losses", "generate": "each framework's sampler",
-    "out_of_memory_is_an_error": "each framework's out-of-memory exception",
-    "lost_processes": "the roll call in each framework's store: torch's TCPStore, jax.distributed's client",
-    "a_lost_process_is_an_error": "each framework's failed-collective exception",
-    "peak_memory_gb": "JAX reads its devices' memory statistics, torch its allocator's",
-    "log_event": "the Triton trainer logs triton-<backend>",
+    "device_state_bytes": "each trainer's layout of the state", "generate": "each framework's sampler",
     # the speedrun recipe's model and optimizers (JAX and torchfunc)
     "rotary": "the speedrun model in each framework",
     "speedrun_block": "the speedrun model in each framework",
     "speedrun_transformer": "the speedrun model in each framework",
     "speedrun_logits": "the speedrun model in each framework (the Triton trainer's: the soft cap alone, "
                        "after the op interface's matmul)",
-    "newton_schulz": "jnp with a fori_loop / torch",
     "speedrun_adamw": "JAX returns one tensor's new state / torchfunc's multi-tensor ops in place",
     "speedrun_muon": "JAX returns the new weights and buffers / torchfunc updates them in place",
     "next_logits": "the model in each framework", "speedrun_forward": "the speedrun model in each framework",
@@ -126,77 +104,75 @@ def sections(path):
             for i, j in zip(starts, starts[1:] + [len(lines)])]
 
 
-def section_names(text):
-    """The top-level names a section's text defines."""
-    names = set()
-    for node in ast.parse(text).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            names.add(node.targets[0].id)
-    return names
-
-
-def test_siblings_share_their_common_code():
-    """Each SHARED_SECTIONS section is the same text in each trainer of its group, and each IDENTICAL
-    name has the same source there (the failure shows the diff); every other name that two trainers define
-    is a listed DIFFERENT one: a new shared helper must go into a shared section or one of the lists."""
+def test_only_the_framework_parts_share_names():
+    """Every DIFFERENT name is defined in at least two trainers; a name that two trainers define and
+    DIFFERENT does not list is framework-free code twice, which belongs in trainkit/."""
     defs = {name: top_level(path) for name, path in TRAINERS.items()}
-    found = {name: dict(sections(path)) for name, path in TRAINERS.items()}
-    drifted = []
-
-    def compare(group, label, get):
-        first = get(group[0])
-        assert first is not None, f"{label} is not in {TRAINERS[group[0]]}"
-        for other in group[1:]:
-            text = get(other)
-            assert text is not None, f"{label} is not in {TRAINERS[other]}"
-            if text != first:
-                drifted.append("\n".join(difflib.unified_diff(
-                    first.splitlines(), text.splitlines(), TRAINERS[group[0]], TRAINERS[other],
-                    lineterm="", n=1)))
-    for group, titles in SHARED_SECTIONS.items():
-        for title in titles:
-            compare(group, f"section {title!r}", lambda t: found[t].get(title))
-    for group, names in IDENTICAL.items():
-        for name in names:
-            compare(group, name, lambda t: defs[t].get(name))
-    assert not drifted, "shared code drifted apart:\n" + "\n".join(drifted)
-    shared = {group: set(names) for group, names in IDENTICAL.items()}
-    for group, titles in SHARED_SECTIONS.items():
-        shared[group] |= {n for title in titles for n in section_names(found[group[0]][title])}
-    covered = {(name, a, b) for group, names in shared.items() for name in names for a in group for b in group}
-    unlisted = sorted({name for a in defs for b in defs if a < b for name in set(defs[a]) & set(defs[b])
-                       if (name, a, b) not in covered and name not in DIFFERENT})
-    assert not unlisted, f"defined in two trainers but in no shared section, IDENTICAL or DIFFERENT: {unlisted}"
-    everywhere = {name for a in defs for b in defs if a < b for name in set(defs[a]) & set(defs[b])}
-    assert set(DIFFERENT) <= everywhere, f"stale DIFFERENT entries: {sorted(set(DIFFERENT) - everywhere)}"
+    pairs = {name for a in defs for b in defs if a < b for name in set(defs[a]) & set(defs[b])}
+    unlisted = sorted(pairs - set(DIFFERENT))
+    assert not unlisted, f"defined in two trainers but not in DIFFERENT (move it to trainkit/?): {unlisted}"
+    assert set(DIFFERENT) <= pairs, f"stale DIFFERENT entries: {sorted(set(DIFFERENT) - pairs)}"
 
 
-def test_the_sibling_check_catches_a_drift(monkeypatch):
-    """The check above fails when one trainer alone changes a shared section (here lr_at's, in the Triton
-    trainer's source as test_siblings reads it) or an IDENTICAL function (cosine_lr)."""
-    real_sections, real_top_level = sections, top_level
+def code_lines(text):
+    """[(line number, text with its white space folded)] of a file's lines, blank lines and import
+    statements left out: what two files must not share REPEAT_LINES of in a row."""
+    skip = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            skip.update(range(node.lineno, node.end_lineno + 1))
+    return [(i, " ".join(line.split())) for i, line in enumerate(text.splitlines(), 1)
+            if line.strip() and i not in skip]
 
-    def drifted_sections(path):
-        found = real_sections(path)
-        if path == TRAINERS["triton"]:
-            found = [(t, text.replace("RECIPES[cfg.recipe].lr_at(it, cfg)", "cosine_lr(it, cfg)"))
-                     for t, text in found]
-        return found
 
-    def drifted_top_level(path):
-        defs = real_top_level(path)
-        if path == TRAINERS["triton"]:
-            defs["cosine_lr"] = defs["cosine_lr"].replace("min(ratio, 1.0)", "ratio")
-        return defs
-    monkeypatch.setitem(globals(), "sections", drifted_sections)
-    with pytest.raises(AssertionError, match="cosine_lr\\(it, cfg\\)"):
-        test_siblings_share_their_common_code()
-    monkeypatch.setitem(globals(), "sections", real_sections)
-    monkeypatch.setitem(globals(), "top_level", drifted_top_level)
-    with pytest.raises(AssertionError, match="min\\(ratio"):
-        test_siblings_share_their_common_code()
+def repeated_runs(texts, length=REPEAT_LINES):
+    """[(run length, 'a.py:first-last', 'b.py:first-last')] of the runs of `length` or more identical
+    lines (code_lines) that two of the {name: text} share, longest first."""
+    lines = {name: code_lines(text) for name, text in texts.items()}
+    runs = []
+    for a, b in itertools.combinations(lines, 2):
+        at = {}
+        for j, (_, line) in enumerate(lines[b]):
+            at.setdefault(line, []).append(j)
+        ending = {}  # j -> length of the common run that ends at line i of a and line j of b
+        for i, (_, line) in enumerate(lines[a] + [(0, None)]):
+            now = {j: ending.get(j - 1, 0) + 1 for j in at.get(line, ())}
+            for j, n in ending.items():
+                if j + 1 not in now and n >= length:
+                    runs.append((n, f"{a}:{lines[a][i - n][0]}-{lines[a][i - 1][0]}",
+                                 f"{b}:{lines[b][j - n + 1][0]}-{lines[b][j][0]}"))
+            ending = now
+    return sorted(runs, reverse=True)
+
+
+def test_no_file_repeats_another():
+    """No two of the trainers, convert_hf.py and train_aiayn_jax.py share a run of REPEAT_LINES identical
+    lines: the plumbing they have in common lives once, in trainkit/."""
+    texts = {}
+    for path in NO_REPEATS:
+        with open(os.path.join(REPO, path)) as f:
+            texts[path] = f.read()
+    runs = repeated_runs(texts)
+    assert not runs, "repeated code (move it to trainkit/):\n" + "\n".join(map(str, runs))
+
+
+def test_the_repeat_check_finds_a_copy():
+    """repeated_runs finds a function of REPEAT_LINES lines that two files hold (indented otherwise, amid
+    other code, an import between its lines), and not one line shorter."""
+    def planted(lines):
+        body = [f"    x{i} = x{i - 1} + {i}" for i in range(1, lines)]
+        return ["def planted(x0):", *body[:3], "    import math", *body[3:]]
+    for lines, found in ((REPEAT_LINES, [REPEAT_LINES]), (REPEAT_LINES - 1, [])):
+        a = "\n".join(["y = 1", *planted(lines), "z = 2"])
+        b = "\n".join(["class C:", *("    " + line for line in planted(lines)), "    w = 3"])
+        assert [n for n, _, _ in repeated_runs({"a.py": a, "b.py": b})] == found, lines
+
+
+def test_the_jax_trainer_loads_no_torch():
+    """Importing the JAX trainer (and with it trainkit) loads neither torch nor triton."""
+    code = "import sys, train_gpt2_jax; sys.exit(sorted({'torch', 'triton'} & set(sys.modules)) or 0)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def docstring_map(path):
@@ -206,29 +182,38 @@ def docstring_map(path):
     return [re.split(r"\s{2,}", line.strip())[0] for line in block if line.startswith("    ")]
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
-def test_the_map_lists_the_sections(trainer):
-    """A trainer's docstring map names its banner sections, all of them, in file order."""
-    assert docstring_map(TRAINERS[trainer]) == [title for title, _ in sections(TRAINERS[trainer])]
+# the Triton trainer's files beside it: its kernels, the speedrun recipe's, and its tools
+TRITON_FILES = ["triton_kernels.py", "triton_kernels_speedrun.py", "triton_tools.py"]
+
+
+@pytest.mark.parametrize("path", list(TRAINERS.values()) + TRITON_FILES)
+def test_the_map_lists_the_sections(path):
+    """A trainer's (or a Triton file's) docstring map names its banner sections, all of them, in file
+    order."""
+    assert docstring_map(path) == [title for title, _ in sections(path)]
+
+
+def story(trainer):
+    """A trainer's section titles with those of its own framework's extra parts left out (the Triton
+    trainer's ops and hand-derived backward) and its plumbing section's title cut to `plumbing`."""
+    titles = [title for title, _ in sections(TRAINERS[trainer])]
+    titles = [t for t in titles if t not in ("GPT-2: ops", "GPT-2: backward")]
+    return ["plumbing" if t.split(":")[0].endswith(" plumbing") else t for t in titles]
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_one_story(trainer):
     """GPT-2 first (config, model, AdamW and the lr schedule, training step), then the speedrun recipe's one
-    section, then the shared plumbing in SHARED_SECTIONS' order, then main; and no code outside a recipe's
-    section tests a recipe's name."""
-    titles = [title for title, _ in sections(TRAINERS[trainer])]
-    gpt2 = ["GPT-2: config", "GPT-2: model", "GPT-2: AdamW and the lr schedule", "GPT-2: training step"]
-    assert [t for t in titles if t in gpt2] == gpt2 and titles[:1] == gpt2[:1]
-    speedrun = titles.index("Recipe: speedrun")
-    assert all(titles.index(t) < speedrun for t in gpt2)
-    plumbing = [t for group, ts in SHARED_SECTIONS.items() if trainer in group for t in ts]
-    at = [titles.index(t) for t in plumbing]
-    assert at == sorted(at) and at[0] > speedrun and titles.index("Main") > at[-1], titles
-    for title, text in sections(TRAINERS[trainer]):
-        if not title.startswith(("Recipe: ", "Triton kernels: speedrun")):
-            named = re.findall(r"""(?:recipe\s*[!=]=\s*|==\s*)["'](?:gpt2|speedrun)["']""", text)
-            assert not named, f"{TRAINERS[trainer]}, section {title!r}: tests a recipe's name: {named}"
+    section, then the framework's own plumbing, then main, and nothing else: the shared plumbing is
+    trainkit's. No code outside the recipe's section (nor in the Triton trainer's files beside it) tests a
+    recipe's name."""
+    assert story(trainer) == ["GPT-2: config", "GPT-2: model", "GPT-2: AdamW and the lr schedule",
+                              "GPT-2: training step", "Recipe: speedrun", "plumbing", "Main"]
+    for path in [TRAINERS[trainer]] + (TRITON_FILES if trainer == "triton" else []):
+        for title, text in sections(path):
+            if not title.startswith(("Recipe: ", "Triton kernels: speedrun")):
+                named = re.findall(r"""(?:recipe\s*[!=]=\s*|==\s*)["'](?:gpt2|speedrun)["']""", text)
+                assert not named, f"{path}, section {title!r}: tests a recipe's name: {named}"
 
 
 SCRIPTS = ["train_gpt2_jax.py", "train_gpt2_torchfunc.py", "train_gpt2_triton.py", "train_aiayn_jax.py",
@@ -280,7 +265,7 @@ def test_every_flag_explains_itself(path):
 def test_ops_are_listed_once():
     """The op interface is OP_NAMES; each backend's table (torch, triton, and the self-test's autograd
     reference) fills it in exactly, and op_table refuses a table with an op missing or one too many."""
-    for table in (tg.TORCH_OPS, tg.TRITON_OPS, tg.AUTOGRAD_OPS):
+    for table in (tg.TORCH_OPS, tk.TRITON_OPS, tools.AUTOGRAD_OPS):
         assert sorted(vars(table)) == sorted(tg.OP_NAMES)
     ops = dict(vars(tg.TORCH_OPS))
     del ops["gelu_backward"]
@@ -290,18 +275,48 @@ def test_ops_are_listed_once():
         tg.op_table("broken", dict(vars(tg.TORCH_OPS), gelu_backwards=None))
 
 
-def test_triton_trainer_reads_training_first():
-    """train_gpt2_triton.py: the training path (GPT-2's ops, model, backward and step, the speedrun recipe,
-    the plumbing, main) comes before the first Triton kernel, the kernels (and backend triton's table)
-    before the self-test and the profiler."""
-    with open(os.path.join(REPO, TRAINERS["triton"])) as f:
+def first_lines(path, prefixes):
+    """{name: index of the first line of path that starts with prefix} for (name, prefix) in prefixes."""
+    with open(os.path.join(REPO, path)) as f:
         lines = f.read().splitlines()
-    at = {name: next(i for i, line in enumerate(lines) if line.startswith(prefix)) for name, prefix in (
+    return {name: next(i for i, line in enumerate(lines) if line.startswith(prefix)) for name, prefix in prefixes}
+
+
+def top_level_imports(path):
+    """The top-level modules that path imports at its own import."""
+    with open(os.path.join(REPO, path)) as f:
+        tree = ast.parse(f.read())
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_triton_trainer_reads_training_first():
+    """train_gpt2_triton.py is the training path alone (GPT-2's ops, model, backward and step, the speedrun
+    recipe, the plumbing, main), without a kernel and without importing triton; its kernels are in
+    triton_kernels.py (backend triton's table after them) and triton_kernels_speedrun.py, the self-test
+    and the profiler in triton_tools.py, and the trainer imports those only inside the functions that
+    need them (each imports the trainer)."""
+    at = first_lines(TRAINERS["triton"], (
         ("ops", "# GPT-2: ops"), ("model", "# GPT-2: model"), ("backward", "# GPT-2: backward"),
-        ("step", "# GPT-2: training step"), ("speedrun", "# Recipe: speedrun"), ("data", "# Data"),
-        ("main", "def main("), ("first kernel", "@triton.jit"), ("triton table", "TRITON_OPS = "),
-        ("self-test", "# Self-test"), ("profiling", "# Profiling"))}
+        ("step", "# GPT-2: training step"), ("speedrun", "# Recipe: speedrun"),
+        ("plumbing", "# Triton plumbing"),
+        ("main", "def main(")))
     assert list(at) == sorted(at, key=at.get), at
+    with open(os.path.join(REPO, TRAINERS["triton"])) as f:
+        assert "@triton.jit" not in f.read()
+    assert not top_level_imports(TRAINERS["triton"]) & {"triton", *(path[:-3] for path in TRITON_FILES)}
+    at = first_lines("triton_kernels.py", (("first kernel", "@triton.jit"), ("triton table", "TRITON_OPS = ")))
+    assert list(at) == sorted(at, key=at.get), at
+    at = first_lines("triton_tools.py", (("self-test", "# Self-test"), ("profiling", "# Profiling"),
+                                         ("tools", "TOOLS = ")))
+    assert list(at) == sorted(at, key=at.get), at
+    for path in TRITON_FILES:
+        assert "train_gpt2_triton" in top_level_imports(path), path
 
 
 def test_the_lines_table_is_the_files():

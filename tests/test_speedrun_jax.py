@@ -18,6 +18,7 @@ import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
 from conftest import (REPO, assert_clean_error, assert_refused, assert_same_step_values, run_script,
                       step_events, step_lines, stop_by_signals_and_resume, train_losses)
+from trainkit.checkpoints import load_checkpoint
 
 L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6  # test_speedrun_torchfunc.py's shapes: 64 tokens a step
 FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,
@@ -157,7 +158,7 @@ def test_zero_stages_match_stage_0(runs, inits, tiny_shards):
         whole = sum(4 * math.prod(s) * (1 if k in muon else 2) for k, s in shapes.items())
         assert held["moments"] == (whole if stage == 0 else whole // 2)
         line = next(x for x in runs(f"s{stage}")[1].splitlines() if x.startswith("per device:"))
-        expected = tj.format_memory(cfg, held, 0, 2).split(" | activations ")[0]
+        expected = tj.format_memory(cfg, held, 0, 2, tj.RECIPES[cfg.recipe].optimizers).split(" | activations ")[0]
         assert line.split(" | activations ")[0] == expected and "AdamW and Muon moments" in line
 
     model = ref.load_model(inits["random1"])
@@ -210,7 +211,7 @@ def test_checkpoints_move_between_torchfunc_and_jax(runs, tiny_shards, tmp_path,
     assert train_losses(jax_out) == pytest.approx(train_losses(tf_out), rel=CROSS_RTOL)
     assert_close_checkpoints(tf_out / "ckpt_0000006", jax_out / "ckpt_0000006")
     cfg, _ = tf.parse_args(list(map(str, FLAGS)))
-    header, params, m, v, state = tf.load_checkpoint(str(jax_out / "ckpt_0000003"), cfg)
+    header, params, m, v, state = load_checkpoint(str(jax_out / "ckpt_0000003"), cfg, tf.RECIPES)
     assert (header["n_layer"], state["step"], state["position"]) == (L, 3, 3 * ACCUM * B * T)
     assert list(params) == list(tf.param_shapes(cfg)) and set(v) == set(params) - set(
         tf.muon_names({k: p.shape for k, p in params.items()}))

@@ -1,4 +1,4 @@
-"""The float64 reference of the speedrun recipe (tests/speedrun_reference.py) held to issue 24's text: its
+"""The float64 reference of the speedrun recipe (tests/speedrun_reference.py) held to the recipe's own code: its
 model file's names and shapes, its Newton-Schulz, rotary and soft cap, its optimizer groups and schedule,
 and what the recipe's own init lets the first steps move."""
 import math
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spec_shapes(L, C):
-    """The tensor names and shapes issue 24 lists ("Files and flags"), written out from its text."""
+    """The tensor names and shapes of the reference's GPT.state_dict(), written out by hand."""
     s = {"embed.weight": (V, C)}
     for i in range(L):
         b = f"blocks.{i}."
@@ -123,7 +123,7 @@ def test_newton_schulz_singular_values():
 
 def test_muon_update():
     """Two steps of muon_update: momentum lerp, Nesterov lerp, NS, the tall matrix's sqrt(rows/cols) scale,
-    decoupled decay p *= 1 - lr*wd, all recomputed here from issue 24's formulas."""
+    decoupled decay p *= 1 - lr*wd, all recomputed here from the reference's formulas."""
     g = torch.Generator().manual_seed(1)
     p0 = torch.randn(96, 24, generator=g, dtype=torch.float64)
     g1, g2 = (torch.randn(96, 24, generator=g, dtype=torch.float64) for _ in range(2))
@@ -253,7 +253,7 @@ def test_first_steps_from_the_recipe_init(init_file, shard):
     first loss is ln(50304). The gradient reaches only the head: everything below it hangs off the zero head
     weight. The first step then changes the head by Adam, and every other tensor only by its weight decay
     (p *= 1 - lr*wd): the embedding, the gains and q, k, v, fc shrink a little, so the "first step moves
-    only the head" of issue 24 holds for the gradient's move, not the decay's; the zero projections and
+    only the head" of the recipe's description holds for the gradient's move, not the decay's; the zero projections and
     biases stay exactly 0. At the second step the head is nonzero: the gradient reaches the embedding, the
     final norms and the attention and MLP projections (zero matrices with a nonzero gradient), but not yet
     q, k, v, fc or the block norms, which still hang off the zero projections."""

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import speedrun_reference as ref
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
+import triton_kernels_speedrun as tks
+import triton_tools as tools
 from conftest import (assert_same_step_values, run_script, speedrun_random_weights, step_events,
                       stop_by_signals_and_resume, train_losses)
 
@@ -155,8 +157,8 @@ def test_muon_update_is_the_references():
 def test_the_speedrun_ops_are_listed_once():
     """Both backends' speedrun tables fill in SPEEDRUN_OP_NAMES exactly; --recipe speedrun's namespace
     holds those and OP_NAMES, each backend's own."""
-    assert sorted(vars(OPS)) == sorted(vars(tg.TRITON_SPEEDRUN_OPS)) == sorted(tg.SPEEDRUN_OP_NAMES)
-    for backend, table in (("torch", OPS), ("triton", tg.TRITON_SPEEDRUN_OPS)):
+    assert sorted(vars(OPS)) == sorted(vars(tks.TRITON_SPEEDRUN_OPS)) == sorted(tg.SPEEDRUN_OP_NAMES)
+    for backend, table in (("torch", OPS), ("triton", tks.TRITON_SPEEDRUN_OPS)):
         ops = vars(tg.backend_ops(backend, "speedrun"))
         assert sorted(ops) == sorted(tg.OP_NAMES + tg.SPEEDRUN_OP_NAMES)
         assert all(ops[k] is f for k, f in vars(table).items())
@@ -188,7 +190,7 @@ def runs(tiny_shards, tmp_path_factory):
             out = tmp_path_factory.mktemp(key)
             init = out.parent / f"{key}_init.safetensors"
             cfg = tiny_cfg()
-            tg.write_speedrun_file(str(init), tg.init_params_numpy(cfg) if key == "recipe" else
+            tg.write_speedrun_file(str(init), tg.RECIPES[cfg.recipe].init(cfg) if key == "recipe" else
                                    speedrun_random_weights(tg.param_shapes(cfg), 1), cfg)
             argv = [*map(str, FLAGS), "--data", str(tiny_shards), "--out-dir", str(out), "--ckpt-every", "3"]
             if key == "torchfunc":
@@ -268,12 +270,12 @@ def test_a_triton_checkpoint_resumes_in_backend_torch(runs, tiny_shards, tmp_pat
 def test_bench_ops_lists_every_speedrun_kernel(capsys, monkeypatch, one_thread):
     """--bench-ops --recipe speedrun times every speedrun op of backend triton (the attention's backward
     with its forward; Muon once per shape it batches over) against the PyTorch ops it replaces."""
-    monkeypatch.setattr(tg, "BENCH_WARMUP", 0)
-    monkeypatch.setattr(tg, "BENCH_REPS", 1)
-    monkeypatch.setattr(tg, "COPY_BYTES", 1 << 16)
+    monkeypatch.setattr(tools, "BENCH_WARMUP", 0)
+    monkeypatch.setattr(tools, "BENCH_REPS", 1)
+    monkeypatch.setattr(tools, "COPY_BYTES", 1 << 16)
     cfg = replace(tiny_cfg(), backend="triton", n_layer=1, seq_len=16, batch_size=1, vocab_size=61,
                   padded_vocab_size=64)
-    tg.bench_ops(cfg, tg.backend_ops("triton", "speedrun"), torch.device("cpu"))
+    tools.bench_ops(cfg, tg.backend_ops("triton", "speedrun"), torch.device("cpu"))
     out = capsys.readouterr().out
     benched = [line.split()[0] for line in out.splitlines() if " | " in line and line.endswith("x")]
     assert set(benched) == (set(tg.SPEEDRUN_OP_NAMES) - {"scaled_attention_backward"}

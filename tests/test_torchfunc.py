@@ -11,6 +11,8 @@ import llmc_reference
 import train_gpt2_torchfunc as tf
 from conftest import tiny_params
 from test_parity import has_cuda_gpu
+from trainkit.data import DataLoader
+from trainkit.gpt2 import PARAM_NAMES
 
 V = 50257
 B, T = 4, 64
@@ -55,20 +57,20 @@ def test_model_and_gradients(tiny_model_file, tiny_shards):
     header, arrays = tf.read_model_file(str(tiny_model_file))
     assert header == dict(block_size=64, vocab_size=V, n_layer=2, n_head=4, n_embd=64,
                           padded_vocab_size=50304)
-    for name, expected in zip(tf.PARAM_NAMES, tiny_params(seed=0)):
+    for name, expected in zip(PARAM_NAMES, tiny_params(seed=0)):
         np.testing.assert_array_equal(arrays[name], expected, err_msg=name)
     tokens = shard_tokens(tiny_shards / "tiny_train_000001.bin")
     x, y = torch.from_numpy(tokens[:64].reshape(2, 32)), torch.from_numpy(tokens[1:65].reshape(2, 32))
     params = tf.to_device(arrays, CPU)
     grads, loss = tf.grads_and_loss(params, x, y, 1.0, tiny_cfg())
-    assert all(params[k].dtype == grads[k].dtype == torch.float32 for k in tf.PARAM_NAMES)
+    assert all(params[k].dtype == grads[k].dtype == torch.float32 for k in PARAM_NAMES)
     assert not grads["wte"][V:].any()
 
     ref = llmc_reference.load_model_file(str(tiny_model_file))
     ref_loss = ref(x, y)
     ref_loss.backward()
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
-    for k in tf.PARAM_NAMES:
+    for k in PARAM_NAMES:
         expected = torch.stack([p.grad for p in ref_parts(ref, k)]).reshape(grads[k][:V].shape)
         err = (grads[k][:V].double() - expected).norm() / expected.norm()
         assert err < 1e-5, f"{k}: relative gradient error {err:.2e}"
@@ -89,9 +91,9 @@ def test_model_and_gradients(tiny_model_file, tiny_shards):
     weights16 = tf.model_weights(params, tf.compute_copies(params, cfg16))
     grads16, loss16 = tf.grads_and_loss(weights16, x, y, 1.0, cfg16)
     assert loss16.dtype == torch.float32 and loss16.item() == pytest.approx(loss.item(), abs=2e-2)
-    assert [k for k in tf.PARAM_NAMES if grads16[k].dtype == torch.float32] == ["wte", "wpe"]
-    assert all(grads16[k].dtype == weights16[k].dtype for k in tf.PARAM_NAMES)
-    flat = lambda g: torch.cat([g[k].float().flatten() for k in tf.PARAM_NAMES])  # noqa: E731
+    assert [k for k in PARAM_NAMES if grads16[k].dtype == torch.float32] == ["wte", "wpe"]
+    assert all(grads16[k].dtype == weights16[k].dtype for k in PARAM_NAMES)
+    flat = lambda g: torch.cat([g[k].float().flatten() for k in PARAM_NAMES])  # noqa: E731
     assert torch.nn.functional.cosine_similarity(flat(grads), flat(grads16), dim=0) > 0.99
 
 
@@ -111,7 +113,7 @@ def train_steps(cfg, start, device, grad_backend=None, update_backend=None, step
     if update_backend:
         update_fn = torch.compile(update_fn, fullgraph=True, backend=update_backend,
                                   options=options(update_backend))
-    loader = tf.DataLoader(None, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+    loader = DataLoader(None, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     out, first_grads = [], None
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(1, steps + 1):
@@ -130,7 +132,7 @@ def assert_gradients_close(grads, reference, rtol):
     message lists every tensor that is off."""
     assert not grads["wte"][V:].any()
     bad = []
-    for k in tf.PARAM_NAMES:
+    for k in PARAM_NAMES:
         assert grads[k].dtype == reference[k].dtype, k
         a, b = grads[k].double(), reference[k].double()
         err = ((a - b).norm() / b.norm()).item()
@@ -146,12 +148,12 @@ def test_compiled_step_matches_eager():
     Dynamo/AOTAutograd graphs the GPU runs, without Inductor's C++ compile time on a laptop."""
     cfg = tiny_cfg()
     cfg.seq_len, cfg.batch_size = 32, 2
-    start = tf.init_params_numpy(cfg)
+    start = tf.RECIPES[cfg.recipe].init(cfg)
     eager, _, *state = train_steps(cfg, start, CPU)
     comp, _, *state_c = train_steps(cfg, start, CPU, "aot_eager", "aot_eager")
     assert comp == eager
     for a, b in zip(state[:3], state_c[:3]):
-        for k in tf.PARAM_NAMES:
+        for k in PARAM_NAMES:
             assert torch.equal(a[k], b[k]), k
 
 
@@ -162,7 +164,7 @@ def test_inductor_bf16_gradients_match_eager():
     eager here; test_compiled_step_matches_eager traces it.)"""
     cfg = tiny_cfg("bf16")
     cfg.seq_len, cfg.batch_size = 32, 2
-    start = tf.init_params_numpy(cfg)
+    start = tf.RECIPES[cfg.recipe].init(cfg)
     eager, grads, *_ = train_steps(cfg, start, CPU)
     with torch._inductor.config.patch(disable_padding_cpu=False):
         comp, grads_c, *_ = train_steps(cfg, start, CPU, "inductor")
@@ -215,7 +217,7 @@ def test_compiled_step_on_gpu():
     try:
         runs = {}
         for dtype, cfg in cfgs.items():
-            start = tf.init_params_numpy(cfg)
+            start = tf.RECIPES[cfg.recipe].init(cfg)
             runs[dtype] = train_steps(cfg, start, gpu)
             runs[dtype, "compiled"] = train_steps(cfg, start, gpu, "inductor", "inductor")
         _, _, params, _, _, copies = runs["bf16", "compiled"]

@@ -20,6 +20,9 @@ from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_e
                       assert_same_checkpoint, assert_same_step_values, read_log, run_script, step_events,
                       step_lines, stop_by_signals_and_resume, write_bad_shards, write_shard)
 from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
+from trainkit.checkpoints import latest_checkpoint, save_checkpoint
+from trainkit.gpt2 import PARAM_NAMES
+from trainkit.logs import format_memory
 
 V = 50257
 STEPS = 6
@@ -143,9 +146,10 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
     cfg = mod.Config(**start["config"])
     assert start["event"] == "start" and start["step"] == 0 and start["devices"] == 1
     assert (cfg.batch_size, cfg.seq_len, cfg.n_layer, cfg.recompute) == (B, T, 2, "none")
-    assert start["framework"] == name and start["activation_bytes"] == mod.activation_bytes(cfg) > 0
+    recipe = mod.RECIPES[cfg.recipe]
+    assert start["framework"] == name and start["activation_bytes"] == recipe.activation_bytes(cfg) > 0
     assert start["state_bytes"] == mod.device_state_bytes(cfg, mod.param_shapes(cfg), 1)
-    assert mod.format_memory(cfg, start["state_bytes"], start["activation_bytes"], 1) in stdout
+    assert format_memory(cfg, start["state_bytes"], start["activation_bytes"], 1, recipe.optimizers) in stdout
 
     assert_due_events(out, stdout, STEPS)
     swag = next(e for e in read_log(out) if "hellaswag_acc" in e)  # a share of the examples scored
@@ -167,7 +171,7 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
             assert int(z["position"]) == step * total and int(z["seed"]) == 1337
             config = json.loads(str(z["config"]))
             assert {k: config.get(k) for k in ("n_layer", *t.ckpt_config)} == {"n_layer": 2, **t.ckpt_config}
-            assert all(z[f"{p}.{k}"].shape == shapes[k] for p in "mv" for k in mod.PARAM_NAMES)
+            assert all(z[f"{p}.{k}"].shape == shapes[k] for p in "mv" for k in PARAM_NAMES)
         header, _ = mod.read_model_file(str(ckpt / "model.bin"))
         assert header["n_layer"] == 2 and header["block_size"] == 64
 
@@ -204,7 +208,7 @@ def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellas
     assert sorted(os.listdir(aside)) == ["ckpt_0000006", "log.jsonl"]
     assert [e["step"] for e in read_log(aside)] == [4, 5, 6] and read_log(resumed) == []
     live = str(resumed / "ckpt_0000003") if t.resume_auto else None  # (the others resumed out's)
-    assert mod.latest_checkpoint(str(resumed)) == live
+    assert latest_checkpoint(str(resumed)) == live
 
     evaluated = tmp_path / "eval"
     run_script(*t.argv, "--data", tiny_shards, "--resume", final, "--eval-only", "--out-dir", evaluated,
@@ -288,7 +292,7 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     damaged = write_damaged_checkpoints(mod, tmp_path / "damaged")
     cfg = mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64)  # seed 1337
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = mod.save_checkpoint(str(tmp_path / "good"), 1, zeros, zeros, zeros, (0, 0), cfg)
+    good = save_checkpoint(str(tmp_path / "good"), 1, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe])
     out = tmp_path / "out"
     # a case that does not stop as it should trains one step, not the default 18,865
     base = ["--out-dir", str(out), *map(str, TINY + t.flags), "--steps", "1", "--ckpt-every", "0",

@@ -23,6 +23,8 @@ import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
 from conftest import (REPO, allocated_bytes, assert_clean_error, free_port, read_log, run_script, step_events,
                       step_lines, train_losses)
+from trainkit.torch_shared import flat_layout, shard_ranges
+from trainkit.gpt2 import PARAM_NAMES
 
 TRAINERS = {"torchfunc": ["train_gpt2_torchfunc.py"], "triton": ["train_gpt2_triton.py", "torch"]}
 OTHER = {"torchfunc": "triton", "triton": "torchfunc"}
@@ -122,7 +124,7 @@ def test_stage1_matches_stage0_and_one_process(runs, name):
         for key in x.files:
             if key.startswith(("m.", "v.")):
                 assert_close_to_scale(y[key], x[key], key)
-    for k in mod.PARAM_NAMES:
+    for k in PARAM_NAMES:
         assert_close_to_scale(weights1[k], weights0[k], k)
     cfg, _ = mod.parse_args([*TRAINERS[name][1:], *map(str, FLAGS), "--n-layer", "2", "--n-head", "4",
                              "--n-embd", "64", "--zero-stage", "1"])
@@ -169,13 +171,13 @@ def test_zero_stage_flag(mod, tmp_path):
         shapes = mod.param_shapes(cfg)
         n = sum(math.prod(s) for s in shapes.values())
         groups = mod.compute_groups(cfg)
-        assert sorted(k for names, _ in groups for k in names) == sorted(mod.PARAM_NAMES)
+        assert sorted(k for names, _ in groups for k in names) == sorted(PARAM_NAMES)
         for world in (1, 2, 3, 7, 8):  # the tiny model's 3.3M elements: 7 divides no tensor's size
-            starts, spans = mod.flat_layout(shapes, groups, world)
+            starts, spans = flat_layout(shapes, groups, world)
             assert all((end - first) % (16 * world) == 0 for first, end in spans)
             assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
             size = spans[-1][1]
-            pieces = [mod.shard_ranges(starts, shapes, span, r, world)
+            pieces = [shard_ranges(starts, shapes, span, r, world)
                       for span in spans for r in range(world)]
             assert sum(hi - lo for p in pieces for lo, hi in p.values()) == n  # every element in one shard
             held = mod.device_state_bytes(cfg, shapes, world)
@@ -310,15 +312,16 @@ def test_torchfunc_speedrun_zero1_layout():
         assert len(muon) == 6 * SPEEDRUN_L and all(k.startswith("blocks.") for k in muon)
         order = sorted(muon, key=lambda k: shapes[k], reverse=True)
         for world in (1, 2, 3, 5):
-            groups, starts, spans = tf.state_layout(cfg, shapes, world)
+            muon = tf.RECIPES[cfg.recipe].muon_names(shapes)
+            groups, starts, spans = tf.state_layout(tf.compute_groups(cfg), muon, shapes, world)
             assert groups[-1][0] == muon and spans[0][0] == 0
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-            pieces = [tf.shard_ranges(starts, shapes, span, rank, world)
+            pieces = [shard_ranges(starts, shapes, span, rank, world)
                       for span in spans for rank in range(world)]
             n = sum(map(math.prod, shapes.values()))
             assert sum(hi - lo for p in pieces for lo, hi in p.values()) == n
             for rank in range(world):
-                mine = tf.shard_ranges(starts, shapes, spans[-1], rank, world)
+                mine = shard_ranges(starts, shapes, spans[-1], rank, world)
                 assert list(mine) == [k for k in muon if order.index(k) % world == rank]
                 assert all(hi - lo == math.prod(shapes[k]) for k, (lo, hi) in mine.items())
             for stage in (0, 1) if world <= 2 else ():

@@ -1,0 +1,25 @@
+"""trainkit: what every trainer of this repository needs alike, framework-free, as llm.c's trainers
+include llmc/. Each module opens with what it defines:
+
+    trainkit.flags        the shared flags: RunConfig, RunRecipe, parse_args, model-shape checks
+    trainkit.gpt2         llm.c's GPT-2 without a framework: vocabulary, shapes, init, model files, schedule
+    trainkit.speedrun     the speedrun recipe without a framework: config, shapes, init, lrs, model files
+    trainkit.data         llm.c's token shards, the loader, the validation's batches
+    trainkit.checkpoints  checkpoints, and the out dir: its lock, replaced_ and abandoned_ folders
+    trainkit.logs         log.jsonl's start event, the step and memory lines, MFU
+    trainkit.signals      SIGINT/SIGTERM at step boundaries, and the divergence stop
+    trainkit.torch_shared   torch only: processes, ZeRO-1's flat layout, a lost process, out of memory
+"""
+import errno
+
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def write_failure(path, e):
+    """The one line that says why writing `path` failed, a full disk said as such."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
+    return f"cannot write {path}: {e.strerror}"

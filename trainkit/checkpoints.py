@@ -1,0 +1,326 @@
+"""Checkpoints (docs/FORMATS.md): save_checkpoint, latest_checkpoint, load_checkpoint, read_weights; and
+the out dir that holds them: its lock (RunLock), the replaced_ and abandoned_ folders (move_aside,
+abandon_newer), prepare_out_dir; a run's start
+(starting_state, open_run)."""
+import contextlib
+import datetime
+import fcntl
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import weakref
+import zipfile
+import zlib
+from dataclasses import asdict
+from tokenize import TokenError
+
+import numpy as np
+
+import hellaswag
+from trainkit import die, write_failure
+from trainkit.data import make_loaders
+from trainkit.flags import apply_model_header, check_resumed_seed
+from trainkit.signals import STOP_SIGNALS
+
+def read_weights(path, cfg, recipes):
+    """(header, params) of a model file of cfg.recipe, a row of `recipes`; a file of another recipe gets
+    one line that says which it is."""
+    if not os.path.isfile(path):
+        die(f"model file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    recipe = recipes[cfg.recipe]
+    for name, other in recipes.items():
+        if other is not recipe and other.is_file(head) and not recipe.is_file(head):
+            die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
+                f"takes {recipe.file_kind}")
+    return recipe.read_file(path)
+
+
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz} (docs/FORMATS.md), written to a temporary
+    name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
+    tensors' second; `recipe` is cfg.recipe's row."""
+    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    tmp, old = final + ".tmp", final + ".old"
+    for stale in (tmp, old):  # left by a run that died while saving this step
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+    names = list(recipe.shapes(cfg))
+    # a diverged run must not leave non-finite values in the latest checkpoint: the earlier ones stay
+    for label, tensors in (("weight", params), ("first moment", m), ("second moment", v)):
+        bad = next((k for k in names if k in tensors and not np.isfinite(tensors[k]).all()), None)
+        if bad is not None:
+            die(f"not writing {final}: the {label} {bad} holds non-finite values (the run diverged; try a "
+                "lower --lr): the earlier checkpoints are kept")
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
+                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
+                 config=np.array(json.dumps(asdict(cfg))))
+    try:
+        os.makedirs(tmp)
+        recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
+        with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+            np.savez(f, **state)
+    except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        die(write_failure(tmp, e))
+    # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+        if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return final
+
+
+def latest_checkpoint(out_dir):
+    """The newest complete checkpoint directory in out_dir, or None; a newer one without its state.npz
+    (not written by a trainer: a save renames whole checkpoints into place) is skipped with a line."""
+    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*")) if os.path.basename(d)[5:].isdigit())
+    while found and not os.path.isfile(os.path.join(found[-1], "state.npz")):
+        print(f"--resume auto: skipping {found[-1]}, which has no state.npz")
+        found.pop()
+    return found[-1] if found else None
+
+
+# what reading a damaged .npz raises: not a zip at all (ValueError: numpy takes it for a pickle), cut short
+# (BadZipFile, EOFError), a member that fails its CRC (BadZipFile) or does not inflate (zlib.error), a
+# damaged .npy header in a member (ValueError, TokenError), damaged zip headers
+# (NotImplementedError, KeyError, OSError)
+DAMAGED_NPZ_ERRORS = (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile,
+                      zlib.error, TokenError)
+
+
+def load_checkpoint(path, cfg, recipes):
+    """(header, params, m, v, state) from a checkpoint dir of cfg.recipe, a row of `recipes`; `path` may be
+    'auto' (newest in cfg.out_dir)."""
+    if path == "auto":
+        path = latest_checkpoint(cfg.out_dir)
+        if path is None:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+    if not os.path.isfile(os.path.join(path, "state.npz")):
+        die(f"--resume {path}: not a checkpoint directory (no state.npz)")
+    recipe = recipes[cfg.recipe]
+    for name, other in recipes.items():
+        if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
+            die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
+                f"{cfg.recipe}")
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg, recipes)
+    muon = recipe.muon_names({k: p.shape for k, p in params.items()})
+    adam = [k for k in params if k not in muon]  # v: AdamW's second moments
+    state_file = os.path.join(path, "state.npz")
+    try:
+        with np.load(state_file) as z:
+            missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
+            missing += [f"m.{k}" for k in params if f"m.{k}" not in z.files]
+            missing += [f"v.{k}" for k in adam if f"v.{k}" not in z.files]
+            if missing:
+                die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
+            m = {k: z[f"m.{k}"] for k in params}
+            v = {k: z[f"v.{k}"] for k in adam}
+            state = {}
+            for k in ("step", "shard", "position", "seed"):
+                if z[k].shape != () or z[k].dtype.kind not in "iu":
+                    die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
+                state[k] = int(z[k])
+    except DAMAGED_NPZ_ERRORS as e:
+        detail = (str(e).splitlines() or ["no detail"])[0][:120]
+        die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
+    for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
+        if not low <= state[k] < 2**63:  # int64, as saved; a seed as --seed takes it
+            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
+    for k in params:
+        moments = [m[k], v[k]] if k in v else [m[k]]
+        if any(t.shape != params[k].shape for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
+                f"the model has {params[k].shape}")
+        if any(t.dtype != np.float32 for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(str(t.dtype) for t in moments)}, "
+                "not float32")
+        if not all(np.isfinite(t).all() for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf): resume "
+                "from an earlier checkpoint")
+    return header, params, m, v, state
+
+
+class RunLock:
+    """<out_dir>/.lock, flock'ed by process 0 while this object lives (main holds it: one out dir, one live
+    run), and naming its holder; the kernel drops a dead process's flock, so a stale file blocks nothing.
+    The file goes when the lock is released, with the inode checked on taking it (a run that opened the
+    file just before it went would otherwise lock a deleted one)."""
+    held = None  # weakref.ref to the lock this process holds
+
+    def __init__(self, out):
+        earlier = RunLock.held and RunLock.held()
+        if earlier is not None:  # an earlier main() of this process, ended (main runs one run at a time)
+            earlier.release()
+        self.path, self.fd = os.path.join(out, ".lock"), None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+                os.close(fd)
+                die(f"--out-dir {out} is in use by another run ({holder}): wait for it to end, stop it, or "
+                    "give another --out-dir")
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            os.close(fd)  # its holder removed it as we opened it: take the new one
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        RunLock.held = weakref.ref(self)
+
+    def release(self):
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+def move_aside(out, names, prefix):
+    """Moves <out>/<names> into a new <out>/<prefix><time>[_n] folder (unique however fast runs follow
+    each other); returns its path."""
+    stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    for n in range(1, 1000):
+        aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            os.mkdir(aside)
+            break
+        except FileExistsError:
+            continue
+    for name in names:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+    return aside
+
+
+def abandon_newer(out, step):
+    """A resume from step `step`: the out dir's newer checkpoints are of an abandoned branch, and so are
+    log.jsonl's lines past that step. Both move into an abandoned_<time> folder, so that --resume auto
+    and the log follow the live branch."""
+    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))
+             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
+    if not newer:
+        return
+    aside = move_aside(out, newer, "abandoned_")
+    log = os.path.join(out, "log.jsonl")
+    if os.path.isfile(log):
+        kept, cut = [], []
+        with open(log, "rb") as f:
+            for line in f:
+                try:
+                    later = json.loads(line).get("step", 0) > step
+                except (ValueError, AttributeError, TypeError):
+                    later = False
+                (cut if later else kept).append(line)
+        with open(os.path.join(aside, "log.jsonl"), "wb") as f:
+            f.writelines(cut)
+        with open(log + ".tmp", "wb") as f:
+            f.writelines(kept)
+        os.replace(log + ".tmp", log)
+    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+          f"{step} moved to {aside}")
+
+
+def prepare_out_dir(cfg, master, step):
+    """Makes --out-dir, checked writable, and returns process 0's RunLock on it (None elsewhere), which
+    the caller holds for the run's life. One that holds a run (log.jsonl, checkpoints) is refused unless
+    this run continues it (--resume from `step`: newer checkpoints then go to abandoned_<time>,
+    abandon_newer) or starts over (--force: that run's files move into a replaced_<time> folder there, so
+    that log.jsonl holds one run). A half line that a kill left at the end of the log is cut off."""
+    out = cfg.out_dir
+
+    def held_run():
+        run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
+        return run + [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
+    if not master:  # process 0 decides: its start event may already be in the log the others would see
+        return None
+    run = held_run()
+    if any(name != "profile" for name in run) and not cfg.resume and not cfg.force:
+        listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+        die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
+            "over")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".writable.tmp"), "w"):
+            pass
+        os.remove(os.path.join(out, ".writable.tmp"))
+    except OSError as e:
+        die(f"--out-dir: {write_failure(out, e)}")
+    lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    try:
+        if cfg.resume and not cfg.eval_only:
+            abandon_newer(out, step)
+        run = held_run()
+        if cfg.force and not cfg.resume and any(name != "profile" for name in run):
+            aside = move_aside(out, run, "replaced_")
+            print(f"--force: the run in {out} moved to {aside}")
+    except OSError as e:
+        die(f"--out-dir: {write_failure(getattr(e, 'filename', None) or out, e)}")
+    drop_partial_log_line(out)
+    return lock
+
+
+def drop_partial_log_line(out_dir):
+    """Cuts <out_dir>/log.jsonl back to its last complete line. A process killed while it appended an event
+    leaves half a line, which the next event would otherwise be glued to and lost with."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+
+def starting_state(cfg, explicit, recipes):
+    """(step, loader_state, params, m, v) of a run: a checkpoint's (--resume), a model file's weights
+    (--init-from) or the recipe's init from cfg.seed, with zero moments where no checkpoint gives them.
+    The model shape and seed come from the file read (checked against the `explicit` flags)."""
+    recipe = recipes[cfg.recipe]
+    step, loader_state, m, v = 0, (0, 0), None, None
+    if cfg.resume:
+        header, params, m, v, saved = load_checkpoint(cfg.resume, cfg, recipes)
+        apply_model_header(cfg, header, explicit)
+        check_resumed_seed(explicit, saved["seed"])
+        cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
+    elif cfg.init_from:
+        header, params = read_weights(cfg.init_from, cfg, recipes)
+        apply_model_header(cfg, header, explicit)
+    else:
+        params = recipe.init(cfg)
+    if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+        muon = recipe.muon_names(recipe.shapes(cfg))
+        m = {k: np.zeros_like(p) for k, p in params.items()}
+        v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
+    if cfg.eval_only and not (cfg.resume or cfg.init_from):
+        die("--eval-only needs weights: give --init-from or --resume")
+    return step, loader_state, params, m, v
+
+
+def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say):
+    """A run's start, before any device holds anything: (step, params, m, v) of starting_state, (micro-
+    batches per step, train loader, val loader) of make_loaders for `rows` rows of rank `rank` of `ranks`,
+    GPT-2's encoder for the samples (None without them), and the out dir's lock (prepare_out_dir), which the
+    caller holds for the run's life. Nothing in the out dir moves before the weights and data are checked."""
+    step, loader_state, params, m, v = starting_state(cfg, explicit, recipes)
+    grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
+    encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
+    return step, params, m, v, grad_accum, train, val, encoder, prepare_out_dir(cfg, master, step)

@@ -1,0 +1,415 @@
+"""torch only, shared by the two torch trainers: processes (setup_device, agree_to_stop), ZeRO-1's flat
+buffers (flat_layout, whole_matrix_layout, state_layout, shard_ranges, flat_gradients, sharded_state,
+state_bytes, gather_state, checkpoint_if_due), host-device copies, the evaluations (evaluate_val,
+evaluate_hellaswag, evals_left_to_run), the speedrun's Newton-Schulz, and the one-line failures: a lost
+process (fail_on_lost_peer), out of memory (fail_on_out_of_memory)."""
+import atexit
+import contextlib
+import datetime
+import math
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import hellaswag
+from trainkit import die
+from trainkit.checkpoints import save_checkpoint
+from trainkit.data import val_batches
+from trainkit.gpt2 import PARAM_NAMES
+from trainkit.logs import HELLASWAG_MIN_WIDTH, due, logged_evals
+from trainkit.speedrun import NEWTON_SCHULZ_STEPS
+
+FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+
+
+def flat_layout(shapes, groups, world):
+    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
+    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
+    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
+    stays zero)."""
+    starts, spans, size = {}, [], 0
+    unit = FLAT_ALIGN * world
+    for names, _ in groups:
+        first = size
+        for k in names:
+            starts[k] = size
+            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        size = first + -(-(size - first) // unit) * unit
+        spans.append((first, size))
+    return starts, spans
+
+
+def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
+    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
+    element `first` of the layout."""
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
+            for k in names}
+
+
+def whole_matrix_layout(shapes, names, world, first):
+    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
+    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
+    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
+    group (shard_ranges) holds its matrices whole."""
+    order = sorted(names, key=lambda k: shapes[k], reverse=True)
+    ends, local = [0] * world, {}
+    for i, k in enumerate(order):
+        local[k] = (i % world, ends[i % world])
+        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+    stretch = max(ends)
+    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
+
+
+def state_layout(groups, muon_names, shapes, world):
+    """(groups, {name: first element}, [(first, end) of each group]): the trainer's compute groups in the
+    flat buffers, laid out by flat_layout, and Muon's matrices (muon_names) by whole_matrix_layout after
+    them."""
+    muon = set(muon_names)
+    split = [g for g in groups if not muon.intersection(g[0])]
+    starts, spans = flat_layout(shapes, split, world)
+    if len(split) < len(groups):
+        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
+        starts.update(more)
+        spans.append(span)
+    return groups, starts, spans
+
+
+def shard_ranges(starts, shapes, span, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
+    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
+    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
+    n = (span[1] - span[0]) // world
+    first, ranges = span[0] + rank * n, {}
+    for k in starts:
+        if not span[0] <= starts[k] < span[1]:
+            continue
+        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
+        if lo < hi:
+            ranges[k] = (lo, hi)
+    return ranges
+
+
+def gather_state(state, shapes, cfg, world):
+    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
+    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
+    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
+    if cfg.zero_stage == 0:
+        return state["params"], state["m"], state["v"]
+    full = []
+    for name in ("params", "m", "v"):
+        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
+        names = []
+        for group in state["groups"]:
+            if name not in group:  # Muon's group has no v
+                continue
+            first, end = group["span"]
+            if world > 1:
+                dist.all_gather_single(buffer[first:end], group[name])
+            else:
+                buffer[first:end].copy_(group[name])
+            names += [k for k in shapes if first <= state["starts"][k] < end]
+        full.append(flat_views(buffer, state["starts"], shapes, names))
+    return tuple(full)
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
+    host can queue the step while the GPU is still busy."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def to_numpy(tensors):
+    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
+    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
+
+
+def to_device(arrays, device):
+    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
+    optimizer updates them in place."""
+    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
+
+
+def evaluate_val(row_losses, weights, loader, cfg, device, world):
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
+    each time). Each process reads its rank's rows of every global batch, as llm.c's loader does; rows of
+    the last batch past those sequences count for nothing, so that the same weights give the same loss at
+    any batch size and process count."""
+    loader.reset()
+    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
+    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
+    for counted in val_batches(cfg, loader):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
+        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (cfg.val_tokens // cfg.seq_len)
+
+
+def setup_device(cfg):
+    """(rank, world, device, store): under torchrun one process per GPU (nccl) or per share of the CPU
+    cores (gloo), else one process on the GPU if there is one; store: the run's key-value store at
+    $MASTER_ADDR:$MASTER_PORT (None for one process), which lost_processes reads. Sets the matmul
+    precision cfg.dtype promises."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if world > 1:  # processes on one machine split its cores instead of oversubscribing them
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    store = None
+    if world > 1:
+        port = os.environ.get("MASTER_PORT", "")
+        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
+                and 1 <= int(port) <= 65535):
+            die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
+                "say where process 0 is (launch with torchrun, or set both)")
+        # the store env:// would make, made here so that it can be read after a failure; under torchrun
+        # its agent already serves it
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world,
+                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                              timeout=datetime.timedelta(minutes=30))
+        # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(hours=1))
+        atexit.register(dist.destroy_process_group)
+    # fp32 means fp32: cuBLAS and cuDNN would otherwise run fp32 matmuls on a GPU as TF32
+    tf32 = cfg.dtype == "bf16"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    return rank, world, device, store
+
+
+@contextlib.contextmanager
+def fail_on_out_of_memory(cfg):
+    """Running out of device memory (at compile or run time) is a bad --batch-size or --recompute: one line,
+    no trace."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+        die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a "
+            f"smaller batch{cheaper}): {str(e).splitlines()[0][:200]}")
+
+
+CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
+
+
+def lost_processes(store, rank, world):
+    """After a collective failed: the ranks that did not answer a roll call in the run's store within
+    CENSUS_SECONDS (each survivor writes its mark, then waits for the others'), or None when the store
+    itself is gone (its host, process 0, stopped: checked with a plain connection first, since a write to a
+    closed store prints a C++ warning). Process 0 stays a second longer, so that the others read the
+    marks before its store closes."""
+    try:
+        socket.create_connection((store.host, store.port), timeout=2).close()
+        store.set(f"census/{rank}", "alive")
+        deadline = time.monotonic() + CENSUS_SECONDS
+        silent = list(range(world))
+        while silent and time.monotonic() < deadline:
+            silent = [r for r in range(world) if not store.check([f"census/{r}"])]
+            time.sleep(0.1)
+        if rank == 0:
+            time.sleep(1)
+        return silent
+    except (OSError, RuntimeError, dist.DistError):
+        return None
+
+
+def agree_to_stop(budget_spent, signum, rank, device):
+    """(--time-budget reached, signal number or 0) as every process takes them at a step boundary, so that
+    all stop at the same step: process 0's clock decides, and a signal to any process stops all."""
+    flags = torch.tensor([int(budget_spent and rank == 0), signum], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    budget_spent, signum = flags.tolist()
+    return bool(budget_spent), signum
+
+
+@contextlib.contextmanager
+def fail_on_lost_peer(store, rank, world):
+    """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
+    survivors' next collective: each survivor then names the lost process in one line, says how the run
+    goes on, and exits at once (a teardown of the process group could wait on the dead peer). An error
+    raised outside torch.distributed, or one after which every process answers, passes through."""
+    try:
+        yield
+    except RuntimeError as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+        if world == 1 or not where.startswith("torch.distributed"):
+            raise
+        silent = lost_processes(store, rank, world)
+        if silent == []:
+            raise
+        who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
+        os.write(2, f"error: lost process {who} of {world}: it stopped or was killed, so process {rank} stops "
+                    "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
+        os._exit(1)
+
+
+def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank, world):
+    """Stage 1 (ZeRO-1): per compute group, a process keeps 1/world of the group's stretch of the flat
+    layout (state_layout; Muon's holds whole matrices) of the fp32 masters, of m and v, and of the summed
+    gradients (reduce-scattered into it). It updates that shard of the masters and of the weights
+    (`own_weights`); one all-gather of the group's weights brings every process every update.
+    `shard_params`, `shard_grads`, `shard_copies`, m and v are {name: 1-D piece} of the tensors in the
+    shard (Muon's matrices whole, in their shapes); `layout` is state_layout's."""
+    groups, starts, spans = layout
+    muon = set(muon_names)
+    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    for (names, dtype), (first, end) in zip(groups, spans):
+        n = (end - first) // world
+        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
+        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
+        views = flat_views(group["weights"], starts, shapes, names, first)
+        for k in names:
+            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        state["weights"].update(views)
+        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
+        # fp32 weights are their own masters; bf16 ones get an fp32 shard
+        group["params"] = (group["own_weights"] if dtype == torch.float32 else
+                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
+        # one process alone reduces into its gradient buffer itself
+        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
+                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
+        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
+        for name in sources:
+            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
+        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
+            sources["params"] = params
+        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
+        for name, source in sources.items():
+            for k, (lo, hi) in ranges.items():
+                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
+        if dtype != torch.float32:
+            pieces["own_weights"] = "shard_copies"
+        for k, (lo, hi) in ranges.items():
+            for name, into in pieces.items():
+                if name in group:
+                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
+                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
+        state["groups"].append(group)
+    state["shard_copies"] = state["shard_copies"] or None
+    return state
+
+
+
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
+    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
+    never ending tokens unless an ending alone is longer than the context)."""
+    def row_losses(tokens):                                                        # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - cfg.block_size)
+        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
+        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
+        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
+        return out
+    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+
+
+
+def peak_memory_gb(device):
+    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
+    keeps no statistics."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+
+def newton_schulz(G, dtype):
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F
+    (spectral norm at most 1), 12 iterations of X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, which drive
+    every singular value of X toward 1; on the transposes of tall matrices, so that A is the smaller."""
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        A = X @ X.mT                                                               # (n,r',r')
+        X = 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                                 # (n,r',c')
+    return X.mT if tall else X                                                     # (n,r,c)
+
+
+def flat_gradients(shapes, layout, device):
+    """The start of the training state: the fp32 gradients `grads` of every tensor, views of one flat
+    buffer `grad_buffer` laid out by state_layout (`layout`), and their `starts` in it."""
+    _, starts, spans = layout
+    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
+    return state
+
+
+def state_bytes(zero_stage, shapes, layout, muon_names, world):
+    """Bytes of weights, gradients and optimizer state that one process holds (the trainers' make_state
+    tensors; not the activations), by kind: `params` the bf16 compute copies (none in fp32), all at either
+    stage; `grads` the fp32 flat buffer, plus at stage 1 the reduce-scattered shard; `masters` all of the
+    fp32 masters, or at stage 1 a shard of those with bf16 copies (fp32 ones are what the model computes
+    with: whole); `moments` AdamW's m and v and Muon's momentum, all or (stage 1) a shard."""
+    groups, _, spans = layout
+    muon = set(muon_names)
+    size = spans[-1][1]
+    if zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
+    lengths = [(end - first, dtype, bool(muon.intersection(names)))
+               for (names, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
+            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
+
+
+def evals_left_to_run(cfg, step, master, world):
+    """[val due, HellaSwag due] at a resumed run's `step` that log.jsonl lacks: the checkpoint is written
+    before the step's evaluations, so a run killed between the two runs them on --resume. Process 0's log
+    decides for all: the others may not see it, and all must run the same evaluations."""
+    logged = logged_evals(cfg.out_dir, step) if master else set()
+    missing = [due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
+               due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]
+    if world > 1:
+        dist.broadcast_object_list(missing, src=0)
+    return missing
+
+
+def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say):
+    """Step's checkpoint, with the train loader's position, where --ckpt-every (or the last step, `last`)
+    asks for one: every process gathers the state (a collective at stage 1), process 0 writes it, the
+    others wait."""
+    if not due(cfg.ckpt_every, step, last):
+        return
+    full = gather_state(state, recipe.shapes(cfg), cfg, world)
+    if master:
+        say(f"saved {save_checkpoint(cfg.out_dir, step, *map(to_numpy, full), loader.state(), cfg, recipe)}")
+    if world > 1:
+        dist.barrier()
+
+
+def say_samples(sample, cfg, step, last, device, decode, master, say):
+    """Prints step's samples where --sample-every (or the last step, `last`) asks for them, on process 0:
+    sample(generator) gives token rows (S, T) whose column 0 is EOT, drawn with a generator seeded by
+    (--seed, step), so that a resumed run samples as the uninterrupted one."""
+    if not (master and due(cfg.sample_every, step, last)):
+        return
+    seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for i, row in enumerate(sample(generator).tolist()):
+        say(f"sample {i}: {decode(row[1:])!r}")

@@ -1,0 +1,639 @@
+"""triton_kernels_speedrun.py: backend `triton`'s ops of train_gpt2_triton.py's speedrun recipe
+(--recipe speedrun): the ops that triton_kernels.py's kernels serve through a flag (the embedding without
+positions, RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own scale), its own kernels
+(q's and k's RMSNorm and rotary, Muon's momentum, Newton-Schulz and update), its op table
+TRITON_SPEEDRUN_OPS, and its row of the tools' table (its --test and --bench-ops cases, the profiler's work
+of its ops). The trainer's speedrun section imports it for backend triton (speedrun_ops), triton_tools.py
+for the tools. Delete this file together with the trainer's `Recipe: speedrun` section and GPT-2 trains,
+tests and profiles as before (tests/test_recipe_cut.py does it).
+
+Map: the file's sections, in order.
+    Triton kernels: speedrun               the speedrun's ops on our kernels, q/k rotary, Muon, its cases
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from train_gpt2_triton import (HEAD_ROWS, INTERPRET, SPEEDRUN_OP_NAMES, TORCH_SPEEDRUN_OPS, Config, compute_dtype,
+                               op_table)
+from trainkit.speedrun import ATTN_SCALE, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS, SOFTCAP
+from triton_kernels import (CE_BLOCK_V, CE_WARPS, MT_BLOCK, MT_CHUNK, MT_WARPS, _activation_backward,
+                            _activation_forward, _check_tensors, _crossentropy_kernel, _flash_backward,
+                            _flash_forward, _flat_check, _layernorm_forward, _matmul, _owner_row, _row_blocks,
+                            _tensor_table, embedding_backward, encoder_forward, layernorm_backward)
+from triton_tools import RecipeTools, _leaf, _nbytes
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: speedrun
+#
+# Backend triton's ops of the speedrun recipe: first those that triton_kernels.py's kernels serve through a
+# flag (the embedding without positions, RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own
+# scale over separate q, k, v), then its own kernels: q's and k's RMSNorm and rotary, and Muon; then its
+# op table, TRITON_SPEEDRUN_OPS, and the cases of its tools.
+
+def embedding_forward(idx, table):
+    """idx (B,T) int64, table (Vp,C) dt -> x (B,T,C) dt: the speedrun model's rows, without positions."""
+    return encoder_forward(idx, table, None)
+
+
+def rmsnorm_forward(x, w, eps):
+    """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
+    _, y, _, rstd = _layernorm_forward(x, None, w, None, eps, rms=True)
+    return y, rstd
+
+
+def residual_rmsnorm_forward(res, h, w, eps):
+    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, RMSNorm(x) (N,C) dt, rstd (N) fp32)."""
+    x, y, _, rstd = _layernorm_forward(res, h, w, None, eps, rms=True)
+    return x, y, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
+    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, RMSNorm's
+    (dx includes dres, as layernorm_backward's)."""
+    return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
+
+
+def relu2_forward(pre):
+    """pre (N,M) dt -> relu(pre)^2 (N,M) dt."""
+    return _activation_forward(pre, "relu2")
+
+
+def relu2_backward(dy, pre):
+    """dy (N,M), pre (N,M) dt -> dpre = dy * 2 relu(pre) (N,M) dt."""
+    return _activation_backward(dy, pre, "relu2")
+
+
+def matmul_relu2_forward(x, w, b):
+    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre for its
+    backward."""
+    return _matmul(x, w.t(), b, activation="relu2")
+
+
+def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
+    """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
+    OVERWRITES z with dloss * (softmax(c) - onehot) dc/dz. block_v as in crossentropy_forward_backward."""
+    Vp = z.shape[-1]
+    N = z.numel() // Vp
+    losses = torch.empty(N, dtype=torch.float32, device=z.device)                   # (N,) fp32
+    _crossentropy_kernel[(N,)](z, targets, losses, Vp, Vp, dloss, CAP=SOFTCAP, BLOCK_V=block_v,
+                               num_warps=CE_WARPS)
+    return losses
+
+
+def _check_heads(name, qkv, rows):
+    """The kernels address head h at h*D of a row, its elements one apart, and q, k, v through one set of
+    strides: q, k, v (B,T,H,D) strided alike, with strides (D, 1) over (H, D); `rows` (B,T,H*D) of unit
+    stride over the last axis."""
+    D = qkv[0].shape[-1]
+    if (len({t.stride() for t in qkv}) > 1 or qkv[0].stride()[2:] != (D, 1)
+            or any(t.stride(2) != 1 for t in rows)):
+        raise ValueError(f"{name}: expected q, k, v (B, T, H, D) with one set of strides ending (D, 1) and "
+                         f"rows of unit stride, got strides {[t.stride() for t in (*qkv, *rows)]}")
+
+
+def scaled_attention_forward(q, k, v, scale):
+    """Causal softmax(scale q k^T) v per head of q, k, v (B,T,H,D): (out (B,T,H*D), lse (B,H,T) fp32)."""
+    B, T, H, D = q.shape
+    _check_heads("scaled_attention_forward", (q, k, v), ())
+    return _flash_forward(q, k, v, B, T, H, D, scale)
+
+
+def scaled_attention_backward(dout, q, k, v, out, lse, scale):
+    """(dq, dk, dv) (B,T,H,D) each, with q's strides, from dout and the forward's out, (B,T,H*D) or
+    (B,T,H,D), its q, k, v and lse (B,H,T)."""
+    B, T, H, D = q.shape
+    dout, out = dout.view(B, T, H * D), out.view(B, T, H * D)  # (B,T,H*D) each
+    _check_heads("scaled_attention_backward", (q, k, v), (dout, out))
+    # the kernels write all three through q's strides
+    dq, dk, dv = (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
+                  for _ in range(3))  # (B,T,H,D) each
+    _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale)
+    return dq, dk, dv
+
+
+# --- q and k: RMSNorm over each head, then the half-truncated rotary embedding ---------------------------
+# A row is one head of D values, x (B,T,H,D) contiguous: row r = (b*T + t)*H + h sits at position
+# t = (r // H) % T. The rotation pairs element j with element D/2 + j, so the kernels load a row as its
+# two halves, two (rows, D/2) tiles. The angles theta = t * freq_j are computed in the kernels, not read
+# from a (T, D/2) cos/sin table: torch would build that table inside the step (backend torch's
+# _rotary_cos_sin does, in every forward and backward), and backend triton's step runs no torch compute
+# op; an exp2, a cos and a sin per pair cost nothing in a memory-bound kernel.
+
+# whole heads per program: QK_TILE elements, 32 heads at D = 128 with 8 warps, 16 elements per thread (8
+# of each half); the interpreter takes wide tiles (fewer programs)
+QK_TILE = 1 << 16 if INTERPRET else 4096
+QK_WARPS = 8
+
+
+@triton.jit
+def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
+    """cos and sin (R, BH) fp32 of theta = t * freq_j at the positions of the flat head indices rows (R,),
+    pairs j = cols (BH,): freq_j = (1/1024)^(j / (D/4 - 1)) over the first D/4 pairs (at D = 4 torch's
+    linspace(0, 1, 1) is [0]: freq 1), 0 over the last D/4 (cos 1, sin 0: those pairs are not rotated)."""
+    quarter = HEAD_DIM // 4
+    t = ((rows // H) % T).to(tl.float32)                                           # (R,) positions
+    freq = tl.exp2(cols.to(tl.float32) * (-10.0 / tl.maximum(quarter - 1, 1)))     # (BH,) fp32
+    freq = tl.where(cols < quarter, freq, 0.0)                                      # (BH,)
+    theta = t[:, None] * freq[None, :]                                              # (R, BH) fp32, as torch's
+    # tl.cos and tl.sin may compile to the GPU's approximate instructions, accurate near 0 only: reduce
+    # theta to [-pi, pi] first, 2 pi split in two: 6.28125 has 8 significant bits, so turns * 6.28125 is
+    # exact (for turns below 2^16, theta below 4e5) and only the small part's product rounds
+    turns = tl.floor(theta * 0.15915494309189535 + 0.5)                             # (R, BH) nearest 2 pi
+    r = (theta - turns * 6.28125) - turns * 1.9353071795864769e-3                   # (R, BH) in [-pi, pi]
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _head_halves(N, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's BLOCK_ROWS of the N heads: their flat indices (R,) int64, the pairs (BH,), the row
+    mask (R,), the mask of a half (R, BH) and the offsets (R, BH) int64 of the first half's elements."""
+    heads = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # (R,)
+    cols = tl.arange(0, BLOCK_H)                                                    # (BH,)
+    row_mask = heads < N                                                            # (R,)
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
+    return heads, cols, row_mask, mask, heads[:, None] * HEAD_DIM + cols[None, :]
+
+
+@triton.jit
+def _qk_norm_rotary_forward_kernel(x_ptr, y_ptr, rstd_ptr, N, T, H, eps, HEAD_DIM: tl.constexpr,
+                                   BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads, cols, row_mask, mask, offs = _head_halves(N, HEAD_DIM, BLOCK_ROWS, BLOCK_H)
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)                 # (R, BH)
+    x2 = tl.load(x_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)  # (R,)
+    x1 = x1 * rstd[:, None]                                                         # (R, BH) xhat
+    x2 = x2 * rstd[:, None]                                                         # (R, BH)
+    cos, sin = _rotary_cos_sin_tile(heads, T, H, cols, HEAD_DIM)                    # (R, BH) each
+    y1 = x1 * cos + x2 * sin                                                        # (R, BH)
+    y2 = x2 * cos - x1 * sin                                                        # (R, BH)
+    tl.store(y_ptr + offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + HEAD_DIM // 2 + offs, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + heads, rstd, mask=row_mask)
+
+
+@triton.jit
+def _qk_norm_rotary_backward_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, N, T, H, HEAD_DIM: tl.constexpr,
+                                    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # the rotation is orthogonal: dxhat = R^T dy; then RMSNorm's backward without gain,
+    # dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), xhat recomputed from x and the saved rstd
+    heads, cols, row_mask, mask, offs = _head_halves(N, HEAD_DIM, BLOCK_ROWS, BLOCK_H)
+    dy1 = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)               # (R, BH)
+    dy2 = tl.load(dy_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.load(rstd_ptr + heads, mask=row_mask, other=0.0)                      # (R,) fp32
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]  # (R, BH) xhat
+    x2 = tl.load(x_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    cos, sin = _rotary_cos_sin_tile(heads, T, H, cols, HEAD_DIM)                    # (R, BH) each
+    g1 = dy1 * cos - dy2 * sin                                                      # (R, BH) dxhat
+    g2 = dy1 * sin + dy2 * cos                                                      # (R, BH)
+    mean = (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) / HEAD_DIM           # (R,)
+    dx1 = rstd[:, None] * (g1 - x1 * mean[:, None])                                 # (R, BH)
+    dx2 = rstd[:, None] * (g2 - x2 * mean[:, None])                                 # (R, BH)
+    tl.store(dx_ptr + offs, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + HEAD_DIM // 2 + offs, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rotary_forward(x, eps):
+    """q or k (B,T,H,D) contiguous -> (y (B,T,H,D) in x's dtype, rstd (B,T,H) fp32): each head RMS-normed
+    without gain, then rotated by its position's angles, in fp32."""
+    _flat_check("qk_norm_rotary_forward", x)
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)                                                         # (B,T,H,D)
+    rstd = torch.empty((B, T, H), dtype=torch.float32, device=x.device)             # (B,T,H) fp32
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_forward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        num_warps=QK_WARPS)
+    return y, rstd
+
+
+def qk_norm_rotary_backward(dy, x, rstd):
+    """dx (B,T,H,D) in x's dtype from dy and the forward's x (B,T,H,D), contiguous, and rstd (B,T,H)."""
+    _flat_check("qk_norm_rotary_backward", dy, x, rstd)
+    B, T, H, D = x.shape
+    dx = torch.empty_like(x)                                                        # (B,T,H,D)
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_backward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        num_warps=QK_WARPS)
+    return dx
+
+
+# --- Muon: momentum, Newton-Schulz on the matmul kernels, the update ---------------------------------------
+# muon_update (torch_muon_update's semantics) over n matrices of one shape (r, c) in four steps: (1) one
+# multi-tensor launch updates the momentum buffers and writes Nesterov's u into a stacked (n, r, c) work
+# buffer in the Newton-Schulz dtype, with each chunk's sum of squares of u as stored, so that the Frobenius
+# norms cost no second pass over u; (2) one launch divides each matrix by its norm, each program summing
+# its matrix's chunk partials in order; (3) Newton-Schulz on _matmul, each product one launch batched over
+# the n matrices, the combinations by _axpby_kernel over the whole work buffer, in place; (4) one
+# multi-tensor launch applies the update to the fp32 masters and refreshes their compute-dtype copies.
+
+MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps ...
+MUON_WARPS = 8                               # ... the interpreter takes wide blocks (fewer programs)
+MUON_PARTIALS_BLOCK = 256  # the norm's chunk partials per loop step: a d12 (3072, 768) matrix has 144
+
+
+@triton.jit
+def _lerp(start, end, w):
+    # torch's lerp as its CPU (vectorized) and CUDA kernels compute it, one fused multiply-add each:
+    # start + w (end - start) for w < 0.5, else end - (1 - w) (end - start) (exact at w = 1), w in fp32
+    # as torch casts it, so that fp32 results agree bit for bit
+    small = w < 0.5
+    return tl.fma(tl.where(small, w, w - 1.0), end - start, tl.where(small, start, end))
+
+
+@triton.jit
+def _muon_momentum_kernel(table_ptr, n_tensors, u_ptr, sumsq_ptr, w_m, w_u, ALIGNED: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, grad, m pointers. Every matrix has one shape, so the matrix of first
+    # chunk f is f / (its chunk count), and its u is that matrix of the stacked buffer u (n, r, c)
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    u_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        g = tl.load(g_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        m = _lerp(tl.load(m_ptr + o + offs, mask=mask, other=0.0), g, w_m)         # (BL,) fp32
+        u = _lerp(g, m, w_u).to(u_ptr.dtype.element_ty)                             # (BL,) Nesterov's
+        tl.store(m_ptr + o + offs, m, mask=mask)
+        tl.store(u_ptr + o + offs, u, mask=mask)
+        acc += u.to(tl.float32) * u.to(tl.float32)  # the norm of u as Newton-Schulz reads it (masked: 0)
+    tl.store(sumsq_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _muon_normalize_kernel(x_ptr, sumsq_ptr, numel, chunks, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    # x (n, numel) /= ||x[i]||_F + 1e-7 over grid (n, blocks): every program of matrix i sums its `chunks`
+    # partials in the same order, so all of them divide by the same bits. The norm and the denominator are
+    # rounded to x's dtype as torch rounds them (a bf16 norm in bf16 Newton-Schulz)
+    i = tl.program_id(0).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)                                                  # (BP,)
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)                                    # (BP,)
+    for p0 in range(0, chunks, BLOCK_P):
+        acc += tl.load(sumsq_ptr + i * chunks + p0 + offs_p, mask=offs_p < chunks - p0, other=0.0)
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    denom = (norm + 1e-7).to(x_ptr.dtype.element_ty).to(tl.float32)
+    start = tl.program_id(1).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < numel - start
+    x = tl.load(x_ptr + i * numel + start + offs, mask=mask, other=0.0).to(tl.float32)  # (BL,)
+    tl.store(x_ptr + i * numel + start + offs, tl.div_rn(x, denom).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _axpby_kernel(out_ptr, x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
+    # out may be x or y: each element is read before it is written, by the same program
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    y = tl.load(y_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    tl.store(out_ptr + start + offs, (a * x + b * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr,
+                        ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, param, copy pointers; the orthogonalized update of the matrix is x's,
+    # found as in _muon_momentum_kernel
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    if HAS_COPY:
+        c_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
+        if ALIGNED:
+            c_ptr = tl.multiple_of(c_ptr, 16)
+    x_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        p = tl.load(p_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        update = tl.load(x_ptr + o + offs, mask=mask, other=0.0).to(tl.float32) * scale  # (BL,)
+        # torch's order of roundings: p * decay, then minus lr * update
+        p = p * decay - update * lr                                                 # (BL,) fp32
+        tl.store(p_ptr + o + offs, p, mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def axpby(out, a, x, b, y):
+    """out = a x + b y elementwise (out, x, y contiguous with as many elements; out may be x or y), in fp32
+    and rounded once to out's dtype."""
+    _flat_check("axpby", out, x, y)
+    if not out.numel() == x.numel() == y.numel():
+        raise ValueError(f"axpby: {x.numel()} and {y.numel()} elements into {out.numel()}")
+    _axpby_kernel[(triton.cdiv(out.numel(), MUON_BLOCK),)](out, x, y, out.numel(), a, b, BLOCK=MUON_BLOCK,
+                                                           num_warps=MUON_WARPS)
+
+
+def add_into(acc, x):
+    """acc += x (same shape and dtype, contiguous), rounded once: h feeds q, k and v, so their input
+    gradients add up."""
+    if acc.shape != x.shape or acc.dtype != x.dtype:
+        raise ValueError(f"add_into: {x.dtype} {tuple(x.shape)} into {acc.dtype} {tuple(acc.shape)}")
+    axpby(acc, 1.0, acc, 1.0, x)
+
+
+def _newton_schulz(x):
+    """newton_schulz's iterations in place on normalized matrices x (n, r, c), contiguous, in their dtype,
+    each step's products batched over the n matrices (one launch each). Tall matrices run them on their
+    transposes, as the reference does, without moving them: with X = x^T the reference's step
+    X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since A = x^T x and so B
+    are symmetric (of which only a triangle would need computing: bench/NOTES.md)."""
+    tall = x.shape[1] > x.shape[2]
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        xt = x.transpose(1, 2)                                                      # (n, c, r) a view
+        A, _ = _matmul(xt, x) if tall else _matmul(x, xt)                           # (n, k, k), k = min(r, c)
+        AA, _ = _matmul(A, A)                                                       # (n, k, k)
+        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
+        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (n, r, c)
+        axpby(x, 2.0, x, 1.0, Bx)                                                   # (n, r, c)
+
+
+def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
+    """Muon in place, as torch_muon_update: lists of fp32 matrices of one shape (r, c), m = lerp(m, g,
+    1 - momentum), u = lerp(g, m, momentum) orthogonalized by Newton-Schulz in `dtype` (fp32 or bf16),
+    p = p (1 - lr wd) - lr max(1, r/c)^0.5 update; `copies` (bf16, or None) get the updated params rounded
+    to bf16. chunk and block as in global_norm."""
+    if dtype not in (torch.float32, torch.bfloat16) or params[0].dim() != 2:
+        raise ValueError(f"muon_update: fp32 or bf16 Newton-Schulz on matrices, got {dtype} on "
+                         f"{tuple(params[0].shape)}")
+    _check_tensors("muon_update params/grads/m", [*params, *grads, *ms], (torch.float32,),
+                   params[:1] * (3 * len(params)))
+    if copies is not None:
+        _check_tensors("muon_update copies", copies, (torch.bfloat16,), params)
+    n, (r, c) = len(params), params[0].shape
+    u = torch.empty((n, r, c), dtype=dtype, device=params[0].device)  # (n, r, c) u, then its update
+    table, chunks, aligned = _tensor_table([grads, ms], chunk=chunk)
+    sumsq = torch.empty(chunks, dtype=torch.float32, device=u.device)  # (chunks,) fp32 partial sums of u^2
+    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned,
+                                     CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(n),
+                                     num_warps=MT_WARPS)
+    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n,
+                                                                BLOCK=MUON_BLOCK, BLOCK_P=MUON_PARTIALS_BLOCK,
+                                                                num_warps=MUON_WARPS)
+    _newton_schulz(u)
+    table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
+    _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
+                                   HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
+                                   BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
+
+
+TRITON_SPEEDRUN_OPS = op_table("triton", dict(
+    embedding_forward=embedding_forward, embedding_backward=embedding_backward,
+    rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
+    rmsnorm_backward=rmsnorm_backward,
+    qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
+    scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
+    matmul_relu2_forward=matmul_relu2_forward, relu2_forward=relu2_forward, relu2_backward=relu2_backward,
+    softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
+    muon_update=muon_update, add_into=add_into,
+), SPEEDRUN_OP_NAMES)
+
+
+# -- tools
+
+# The speedrun recipe's --test cases, its --bench-ops cases and the profiler's work of its ops: its row of
+# triton_tools.TOOLS (TOOLS, at the end), which triton_tools loads from here when asked for.
+
+def case_embedding(ops, r, B, T, C, H):
+    Vp = B * T + 3
+    idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
+    table = r.rand(Vp, C)  # (Vp, C)
+    x = ops.embedding_forward(idx, table)  # (B, T, C)
+    dtable = r.rand(Vp, C, acc=True)  # (Vp, C) filled: the backward adds into it
+    ops.embedding_backward(r.rand(B, T, C), idx, dtable)
+    return dict(x=x, dtable=dtable)
+
+
+def case_rmsnorm(ops, r, B, T, C, H):
+    eps = torch.finfo(r.rdt).eps  # the model's: the tested dtype's, in the reference too
+    x, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0)  # (N, C), (C,)
+    y, rstd = ops.rmsnorm_forward(x, w, eps)  # (N, C), (N,)
+    dw = r.rand(C, acc=True)  # (C,)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw)  # (N, C)
+    return dict(y=y, rstd=rstd, dx=dx, dw=dw)
+
+
+def case_residual_rmsnorm(ops, r, B, T, C, H):
+    eps = torch.finfo(r.rdt).eps
+    res, h, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C), r.rand(C, shift=1.0)  # (N, C) x2
+    x, y, rstd = ops.residual_rmsnorm_forward(res, h, w, eps)  # (N, C) x2, (N,)
+    dw = r.rand(C, acc=True)  # (C,)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw, dres=r.rand(B * T, C))  # (N, C)
+    return dict(x=x, y=y, rstd=rstd, dx=dx, dw=dw)
+
+
+def case_matmul_relu2(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C), r.rand(4 * C, C, scale=C ** -0.5), r.rand(4 * C)  # (N, C), (4C, C), (4C,)
+    y, pre = ops.matmul_relu2_forward(x, w, b)  # (N, 4C) each
+    dpre = ops.relu2_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
+    return dict(y=y, pre=pre, dpre=dpre)
+
+
+def case_relu2(ops, r, B, T, C, H):
+    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
+    y = ops.relu2_forward(pre)  # (N, 4C)
+    return dict(y=y, dpre=ops.relu2_backward(r.rand(B * T, 4 * C), pre))
+
+
+def case_softcap_crossentropy(ops, r, B, T, C, H):
+    Vp = 5 * C + 8
+    z = r.rand(B * T, Vp, scale=30.0)  # (N, Vp) well into the cap's bend
+    targets = r.randint(Vp, B * T)  # (N,)
+    losses = ops.softcap_crossentropy_forward_backward(z, targets, 1.0 / (B * T))  # (N,)
+    return dict(losses=losses, dz=z)
+
+
+MUON_TEST_WIDTH = 40  # case_muon's widest: two 32-wide tiles (one partial) in the interpreter
+
+
+def case_muon(ops, r, B, T, C, H):
+    """Muon on two matrices of a wide shape and two of a tall one (Newton-Schulz on the transpose), from
+    nonzero momentum (one step: the interpreter runs Newton-Schulz's 36 products a step slowly). The
+    masters are small (scale 0.02, the update's order), so that an error in the orthogonalized update
+    shows in them and is not lost below their own size."""
+    out = {}
+    c = min(C, MUON_TEST_WIDTH)
+    for name, shape in (("wide", (c, 3 * c + 1)), ("tall", (4 * c, c))):
+        params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
+        ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]
+        copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
+        grads = [r.rand(*shape, acc=True) for _ in range(2)]
+        ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
+        for i in range(2):
+            out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
+                        f"{name} copy{i}": params[i] if copies is None else copies[i]})
+    return out
+
+
+def case_add_into(ops, r, B, T, C, H):
+    """acc += x in the compute dtype, as the speedrun model adds q's, k's and v's input gradients."""
+    acc = r.rand(B * T, C)  # (N, C)
+    ops.add_into(acc, r.rand(B * T, C))
+    return dict(acc=acc)
+
+
+def case_scaled_attention(ops, r, B, T, C, H):
+    """The speedrun's attention: separate q, k, v of H heads of HEAD_DIM (C unused), scale ATTN_SCALE. At
+    T = 1 the softmax over a single key is constant: dq and dk are zero up to rounding, and an error
+    relative to rounding means nothing, so only dv is checked there."""
+    q, k, v = (r.rand(B, T, H, HEAD_DIM, scale=1.5) for _ in range(3))  # (B, T, H, D) each
+    out, lse = ops.scaled_attention_forward(q, k, v, ATTN_SCALE)  # (B, T, H*D), (B, H, T)
+    dq, dk, dv = ops.scaled_attention_backward(r.rand(B, T, H * HEAD_DIM), q, k, v, out, lse,
+                                               ATTN_SCALE)  # (B, T, H, D) each
+    return dict(out=out, lse=lse, dv=dv, **(dict(dq=dq, dk=dk) if T > 1 else {}))
+
+
+def case_qk_norm_rotary(ops, r, B, T, C, H):
+    """q or k of H heads of HEAD_DIM (C unused): RMSNorm over each head and the rotary at positions
+    0..T-1, forward and backward, with the model's eps (the tested dtype's machine epsilon)."""
+    x = r.rand(B, T, H, HEAD_DIM, scale=2.0, shift=0.5)  # (B, T, H, D)
+    y, rstd = ops.qk_norm_rotary_forward(x, torch.finfo(r.rdt).eps)  # (B, T, H, D), (B, T, H)
+    dx = ops.qk_norm_rotary_backward(r.rand(B, T, H, HEAD_DIM), x, rstd)  # (B, T, H, D)
+    return dict(y=y, rstd=rstd, dx=dx)
+
+
+# --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
+SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
+                     ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
+                     ("qk norm+rotary fwd+bwd", case_qk_norm_rotary),
+                     ("scaled attention fwd+bwd", case_scaled_attention),
+                     ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
+                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
+                     ("muon_update", case_muon), ("add_into", case_add_into)]
+
+
+def speedrun_bench_cases(cfg, ops, device):
+    """bench_cases of --recipe speedrun: its own ops at its shapes, each against backend torch's (PyTorch
+    ops; F.scaled_dot_product_attention for the attention)."""
+    dt = compute_dtype(cfg)
+    B, T, C, Vp, L = cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
+    H, D = C // HEAD_DIM, HEAD_DIM
+    N, R = B * T, min(B * T, HEAD_ROWS)
+    eps = torch.finfo(dt).eps
+    t = TORCH_SPEEDRUN_OPS
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    idx = torch.randint(cfg.vocab_size, (B, T), device=device)  # (B, T)
+    table, dtable = rand(Vp, C), rand(Vp, C, dtype=torch.float32)  # (Vp, C) each
+    x, h, dy, w = rand(N, C), rand(N, C), rand(N, C), rand(C)  # (N, C) x3, (C,)
+    dw = rand(C, dtype=torch.float32)  # (C,)
+    _, rstd = ops.rmsnorm_forward(x, w, eps)  # (N,)
+    q, k, v, dq = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)  # (B, T, H, D) each
+    _, qrstd = ops.qk_norm_rotary_forward(q, eps)  # (B, T, H)
+    dout = rand(B, T, C)  # (B, T, C)
+    xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
+    pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
+    z, targets = rand(R, Vp), torch.randint(Vp, (R,), device=device)  # (R, Vp), (R,)
+    heads = [s.transpose(1, 2) for s in (q, k, v)]  # (B, H, T, D) each
+
+    def sdpa_forward_backward():
+        with torch.enable_grad():
+            leaves = [_leaf(s) for s in heads]
+            o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=ATTN_SCALE)  # (B, H, T, D)
+            o.backward(dout.view(B, T, H, D).transpose(1, 2))
+
+    cases = [
+        ("embedding_forward", f"{B}x{T}x{C}", lambda: ops.embedding_forward(idx, table),
+         "F.embedding", lambda: F.embedding(idx, table), (idx, table)),
+        ("embedding_backward", f"{B}x{T}x{C}", lambda: ops.embedding_backward(dy.view(B, T, C), idx, dtable),
+         "sort + cumsum + index_add_", lambda: t.embedding_backward(dy.view(B, T, C), idx, dtable),
+         (dy.view(B, T, C), idx, dtable)),
+        ("rmsnorm_forward", f"{N}x{C}", lambda: ops.rmsnorm_forward(x, w, eps),
+         "backend torch (fp32 rsqrt)", lambda: t.rmsnorm_forward(x, w, eps), (x, w, eps)),
+        ("residual_rmsnorm_forward", f"{N}x{C}", lambda: ops.residual_rmsnorm_forward(x, h, w, eps),
+         "add + backend torch's", lambda: t.residual_rmsnorm_forward(x, h, w, eps), (x, h, w, eps)),
+        ("rmsnorm_backward", f"{N}x{C}", lambda: ops.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
+         "backend torch (fp32)", lambda: t.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
+         (dy, x, w, rstd, dw, h)),
+        ("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_forward(q, eps),
+         "backend torch (fp32)", lambda: t.qk_norm_rotary_forward(q, eps), (q, eps)),
+        ("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_backward(dq, q, qrstd),
+         "backend torch (fp32)", lambda: t.qk_norm_rotary_backward(dq, q, qrstd), (dq, q, qrstd)),
+        ("scaled_attention_forward", f"{B}x{H}x{T}x{D}",
+         lambda: ops.scaled_attention_forward(q, k, v, ATTN_SCALE), "SDPA causal",
+         lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE), (q, k, v)),
+        ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
+         lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(
+             q, k, v, ATTN_SCALE), ATTN_SCALE),
+         "SDPA causal fwd+bwd", sdpa_forward_backward, None),
+        ("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", lambda: ops.matmul_relu2_forward(xf, wf, bf),
+         "F.linear + relu + square", lambda: F.relu(F.linear(xf, wf, bf)).square(), (xf, wf, bf)),
+        ("relu2_forward", f"{N}x{4 * C}", lambda: ops.relu2_forward(pre), "relu + square",
+         lambda: F.relu(pre).square(), (pre,)),
+        ("relu2_backward", f"{N}x{4 * C}", lambda: ops.relu2_backward(dpre, pre), "backend torch",
+         lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
+        ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
+         lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
+         "backend torch (fp32 chunks)",
+         lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
+        ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
+    ]
+    for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
+        ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
+        gs, ms = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
+        args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
+        cases.append(("muon_update", f"{n} x {r}x{c}", lambda args=args: ops.muon_update(*args),
+                      "backend torch (torch.bmm)", lambda args=args: t.muon_update(*args), args))
+    return cases
+
+
+def speedrun_op_work(name, args, kwargs, out):
+    """op_work (the profiler's) of an op of SPEEDRUN_OP_NAMES: (flops, bytes) that one call cannot do
+    without; None for any other op."""
+    if name == "matmul_relu2_forward":
+        x, w = args[0], args[1]
+        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
+    if name in ("scaled_attention_forward", "scaled_attention_backward"):
+        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
+        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
+        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
+        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
+    if name == "embedding_forward":
+        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
+    if name == "embedding_backward":  # the table rows it updates, read and written
+        dx, idx, dtable = args[:3]
+        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
+    if name == "rmsnorm_backward":  # dw (and dres) are read and written
+        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
+    if name == "add_into":  # acc read and written
+        return 0, 3 * _nbytes(args[1])
+    if name == "softcap_crossentropy_forward_backward":
+        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
+    if name in SPEEDRUN_OP_NAMES:  # the norms, q/k norm+rotary, relu2: inputs read, outputs written
+        return 0, _nbytes(*args, *(out if isinstance(out, tuple) else (out,)))
+    return None
+
+
+TOOLS = RecipeTools(
+    test_config=Config(recipe="speedrun", n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
+                       padded_vocab_size=64, seq_len=9, batch_size=2),  # one head
+    test_cases=lambda: SPEEDRUN_OP_CASES, autograd_test="tests/test_speedrun_triton.py",
+    bench_cases=speedrun_bench_cases, op_work=speedrun_op_work)
