@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 37's figures in one call of at most 9 minutes, on real English text (bench/english_text.py):
+# The equal-time figures of both recipes in one call of at most 9 minutes, on real English text
+# (bench/english_text.py):
 #   1. the gpt2 recipe in JAX, torchfunc compiled and backend triton, each for the same SECS of step time
 #      (--time-budget: the first step's time counts each trainer's compilation or autotuning), from the
 #      same --seed on the same tokens, in bf16, on one lr schedule of 600 steps;
