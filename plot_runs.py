@@ -128,6 +128,8 @@ def read_events(path):
         if not isinstance(event, dict) or not isinstance(event.get("step"), int) \
                 or isinstance(event["step"], bool):
             die(f"{path} line {lineno}: not a log event (a JSON object with an integer 'step')")
+        if not 0 <= event["step"] < 2**63:  # what a trainer writes: an int64 step count
+            die(f"{path} line {lineno}: step {event['step']} is outside [0, 2**63)")
         kind = event_kind(event)
         if kind is None:
             continue

@@ -220,6 +220,9 @@ def local_sources(paths):
                             if f.endswith((".txt", ".jsonl", ".parquet")))
             if not inside:
                 die(f"--input {path}: no .txt, .jsonl or .parquet files in this folder")
+            broken = next((p for p in inside if not os.path.isfile(p)), None)
+            if broken is not None:  # a dangling symbolic link, say
+                die(f"--input {path}: {broken} is not a readable file (a broken link?)")
             found += inside
         elif os.path.isfile(path):
             if not path.endswith((".txt", ".jsonl", ".parquet")):
@@ -243,6 +246,31 @@ def _parquet_file(path):
     if "text" not in pf.schema_arrow.names:
         die(f"{path}: parquet file has no 'text' column")
     return pf
+
+
+def jsonl_texts(path, skip_docs):
+    """Yields the 'text' of each line of a .jsonl file after the first `skip_docs` (blank lines aside), and
+    returns how many of those remain to skip in the next file; a line that is not UTF-8, not a JSON object
+    (or one nested past json's recursion) or has no 'text' string is one line naming it."""
+    with open(path, "rb") as f:  # bytes, decoded line by line: an error names its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                die(f"{path}:{lineno}: not UTF-8 text")
+            if not line.strip():
+                continue
+            if skip_docs:
+                skip_docs -= 1
+                continue
+            try:
+                text = json.loads(line).get("text")
+            except (json.JSONDecodeError, AttributeError, RecursionError):
+                die(f"{path}:{lineno}: not a JSON object")
+            if not isinstance(text, str):
+                die(f"{path}:{lineno}: no 'text' string")
+            yield text
+    return skip_docs
 
 
 def iter_documents(sources, skip_docs, timer):
@@ -272,20 +300,7 @@ def iter_documents(sources, skip_docs, timer):
                     yield text
                 skip_docs = 0
         elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    if skip_docs:
-                        skip_docs -= 1
-                        continue
-                    try:
-                        text = json.loads(line).get("text")
-                    except (json.JSONDecodeError, AttributeError):
-                        die(f"{path}:{lineno}: not a JSON object")
-                    if not isinstance(text, str):
-                        die(f"{path}:{lineno}: no 'text' string")
-                    yield text
+            skip_docs = yield from jsonl_texts(path, skip_docs)
         elif skip_docs:  # a .txt file is one document
             skip_docs -= 1
         else:

@@ -1179,7 +1179,7 @@ def main(argv, signals):
                               hellaswag_acc_norm=acc_norm)
 
         if cfg.eval_only:
-            run_evals(params, step, True, True)
+            run_evals(params, step, True, cfg.hellaswag_every > 0)
             return
         # the checkpoint is written before the step's evaluations: a run killed between the two resumes
         # by running the ones log.jsonl lacks (also where nothing is left to train). Process 0's log

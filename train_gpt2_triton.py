@@ -1236,7 +1236,7 @@ def main(argv, signals):
                 log_event(cfg.out_dir, framework, step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
 
         if cfg.eval_only:
-            run_evals(step, True, True)
+            run_evals(step, True, cfg.hellaswag_every > 0)
             return
         if cfg.resume:  # the evaluations of its step that log.jsonl lacks (evals_left_to_run)
             run_evals(step, *evals_left_to_run(cfg, step, master, world))

@@ -445,7 +445,8 @@ def test_prepro_corrupt_downloads(http_server, tmp_path):
 
 
 def test_prepro_bad_input_clean_errors(enc, tmp_path, capsys):
-    """Bad flags and inputs (missing path, wrong file type, malformed jsonl, zero shard size, a rerun
+    """Bad flags and inputs (missing path, wrong file type, malformed jsonl: a value that is no string, a
+    latin-1 byte, JSON nested 100,000 deep; a dangling link in an --input folder, zero shard size, a rerun
     with other settings, foreign shards in --out-dir) end with a one-line error naming the problem (no
     traceback from the command line)."""
     out = tmp_path / "out"
@@ -463,6 +464,19 @@ def test_prepro_bad_input_clean_errors(enc, tmp_path, capsys):
         assert all(n in line for n in needles), (line, needles)
     proc = run_script("prepro_fineweb.py", "--input", bad, "--out-dir", out, "--workers", 1, check=False)
     assert_clean_error(proc, "bad.jsonl:2", "no 'text' string")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"text": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "a.txt").write_text("fine")
+    (links / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    for path, needles in ((latin, ["latin.jsonl:2", "not UTF-8"]), (deep, ["deep.jsonl:2", "not a JSON object"]),
+                          (links, ["gone.txt", "not a readable file"])):
+        proc = run_script("prepro_fineweb.py", "--input", path, "--out-dir", tmp_path / "out2", "--workers", 1,
+                          check=False)
+        assert_clean_error(proc, *needles)
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("Hello world.")
     run_script("prepro_fineweb.py", "--input", tiny, "--out-dir", out, "--workers", 1)

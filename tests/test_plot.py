@@ -188,7 +188,7 @@ def test_resumed_run(tmp_path):
 
 def test_bad_input(tmp_path):
     """A missing dir, a dir without log.jsonl, a corrupt line (the error names the file and line), an event
-    without its numbers, a log without step events, a negative --smooth and an -o that cannot be written
+    without its numbers, a step past int64 (numpy's arrays would overflow), a log without step events, a negative --smooth and an -o that cannot be written
     (a missing folder, below a regular file, an extension that is no format) or that is a log it reads
     each stop with a one-line error; the command line exits non-zero without a traceback and writes no
     figure."""
@@ -200,6 +200,7 @@ def test_bad_input(tmp_path):
         f.write(json.dumps(step_event(4, 7.0, 100)) + "\n")
     no_dt = write_log(tmp_path / "no_dt", [{"step": 1, "train_loss": 9.0, "framework": "jax"}])
     only_val = write_log(tmp_path / "only_val", [dict(step=5, val_loss=3.0, framework="jax")])
+    huge = write_log(tmp_path / "huge", [step_event(1, 9.0, 100), step_event(10**20, 8.0, 100)])
     (tmp_path / "file").write_text("not a folder")
     out = str(tmp_path / "fig.png")
     cases = [
@@ -208,6 +209,7 @@ def test_bad_input(tmp_path):
         ([str(good), str(corrupt)], f"{corrupt / 'log.jsonl'} line 3: not valid JSON"),
         ([str(no_dt)], "line 1: a step event whose dt_ms is None"),
         ([str(only_val)], "no training step events"),
+        ([str(huge)], "line 2: step 100000000000000000000 is outside [0, 2**63)"),
         ([str(good), "--smooth", "-2"], "--smooth"),
         ([str(good), "-o", str(tmp_path / "no_dir" / "fig.png")], "cannot write"),
         ([str(good), "-o", str(tmp_path / "file" / "fig.png")], f"cannot write {tmp_path}/file/fig.png: "),

@@ -26,8 +26,10 @@ import hellaswag
 import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import assert_clean_error, read_log, run_script, run_script_on_a_full_disk, step_events
-from trainkit.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from conftest import (assert_clean_error, read_log, run_script, run_script_on_a_full_disk, step_events,
+                      write_shard)
+from trainkit.checkpoints import RunLock, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint
+from trainkit.data import find_shards
 from trainkit.signals import StopSignals
 
 MODULES = {"jax": tj, "torchfunc": tf, "triton": tg}
@@ -68,8 +70,8 @@ def test_a_run_is_never_overwritten(name, tmp_path, capsys, monkeypatch, hellasw
     assert sorted(os.listdir(aside)) == ["ckpt_0000002", "log.jsonl"]
     assert (aside / "log.jsonl").read_text() == before
     monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
-    mod.main([*ARGV[name], *MICRO, "--eval-only", "--hellaswag-limit", "2", "--out-dir",
-              str(tmp_path / "eval"), "--init-from", str(aside / "ckpt_0000002" / "model.bin")])
+    mod.main([*ARGV[name], *MICRO, "--eval-only", "--hellaswag-every", "1", "--hellaswag-limit", "2",
+              "--out-dir", str(tmp_path / "eval"), "--init-from", str(aside / "ckpt_0000002" / "model.bin")])
     assert said in capsys.readouterr().out.splitlines()
     logged = read_log(out) + read_log(aside) + read_log(tmp_path / "eval")
     assert not any("val_loss" in e for e in logged) and any("hellaswag_acc" in e for e in logged)
@@ -288,3 +290,77 @@ def test_one_live_run_per_out_dir(tmp_path):
     assert (out / ".lock").exists()  # a SIGKILL leaves the file, not the flock
     tf.main([*MICRO, "--steps", "1", "--ckpt-every", "0", "--out-dir", str(out), "--force"])
     assert [e["step"] for e in read_log(out)] == [1] and not (out / ".lock").exists()
+
+
+def test_a_lock_that_is_not_a_file_is_one_line(tmp_path):
+    """An out dir whose .lock is a directory, a FIFO, a dangling symbolic link or a link to another file is
+    refused in one line naming it, and the file a link points to is left as it was (it once received the
+    holder's pid); a lock that cannot be written (a read-only .lock, full disk) is one line too."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    makers = {"directory": lambda p: p.mkdir(), "FIFO": lambda p: os.mkfifo(p),
+              "dangling": lambda p: p.symlink_to(tmp_path / "nowhere"), "link": lambda p: p.symlink_to(target)}
+    for name, make in makers.items():
+        out = tmp_path / name
+        out.mkdir()
+        make(out / ".lock")
+        with pytest.raises(SystemExit) as e:
+            RunLock(str(out))
+        message = str(e.value)
+        assert message.startswith(f"error: {out / '.lock'} is ") and "remove it" in message, (name, message)
+        assert "\n" not in message
+    assert target.read_text() == "keep me\n"
+    proc = run_script(*SCRIPTS["jax"], *MICRO, "--steps", "1", "--out-dir", tmp_path / "link", env=ENV,
+                      check=False)
+    assert_clean_error(proc, ".lock is a symbolic link")
+    assert target.read_text() == "keep me\n"
+
+
+def test_paths_with_glob_characters(tmp_path):
+    """An out dir or a --data directory whose name holds glob characters ([, ], *, ?) is a name, not a
+    pattern: --resume auto finds its checkpoints, --force moves all of the old run aside, the data
+    directory's shards are found."""
+    out = tmp_path / "run[a]*?"
+    args = [*SCRIPTS["jax"], *MICRO, "--ckpt-every", "1", "--out-dir", out]
+    run_script(*args, "--steps", "1", env=ENV)
+    assert latest_checkpoint(str(out)) == str(out / "ckpt_0000001")
+    run_script(*args, "--steps", "2", "--resume", "auto", env=ENV)
+    assert latest_checkpoint(str(out)) == str(out / "ckpt_0000002")
+    run_script(*args, "--steps", "1", "--force", env=ENV)
+    aside = [p for p in out.iterdir() if p.name.startswith("replaced_")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == [
+        "ckpt_0000001", "ckpt_0000002", "log.jsonl"]
+    shards = tmp_path / "shards[1]"
+    shards.mkdir()
+    for split in ("train", "val"):
+        write_shard(shards / f"t_{split}_000000.bin", np.arange(4096) % 50257)
+    cfg = tj.Config(data=str(shards))
+    train, val = find_shards(cfg)
+    assert train == [str(shards / "t_train_000000.bin")] and val == [str(shards / "t_val_000000.bin")]
+
+
+def test_a_model_path_that_is_no_file_says_what_it_is(tmp_path):
+    """--init-from (and convert_hf.py to-hf) given a checkpoint directory points at its model file; a plain
+    directory, a FIFO, a device, a symbolic link loop and a missing path each get a line saying which."""
+    cfg = tj.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in tj.param_shapes(cfg).items()}
+    ckpt = save_checkpoint(str(tmp_path), 1, zeros, zeros, zeros, (0, 0), cfg, tj.RECIPES[cfg.recipe])
+    (tmp_path / "plain").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    cases = {ckpt: f"is a directory, not a file: a checkpoint directory; give its {ckpt}/model.bin, or "
+                   f"--resume {ckpt}",
+             str(tmp_path / "plain"): "is a directory, not a file",
+             str(tmp_path / "fifo"): "is not a regular file (a FIFO or a device)",
+             "/dev/zero": "is not a regular file (a FIFO or a device)",
+             str(tmp_path / "loop"): "cannot be read: Too many levels of symbolic links",
+             str(tmp_path / "missing.bin"): "does not exist"}
+    for path, needle in cases.items():
+        with pytest.raises(SystemExit) as e:
+            read_weights(path, cfg, tj.RECIPES)
+        assert str(e.value) == f"error: model file {path} {needle}", str(e.value)
+    proc = run_script(*SCRIPTS["jax"], *MICRO, "--init-from", ckpt, "--out-dir", tmp_path / "out", env=ENV,
+                      check=False)
+    assert_clean_error(proc, "a checkpoint directory; give its")
+    proc = run_script("convert_hf.py", "to-hf", ckpt, "-o", tmp_path / "hf", env=ENV, check=False)
+    assert_clean_error(proc, "a checkpoint directory; give its")

@@ -214,6 +214,12 @@ def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellas
     run_script(*t.argv, "--data", tiny_shards, "--resume", final, "--eval-only", "--out-dir", evaluated,
                *t.flags, env={"HELLASWAG_DIR": str(hellaswag_dir), **env(name)})
     assert_eval_only_repeats(out, evaluated, STEPS)
+    # --hellaswag-every 0 leaves HellaSwag out of --eval-only too: no HellaSwag file is needed
+    val_only = tmp_path / "val_only"
+    run_script(*t.argv, "--data", tiny_shards, "--resume", final, "--eval-only", "--hellaswag-every", 0,
+               "--out-dir", val_only, *t.flags, env={"HELLASWAG_DIR": str(tmp_path / "none"), **env(name)})
+    logged = [sorted(k for k in e if k in ("val_loss", "hellaswag_acc")) for e in read_log(val_only)]
+    assert logged == [["val_loss"]]
 
 
 @pytest.mark.parametrize("name", TRAINERS)

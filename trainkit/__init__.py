@@ -11,6 +11,8 @@ include llmc/. Each module opens with what it defines:
     trainkit.torch_shared   torch only: processes, ZeRO-1's flat layout, a lost process, out of memory
 """
 import errno
+import os
+import stat
 
 
 def die(msg):
@@ -23,3 +25,21 @@ def write_failure(path, e):
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
     return f"cannot write {path}: {e.strerror}"
+
+
+def require_file(path, what):
+    """Stops in one line unless `path` is a regular file (symbolic links followed), saying what it is
+    instead: absent, a link loop, a folder (a checkpoint's, whose model file it names), a FIFO or device."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        die(f"{what} {path} does not exist")
+    except OSError as e:  # a link loop (ELOOP), a folder we may not enter, a name too long
+        die(f"{what} {path} cannot be read: {e.strerror}")
+    if stat.S_ISDIR(mode):
+        inside = [f for f in ("model.bin", "model.safetensors") if os.path.isfile(os.path.join(path, f))]
+        hint = (f": a checkpoint directory; give its {os.path.join(path, inside[0])}, or --resume {path}"
+                if inside else "")
+        die(f"{what} {path} is a directory, not a file{hint}")
+    if not stat.S_ISREG(mode):
+        die(f"{what} {path} is not a regular file (a FIFO or a device)")

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import weakref
 import zipfile
 import zlib
@@ -20,7 +21,7 @@ from tokenize import TokenError
 import numpy as np
 
 import hellaswag
-from trainkit import die, write_failure
+from trainkit import die, require_file, write_failure
 from trainkit.data import make_loaders
 from trainkit.flags import apply_model_header, check_resumed_seed
 from trainkit.signals import STOP_SIGNALS
@@ -28,8 +29,7 @@ from trainkit.signals import STOP_SIGNALS
 def read_weights(path, cfg, recipes):
     """(header, params) of a model file of cfg.recipe, a row of `recipes`; a file of another recipe gets
     one line that says which it is."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
+    require_file(path, "model file")
     with open(path, "rb") as f:
         head = f.read(9)
     recipe = recipes[cfg.recipe]
@@ -87,7 +87,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
 def latest_checkpoint(out_dir):
     """The newest complete checkpoint directory in out_dir, or None; a newer one without its state.npz
     (not written by a trainer: a save renames whole checkpoints into place) is skipped with a line."""
-    found = sorted(d for d in glob.glob(os.path.join(out_dir, "ckpt_*")) if os.path.basename(d)[5:].isdigit())
+    found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
+                   if os.path.basename(d)[5:].isdigit())
     while found and not os.path.isfile(os.path.join(found[-1], "state.npz")):
         print(f"--resume auto: skipping {found[-1]}, which has no state.npz")
         found.pop()
@@ -167,7 +168,7 @@ class RunLock:
             earlier.release()
         self.path, self.fd = os.path.join(out, ".lock"), None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self.open_lock_file()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -180,9 +181,29 @@ class RunLock:
                     break
             os.close(fd)  # its holder removed it as we opened it: take the new one
         self.fd = fd
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        except OSError as e:
+            self.release()
+            die(f"--out-dir: {write_failure(self.path, e)}")
         RunLock.held = weakref.ref(self)
+
+    def open_lock_file(self):
+        """A descriptor of the lock file, created if absent; one that is anything but a regular file (a
+        directory, a FIFO, a symbolic link, which it would write through) or cannot be opened is one line,
+        and nothing is written."""
+        kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFLNK: "a symbolic link",
+                 stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+        with contextlib.suppress(FileNotFoundError):
+            kind = stat.S_IFMT(os.lstat(self.path).st_mode)
+            if kind != stat.S_IFREG:
+                die(f"{self.path} is {kinds.get(kind, 'not a regular file')}, not the run lock that a "
+                    "trainer writes: remove it")
+        try:  # O_NOFOLLOW: a link put there after the check is refused too
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            die(f"--out-dir: {write_failure(self.path, e)}")
 
     def release(self):
         if self.fd is not None:
@@ -214,7 +235,7 @@ def abandon_newer(out, step):
     """A resume from step `step`: the out dir's newer checkpoints are of an abandoned branch, and so are
     log.jsonl's lines past that step. Both move into an abandoned_<time> folder, so that --resume auto
     and the log follow the live branch."""
-    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))
+    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
              if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
     if not newer:
         return
@@ -247,7 +268,7 @@ def prepare_out_dir(cfg, master, step):
     out = cfg.out_dir
 
     def held_run():
-        run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
+        run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))]
         return run + [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
     if not master:  # process 0 decides: its start event may already be in the log the others would see
         return None

@@ -45,8 +45,9 @@ def find_shards(cfg):
     if cfg.data == "synthetic":
         return None, None
     if os.path.isdir(cfg.data):
-        train = sorted(glob.glob(os.path.join(cfg.data, "*_train_*.bin")))
-        val = sorted(glob.glob(os.path.join(cfg.data, "*_val_*.bin")))
+        folder = glob.escape(cfg.data)  # a directory's name is no pattern, brackets and all
+        train = sorted(glob.glob(os.path.join(folder, "*_train_*.bin")))
+        val = sorted(glob.glob(os.path.join(folder, "*_val_*.bin")))
         if not train and not cfg.eval_only:
             die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
     else:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from trainkit import die
+from trainkit import die, require_file
 
 VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
 PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
@@ -90,8 +90,7 @@ def write_model_file(path, params, cfg):
 def read_model_header(path):
     """(header dict, version: 3 = fp32, 5 = bf16) of an llm.c model file, once the header is checked and
     the file's size is the one it implies; no weight is read."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
+    require_file(path, "model file")
     size = os.path.getsize(path)
     if size < 1024:
         die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")

@@ -71,7 +71,7 @@ def stop_on_signal(signum, step, cfg, master):
 def stop_diverged(step, loss, norm, cfg):
     """The one line that stops a run whose step `step` gave a non-finite loss or grad norm, before that
     step is logged or checkpointed (llm.c and modded-nanogpt stop too)."""
-    latest = sorted(glob.glob(os.path.join(cfg.out_dir, "ckpt_*[0-9]")))
+    latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
     kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
     die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
         f"stopped before logging or saving this step, {kept}")

@@ -11,7 +11,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from trainkit import die
+from trainkit import die, require_file
 from trainkit.gpt2 import VOCAB_SIZE
 
 # The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
@@ -145,8 +145,7 @@ def read_safetensors(path, check=None):
     library checks the header (its length, JSON, and that the tensors' bytes tile the data) before any
     tensor is read; then check({name: (type, shape)}) if given (the caller's names and shapes). Every
     value must be finite."""
-    if not os.path.isfile(path):
-        die(f"model file {path} does not exist")
+    require_file(path, "model file")
     try:
         with safetensors.safe_open(path, framework="numpy") as f:
             entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
