@@ -962,6 +962,13 @@ def fail_on_lost_peer():
         os._exit(1)
 
 
+def any_process_failed(processes):
+    """open_run's `any_failed` for a run of `processes` processes (None for one): True when any passes True."""
+    if processes == 1:
+        return None
+    return lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max())
+
+
 def init_processes(cfg):
     """Joins the other processes of a multi-host run through jax.distributed, before anything touches a
     device. Coordinator, process count and rank come from the flags, else from JAX_COORDINATOR_ADDRESS /
@@ -1002,6 +1009,9 @@ def init_processes(cfg):
             os._exit(1)
         timer = threading.Timer(cfg.coordinator_timeout, give_up)
         timer.start()
+        # jax's preemption notifier would catch SIGTERM in C++ and let training run on: the trainer's own
+        # handler (trainkit.signals) stops every process at one checkpointed step instead
+        jax.config.update("jax_enable_preemption_service", False)
         try:
             jax.distributed.initialize(coordinator, n, rank,
                                        initialization_timeout=cfg.coordinator_timeout + 60)
@@ -1125,7 +1135,7 @@ def main(argv, signals):
     # of rank `rank` of `ranks` with B x local devices rows
     rows = cfg.batch_size * jax.local_device_count()
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
-        cfg, explicit, RECIPES, rows, rank, ranks, master, say)
+        cfg, explicit, RECIPES, rows, rank, ranks, master, say, any_process_failed(ranks))
     T = cfg.seq_len
 
     # devices: batches split along their B axis; weights and optimizer state as --zero-stage says

@@ -67,9 +67,9 @@ from trainkit.logs import (
 from trainkit.signals import stop_diverged, stop_on_signal, stops_on_signals
 # torch's processes, ZeRO-1's flat buffers, failures
 from trainkit.torch_shared import (
-    agree_to_stop, checkpoint_if_due, evals_left_to_run, evaluate_hellaswag, evaluate_val, fail_on_lost_peer,
-    fail_on_out_of_memory, flat_gradients, newton_schulz, peak_memory_gb, put_batch, say_samples,
-    setup_device, sharded_state, state_bytes, state_layout, to_device)
+    agree_to_stop, any_process_failed, checkpoint_if_due, evals_left_to_run, evaluate_hellaswag, evaluate_val,
+    fail_on_lost_peer, fail_on_out_of_memory, flat_gradients, newton_schulz, peak_memory_gb, put_batch,
+    say_samples, setup_device, sharded_state, state_bytes, state_layout, to_device)
 
 FRAMEWORK = "triton"  # logged as f"triton-{backend}": "triton-torch" | "triton-triton"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels
@@ -1202,7 +1202,7 @@ def main(argv, signals):
 
     # weights, optimizer state, data (each process reads B rows of a micro-batch) and the locked out dir
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
-        cfg, explicit, RECIPES, cfg.batch_size, rank, world, master, say)
+        cfg, explicit, RECIPES, cfg.batch_size, rank, world, master, say, any_process_failed(world, device))
 
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)

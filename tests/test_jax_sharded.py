@@ -189,28 +189,44 @@ def assert_close_checkpoints(a, b):
 
 
 def test_two_processes_match_one(runs, tiny_shards, tiny_model_file, tmp_path, cache):
-    """2 processes x 2 CPU devices joined by jax.distributed (coordinator on 127.0.0.1), at stage 3, print
-    the losses and grad norms of 1 process x 4 devices (rel 1e-6), each process reading only its own
-    rows; only process 0 prints step lines and writes the log and the checkpoints, which hold the
-    whole tensors of the 4-device run."""
+    """2 processes x 2 CPU devices joined by jax.distributed (coordinator on 127.0.0.1), at stage 3, with
+    SIGTERM (what SLURM and Kubernetes send before a kill) to process 0 just after step 1 is logged: both
+    stop after step 2 with its checkpoint, exit 143, one line; launched again without --resume, process 0
+    refuses the out dir and process 1 stops with it; --resume auto in both then prints the losses
+    and grad norms of 1 process x 4 devices (rel 1e-6), each process reading only its own rows; only
+    process 0 prints step lines and writes the log and the checkpoints, which hold the whole tensors of the
+    4-device run."""
     out = tmp_path / "mp"
     port = free_port()
-    args = [sys.executable, "train_gpt2_jax.py", "--data", str(tiny_shards), "--init-from",
-            str(tiny_model_file), "--out-dir", str(out), "--ckpt-every", 2, "--batch-size", 1, *FLAGS,
-            "--zero-stage", 3, "--coordinator", f"127.0.0.1:{port}", "--num-processes", 2]
+    args = ["train_gpt2_jax.py", "--data", str(tiny_shards), "--out-dir", str(out), "--ckpt-every", 2, "--batch-size", 1, *FLAGS, "--zero-stage", 3,
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", 2]
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                **cache)
-    procs = [subprocess.Popen([*map(str, args), "--process-id", str(i)], cwd=REPO, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (stdout, stderr) in zip(procs, outputs):
-        assert p.returncode == 0, f"{stdout[-2000:]}\n{stderr[-3000:]}"
+
+    def launch(first, extra, codes):
+        procs = [subprocess.Popen([sys.executable, *first, *map(str, args), *extra, "--process-id", str(i)],
+                                  cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for i in (0, 1)]
+        try:
+            outputs = [p.communicate(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        for p, code, (stdout, stderr) in zip(procs, codes, outputs):
+            assert p.returncode == code and "Traceback" not in stderr, f"{stdout[-2000:]}\n{stderr[-3000:]}"
+        return outputs
+
+    # the signal reaches process 0 only (it alone logs); the step's all-gather stops process 1 too
+    stopped = launch(["tests/signal_at_step.py", "1", "SIGTERM"], ["--init-from", tiny_model_file], (143, 143))
+    assert stopped[0][1].strip().splitlines()[-1].startswith("SIGTERM: stopped after step 2 of 3")
+    assert [e["step"] for e in step_events(out)] == [1, 2]
+    # the same launch without --resume: process 0 refuses the out dir, and process 1 stops with it
+    refused = launch([], [], (1, 1))
+    assert "already holds a run" in refused[0][1]
+    assert "process 1 of 2 stops: another process of the run refused to start" in refused[1][1]
+    outputs = launch([], ["--resume", "auto"], (0, 0))
     assert "4 x cpu in 2 process(es)" in outputs[0][0]
-    assert len(step_lines(outputs[0][0])) == STEPS and step_lines(outputs[1][0]) == []
+    assert len(step_lines(stopped[0][0] + outputs[0][0])) == STEPS and step_lines(outputs[1][0]) == []
     assert_same_steps(step_events(runs("s3")[0]), step_events(out), rel=1e-6)
     assert len(read_log(out)) == STEPS and sorted(os.listdir(out)) == ["ckpt_0000002", "ckpt_0000003",
                                                                         "log.jsonl"]

@@ -8,6 +8,8 @@ import importlib
 import json
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import llmc_reference
-from conftest import (STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
+from conftest import (REPO, STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
                       assert_same_checkpoint, assert_same_step_values, read_log, run_script, step_events,
                       step_lines, stop_by_signals_and_resume, write_bad_shards, write_shard)
 from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
@@ -410,8 +412,9 @@ def test_torchfunc_two_processes_match_one(trained, tiny_shards, tiny_model_file
 
 def test_a_signal_to_one_process_stops_all_at_one_step(trained, tiny_shards, tiny_model_file, tmp_path, env):
     """torchrun, 2 CPU processes: SIGTERM to process 0 alone (as a scheduler may deliver it) stops both at
-    the end of the same step, with the checkpoint of that step; --resume auto by two processes then gives
-    the one-process run's values (rel 1e-5, as above)."""
+    the end of the same step, with the checkpoint of that step; the same launch without --resume is refused
+    by process 0, and process 1 says so rather than calling process 0 lost; --resume auto by two processes
+    then gives the one-process run's values (rel 1e-5, as above)."""
     out, t = tmp_path / "two", TRAINERS["torchfunc"]
     run = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     argv = [*t.argv, "--data", tiny_shards, "--steps", STEPS, "--out-dir", out, "--ckpt-every", 4,
@@ -423,6 +426,10 @@ def test_a_signal_to_one_process_stops_all_at_one_step(trained, tiny_shards, tin
     assert "exitcode  : 143" in proc.stderr  # the first to end; torchrun may then end the other
     assert [e["step"] for e in step_events(out)] == [1, 2, 3]
     assert glob.glob(str(out / "ckpt_*")) == [str(out / "ckpt_0000003")]
+    # launched again without --resume: process 0 refuses the out dir, process 1 says that it stops for that
+    proc = run_script(*run, *argv, env=env("torchfunc"), check=False)
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr and "lost process" not in proc.stderr
+    assert "error: process 1 of 2 stops: another process of the run refused to start" in proc.stderr
     run_script(*run, *argv, "--resume", "auto", env=env("torchfunc"))
     assert [e["step"] for e in step_events(out)] == list(range(1, STEPS + 1))
     assert_same_steps(step_events(trained("torchfunc")[0]), step_events(out))
@@ -480,3 +487,20 @@ def test_a_second_signal_stops_at_once(trained, tiny_shards, tiny_model_file, tm
     got = step_events(out)
     assert [e["step"] for e in got] == [1, 2, 2, 3, 4, 5, 6]
     assert_same_step_values(got[:1] + got[2:], step_events(trained(name)[0]))
+
+
+def test_a_closed_stdout_does_not_stop_the_run(trained, tiny_shards, tiny_model_file, tmp_path, env):
+    """`trainer ... | head -1`: stdout's reader goes away after the first line; the run trains on to its
+    end (exit 0, no traceback) and log.jsonl holds the uninterrupted run's steps bit for bit. The streams
+    are wrapped in the section the trainers share."""
+    name, out = "triton-torch", tmp_path / "out"
+    t = TRAINERS[name]
+    argv = [*t.argv, "--data", tiny_shards, "--init-from", tiny_model_file, "--steps", STEPS, "--out-dir", out,
+            "--ckpt-every", 3, "--val-every", 0, "--hellaswag-every", 0, "--sample-every", 0, *t.flags]
+    proc = subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **env(name)), cwd=REPO)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 0 and "Traceback" not in err and "Broken" not in err, err[-3000:]
+    assert_same_step_values(step_events(out), step_events(trained(name)[0]))

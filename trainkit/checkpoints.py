@@ -336,12 +336,23 @@ def starting_state(cfg, explicit, recipes):
     return step, loader_state, params, m, v
 
 
-def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say):
+def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=None):
     """A run's start, before any device holds anything: (step, params, m, v) of starting_state, (micro-
     batches per step, train loader, val loader) of make_loaders for `rows` rows of rank `rank` of `ranks`,
     GPT-2's encoder for the samples (None without them), and the out dir's lock (prepare_out_dir), which the
-    caller holds for the run's life. Nothing in the out dir moves before the weights and data are checked."""
-    step, loader_state, params, m, v = starting_state(cfg, explicit, recipes)
-    grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
-    encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
-    return step, params, m, v, grad_accum, train, val, encoder, prepare_out_dir(cfg, master, step)
+    caller holds for the run's life. Nothing in the out dir moves before the weights and data are checked.
+    With several processes, `any_failed(failed)` (a collective: True when any process passed True) makes
+    them stop together: a process whose checks passed says in one line that another's did not."""
+    try:
+        step, loader_state, params, m, v = starting_state(cfg, explicit, recipes)
+        grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
+        encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
+        lock = prepare_out_dir(cfg, master, step)
+    except SystemExit:
+        if any_failed is not None:
+            any_failed(True)
+        raise
+    if any_failed is not None and any_failed(False):
+        die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line "
+            "says why)")
+    return step, params, m, v, grad_accum, train, val, encoder, lock

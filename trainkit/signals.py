@@ -1,5 +1,6 @@
 """Stopping a run: SIGINT/SIGTERM at a step boundary with a checkpoint (StopSignals, stops_on_signals,
-stop_on_signal), and the divergence stop (stop_diverged)."""
+stop_on_signal), the divergence stop (stop_diverged); and not stopping when stdout or stderr goes away
+(OutputThatMayClose)."""
 import functools
 import glob
 import os
@@ -44,15 +45,56 @@ class StopSignals:
 
     def tell(self, line):  # os.write: print could be inside a print of the interrupted code
         if self.master:
-            os.write(2, f"{line}\n".encode())
+            try:
+                os.write(2, f"{line}\n".encode())
+            except OSError:  # stderr's reader is gone: the stop goes on without its line
+                pass
+
+
+class OutputThatMayClose:
+    """sys.stdout or sys.stderr that outlives its reader: when the pipe or terminal behind it closes (`| head`,
+    a closed ssh session), writing it raises BrokenPipeError; from then on its file descriptor points at
+    /dev/null and the run trains on, its steps still in log.jsonl. Everything else is the stream's own."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.discard()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.discard()
+
+    def discard(self):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
+        os.close(null)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def stops_on_signals(main):
-    """main(argv, signals) run under StopSignals, the handlers before restored when it ends."""
+    """main(argv, signals) run under StopSignals, the handlers before restored when it ends, with stdout and
+    stderr that may close (OutputThatMayClose)."""
     @functools.wraps(main)
     def run(argv=None):
-        with StopSignals() as signals:
-            return main(argv, signals)
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        try:
+            with StopSignals() as signals:
+                return main(argv, signals)
+        finally:
+            sys.stdout.flush()  # what they still buffer, while a closed reader is caught
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
     return run
 
 

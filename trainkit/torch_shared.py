@@ -225,6 +225,18 @@ def lost_processes(store, rank, world):
         return None
 
 
+def any_process_failed(world, device):
+    """open_run's `any_failed` for a run of `world` processes (None for one): True when any passes True."""
+    if world == 1:
+        return None
+
+    def any_failed(failed):
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+    return any_failed
+
+
 def agree_to_stop(budget_spent, signum, rank, device):
     """(--time-budget reached, signal number or 0) as every process takes them at a step boundary, so that
     all stop at the same step: process 0's clock decides, and a signal to any process stops all."""
