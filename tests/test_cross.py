@@ -3,6 +3,7 @@ import importlib
 import io
 import math
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -33,9 +34,22 @@ LOSS_RTOL, NORM_RTOL = 5e-6, 5e-6
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_shards, tiny_model_file):
+def split_shards(tmp_path_factory, tiny_shards):
+    """tiny_shards' val shard, and the start of its train shard cut into three train shards of 300, 420 and
+    260 tokens: 2, 3 and 2 micro-batches of 4 x 32 tokens each, so that 6 steps of 2 micro-batches cross
+    each shard's end and wrap back to the first."""
+    folder = tmp_path_factory.mktemp("split_shards")
+    shutil.copy(tiny_shards / "tiny_val_000000.bin", folder)
+    tokens = llmc_reference.read_tokens(tiny_shards / "tiny_train_000001.bin")
+    for i, (first, end) in enumerate([(0, 300), (300, 720), (720, 980)]):
+        write_shard(folder / f"split_train_{i + 1:06d}.bin", tokens[first:end])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(split_shards, tiny_model_file):
     """llm.c's recipe in float64 (tests/llmc_reference.py) for the schedules the tests below use."""
-    files = lambda kind: sorted(str(p) for p in tiny_shards.glob(f"*_{kind}_*.bin"))  # noqa: E731
+    files = lambda kind: sorted(str(p) for p in split_shards.glob(f"*_{kind}_*.bin"))  # noqa: E731
     run = lambda decay: llmc_reference.train(  # noqa: E731
         tiny_model_file, files("train"), B, T, TOTAL, STEPS, LR, WARMUP, decay_frac=decay,
         val_files=files("val"), val_steps=2)
@@ -55,19 +69,19 @@ def check_against(reference, events, vals, first_step):
 
 
 @pytest.mark.parametrize("framework", TRAINERS)
-def test_trainer_matches_llmc_recipe(framework, reference, tiny_shards, tiny_model_file, tmp_path):
-    """In fp32, from the same llm.c model file and shards, the trainer's per-step train loss, grad norm,
-    lr and val loss equal llm.c's recipe run in float64 by stock PyTorch (rel 5e-6), so the trainers agree
-    with each other within 1e-5."""
+def test_trainer_matches_llmc_recipe(framework, reference, split_shards, tiny_model_file, tmp_path):
+    """In fp32, from the same llm.c model file and shards (three small train shards, each read to its end
+    and wrapped around), the trainer's per-step train loss, grad norm, lr and val loss equal llm.c's recipe
+    run in float64 by stock PyTorch (rel 5e-6), so the trainers agree with each other within 1e-5."""
     out = tmp_path / framework
-    run_script(*TRAINERS[framework], "--data", tiny_shards, "--init-from", tiny_model_file,
+    run_script(*TRAINERS[framework], "--data", split_shards, "--init-from", tiny_model_file,
                "--steps", STEPS, "--out-dir", out, "--val-every", 1, "--ckpt-every", 0, *FLAGS)
     events = step_events(out)
     assert len(events) == STEPS and all(e["framework"] == framework for e in events)
     check_against(reference["cosine"], events, [e for e in read_log(out) if "val_loss" in e], 1)
 
 
-def test_checkpoint_passes_between_frameworks(reference, tiny_shards, tiny_model_file, tmp_path):
+def test_checkpoint_passes_between_frameworks(reference, split_shards, tiny_model_file, tmp_path):
     """One run handed on through checkpoints: JAX trains steps 1-2, torchfunc resumes for 3-4, the
     Triton trainer (torch backend) for 5-6; every step equals the uninterrupted reference run."""
     chain = [("jax", 2), ("torchfunc", 4), ("triton-torch", 6)]
@@ -75,7 +89,7 @@ def test_checkpoint_passes_between_frameworks(reference, tiny_shards, tiny_model
     for framework, until in chain:
         out = tmp_path / framework
         start = ["--resume", ckpt] if ckpt else ["--init-from", tiny_model_file]
-        run_script(*TRAINERS[framework], "--data", tiny_shards, *start, "--steps", until,
+        run_script(*TRAINERS[framework], "--data", split_shards, *start, "--steps", until,
                    "--lr-decay-frac", 1.0, "--out-dir", out, "--val-every", 0, "--ckpt-every", until,
                    *FLAGS)
         events = step_events(out)
@@ -86,16 +100,41 @@ def test_checkpoint_passes_between_frameworks(reference, tiny_shards, tiny_model
 MODULES = ["train_gpt2_jax", "train_gpt2_torchfunc", "train_gpt2_triton"]
 
 
+def three_shards(folder):
+    """Three train shards of 134, 101 and 77 tokens, shard i holding 1000 i, 1000 i + 1, ...: with batches of
+    32 tokens, 4, 3 and 2 batches and 6, 5 and 13 tokens left over."""
+    files = []
+    for i, n in enumerate((134, 101, 77)):
+        files.append(str(folder / f"t_train_{i + 1:06d}.bin"))
+        write_shard(files[-1], (np.arange(n) + 1000 * i) % 50257)
+    return files
+
+
+def test_the_loader_reads_each_shard_from_its_start(tmp_path):
+    """Across shard ends and the wrap back to the first, each batch holds the 33 tokens that follow its
+    start (x the first 32, y the last 32), the starts worked out by hand from llm.c's rule: each shard from
+    token 0 in steps of 32 while start + 33 fits in it, the rest of it skipped. With 2 ranks of half the
+    rows, rank r's 17 tokens start r * 16 further on."""
+    files = three_shards(tmp_path)
+    starts = [(0, 0), (0, 32), (0, 64), (0, 96), (1, 0), (1, 32), (1, 64), (2, 0), (2, 32), (0, 0), (0, 32)]
+    for world in (1, 2):
+        B, T = 4 // world, 8
+        loaders = [DataLoader(files, B, T, rank, world) for rank in range(world)]
+        for shard, start in starts:
+            for rank, loader in enumerate(loaders):
+                x, y = loader.next_batch()                                                    # (B, T) each
+                tokens = 1000 * shard + start + rank * B * T + np.arange(B * T + 1)
+                np.testing.assert_array_equal(x.ravel(), tokens[:-1], err_msg=f"{world} {shard} {start}")
+                np.testing.assert_array_equal(y.ravel(), tokens[1:], err_msg=f"{world} {shard} {start}")
+
+
 def test_ranks_read_what_one_reader_reads(tmp_path):
     """Two ranks of B rows read, step after step and across shard ends (wrapping around), exactly the rows
     that one loader of 2B rows reads, and both report its position. The shard lengths leave rank 1 (whose
     rows start B*T further on) too little room for a next step while rank 0 still has it: llm.c's test
     of each rank's own position moves rank 1 to the next shard a step early there."""
     B, T = 2, 8
-    files = []
-    for i, n in enumerate((134, 101, 77)):  # 3, 2 and 1 steps of 2*B*T = 32 tokens, plus 38, 37, 45
-        files.append(str(tmp_path / f"t_train_{i + 1:06d}.bin"))
-        write_shard(files[-1], (np.arange(n) + 1000 * i) % 50257)
+    files = three_shards(tmp_path)
     one = DataLoader(files, 2 * B, T)
     ranks = [DataLoader(files, B, T, rank, 2) for rank in range(2)]
     for _ in range(20):

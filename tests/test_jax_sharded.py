@@ -198,7 +198,8 @@ def test_two_processes_match_one(runs, tiny_shards, tiny_model_file, tmp_path, c
     4-device run."""
     out = tmp_path / "mp"
     port = free_port()
-    args = ["train_gpt2_jax.py", "--data", str(tiny_shards), "--out-dir", str(out), "--ckpt-every", 2, "--batch-size", 1, *FLAGS, "--zero-stage", 3,
+    args = ["train_gpt2_jax.py", "--data", str(tiny_shards), "--out-dir", str(out), "--ckpt-every", 2,
+            "--batch-size", 1, *FLAGS, "--zero-stage", 3,
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", 2]
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                **cache)

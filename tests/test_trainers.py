@@ -6,6 +6,7 @@ that training run the JAX trainer on two devices and the torchfunc trainer in tw
 import glob
 import importlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -20,7 +21,8 @@ import torch
 import llmc_reference
 from conftest import (REPO, STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
                       assert_same_checkpoint, assert_same_step_values, read_log, run_script, step_events,
-                      step_lines, stop_by_signals_and_resume, write_bad_shards, write_shard)
+                      step_lines, stop_by_signals_and_resume, tiny_params, write_bad_shards,
+                      write_model_file, write_shard)
 from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
 from trainkit.checkpoints import latest_checkpoint, save_checkpoint
 from trainkit.gpt2 import PARAM_NAMES
@@ -453,6 +455,26 @@ def test_divergence_stops_before_its_checkpoint(name, tiny_shards, tiny_model_fi
     assert latest.endswith(f"ckpt_{step - 1:07d}") and f"{latest} stays the latest" in proc.stderr
     with np.load(os.path.join(latest, "state.npz")) as z:
         assert all(np.isfinite(z[k]).all() for k in z.files if k[:2] in ("m.", "v."))
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_a_non_finite_grad_norm_alone_stops_the_run(name, tiny_shards, tmp_path, env):
+    """A finite loss with a non-finite grad norm: one MLP unit of block 0 biased to 1e20. GELU passes it on
+    as 1e20 (its tanh saturates at 1), block 1's and the final layer norms scale it back, so the loss stays
+    finite; but GELU's derivative there is 0 x inf (1 - tanh^2 is 0, 1 + 3 * 0.044715 x^2 overflows), so the
+    gradients behind it are NaN. The run stops at step 1 with one line that gives both, logging nothing."""
+    params = tiny_params(seed=0)
+    params[PARAM_NAMES.index("c_fc.b")][0, 0] = 1e20
+    model = tmp_path / "huge_unit.bin"
+    write_model_file(model, params, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    out = tmp_path / "out"
+    proc = run_script(*TRAINERS[name].argv, "--data", tiny_shards, "--init-from", model, "--steps", 2,
+                      "--out-dir", out, "--ckpt-every", 1, "--val-every", 0, "--hellaswag-every", 0,
+                      "--sample-every", 0, *TRAINERS[name].flags, check=False, env=env(name))
+    assert_clean_error(proc, "step 1: loss", "the run diverged")
+    loss, norm = re.match(r"error: step 1: loss (\S+), grad norm (\S+):", proc.stderr.strip().splitlines()[-1]).groups()
+    assert math.isfinite(float(loss)) and not math.isfinite(float(norm))
+    assert step_events(out) == [] and not glob.glob(str(out / "ckpt_*"))
 
 
 @pytest.mark.parametrize("name", TRAINERS)

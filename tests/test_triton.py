@@ -424,12 +424,37 @@ def test_triton_crossentropy_over_several_blocks(one_thread):
     assert tools.compare(got_dz, want_dz)[1] <= 1e-5
 
 
+GUARD = 16  # elements of signaling NaN just past each tensor that the multi-tensor kernels are given
+SIGNALING_NAN = {torch.float32: 0x7F800001, torch.bfloat16: 0x7F81}  # arithmetic on one gives a quiet NaN
+
+
+def guarded(t, dtype=None):
+    """t (as `dtype`) on the device, as the first t.numel() elements of a buffer whose last GUARD elements
+    hold signaling NaN: a kernel that reads past the tensor's end gets NaN, one that writes there leaves
+    a quiet NaN or a number, either of which guard_intact sees."""
+    dtype = dtype or t.dtype
+    buf = torch.empty(t.numel() + GUARD, dtype=dtype, device=DEVICE)             # (n + GUARD,)
+    buf[:t.numel()] = t.to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    buf[t.numel():].view(bits).fill_(SIGNALING_NAN[dtype])
+    return buf[:t.numel()]
+
+
+def guard_intact(t):
+    """The GUARD elements past the end of a tensor that `guarded` made hold their signaling NaN still."""
+    bits = torch.int32 if t.dtype == torch.float32 else torch.int16
+    buf = t._base if t._base is not None else t
+    return bool((buf[t.numel():].view(bits) == SIGNALING_NAN[t.dtype]).all())
+
+
 def test_triton_multi_tensor_kernels_over_several_chunks(one_thread):
     """The global norm and AdamW with chunk = 256 and block = 64 (the interpreter's defaults make every
     test tensor one chunk of one block): tensors of 1000, 37, 2053 and 640 elements span up to 9 chunks of
-    4 blocks each, with partial last chunks and blocks. The norm matches backend torch in fp64 (rel 1e-6);
-    two AdamW steps (the second with a gradient scale) match backend torch in fp64 (rel 1e-6) on params, m
-    and v, and on a GPU the bf16 copies equal the params rounded to bf16."""
+    4 blocks each, with partial last chunks and blocks, each followed in memory by signaling NaN (`guarded`):
+    a mask that reads past a tensor makes the norm NaN, one that writes past it spoils the guard. The norm
+    matches backend torch in fp64 (rel 1e-6); two AdamW steps (the second with a gradient scale) match
+    backend torch in fp64 (rel 1e-6) on params, m and v, and on a GPU the bf16 copies equal the params
+    rounded to bf16."""
     gen = torch.Generator().manual_seed(5)
     sizes = [1000, 37, 2053, 640]
 
@@ -438,22 +463,43 @@ def test_triton_multi_tensor_kernels_over_several_chunks(one_thread):
 
     grads = rand()
     want = tg.TORCH_OPS.global_norm([g.double() for g in grads])
-    assert tools.compare(tk.global_norm([g.to(DEVICE) for g in grads], chunk=256, block=64), want)[1] <= 1e-6
+    assert tools.compare(tk.global_norm([guarded(g) for g in grads], chunk=256, block=64), want)[1] <= 1e-6
     state = [rand(), rand(0.1), [v.abs() for v in rand(0.1)]]  # params, m, v
-    got = [[t.to(DEVICE) for t in ts] for ts in state]
+    got = [[guarded(t) for t in ts] for ts in state]
     want = [[t.double() for t in ts] for ts in state]
-    copies = [torch.empty(n, dtype=torch.bfloat16, device=DEVICE) for n in sizes] if ON_GPU else None
+    copies = [guarded(torch.zeros(n), torch.bfloat16) for n in sizes] if ON_GPU else None
     decays = [0.1, 0.0, 0.1, 0.0]
     for step, grad_scale in ((1, 1.0), (2, 0.37)):
         grads = rand()
-        tk.adamw_update(got[0], [g.to(DEVICE) for g in grads], got[1], got[2], copies, 0.01, tg.BETA1, tg.BETA2,
+        tk.adamw_update(got[0], [guarded(g) for g in grads], got[1], got[2], copies, 0.01, tg.BETA1, tg.BETA2,
                         tg.EPS, decays, step, grad_scale, chunk=256, block=64)
         tg.TORCH_OPS.adamw_update(want[0], [g.double() for g in grads], want[1], want[2], None, 0.01, tg.BETA1,
                                   tg.BETA2, tg.EPS, decays, step, grad_scale)
     for g_list, w_list in zip(got, want):
         assert all(tools.compare(g, w)[1] <= 1e-6 for g, w in zip(g_list, w_list))
+        assert all(guard_intact(g) for g in g_list)
     if copies is not None:
         assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copies, got[0]))
+        assert all(guard_intact(c) for c in copies)
+
+
+def test_triton_muon_update_stays_inside_its_tensors(one_thread):
+    """The speedrun's multi-tensor kernels (Muon's momentum, then its update of the masters) with chunk = 256
+    and block = 64 over two 23 x 40 matrices (4 chunks each, the last one's last block partial), each followed in memory
+    by signaling NaN (`guarded`): the masters and momenta match backend torch's fp32 Muon (rel 1e-5), and
+    no guard was written (on a GPU the bf16 copies' neither)."""
+    gen = torch.Generator().manual_seed(6)
+    params, grads, ms = ([torch.randn(23, 40, generator=gen) * scale for _ in range(2)] for scale in (0.02, 1, 0.1))
+    want = [[t.clone() for t in ts] for ts in (params, ms)]
+    got = [[guarded(t.flatten()).view(23, 40) for t in ts] for ts in (params, grads, ms)]
+    copies = [guarded(torch.zeros(23 * 40), torch.bfloat16).view(23, 40) for _ in range(2)] if ON_GPU else None
+    tks.muon_update(got[0], got[1], got[2], copies, 0.02, tg.MUON_MOMENTUM, tg.MUON_WEIGHT_DECAY, torch.float32,
+                    chunk=256, block=64)
+    tg.TORCH_SPEEDRUN_OPS.muon_update(want[0], grads, want[1], None, 0.02, tg.MUON_MOMENTUM,
+                                      tg.MUON_WEIGHT_DECAY, torch.float32)
+    for g, w in zip(got[0] + got[2], want[0] + want[1]):
+        assert tools.compare(g, w.to(DEVICE))[1] <= 1e-5
+    assert all(guard_intact(t.flatten()) for t in got[0] + got[1] + got[2] + (copies or []))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0 in the interpreter
