@@ -252,11 +252,10 @@ class ShuffledLoader:
     def set_state(self, opened, sample):
         """Puts every rank where rank 0's state() was `(opened, sample)`: all ranks have read as many
         samples, which rank 0's order gives; a rank's own order replays that many."""
-        first = ShuffledOrder(self.counts, SHUFFLE_SEED)
-        served = 0
-        while first.opened < opened:
+        first, served = ShuffledOrder(self.counts, SHUFFLE_SEED), 0
+        while first.opened < opened:  # a whole shard at a time
             served += self.counts[first.shard()]
-            first._move_on()
+            first.skip(self.counts[first.shard()])
         if sample >= self.counts[first.shard()]:
             die(f"--resume: the checkpoint is at sample {sample} of train shard {self.files[first.shard()]}, "
                 f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run "
@@ -269,7 +268,7 @@ class ShuffledLoader:
 
     def state(self):
         """The first rank's (shards opened before its current one since the run began, samples read of
-        it): process 0's, llm.c rank 0's."""
+        it): in process 0, llm.c rank 0's, which checkpoints keep."""
         return self.orders[0].state()
 
     def next_batch(self):
