@@ -6,7 +6,9 @@ import pytest
 
 import llmc_reference
 from conftest import write_shard
-from trainkit.data import MersenneTwister, ShuffledLoader, ShuffledOrder, permutation_picks, permute
+from trainkit.data import (MersenneTwister, ShuffledLoader, ShuffledOrder, make_loaders, permutation_picks,
+                           permute)
+from trainkit.flags import RunConfig
 
 # std::mt19937 seeded 42: its first ten outputs, as widely published (numpy's RandomState(42) gives them
 # too, with the same init_genrand seeding)
@@ -118,3 +120,24 @@ def test_resume_continues_the_order(tmp_path):
     with pytest.raises(SystemExit) as e:
         loader.set_state(1, 3)
     assert str(e.value).startswith("error: --resume: the checkpoint is at sample 3 of train shard ")
+
+
+def test_make_loaders_makes_each_device_an_llmc_rank(tmp_path):
+    """make_loaders with --shuffle, for process 1 of 2 holding 2 devices' rows (a JAX process of 2 local
+    devices), serves llm.c ranks 2 and 3 of 4, from the start and from a checkpoint's loader state."""
+    B, T = 2, 8
+    files = write_shards(tmp_path / "shards", [3, 2], [1, 9], 4 * B * T)
+    cfg = RunConfig(data=str(tmp_path / "shards" / "*.bin"), seq_len=T, batch_size=B,
+                    total_batch_size=4 * B * T, val_every=0, shuffle=True)
+    llmc = [llmc_reference.ShuffledLoader(files, B, T, r, 4) for r in (2, 3)]
+    _, train, _ = make_loaders(cfg, 2 * B, 1, 2, (0, 0), print)
+    for _ in range(4):
+        x, _ = train.next_batch()                                                  # (2B, T)
+        np.testing.assert_array_equal(x, np.concatenate([r.next_batch()[0].numpy() for r in llmc]))
+    _, zero, _ = make_loaders(cfg, 2 * B, 0, 2, (0, 0), print)
+    for _ in range(4):
+        zero.next_batch()
+    _, resumed, _ = make_loaders(cfg, 2 * B, 1, 2, zero.state(), print)
+    for _ in range(6):
+        x, _ = resumed.next_batch()                                                # (2B, T)
+        np.testing.assert_array_equal(x, np.concatenate([r.next_batch()[0].numpy() for r in llmc]))
