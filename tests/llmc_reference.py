@@ -105,6 +105,70 @@ class Loader:
         return buf[:-1].view(B, T), buf[1:].view(B, T)
 
 
+class Mt19937:
+    """llm.c's rand.h generator, written out word by word as the Mersenne Twister's paper gives it."""
+
+    def __init__(self, seed):
+        self.mt = [seed & 0xFFFFFFFF]
+        for i in range(1, 624):
+            self.mt.append((1812433253 * (self.mt[-1] ^ (self.mt[-1] >> 30)) + i) & 0xFFFFFFFF)
+        self.index = 624
+
+    def next(self):
+        if self.index == 624:
+            for i in range(624):
+                y = (self.mt[i] & 0x80000000) | (self.mt[(i + 1) % 624] & 0x7FFFFFFF)
+                self.mt[i] = self.mt[(i + 397) % 624] ^ (y >> 1) ^ (0x9908B0DF if y & 1 else 0)
+            self.index = 0
+        y = self.mt[self.index]
+        self.index += 1
+        y ^= y >> 11
+        y ^= (y << 7) & 0x9D2C5680
+        y ^= (y << 15) & 0xEFC60000
+        return y ^ (y >> 18)
+
+
+def llmc_shuffle(items, rng):
+    """rand.h's random_permutation, in place."""
+    for i in range(len(items) - 1, 0, -1):
+        j = rng.next() % (i + 1)
+        items[i], items[j] = items[j], items[i]
+
+
+class ShuffledLoader:
+    """llm.c's dataloader.h with should_shuffle = 1, as rank `rank` of `ranks` runs it (train_gpt2.c: one
+    rank): its own generator seeded 42 + rank, the shard order reshuffled at each epoch, the samples of a
+    shard shuffled when it is opened, and a shard left only when the next batch is asked for."""
+
+    def __init__(self, files, B, T, rank=0, ranks=1):
+        self.files, self.B, self.T, self.rank, self.ranks = files, B, T, rank, ranks
+        self.rng, self.shard_indices = Mt19937(42 + rank), list(range(len(files)))
+        self.reset()
+
+    def reset(self):
+        self.shard, self.sample = 0, 0
+        llmc_shuffle(self.shard_indices, self.rng)
+        self.open()
+
+    def open(self):
+        self.tokens = read_tokens(self.files[self.shard_indices[self.shard]])
+        self.samples = list(range((len(self.tokens) - 1) // (self.ranks * self.B * self.T)))
+        llmc_shuffle(self.samples, self.rng)
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        if self.sample >= len(self.samples):
+            if self.shard == len(self.files) - 1:
+                self.reset()
+            else:
+                self.shard, self.sample = self.shard + 1, 0
+                self.open()
+        at = self.samples[self.sample] * self.ranks * B * T + self.rank * B * T
+        self.sample += 1
+        buf = torch.from_numpy(self.tokens[at: at + B * T + 1])
+        return buf[:-1].view(B, T), buf[1:].view(B, T)
+
+
 def get_lr(it, lr, warmup, steps, decay_frac):
     min_lr = lr * decay_frac
     if it < warmup:
@@ -116,15 +180,16 @@ def get_lr(it, lr, warmup, steps, decay_frac):
 
 
 def train(model_file, train_files, B, T, total_batch, steps, lr, warmup, decay_frac=0.0,
-          weight_decay=0.1, grad_clip=1.0, val_files=None, val_steps=2):
-    """Per step: (train loss, grad norm before clipping, lr, val loss after the step or None)."""
+          weight_decay=0.1, grad_clip=1.0, val_files=None, val_steps=2, shuffle=False):
+    """Per step: (train loss, grad norm before clipping, lr, val loss after the step or None); the train
+    shards in order (train_gpt2.py), or with `shuffle` in train_gpt2.c's shuffled order."""
     torch.manual_seed(0)
     model = load_model_file(model_file)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    loader, accum = Loader(train_files, B, T), total_batch // (B * T)
+    loader, accum = (ShuffledLoader if shuffle else Loader)(train_files, B, T), total_batch // (B * T)
     out = []
     for it in range(steps):
         opt.zero_grad(set_to_none=True)

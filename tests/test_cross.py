@@ -3,7 +3,6 @@ import importlib
 import io
 import math
 import re
-import shutil
 import sys
 
 import numpy as np
@@ -34,26 +33,29 @@ LOSS_RTOL, NORM_RTOL = 5e-6, 5e-6
 
 
 @pytest.fixture(scope="module")
-def split_shards(tmp_path_factory, tiny_shards):
-    """tiny_shards' val shard, and the start of its train shard cut into three train shards of 300, 420 and
-    260 tokens: 2, 3 and 2 micro-batches of 4 x 32 tokens each, so that 6 steps of 2 micro-batches cross
-    each shard's end and wrap back to the first."""
-    folder = tmp_path_factory.mktemp("split_shards")
-    shutil.copy(tiny_shards / "tiny_val_000000.bin", folder)
-    tokens = llmc_reference.read_tokens(tiny_shards / "tiny_train_000001.bin")
-    for i, (first, end) in enumerate([(0, 300), (300, 720), (720, 980)]):
-        write_shard(folder / f"split_train_{i + 1:06d}.bin", tokens[first:end])
-    return folder
+def split_shards(tmp_path_factory, shakespeare_tokens):
+    """tiny_shards' val shard, and train shards of 3, 4 and 2 micro-batches of B x T tokens (and their last
+    target, and 20, 0 and 100 tokens more): a run of STEPS steps (12 micro-batches), in order or with
+    --shuffle, crosses each shard's end and wraps back to the first (a second epoch)."""
+    d = tmp_path_factory.mktemp("split_shards")
+    write_shard(d / "tiny_val_000000.bin", shakespeare_tokens[:32768])
+    start = 32768
+    for i, (batches, more) in enumerate(((3, 20), (4, 0), (2, 100))):
+        n = batches * B * T + 1 + more
+        write_shard(d / f"tiny_train_{i + 1:06d}.bin", shakespeare_tokens[start: start + n])
+        start += n
+    return d
 
 
 @pytest.fixture(scope="module")
 def reference(split_shards, tiny_model_file):
-    """llm.c's recipe in float64 (tests/llmc_reference.py) for the schedules the tests below use."""
-    files = lambda kind: sorted(str(p) for p in split_shards.glob(f"*_{kind}_*.bin"))  # noqa: E731
-    run = lambda decay: llmc_reference.train(  # noqa: E731
-        tiny_model_file, files("train"), B, T, TOTAL, STEPS, LR, WARMUP, decay_frac=decay,
-        val_files=files("val"), val_steps=2)
-    return {"cosine": run(0.0), "constant": run(1.0)}
+    """llm.c's recipe in float64 (tests/llmc_reference.py) for the schedules and data orders the tests below
+    use on split_shards: in order (train_gpt2.py's), and shuffled (train_gpt2.c's)."""
+    files = lambda d, kind: sorted(str(p) for p in d.glob(f"*_{kind}_*.bin"))  # noqa: E731
+    run = lambda d, decay, shuffle: llmc_reference.train(  # noqa: E731
+        tiny_model_file, files(d, "train"), B, T, TOTAL, STEPS, LR, WARMUP, decay_frac=decay,
+        val_files=files(d, "val"), val_steps=2, shuffle=shuffle)
+    return {"cosine": run(split_shards, 0.0, False), "shuffled": run(split_shards, 1.0, True)}
 
 
 def check_against(reference, events, vals, first_step):
@@ -81,19 +83,21 @@ def test_trainer_matches_llmc_recipe(framework, reference, split_shards, tiny_mo
     check_against(reference["cosine"], events, [e for e in read_log(out) if "val_loss" in e], 1)
 
 
-def test_checkpoint_passes_between_frameworks(reference, split_shards, tiny_model_file, tmp_path):
-    """One run handed on through checkpoints: JAX trains steps 1-2, torchfunc resumes for 3-4, the
-    Triton trainer (torch backend) for 5-6; every step equals the uninterrupted reference run."""
+def test_checkpoint_passes_between_frameworks_in_llmc_shuffled_order(reference, split_shards,
+                                                                      tiny_model_file, tmp_path):
+    """One --shuffle run handed on through checkpoints: JAX trains steps 1-2, torchfunc resumes for 3-4,
+    the Triton trainer (torch backend) for 5-6, across shards and into a second epoch; every step equals
+    the uninterrupted reference run in train_gpt2.c's shuffled order (llm.c's dataloader.h)."""
     chain = [("jax", 2), ("torchfunc", 4), ("triton-torch", 6)]
     ckpt = None
     for framework, until in chain:
         out = tmp_path / framework
         start = ["--resume", ckpt] if ckpt else ["--init-from", tiny_model_file]
-        run_script(*TRAINERS[framework], "--data", split_shards, *start, "--steps", until,
+        run_script(*TRAINERS[framework], "--data", split_shards, "--shuffle", *start, "--steps", until,
                    "--lr-decay-frac", 1.0, "--out-dir", out, "--val-every", 0, "--ckpt-every", until,
                    *FLAGS)
         events = step_events(out)
-        check_against(reference["constant"], events, [], until - 1 if ckpt else 1)
+        check_against(reference["shuffled"], events, [], until - 1 if ckpt else 1)
         ckpt = out / f"ckpt_{until:07d}"
 
 

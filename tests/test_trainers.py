@@ -11,7 +11,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -284,8 +284,9 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     missing data (the default --data too: the error says how to get shards), a model file that
     contradicts the flags or is cut short, a directory that is not a checkpoint, a damaged checkpoint
     state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags (NaN, an empty
-    path as an unset shell variable gives, --init-from or another --seed than the checkpoint's with
-    --resume, --val-tokens past the val shard), impossible batch settings and the trainer's own cases in
+    path as an unset shell variable gives, --init-from or another --seed or --shuffle than the
+    checkpoint's with --resume, a shuffled checkpoint's sample past its shard, --shuffle on synthetic
+    tokens, --val-tokens past the val shard), impossible batch settings and the trainer's own cases in
     TRAINERS (a flag's bad value, a missing or unknown backend) end with a one-line error naming the
     problem, and write nothing; so does a run of the script on bad shards, without a traceback."""
     t = TRAINERS[name]
@@ -303,6 +304,9 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     cfg = mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64)  # seed 1337
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
     good = save_checkpoint(str(tmp_path / "good"), 1, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe])
+    # a --shuffle run's checkpoint, at a sample past its shard's (of another --batch-size)
+    shuffled = save_checkpoint(str(tmp_path / "shuffled"), 1, zeros, zeros, zeros, (0, 10**6),
+                               replace(cfg, shuffle=True), mod.RECIPES[cfg.recipe])
     out = tmp_path / "out"
     # a case that does not stop as it should trains one step, not the default 18,865
     base = ["--out-dir", str(out), *map(str, TINY + t.flags), "--steps", "1", "--ckpt-every", "0",
@@ -334,6 +338,11 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
         (["--data", shards, "--resume", ""], "--resume is empty"),
         (["--data", shards, "--force", "--out-dir", ""], "--out-dir is empty"),
         (["--data", shards, "--resume", good, "--seed", "5"], "--seed 5 with --resume", "seed is 1337"),
+        (["--data", shards, "--resume", good, "--shuffle"], "read its train shards in order",
+         "leave --shuffle out"),
+        (["--data", shards, "--resume", shuffled], "shuffled (--shuffle): give --shuffle"),
+        (["--data", shards, "--resume", shuffled, "--shuffle"], "at sample 1000000 of train shard"),
+        (["--data", "synthetic", "--shuffle"], "--shuffle with --data synthetic"),
         (["--data", shards, "--resume", "auto", "--init-from", str(tiny_model_file)],
          "--init-from with --resume"),
         (["--data", shards, "--val-every", "1", "--val-steps", "1000"], "--val-tokens ",

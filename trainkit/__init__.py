@@ -4,7 +4,7 @@ include llmc/. Each module opens with what it defines:
     trainkit.flags        the shared flags: RunConfig, RunRecipe, parse_args, model-shape checks
     trainkit.gpt2         llm.c's GPT-2 without a framework: vocabulary, shapes, init, model files, schedule
     trainkit.speedrun     the speedrun recipe without a framework: config, shapes, init, lrs, model files
-    trainkit.data         llm.c's token shards, the loader, the validation's batches
+    trainkit.data         llm.c's token shards, its loaders (in order, --shuffle's), the validation's batches
     trainkit.checkpoints  checkpoints, and the out dir: its lock, replaced_ and abandoned_ folders
     trainkit.logs         log.jsonl's start event, the step and memory lines, MFU
     trainkit.signals      SIGINT/SIGTERM at step boundaries, and the divergence stop

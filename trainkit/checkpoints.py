@@ -23,7 +23,7 @@ import numpy as np
 import hellaswag
 from trainkit import die, require_file, write_failure
 from trainkit.data import make_loaders
-from trainkit.flags import apply_model_header, check_resumed_seed
+from trainkit.flags import apply_model_header, check_resumed_seed, check_resumed_shuffle
 from trainkit.signals import STOP_SIGNALS
 
 def read_weights(path, cfg, recipes):
@@ -135,6 +135,8 @@ def load_checkpoint(path, cfg, recipes):
                 if z[k].shape != () or z[k].dtype.kind not in "iu":
                     die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
                 state[k] = int(z[k])
+            # the run's --shuffle, from its config (a checkpoint written before the flag read in order)
+            state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
     except DAMAGED_NPZ_ERRORS as e:
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
@@ -321,6 +323,7 @@ def starting_state(cfg, explicit, recipes):
         header, params, m, v, saved = load_checkpoint(cfg.resume, cfg, recipes)
         apply_model_header(cfg, header, explicit)
         check_resumed_seed(explicit, saved["seed"])
+        check_resumed_shuffle(cfg, saved["shuffle"])
         cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
     elif cfg.init_from:
         header, params = read_weights(cfg.init_from, cfg, recipes)

@@ -1,5 +1,6 @@
-"""llm.c's token shards (docs/FORMATS.md) and its data loader: read_shard, find_shards, DataLoader,
-step_batches; and which rows of the val shards a validation counts (val_batches, check_val_tokens)."""
+"""llm.c's token shards (docs/FORMATS.md) and its data loaders: read_shard, find_shards, DataLoader (in
+order), ShuffledLoader (--shuffle: llm.c's MersenneTwister and ShuffledOrder), step_batches; and which rows
+of the val shards a validation counts (val_batches, check_val_tokens)."""
 import glob
 import os
 
@@ -61,6 +62,27 @@ def find_shards(cfg):
     return train, val
 
 
+def shard_lengths(files, batch):
+    """Tokens in each shard of `files`, each checked to hold one global batch of `batch` tokens and its
+    last target: fail now, not hours into the run."""
+    lengths = [len(read_shard(f)) for f in files]
+    for f, n in zip(files, lengths):
+        if n < batch + 1:
+            die(f"shard {f} holds fewer than {batch + 1} tokens, one batch needs that")
+    return lengths
+
+
+def read_vocab_shard(path):
+    """read_shard's tokens, checked to be GPT-2's: done where a loader opens a shard and not in read_shard,
+    as the max reads the whole shard, so only a shard put to use pays."""
+    tokens = read_shard(path)
+    top = int(tokens.max())
+    if top >= VOCAB_SIZE:
+        die(f"shard {path} holds token ids up to {top}, outside GPT-2's vocabulary of {VOCAB_SIZE} tokens "
+            "(written with another tokenizer?)")
+    return tokens
+
+
 class DataLoader:
     """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
     all ranks advance p by W*B*T, and all move to the next shard (wrapping around) when fewer than W*B*T+1
@@ -71,9 +93,7 @@ class DataLoader:
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
         self.shard, self.tokens = None, None
-        for i in range(len(files) if files else 0):  # fail now, not hours into the run
-            if len(read_shard(files[i])) < world * B * T + 1:
-                die(f"shard {files[i]} holds fewer than {world * B * T + 1} tokens, one batch needs that")
+        shard_lengths(files or [], world * B * T)
         self.reset()
 
     def _load(self, shard):
@@ -82,12 +102,7 @@ class DataLoader:
                 n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
                 self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
             else:
-                self.tokens = read_shard(self.files[shard])
-                # here and not in read_shard: the max reads the whole shard, so only a shard put to use pays
-                top = int(self.tokens.max())
-                if top >= VOCAB_SIZE:
-                    die(f"shard {self.files[shard]} holds token ids up to {top}, outside GPT-2's vocabulary "
-                        f"of {VOCAB_SIZE} tokens (written with another tokenizer?)")
+                self.tokens = read_vocab_shard(self.files[shard])
         self.shard = shard
 
     def reset(self):
@@ -111,6 +126,163 @@ class DataLoader:
         if self.position + self.world * B * T + 1 > len(self.tokens):
             n_shards = len(self.files) if self.files else 1
             self.set_state((self.shard + 1) % n_shards, 0)
+        return x, y
+
+
+# --shuffle: llm.c's own Mersenne Twister (llmc/rand.h) and shuffled order (llmc/dataloader.h)
+
+MT_N, MT_M = 624, 397  # MT19937's words of state, and how far on the word is that each twist mixes in
+MT_MATRIX_A = 0x9908B0DF
+# the spans of words one twist updates together: each reads only words updated by an earlier span, or
+# words that a sequential twist would still find unchanged (word j reads j+1 before j+1 changes)
+MT_SPANS = ((0, MT_N - MT_M), (MT_N - MT_M, 2 * (MT_N - MT_M)), (2 * (MT_N - MT_M), MT_N - 1),
+            (MT_N - 1, MT_N))
+SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
+
+
+class MersenneTwister:
+    """The 32-bit Mersenne Twister (MT19937) as llm.c's rand.h runs it: seeded as init_genrand (so C++'s
+    std::mt19937 and numpy's RandomState(seed) give the same outputs); draws(n) are its next n outputs."""
+
+    def __init__(self, seed):
+        words = [seed & 0xFFFFFFFF]
+        for j in range(1, MT_N):
+            words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + j) & 0xFFFFFFFF)
+        self.words = np.array(words, np.uint32)
+        self.ready = np.empty(0, np.uint32)  # outputs of the last twist not drawn yet
+
+    def _twist(self):
+        """The next 624 outputs: the state's words twisted, then tempered."""
+        w = self.words
+        for lo, hi in MT_SPANS:
+            j = np.arange(lo, hi)
+            y = (w[j] & 0x80000000) | (w[(j + 1) % MT_N] & 0x7FFFFFFF)
+            w[j] = w[(j + MT_M) % MT_N] ^ (y >> 1) ^ ((y & 1) * np.uint32(MT_MATRIX_A))
+        y = w ^ (w >> 11)
+        y ^= (y << 7) & 0x9D2C5680
+        y ^= (y << 15) & 0xEFC60000
+        return y ^ (y >> 18)
+
+    def draws(self, n):
+        out = np.empty(n, np.uint32)
+        done = min(n, len(self.ready))
+        out[:done], self.ready = self.ready[:done], self.ready[done:]
+        while done < n:
+            block = self._twist()
+            take = min(n - done, MT_N)
+            out[done: done + take], self.ready = block[:take], block[take:]
+            done += take
+        return out
+
+
+def permutation_picks(n, rng):
+    """The swaps of llm.c's random_permutation of n items: for i = n-1 down to 1, item i swaps with item
+    j = (the next draw) mod (i + 1); the j's in that order."""
+    return rng.draws(max(n - 1, 0)) % np.arange(n, 1, -1, dtype=np.uint32)
+
+
+def permute(items, picks):
+    """`items`, a list, shuffled in place by permutation_picks' swaps."""
+    for i, j in zip(range(len(items) - 1, 0, -1), picks.tolist()):
+        items[i], items[j] = items[j], items[i]
+
+
+class ShuffledOrder:
+    """The (shard, sample) that llm.c's shuffling loader of one rank reads in turn (llmc/dataloader.h): an
+    epoch first shuffles the shard order (the last epoch's order, not 0..S-1), then each shard it opens
+    shuffles its samples 0..counts[shard]-1; one generator seeded `seed` draws for both, in that order."""
+
+    def __init__(self, counts, seed):
+        self.counts, self.rng = counts, MersenneTwister(seed)
+        self.order = list(range(len(counts)))
+        self.opened = -1  # shards opened since the run began, before the current one
+        self._new_epoch()
+
+    def _new_epoch(self):
+        permute(self.order, permutation_picks(len(self.order), self.rng))
+        self._open(0)
+
+    def _open(self, k):
+        """Opens the epoch's k-th shard: its permutation is drawn now, and built once a sample is read."""
+        self.k, self.sample, self.opened = k, 0, self.opened + 1
+        self.picks, self.samples = permutation_picks(self.counts[self.order[k]], self.rng), None
+
+    def _move_on(self):
+        """To the next shard, or a new epoch after the last."""
+        self._new_epoch() if self.k == len(self.order) - 1 else self._open(self.k + 1)
+
+    def shard(self):
+        return self.order[self.k]
+
+    def next(self):
+        """(shard, sample) to read now; then moves on, to the next shard where this one is done."""
+        if self.samples is None:
+            self.samples = list(range(self.counts[self.shard()]))
+            permute(self.samples, self.picks)
+        here = self.shard(), self.samples[self.sample]
+        self.sample += 1
+        if self.sample == len(self.samples):
+            self._move_on()
+        return here
+
+    def skip(self, n):
+        """Moves on n samples, as n next() calls do, building no permutation of the shards it passes."""
+        while n >= self.counts[self.shard()] - self.sample:
+            n -= self.counts[self.shard()] - self.sample
+            self._move_on()
+        self.sample += n
+
+    def state(self):
+        """(shards opened before the current one since the run began, samples read of it)."""
+        return self.opened, self.sample
+
+
+class ShuffledLoader:
+    """llm.c's loader with should_shuffle, as train_gpt2.c and train_gpt2.cu read their train shards: llm.c
+    ranks first..first+k-1 of `world`, rank g with its ShuffledOrder seeded 42 + g; a sample is a global
+    batch of W*B*T tokens, and rank g reads B*T+1 tokens at sample*W*B*T + g*B*T of its shard. next_batch
+    stacks the k ranks' rows (k*B, T), as a process of k devices reads them."""
+
+    def __init__(self, files, B, T, first, k, world):
+        self.files, self.B, self.T, self.first, self.k, self.world = files, B, T, first, k, world
+        # samples per shard: llm.c's (tokens - 1) // (W*B*T), the last token only ever a target
+        self.counts = [(n - 1) // (world * B * T) for n in shard_lengths(files, world * B * T)]
+        self.set_state(0, 0)
+
+    def set_state(self, opened, sample):
+        """Puts every rank where rank 0's state() was `(opened, sample)`: all ranks have read as many
+        samples, which rank 0's order gives; a rank's own order replays that many."""
+        first, served = ShuffledOrder(self.counts, SHUFFLE_SEED), 0
+        while first.opened < opened:  # a whole shard at a time
+            served += self.counts[first.shard()]
+            first.skip(self.counts[first.shard()])
+        if sample >= self.counts[first.shard()]:
+            die(f"--resume: the checkpoint is at sample {sample} of train shard {self.files[first.shard()]}, "
+                f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run "
+                "had?)")
+        ranks = range(self.first, self.first + self.k)
+        self.orders = [ShuffledOrder(self.counts, SHUFFLE_SEED + g) for g in ranks]
+        for order in self.orders:
+            order.skip(served + sample)
+        self.tokens = {}  # the shards the ranks read now: file index -> tokens
+
+    def state(self):
+        """The first rank's (shards opened before its current one since the run began, samples read of
+        it): in process 0, llm.c rank 0's, which checkpoints keep."""
+        return self.orders[0].state()
+
+    def next_batch(self):
+        B, T, rows = self.B, self.T, []
+        for g, order in enumerate(self.orders, self.first):
+            shard, sample = order.next()
+            if shard not in self.tokens:
+                self.tokens[shard] = read_vocab_shard(self.files[shard])
+            start = (sample * self.world + g) * B * T
+            rows.append(self.tokens[shard][start: start + B * T + 1])
+        self.tokens = {s: t for s, t in self.tokens.items() if s in {o.shard() for o in self.orders}}
+        buf = np.stack(rows).astype(np.int32)                                       # (k, B*T+1)
+        x = buf[:, :-1].reshape(self.k * B, T)                                      # (k*B, T) inputs
+        y = buf[:, 1:].reshape(self.k * B, T)                                       # (k*B, T) targets
         return x, y
 
 
@@ -158,10 +330,17 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     T = cfg.seq_len
     grad_accum = grad_accum_steps(cfg, rows * ranks // cfg.batch_size)
     train_files, val_files = find_shards(cfg)
-    train = None if cfg.eval_only else DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed)
+    if cfg.eval_only:
+        train = None
+    elif cfg.shuffle:  # each device of this process is an llm.c rank of --batch-size rows
+        per = rows // cfg.batch_size
+        train = ShuffledLoader(train_files, cfg.batch_size, T, rank * per, per, ranks * per)
+        train.set_state(*loader_state)
+    else:
+        train = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed)
     val = DataLoader(val_files, rows, T, rank, ranks) if val_files else None
     check_val_tokens(cfg, val)
-    if train is not None:
+    if isinstance(train, DataLoader):
         n_shards = len(train_files) if train_files else 1
         shard, position = loader_state
         if shard >= n_shards:

@@ -51,6 +51,7 @@ class RunConfig:
     seq_len: int = 1024
     batch_size: int = 32
     total_batch_size: int = 524288
+    shuffle: bool = False  # llm.c's shuffled order (train_gpt2.c/.cu), not train_gpt2.py's in-order one
     # optimization
     steps: int = 18865
     time_budget: float = 0.0  # seconds of step time after which the run stops early; 0 = never
@@ -116,6 +117,9 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
     p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
                    "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
                    f"it (default {d.total_batch_size})")
+    p.add_argument("--shuffle", action="store_true", help="read the train shards in llm.c's shuffled order, "
+                   "as train_gpt2.c and train_gpt2.cu do (shards and samples permuted by llm.c's mt19937, "
+                   "seeded 42 + rank); without it, in order, as train_gpt2.py (docs/FORMATS.md)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
                    "default batch)")
     p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
@@ -190,6 +194,9 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
         if flag in given and not given[flag]:
             die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the "
                 "flag out")
+    if cfg.shuffle and cfg.data == "synthetic":
+        die("--shuffle with --data synthetic: --shuffle permutes the samples of token shards, and "
+            "synthetic tokens are random already")
     if cfg.resume and "init_from" in given:  # which --resume would otherwise ignore
         die("--init-from with --resume: a resumed run continues its checkpoint's weights; leave one out")
     if not 0 < cfg.lr < math.inf:
@@ -209,6 +216,14 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
     explicit = {k: given[k] for k in (*shape, "seed") if k in given}
     return cfg, ({**shape, **explicit} if preset else explicit)
+
+
+def check_resumed_shuffle(cfg, shuffled):
+    """A resumed run keeps its checkpoint's data order: --shuffle, given or not, must be as the run's was
+    (`shuffled`); --eval-only reads no train shards."""
+    if cfg.shuffle != shuffled and not cfg.eval_only:
+        said = ("shuffled (--shuffle): give --shuffle" if shuffled else "in order: leave --shuffle out")
+        die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
 
 
 def check_resumed_seed(explicit, seed):
