@@ -41,6 +41,7 @@ DOWNLOAD_RETRIES = 5
 DOWNLOAD_BACKOFF_S = 1.0
 DOWNLOAD_TIMEOUT_S = 60
 CHUNK_BYTES = 1 << 20
+MIN_WIDTH = 64  # in_context pads rows to a power of two >= this: a handful of compiled shapes
 
 
 def die(msg):
@@ -332,6 +333,26 @@ def terminal_progress(iterable, total, desc):
     log that captures stderr stays free of bar redraws."""
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
                 disable=not sys.stderr.isatty())
+
+
+def in_context(padded_losses, block_size):
+    """evaluate's loss_fn for a model of context block_size, from padded_losses(x, y) -> (4, width)
+    per-token losses of rows of inputs and targets x, y (4, width) int64, zero-padded to a power of two
+    width (MIN_WIDTH to block_size: few shapes for a compiled model). A row longer than the context keeps
+    its last block_size tokens (the cropped-off context positions' losses are reported as 0; they are never
+    ending tokens unless an ending alone is longer than the context)."""
+    def loss_fn(tokens):                                                           # (4, n+1) int64
+        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
+        n = x.shape[1]
+        crop = max(0, n - block_size)
+        width = min(block_size, max(MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
+        xp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        yp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
+        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
+        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
+        out[:, crop:] = np.asarray(padded_losses(xp, yp))[:, :n - crop]
+        return out
+    return loss_fn
 
 
 def evaluate(loss_fn, split="val", limit=0, cache_dir=None, encode=None, progress=True):

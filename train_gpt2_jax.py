@@ -58,7 +58,7 @@ from trainkit.data import step_batches, val_batches
 from trainkit.checkpoints import open_run, save_checkpoint
 # log.jsonl, the step and memory lines, MFU
 from trainkit.logs import (
-    HELLASWAG_MIN_WIDTH, PROFILE_STEPS, SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K, due, format_mean, format_memory,
+    PROFILE_STEPS, SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K, due, format_mean, format_memory,
     host_memory_available, log_event, logged_evals, memory_warning, model_flops_per_token, peak_flops,
     report_step, start_event)
 # signals and the divergence stop
@@ -817,23 +817,12 @@ def evaluate_val(loss_sum_jit, params, loader, cfg, put):
 
 
 def evaluate_hellaswag(losses_jit, params, cfg):
-    """(acc, acc_norm) through hellaswag.evaluate, which every process runs (its computations span all
-    devices) and process 0 alone reports. A row longer than the model's context keeps its last
-    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
-    never ending tokens unless an ending alone is longer than the context)."""
-    def row_losses(tokens):                                                        # (4, n+1) int64
-        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
-        n = x.shape[1]
-        crop = max(0, n - cfg.block_size)
-        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
-        xp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
-        yp = np.zeros((x.shape[0], width), np.int32)                              # (4, width)
-        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
-        losses = np.asarray(losses_jit(params, xp, yp))                           # (4, width)
-        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
-        out[:, crop:] = losses[:, :n - crop]
-        return out
-    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit, progress=jax.process_index() == 0)
+    """(acc, acc_norm) through hellaswag.evaluate, rows fitted to the context by hellaswag.in_context;
+    every process runs it (its computations span all devices) and process 0 alone reports."""
+    def padded_losses(x, y):                                                       # (4, width) int64 each
+        return np.asarray(losses_jit(params, x.astype(np.int32), y.astype(np.int32)))  # (4, width)
+    return hellaswag.evaluate(hellaswag.in_context(padded_losses, cfg.block_size), limit=cfg.hellaswag_limit,
+                              progress=jax.process_index() == 0)
 
 
 def generate(params, key, cfg):

@@ -6,9 +6,6 @@ import os
 
 from trainkit import die, write_failure
 
-HELLASWAG_MIN_WIDTH = 64  # rows are padded to a power of two >= this: a handful of compiled shapes
-
-
 SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 
 

@@ -20,7 +20,7 @@ from trainkit import die
 from trainkit.checkpoints import save_checkpoint
 from trainkit.data import val_batches
 from trainkit.gpt2 import PARAM_NAMES
-from trainkit.logs import HELLASWAG_MIN_WIDTH, due, logged_evals
+from trainkit.logs import due, logged_evals
 from trainkit.speedrun import NEWTON_SCHULZ_STEPS
 
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
@@ -320,22 +320,10 @@ def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank,
 
 
 def evaluate_hellaswag(row_losses_fn, params, cfg, device):
-    """(acc, acc_norm) through hellaswag.evaluate. A row longer than the model's context keeps its last
-    block_size tokens (the losses of the cropped-off context positions are reported as 0; they are
-    never ending tokens unless an ending alone is longer than the context)."""
-    def row_losses(tokens):                                                        # (4, n+1) int64
-        x, y = tokens[:, :-1], tokens[:, 1:]                                       # (4, n) each
-        n = x.shape[1]
-        crop = max(0, n - cfg.block_size)
-        width = min(cfg.block_size, max(HELLASWAG_MIN_WIDTH, 1 << (n - crop - 1).bit_length()))
-        xp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
-        yp = np.zeros((x.shape[0], width), np.int64)                              # (4, width)
-        xp[:, :n - crop], yp[:, :n - crop] = x[:, crop:], y[:, crop:]
-        losses = row_losses_fn(params, put_batch(xp, device), put_batch(yp, device), cfg)  # (4, width)
-        out = np.zeros((x.shape[0], n), np.float32)                               # (4, n)
-        out[:, crop:] = losses[:, :n - crop].cpu().numpy()
-        return out
-    return hellaswag.evaluate(row_losses, limit=cfg.hellaswag_limit)
+    """(acc, acc_norm) through hellaswag.evaluate, rows fitted to the context by hellaswag.in_context."""
+    def padded_losses(x, y):                                                       # (4, width) int64 each
+        return row_losses_fn(params, put_batch(x, device), put_batch(y, device), cfg).cpu().numpy()
+    return hellaswag.evaluate(hellaswag.in_context(padded_losses, cfg.block_size), limit=cfg.hellaswag_limit)
 
 
 
