@@ -1,6 +1,6 @@
-"""Checkpoints (docs/FORMATS.md): save_checkpoint, latest_checkpoint, load_checkpoint, read_weights; and
-the out dir that holds them: its lock (RunLock), the replaced_ and abandoned_ folders (move_aside,
-abandon_newer), which checkpoint --resume continues (resolve_resume, check_checkpoint_step,
+"""Checkpoints (docs/FORMATS.md): save_checkpoint (rename_into_place), latest_checkpoint, load_checkpoint,
+read_weights; and the out dir that holds them: its lock (RunLock), the replaced_ and abandoned_ folders
+(move_aside, abandon_newer), which checkpoint --resume continues (resolve_resume, check_checkpoint_step,
 refuse_foreign_checkpoint), prepare_out_dir; a run's start (starting_state, open_run)."""
 import contextlib
 import datetime
@@ -46,10 +46,9 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
     name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
     tensors' second; `recipe` is cfg.recipe's row."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
-    tmp, old = final + ".tmp", final + ".old"
-    for stale in (tmp, old):  # left by a run that died while saving this step
-        if os.path.isdir(stale):
-            shutil.rmtree(stale)
+    tmp = final + ".tmp"
+    if os.path.isdir(tmp):  # left by a run that died while saving this step
+        shutil.rmtree(tmp)
     names = list(recipe.shapes(cfg))
     # a diverged run must not leave non-finite values in the latest checkpoint: the earlier ones stay
     for label, tensors in (("weight", params), ("first moment", m), ("second moment", v)):
@@ -70,11 +69,21 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
         shutil.rmtree(tmp, ignore_errors=True)
         die(write_failure(tmp, e))
+    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+    rename_into_place(tmp, final)
+    return final
+
+
+def rename_into_place(tmp, final):
+    """Makes the complete checkpoint directory `tmp` the checkpoint `final`, replacing a checkpoint of the
+    same step from an earlier run whole (through final.old, which a save that died here leaves)."""
+    old = final + ".old"
+    if os.path.isdir(old):
+        shutil.rmtree(old)
     # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
-        if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+        if os.path.isdir(final):
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old)
@@ -82,7 +91,6 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
             os.replace(tmp, final)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    return final
 
 
 def latest_checkpoint(out_dir, needed=("state.npz",)):
