@@ -467,7 +467,7 @@ def test_a_requeued_run_is_locked_and_stops_at_a_checkpoint_on_ctrl_c(data_dir, 
         while logged_step(out) < 2:
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.1)
-        second = run_script(*args, env=jax_env, check=False)
+        second = run_script(*args, env=jax_env, check=False, timeout=240)  # not refused: it would train on
         assert_clean_error(second, f"--out-dir {out} is in use by another run (pid {first.pid} on")
         first.send_signal(signal.SIGINT)
         stdout, stderr = first.communicate(timeout=300)
