@@ -1237,7 +1237,7 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
                   tokens_per_s=tokens / dt, peak_mem_gb=mem)
         if due(cfg.val_every, step, cfg.steps):
             run_val(step, params)
-        signum = signals.received
+        signum = signals.received  # a signal makes this step the last: checkpointed, then the run stops
         if due(cfg.ckpt_every, step, step if signum else cfg.steps):
             print(f"saved {save_checkpoint(cfg.out_dir, step, params, m, v, batches.state(), cfg, tok_path)}")
         stop_on_signal(signum, step, cfg, True)
