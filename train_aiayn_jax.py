@@ -19,7 +19,6 @@ function per bucket shape, compiled ahead of time, so a run compiles a handful o
 log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
 """
 import argparse
-import glob
 import gzip
 import hashlib
 import json
@@ -42,8 +41,10 @@ from tqdm import tqdm
 from hellaswag import download_file  # one copy of the resumable, checked download
 from tokenizer import BPETokenizer
 from trainkit import die, write_failure
-from trainkit.checkpoints import drop_partial_log_line, move_aside
+# the out dir as the GPT-2 trainers keep it: its lock, --force's replaced_ and a branch's abandoned_ folders
+from trainkit.checkpoints import check_checkpoint_step, prepare_out_dir, rename_into_place, resolve_resume
 from trainkit.logs import due, log_event
+from trainkit.signals import stop_on_signal, stops_on_signals
 
 FRAMEWORK = "jax"
 
@@ -788,12 +789,14 @@ def eval_batches(src, tgt, cfg):
 # Checkpoints
 
 TOKENIZER_FILE = "tokenizer.bpe"
+CHECKPOINT_FILES = ("params.npz", "state.npz", TOKENIZER_FILE)  # what makes a checkpoint directory complete
+RUN_FILES = ("hyp_val.txt", "hyp_test.txt")  # a run's files besides its log and checkpoints
 
 
 def save_checkpoint(out_dir, step, params, m, v, batches_state, cfg, tok_path):
     """<out_dir>/ckpt_<step>/: params.npz (fp32 weights), state.npz (Adam moments, step, data position,
     seed, config) and the tokenizer, so a checkpoint translates on its own. Written under a temporary
-    name, then renamed: a crash never leaves a half checkpoint."""
+    name, then renamed as the GPT-2 trainers' are: a crash never leaves a half checkpoint."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -810,13 +813,7 @@ def save_checkpoint(out_dir, step, params, m, v, batches_state, cfg, tok_path):
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
         shutil.rmtree(tmp, ignore_errors=True)
         die(write_failure(tmp, e))
-    if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        os.replace(final, final + ".old")
-        os.replace(tmp, final)
-        shutil.rmtree(final + ".old")
-    else:
-        os.replace(tmp, final)
+    rename_into_place(tmp, final)
     return final
 
 
@@ -826,23 +823,7 @@ def list_checkpoints(directory):
         return []
     names = sorted(n for n in os.listdir(directory) if re.fullmatch(r"ckpt_\d{7}", n))
     paths = [os.path.join(directory, n) for n in names]
-    return [p for p in paths if all(os.path.isfile(os.path.join(p, f))
-                                    for f in ("params.npz", "state.npz", TOKENIZER_FILE))]
-
-
-def resolve_checkpoint(path, out_dir):
-    """--resume DIR | auto -> a complete checkpoint directory."""
-    if path == "auto":
-        found = list_checkpoints(out_dir)
-        if not found:
-            die(f"--resume auto: no checkpoint in {out_dir}")
-        return found[-1]
-    path = os.path.normpath(path)
-    missing = [f for f in ("params.npz", "state.npz", TOKENIZER_FILE)
-               if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        die(f"--resume {path}: not a checkpoint directory (no {', '.join(missing)})")
-    return path
+    return [p for p in paths if all(os.path.isfile(os.path.join(p, f)) for f in CHECKPOINT_FILES)]
 
 
 def load_npz(path, names):
@@ -875,6 +856,7 @@ def load_checkpoint(path):
     m = {k: moments[f"m.{k}"] for k in PARAM_NAMES}
     v = {k: moments[f"v.{k}"] for k in PARAM_NAMES}
     info = {k: int(state[k]) for k in ("step", "epoch", "index", "seed")}
+    check_checkpoint_step(path, info["step"])
     return params, m, v, info, saved
 
 
@@ -1090,33 +1072,6 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
 # -----------------------------------------------------------------------------
 # Logging (log.jsonl's events are trainkit.logs.log_event's: the GPT-2 trainers' keys, plus bleu)
 
-def prepare_out_dir(cfg, resuming):
-    """Makes --out-dir, checked writable. One that holds a run (log.jsonl, checkpoints) is refused unless
-    this run continues it (resuming) or starts over (--force: that run's files are first moved into a
-    replaced_<time> folder there, so that log.jsonl holds one run). A half line that a kill left at the
-    end of the log is cut off. Not trainkit's prepare_out_dir: a translator's run takes no lock, its
-    hypotheses belong to the run, and a resume moves no newer checkpoint aside."""
-    out = cfg.out_dir
-    run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(out, "ckpt_*")))]
-    run += [name for name in ("log.jsonl", "hyp_val.txt", "hyp_test.txt")
-            if os.path.exists(os.path.join(out, name))]
-    if any(name == "log.jsonl" or name.startswith("ckpt_") for name in run) and not resuming:
-        if not cfg.force:
-            listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
-            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
-                "over")
-        aside = move_aside(out, run, "replaced_")
-        print(f"--force: the run in {out} moved to {aside}")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, ".writable.tmp"), "w"):
-            pass
-        os.remove(os.path.join(out, ".writable.tmp"))
-    except OSError as e:
-        die(f"--out-dir: {write_failure(out, e)}")
-    drop_partial_log_line(out)
-
-
 def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, peak_mem_gb):
     mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
     return (f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | "
@@ -1152,18 +1107,20 @@ def load_tokenizer(path):
         die(str(e))
 
 
-def main(argv=None):
+@stops_on_signals
+def main(argv, signals):
     cfg, given = parse_args(argv)
     device = jax.devices()[0]
 
-    # weights and optimizer state: a checkpoint (with its own tokenizer), or fresh from the seed below
-    ckpt_path, info, tok, tok_path = None, dict(step=0, epoch=0, index=0), None, None
+    # weights and optimizer state: a checkpoint (with its own tokenizer), or fresh from the seed below (also
+    # where --resume auto finds no checkpoint: the run starts at step 0, its earlier files set aside)
+    restart = resolve_resume(cfg, not (cfg.eval_only or cfg.translate), CHECKPOINT_FILES)
+    info, tok, tok_path = dict(step=0, epoch=0, index=0), None, None
     params = m = v = None
     if cfg.resume:
-        ckpt_path = resolve_checkpoint(cfg.resume, cfg.out_dir)
-        params, m, v, info, saved = load_checkpoint(ckpt_path)
-        cfg = resume_config(saved, given)
-        tok_path = os.path.join(ckpt_path, TOKENIZER_FILE)
+        params, m, v, info, saved = load_checkpoint(cfg.resume)
+        cfg = resume_config(saved, {**given, "resume": cfg.resume})
+        tok_path = os.path.join(cfg.resume, TOKENIZER_FILE)
         tok = load_tokenizer(tok_path)
         if tok.vocab_size != cfg.vocab_size:
             die(f"{tok_path} holds {tok.vocab_size} tokens, the checkpoint's model {cfg.vocab_size}")
@@ -1172,16 +1129,17 @@ def main(argv=None):
     with jax.default_matmul_precision("highest" if cfg.dtype == "fp32" else "default"):
         if cfg.translate:
             search = jax.jit(partial(translate_batch, cfg=cfg, greedy=cfg.decode == "greedy"))
-            weights, _ = averaged_params(ckpt_path, cfg.average)
+            weights, _ = averaged_params(cfg.resume, cfg.average)
             ids = np.array(tok.encode_ordinary(cfg.translate), np.int32)
             print(tok.decode(translate_ids(search, weights, (ids, np.array([0, len(ids)])), cfg)[0]))
             return
-        run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v)
+        run(cfg, device, info, tok, tok_path, params, m, v, restart, signals)
 
 
-def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
-    """Training (or, with --eval-only, evaluation) after main has restored any checkpoint."""
-    prepare_out_dir(cfg, ckpt_path is not None)
+def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
+    """Training (or, with --eval-only, evaluation) after main has restored any checkpoint. The out dir is
+    locked for the run's life (the lock goes when run returns), before the tokenizer may be cached there."""
+    lock = prepare_out_dir(cfg, True, info["step"], restart, RUN_FILES)  # noqa: F841
     t0 = time.perf_counter()
     if not cfg.eval_only:
         train_text = read_split(cfg, "train")
@@ -1226,7 +1184,7 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
         """The weights to score: the newest --average checkpoints up to `step` averaged, when there are."""
         path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}")
         if cfg.eval_only:
-            path = ckpt_path
+            path = cfg.resume
         elif path not in list_checkpoints(cfg.out_dir):
             return params, "no checkpoint to average"
         weights, used = averaged_params(path, cfg.average)
@@ -1259,6 +1217,7 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
     print(f"compiled the train step for {len(compiled)} bucket shapes in {time.perf_counter() - t0:.1f} s")
 
     step, times, counts, loop_start = info["step"], [], [], time.perf_counter()
+    signals.training = True  # from here a signal stops the run at the end of a step, with a checkpoint
     for step in range(info["step"] + 1, cfg.steps + 1):
         T, src, tgt_in, tgt_out = batches.next()                                   # (A,R,T) each
         # tokens/s counts the real (non-padding) source and target tokens
@@ -1278,8 +1237,11 @@ def run(cfg, device, ckpt_path, info, tok, tok_path, params, m, v):
                   tokens_per_s=tokens / dt, peak_mem_gb=mem)
         if due(cfg.val_every, step, cfg.steps):
             run_val(step, params)
-        if due(cfg.ckpt_every, step, cfg.steps):
+        signum = signals.received  # a signal makes this step the last: checkpointed, then the run stops
+        if due(cfg.ckpt_every, step, step if signum else cfg.steps):
             print(f"saved {save_checkpoint(cfg.out_dir, step, params, m, v, batches.state(), cfg, tok_path)}")
+        stop_on_signal(signum, step, cfg, True)
+    signals.training = False  # the checkpoints are written: a signal during the final BLEU stops at once
     if times:  # the first step can carry one-off start-up costs: left out of the means when it can be
         k = 1 if len(times) > 1 else 0
         print(f"trained {len(times)} steps in {time.perf_counter() - loop_start:.1f} s (evaluations and "

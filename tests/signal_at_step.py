@@ -1,12 +1,12 @@
-"""Runs a GPT-2 trainer with a signal delivered at a known point of its run, so that the tests of SIGINT and
-SIGTERM do not race a fast run to its end:
+"""Runs a trainer (a GPT-2 trainer, or the translator) with a signal delivered at a known point of its run,
+so that the tests of SIGINT and SIGTERM do not race a fast run to its end:
 
     python tests/signal_at_step.py STEP SIGNALS SCRIPT [ARGS...]
 
 sends the process itself each of SIGNALS (comma-separated, e.g. SIGINT or SIGTERM,SIGTERM) just after the
 trainer has logged step STEP's train loss, that is between two step boundaries, as a user's Ctrl-C lands.
 The trainer runs as it does from the shell: its own main() and signal handling; only trainkit's log_event,
-which writes the step's event, is wrapped."""
+which writes the step's event, is wrapped (where the trainer imported it too)."""
 import importlib
 import os
 import signal
@@ -27,6 +27,8 @@ def main():
             for name in names:
                 os.kill(os.getpid(), getattr(signal, name))
     trainkit.logs.log_event = log_then_signal
+    if hasattr(trainer, "log_event"):  # the translator logs its steps through its own import of it
+        trainer.log_event = log_then_signal
     sys.exit(trainer.main(argv))
 
 

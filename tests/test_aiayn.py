@@ -4,10 +4,13 @@ A tiny model trained on the first 6,000 Multi30k pairs (the offline copy); its d
 greedy, the incremental decoder), BLEU, checkpoints, downloads and bad input."""
 import gzip
 import io
+import json
 import math
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -17,7 +20,9 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from conftest import assert_clean_error, read_log, run_script, run_script_on_a_full_disk, data_file, step_events
+from conftest import (REPO, assert_clean_error, read_log, run_script, run_script_on_a_full_disk, data_file,
+                      step_events)
+from trainkit.checkpoints import latest_checkpoint
 
 import train_aiayn_jax as aiayn  # noqa: E402  (conftest puts the repository on sys.path)
 
@@ -420,17 +425,91 @@ def test_an_out_dir_holding_a_run_is_not_overwritten(trained, data_dir, jax_env,
 
 def test_force_twice_in_a_second_keeps_both_runs(tmp_path, capsys):
     """Two --force starts in quick succession (the same second, as a script's retries may be) each move
-    the run they replace into a replaced_ folder of its own, so that neither run is lost."""
+    the run they replace, its hypotheses with it, into a replaced_ folder of its own, so that neither run
+    is lost (the translator's out dir is trainkit's, as the GPT-2 trainers keep theirs)."""
     out = tmp_path / "run"
     out.mkdir()
     cfg = replace(aiayn.Config(), out_dir=str(out), force=True)
     for text in ("first run\n", "second run\n"):
         (out / "log.jsonl").write_text(text)
-        aiayn.prepare_out_dir(cfg, resuming=False)
+        (out / "hyp_test.txt").write_text(text)
+        aiayn.prepare_out_dir(cfg, True, 0, extras=aiayn.RUN_FILES)
     aside = sorted(p for p in out.iterdir() if p.name.startswith("replaced_"))  # names sort by time
     assert [(p / "log.jsonl").read_text() for p in aside] == ["first run\n", "second run\n"]
+    assert [(p / "hyp_test.txt").read_text() for p in aside] == ["first run\n", "second run\n"]
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in aside)
     assert capsys.readouterr().out.count("--force: the run in") == 2
+
+
+def logged_step(out):
+    """The newest step <out>/log.jsonl logs a train loss for (0 while none), read as a run appends to it."""
+    path = out / "log.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return max((e["step"] for e in map(json.loads, (x for x in lines if x.endswith("\n"))) if "train_loss" in e),
+               default=0)
+
+
+def test_a_requeued_run_is_locked_and_stops_at_a_checkpoint_on_ctrl_c(data_dir, jax_env, tmp_path):
+    """As the GPT-2 trainers do (trainkit's out dir and signals): --resume auto in an out dir whose run was
+    killed before its first checkpoint starts at step 0, its log set aside in replaced_<time>; the same
+    launch again while it runs (a requeued job) is refused in one line naming it; Ctrl-C then stops it at
+    the end of a step, with that step's checkpoint, one line, exit 130, no traceback and no ckpt_*.tmp. The
+    log holds each step once."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.jsonl").write_text('{"step": 1, "train_loss": 7.9}\n')
+    args = [SCRIPT, *TINY, "--data-dir", data_dir, "--out-dir", out, "--steps", 100000, "--ckpt-every", 1000,
+            "--val-every", 0, "--bleu-split", "none", "--resume", "auto"]
+    first = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, **jax_env})
+    try:
+        deadline = time.monotonic() + 300
+        while logged_step(out) < 2:
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        second = run_script(*args, env=jax_env, check=False, timeout=240)  # not refused: it would train on
+        assert_clean_error(second, f"--out-dir {out} is in use by another run (pid {first.pid} on")
+        first.send_signal(signal.SIGINT)
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        first.kill()
+        first.wait()
+    aside, = out.glob("replaced_*")
+    said = (f"--resume auto: no checkpoint in {out}, starting at step 0; the run there, stopped before its "
+            f"first checkpoint, moved to {aside}")
+    assert said in stdout.splitlines() and os.listdir(aside) == ["log.jsonl"]
+    last = step_events(out)[-1]["step"]
+    assert first.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (f"SIGINT: stopped after step {last} of 100000, its checkpoint "
+                                               "saved; --resume auto continues")
+    assert sorted(p.name for p in out.glob("ckpt_*")) == [f"ckpt_{last:07d}"]
+    assert [e["step"] for e in step_events(out)] == list(range(1, last + 1))
+
+
+def test_a_resume_of_an_earlier_step_abandons_the_newer_branch(trained, data_dir, jax_env, tmp_path):
+    """--resume of an earlier checkpoint that trains on moves the newer checkpoints and their log lines into
+    abandoned_<time>, so that --resume auto and the log follow the live branch; a checkpoint whose name
+    disagrees with its step, and another out dir's checkpoint resumed into this one, are refused in one
+    line, moving nothing."""
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    run_script(SCRIPT, "--resume", out / "ckpt_0000020", "--data-dir", data_dir, "--out-dir", out,
+               "--steps", CKPT_EVERY + 1, "--ckpt-every", 0, "--val-every", 0, "--bleu-split", "none", env=jax_env)
+    branch, = out.glob("abandoned_*")
+    assert sorted(os.listdir(branch)) == [LAST, "log.jsonl"]
+    assert [e["step"] for e in step_events(branch)] == list(range(CKPT_EVERY + 1, STEPS + 1))
+    assert [e["step"] for e in step_events(out)] == list(range(1, CKPT_EVERY + 2))
+    assert latest_checkpoint(str(out), aiayn.CHECKPOINT_FILES) == str(out / "ckpt_0000020")
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(SystemExit) as e:
+        aiayn.main(["--resume", str(trained[0] / LAST), "--out-dir", str(out)])
+    assert str(e.value).startswith(f"error: --resume {trained[0] / LAST}: a checkpoint of another out dir")
+    shutil.copytree(out / "ckpt_0000020", tmp_path / "ckpt_0000030")
+    with pytest.raises(SystemExit) as e:
+        aiayn.main(["--resume", str(tmp_path / "ckpt_0000030"), "--out-dir", str(tmp_path / "new")])
+    assert str(e.value).startswith(f"error: checkpoint {tmp_path / 'ckpt_0000030'} holds step 20, not the "
+                                   "step 30 its name says")
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
 
 
 def test_a_full_disk_during_a_checkpoint(trained, data_dir, jax_env, tmp_path):

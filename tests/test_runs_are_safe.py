@@ -364,3 +364,64 @@ def test_a_model_path_that_is_no_file_says_what_it_is(tmp_path):
     assert_clean_error(proc, "a checkpoint directory; give its")
     proc = run_script("convert_hf.py", "to-hf", ckpt, "-o", tmp_path / "hf", env=ENV, check=False)
     assert_clean_error(proc, "a checkpoint directory; give its")
+
+
+def out_dir_state(out):
+    """{path under out: file bytes, or None for a folder}: what a refused run must leave as it was."""
+    return {str(p.relative_to(out)): None if p.is_dir() else p.read_bytes() for p in sorted(out.rglob("*"))}
+
+
+def test_resume_branches_never_splice_logs(tmp_path, capsys):
+    """(resolve_resume and prepare_out_dir are the same code in all three trainers.) --resume auto in an out
+    dir with a log but no checkpoint (a run killed before its first, which a scheduler requeues) starts at
+    step 0, moving that log into replaced_<time>, in one line. A resume that trains nothing moves nothing; one
+    that trains on from an earlier checkpoint moves the newer ones and their log lines into abandoned_<time>.
+    Refused in one line, moving nothing: a checkpoint whose name disagrees with its step (even the newest,
+    for --resume auto), one of a branch set aside there, one of another out dir into an out dir holding a
+    run; the set-aside branch resumes into a new out dir. Each log holds one branch."""
+    mod, out, other = tg, tmp_path / "run", tmp_path / "other"
+    argv = [*ARGV["triton"], *MICRO, "--ckpt-every", "2"]
+    out.mkdir()
+    killed = '{"step": 1, "train_loss": 10.9}\n{"step": 2, "train_lo'
+    (out / "log.jsonl").write_text(killed)
+    mod.main([*argv, "--steps", "4", "--out-dir", str(out), "--resume", "auto"])
+    aside, = out.glob("replaced_*")
+    said = (f"--resume auto: no checkpoint in {out}, starting at step 0; the run there, stopped before its "
+            f"first checkpoint, moved to {aside}")
+    assert said in capsys.readouterr().out.splitlines()
+    assert os.listdir(aside) == ["log.jsonl"] and (aside / "log.jsonl").read_text() == killed
+    assert [e["step"] for e in step_events(out)] == [1, 2, 3, 4] and read_log(out, starts=True)[0]["step"] == 0
+
+    before, logged = out_dir_state(out), read_log(out)
+    mod.main([*argv, "--steps", "2", "--out-dir", str(out), "--resume", str(out / "ckpt_0000002")])
+    assert "nothing to train" in capsys.readouterr().out and read_log(out) == logged  # a start event added
+    before.pop("log.jsonl")
+    assert {k: v for k, v in out_dir_state(out).items() if k != "log.jsonl"} == before
+    before = out_dir_state(out)
+    os.rename(out / "ckpt_0000004", out / "ckpt_0000008")
+    os.symlink(out / "ckpt_0000002", out / "ckpt_0000006")
+    for resume, step, name in (("auto", 4, 8), (str(out / "ckpt_0000006"), 2, 6)):
+        with pytest.raises(SystemExit) as e:
+            mod.main([*argv, "--steps", "9", "--out-dir", str(out), "--resume", resume])
+        assert str(e.value) == (f"error: checkpoint {out / f'ckpt_{name:07d}'} holds step {step}, not the step "
+                                f"{name} its name says (renamed or copied by hand?): name it "
+                                f"ckpt_{step:07d} elsewhere, or remove it")
+    os.remove(out / "ckpt_0000006")
+    os.rename(out / "ckpt_0000008", out / "ckpt_0000004")
+    assert out_dir_state(out) == before
+
+    mod.main([*argv, "--steps", "3", "--out-dir", str(out), "--resume", str(out / "ckpt_0000002")])
+    branch, = out.glob("abandoned_*")
+    assert sorted(os.listdir(branch)) == ["ckpt_0000004", "log.jsonl"]
+    assert [e["step"] for e in step_events(branch)] == [3, 4] and [e["step"] for e in step_events(out)] == [1, 2, 3]
+    mod.main([*argv, "--steps", "5", "--out-dir", str(other), "--resume", str(branch / "ckpt_0000004")])
+    assert [e["step"] for e in step_events(other)] == [5]
+    before = out_dir_state(out)
+    for ckpt, whose in ((branch / "ckpt_0000004", f"a branch set aside in {branch}"),
+                        (other / "ckpt_0000005", "another out dir")):
+        with pytest.raises(SystemExit) as e:
+            mod.main([*argv, "--steps", "6", "--out-dir", str(out), "--resume", str(ckpt)])
+        assert str(e.value) == (f"error: --resume {ckpt}: a checkpoint of {whose}, and --out-dir {out} holds "
+                                "another run (ckpt_0000002, ckpt_0000003, log.jsonl), whose log.jsonl would then "
+                                "hold both: resume it into a new --out-dir")
+    assert out_dir_state(out) == before

@@ -184,9 +184,9 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
 def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellaswag_dir, env):
     """Resuming the step-3 checkpoint for steps 4-6 (by its path, or with --resume auto where TRAINERS
     says so) prints the uninterrupted run's losses and grad norms digit for digit, logs steps 4-6 and ends
-    on byte-identical weights and AdamW state; a later resume of step 3 there moves step 6's checkpoint
-    and log lines into abandoned_<time> (--resume auto then follows the live run); --eval-only on the step-6 checkpoint reproduces that run's
-    val loss and HellaSwag scores and trains nothing."""
+    on byte-identical weights and AdamW state; the step-3 checkpoint resumed there again is refused (it is
+    another out dir's, and that out dir now holds a run); --eval-only on the step-6 checkpoint reproduces
+    that run's val loss and HellaSwag scores and trains nothing."""
     t = TRAINERS[name]
     out, stdout = trained(name)
     resumed = tmp_path / "resumed"
@@ -202,17 +202,17 @@ def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellas
     final = out / "ckpt_0000006"
     assert_same_checkpoint(final, resumed / "ckpt_0000006")
 
-    # resuming step 3 again makes it the live run: step 6's checkpoint and log lines go to abandoned_*,
-    # so that --resume auto follows the live run (here nothing is left to train at --steps 3)
+    # the step-3 checkpoint is out's: resumed into that out dir, which now holds a run, it would splice two
+    # runs in one log, and is refused, moving nothing (the branches of one out dir: test_runs_are_safe.py)
     mod = importlib.import_module(t.module)
-    mod.main([*map(str, t.argv[1:]), "--data", str(tiny_shards), "--resume", str(out / "ckpt_0000003"),
-              "--steps", "3", "--out-dir", str(resumed), "--ckpt-every", "3", "--val-every", "0",
-              "--hellaswag-every", "0", "--sample-every", "0", *map(str, t.flags)])
-    aside, = resumed.glob("abandoned_*")
-    assert sorted(os.listdir(aside)) == ["ckpt_0000006", "log.jsonl"]
-    assert [e["step"] for e in read_log(aside)] == [4, 5, 6] and read_log(resumed) == []
-    live = str(resumed / "ckpt_0000003") if t.resume_auto else None  # (the others resumed out's)
-    assert latest_checkpoint(str(resumed)) == live
+    with pytest.raises(SystemExit) as refused:
+        mod.main([*map(str, t.argv[1:]), "--data", str(tiny_shards), "--resume", str(out / "ckpt_0000003"),
+                  "--steps", "3", "--out-dir", str(resumed), "--ckpt-every", "3", "--val-every", "0",
+                  "--hellaswag-every", "0", "--sample-every", "0", *map(str, t.flags)])
+    assert str(refused.value).startswith(f"error: --resume {out / 'ckpt_0000003'}: a checkpoint of another out "
+                                         "dir")
+    assert [e["step"] for e in step_events(resumed)] == [4, 5, 6] and not list(resumed.glob("abandoned_*"))
+    assert latest_checkpoint(str(resumed)) == str(resumed / "ckpt_0000006")
 
     evaluated = tmp_path / "eval"
     run_script(*t.argv, "--data", tiny_shards, "--resume", final, "--eval-only", "--out-dir", evaluated,

@@ -1,13 +1,14 @@
-"""Checkpoints (docs/FORMATS.md): save_checkpoint, latest_checkpoint, load_checkpoint, read_weights; and
-the out dir that holds them: its lock (RunLock), the replaced_ and abandoned_ folders (move_aside,
-abandon_newer), prepare_out_dir; a run's start
-(starting_state, open_run)."""
+"""Checkpoints (docs/FORMATS.md): save_checkpoint (rename_into_place), latest_checkpoint, load_checkpoint,
+read_weights; and the out dir that holds them: its lock (RunLock), the replaced_ and abandoned_ folders
+(move_aside, abandon_newer), which checkpoint --resume continues (resolve_resume, check_checkpoint_step,
+refuse_foreign_checkpoint), prepare_out_dir; a run's start (starting_state, open_run)."""
 import contextlib
 import datetime
 import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,10 +46,9 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
     name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
     tensors' second; `recipe` is cfg.recipe's row."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
-    tmp, old = final + ".tmp", final + ".old"
-    for stale in (tmp, old):  # left by a run that died while saving this step
-        if os.path.isdir(stale):
-            shutil.rmtree(stale)
+    tmp = final + ".tmp"
+    if os.path.isdir(tmp):  # left by a run that died while saving this step
+        shutil.rmtree(tmp)
     names = list(recipe.shapes(cfg))
     # a diverged run must not leave non-finite values in the latest checkpoint: the earlier ones stay
     for label, tensors in (("weight", params), ("first moment", m), ("second moment", v)):
@@ -69,11 +69,21 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
         shutil.rmtree(tmp, ignore_errors=True)
         die(write_failure(tmp, e))
+    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+    rename_into_place(tmp, final)
+    return final
+
+
+def rename_into_place(tmp, final):
+    """Makes the complete checkpoint directory `tmp` the checkpoint `final`, replacing a checkpoint of the
+    same step from an earlier run whole (through final.old, which a save that died here leaves)."""
+    old = final + ".old"
+    if os.path.isdir(old):
+        shutil.rmtree(old)
     # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
-        if os.path.isdir(final):  # a checkpoint of the same step from an earlier run: replace it whole
+        if os.path.isdir(final):
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old)
@@ -81,18 +91,47 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
             os.replace(tmp, final)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    return final
 
 
-def latest_checkpoint(out_dir):
-    """The newest complete checkpoint directory in out_dir, or None; a newer one without its state.npz
-    (not written by a trainer: a save renames whole checkpoints into place) is skipped with a line."""
+def latest_checkpoint(out_dir, needed=("state.npz",)):
+    """The newest complete checkpoint directory in out_dir (holding the files `needed`), or None; a newer
+    one without them (not written by a trainer: a save renames whole checkpoints into place) is skipped with
+    a line."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
-    while found and not os.path.isfile(os.path.join(found[-1], "state.npz")):
-        print(f"--resume auto: skipping {found[-1]}, which has no state.npz")
+    while found and not all(os.path.isfile(os.path.join(found[-1], f)) for f in needed):
+        missing = next(f for f in needed if not os.path.isfile(os.path.join(found[-1], f)))
+        print(f"--resume auto: skipping {found[-1]}, which has no {missing}")
         found.pop()
     return found[-1] if found else None
+
+
+def resolve_resume(cfg, trains, needed=("state.npz",)):
+    """Makes cfg.resume the checkpoint directory to resume ('auto': the newest complete one in --out-dir),
+    each of the files `needed` checked present. Where --resume auto finds none (a run stopped before its
+    first checkpoint, or not started yet: what a requeued job meets) a run that `trains` starts at step 0:
+    cfg.resume becomes "" and True is returned, for prepare_out_dir to set that run's files aside."""
+    if cfg.resume == "auto":
+        found = latest_checkpoint(cfg.out_dir, needed)
+        if found is None and not trains:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+        cfg.resume = found or ""
+        return found is None
+    if cfg.resume:
+        cfg.resume = os.path.normpath(cfg.resume)  # its folder is os.path.dirname's, even given with a "/"
+        missing = [f for f in needed if not os.path.isfile(os.path.join(cfg.resume, f))]
+        if missing:
+            die(f"--resume {cfg.resume}: not a checkpoint directory (no {', '.join(missing)})")
+    return False
+
+
+def check_checkpoint_step(path, step):
+    """A checkpoint directory named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by
+    the names, so a folder renamed or copied by hand over another step is refused in one line."""
+    name = os.path.basename(os.path.normpath(path))
+    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != step:
+        die(f"checkpoint {path} holds step {step}, not the step {int(name[5:])} its name says (renamed or "
+            f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
 
 
 # what reading a damaged .npz raises: not a zip at all (ValueError: numpy takes it for a pickle), cut short
@@ -104,12 +143,7 @@ DAMAGED_NPZ_ERRORS = (ValueError, EOFError, OSError, KeyError, NotImplementedErr
 
 
 def load_checkpoint(path, cfg, recipes):
-    """(header, params, m, v, state) from a checkpoint dir of cfg.recipe, a row of `recipes`; `path` may be
-    'auto' (newest in cfg.out_dir)."""
-    if path == "auto":
-        path = latest_checkpoint(cfg.out_dir)
-        if path is None:
-            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+    """(header, params, m, v, state) from a checkpoint dir of cfg.recipe, a row of `recipes`."""
     if not os.path.isfile(os.path.join(path, "state.npz")):
         die(f"--resume {path}: not a checkpoint directory (no state.npz)")
     recipe = recipes[cfg.recipe]
@@ -143,6 +177,7 @@ def load_checkpoint(path, cfg, recipes):
     for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
         if not low <= state[k] < 2**63:  # int64, as saved; a seed as --seed takes it
             die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
+    check_checkpoint_step(path, state["step"])
     for k in params:
         moments = [m[k], v[k]] if k in v else [m[k]]
         if any(t.shape != params[k].shape for t in moments):
@@ -261,24 +296,43 @@ def abandon_newer(out, step):
           f"{step} moved to {aside}")
 
 
-def prepare_out_dir(cfg, master, step):
+def refuse_foreign_checkpoint(path, out, listed):
+    """--resume of a checkpoint from outside --out-dir `out`, which holds a run (`listed`), is refused in one
+    line: that run's log.jsonl would splice the two. A folder set aside there (abandoned_, replaced_) is
+    outside too: its branch is not the live one."""
+    home = os.path.realpath(os.path.dirname(os.path.abspath(os.path.normpath(path))))
+    if home == os.path.realpath(out):
+        return
+    aside = os.path.dirname(home) == os.path.realpath(out) and os.path.basename(home).startswith(
+        ("abandoned_", "replaced_"))
+    whose = f"a branch set aside in {os.path.dirname(os.path.normpath(path))}" if aside else "another out dir"
+    die(f"--resume {path}: a checkpoint of {whose}, and --out-dir {out} holds another run ({listed}), whose "
+        "log.jsonl would then hold both: resume it into a new --out-dir")
+
+
+def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     """Makes --out-dir, checked writable, and returns process 0's RunLock on it (None elsewhere), which
-    the caller holds for the run's life. One that holds a run (log.jsonl, checkpoints) is refused unless
-    this run continues it (--resume from `step`: newer checkpoints then go to abandoned_<time>,
-    abandon_newer) or starts over (--force: that run's files move into a replaced_<time> folder there, so
-    that log.jsonl holds one run). A half line that a kill left at the end of the log is cut off."""
+    the caller holds for the run's life. One that holds a run (log.jsonl, checkpoints; `extras` are its
+    other files, which move with it) is refused unless this run continues it (--resume of one of its own
+    checkpoints, at `step`: when the run trains on, newer checkpoints go to abandoned_<time>, abandon_newer)
+    or starts over (--force, or `restart`: --resume auto found no checkpoint, resolve_resume; that run's
+    files move into a replaced_<time> folder there, so that log.jsonl holds one run). A half line that a
+    kill left at the end of the log is cut off."""
     out = cfg.out_dir
 
     def held_run():
         run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))]
-        return run + [name for name in ("log.jsonl", "profile") if os.path.exists(os.path.join(out, name))]
+        return run + [name for name in ("log.jsonl", *extras) if os.path.exists(os.path.join(out, name))]
     if not master:  # process 0 decides: its start event may already be in the log the others would see
         return None
     run = held_run()
-    if any(name != "profile" for name in run) and not cfg.resume and not cfg.force:
-        listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
-        die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
-            "over")
+    listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+    if any(name not in extras for name in run):
+        if not (cfg.resume or cfg.force or restart):
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
+                "over")
+        if cfg.resume:
+            refuse_foreign_checkpoint(cfg.resume, out, listed)
     try:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, ".writable.tmp"), "w"):
@@ -288,11 +342,15 @@ def prepare_out_dir(cfg, master, step):
         die(f"--out-dir: {write_failure(out, e)}")
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
     try:
-        if cfg.resume and not cfg.eval_only:
+        if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
             abandon_newer(out, step)
         run = held_run()
-        if cfg.force and not cfg.resume and any(name != "profile" for name in run):
-            aside = move_aside(out, run, "replaced_")
+        moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
+        aside = move_aside(out, run, "replaced_") if moved else None
+        if restart:
+            moved_to = f"; the run there, stopped before its first checkpoint, moved to {aside}" if moved else ""
+            print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
+        elif moved:
             print(f"--force: the run in {out} moved to {aside}")
     except OSError as e:
         die(f"--out-dir: {write_failure(getattr(e, 'filename', None) or out, e)}")
@@ -314,9 +372,10 @@ def drop_partial_log_line(out_dir):
 
 
 def starting_state(cfg, explicit, recipes):
-    """(step, loader_state, params, m, v) of a run: a checkpoint's (--resume), a model file's weights
-    (--init-from) or the recipe's init from cfg.seed, with zero moments where no checkpoint gives them.
-    The model shape and seed come from the file read (checked against the `explicit` flags)."""
+    """(step, loader_state, params, m, v) of a run: a checkpoint's (--resume, resolved by resolve_resume), a
+    model file's weights (--init-from) or the recipe's init from cfg.seed, with zero moments where no
+    checkpoint gives them. The model shape and seed come from the file read (checked against the `explicit`
+    flags)."""
     recipe = recipes[cfg.recipe]
     step, loader_state, m, v = 0, (0, 0), None, None
     if cfg.resume:
@@ -347,10 +406,11 @@ def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=
     With several processes, `any_failed(failed)` (a collective: True when any process passed True) makes
     them stop together: a process whose checks passed says in one line that another's did not."""
     try:
+        restart = resolve_resume(cfg, not cfg.eval_only)
         step, loader_state, params, m, v = starting_state(cfg, explicit, recipes)
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
         encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
-        lock = prepare_out_dir(cfg, master, step)
+        lock = prepare_out_dir(cfg, master, step, restart)
     except SystemExit:
         if any_failed is not None:
             any_failed(True)
