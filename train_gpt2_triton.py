@@ -52,8 +52,8 @@ from trainkit import die
 from trainkit.flags import default_dtype, RunConfig, RunRecipe
 # llm.c's GPT-2 without a framework: names, shapes, init, model files, schedule
 from trainkit.gpt2 import (
-    DECAY_NAMES, EOT, VOCAB_SIZE, cosine_lr, gpt2_shapes, init_gpt2_numpy, is_model_file, read_model_file,
-    write_model_file)
+    DECAY_NAMES, EOT, VOCAB_SIZE, configure_gpt2, cosine_lr, gpt2_shapes, init_gpt2_numpy, is_model_file,
+    read_model_file, write_model_file)
 # llm.c's token shards and loader
 from trainkit.data import step_batches
 # checkpoints and the out dir
@@ -701,7 +701,7 @@ def gpt2_activation_bytes(cfg):
 
 
 RECIPES = {"gpt2": Recipe(
-    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2,
     shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
     model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
     read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",

@@ -1,0 +1,101 @@
+"""--fp8-head: the speedrun head's training matmuls on float8 operands (docs/FORMATS.md, FP8 head), held to
+tests/speedrun_reference.py's float64 FP8 head: its casts against torch's bit for bit, each trainer's
+quantized operands against its casts bit for bit, each trainer's loss over 3 steps against its run; the
+FP8 run apart from the unquantized one by more than that tolerance; the gpt2 recipe refusing the flag."""
+import numpy as np
+import pytest
+import torch
+
+import speedrun_reference as sr
+import train_gpt2_jax as tj
+import train_gpt2_torchfunc as tf
+import train_gpt2_triton as tg
+from conftest import FP8_REFERENCE_RTOL, assert_refused, fp8_flags, train_losses
+
+TORCH_TYPES = {"x": torch.float8_e4m3fn, "w": torch.float8_e4m3fn, "grad": torch.float8_e5m2}
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def operands(seed, shape):
+    """fp32 values (shape) over the whole range a cast meets: from below the smallest subnormal to past the
+    largest finite value after scaling, both signs, zeros and exact rounding midpoints among them."""
+    rng = np.random.default_rng(seed)
+    t = rng.standard_normal(shape) * np.exp2(rng.uniform(-24, 18, shape))
+    t.flat[:4] = [0.0, -0.0, 1e30, -1e30]
+    return t.astype(np.float32)
+
+
+def reference_bits(t, kind):
+    return sr.fp8_bits(sr.quantize(t, kind), kind)
+
+
+def torch_bits(t):
+    return t.view(torch.uint8).numpy()
+
+
+def test_the_reference_casts_are_torchs():
+    """round_fp8 (written from the formats' definitions) gives torch's casts of the clamped values bit for
+    bit on 10^6 values of every magnitude, and every finite code of both formats round-trips. torch's own
+    e4m3fn cast saturates (1e30 gives 448), its e5m2 cast does not (1e30 gives inf): hence the clamp."""
+    t = operands(0, 1 << 20).astype(np.float64)
+    for kind, top in (("x", 448.0), ("grad", 57344.0)):
+        cast = torch.from_numpy(np.clip(t, -top, top)).to(TORCH_TYPES[kind])
+        q = sr.round_fp8(t, kind)
+        np.testing.assert_array_equal(q, cast.double().numpy())
+        np.testing.assert_array_equal(sr.fp8_bits(q, kind), torch_bits(cast))
+        codes = torch.arange(256, dtype=torch.uint8).view(TORCH_TYPES[kind]).double().numpy()
+        finite = np.isfinite(codes)
+        np.testing.assert_array_equal(sr.fp8_bits(codes[finite], kind), np.arange(256)[finite])
+    assert torch.tensor([1e30]).to(torch.float8_e4m3fn).item() == 448.0
+    assert torch.tensor([1e30]).to(torch.float8_e5m2).item() == float("inf")
+
+
+def test_the_fp8_reference_differs_from_the_unquantized(fp8_reference, speedrun_reference_losses):
+    """The float64 reference's FP8 run and its unquantized run (the trainers' speedrun tests' "random" one,
+    whose first 2 of 6 steps a 3-step run shares: the schedule's decay starts at 30%) differ at steps 1
+    and 2 by at least 10x the tolerance the trainers are held to (measured: 2.6e-4 and 1.2e-5 relative)."""
+    init, fp8 = fp8_reference
+    plain = speedrun_reference_losses(init)
+    diff = np.abs(np.array(fp8[:2]) / np.array(plain[:2]) - 1)
+    assert (diff > 10 * FP8_REFERENCE_RTOL).all(), (fp8, plain)
+
+
+def assert_held_to_the_reference(got, fp8_reference):
+    """3 steps' losses within FP8_REFERENCE_RTOL of the FP8 reference's."""
+    expected = fp8_reference[1]
+    assert len(got) == len(expected)
+    for step, (a, b) in enumerate(zip(got, expected), 1):
+        assert a == pytest.approx(b, rel=FP8_REFERENCE_RTOL), f"step {step}: {a} against {b}"
+
+
+# -----------------------------------------------------------------------------
+# torchfunc, and the torch helpers both torch trainers share
+
+def test_torchfunc_trains_held_to_the_reference(fp8_reference, tiny_shards, tmp_path):
+    tf.main(fp8_flags(tiny_shards, tmp_path, fp8_reference[0]))
+    assert_held_to_the_reference(train_losses(tmp_path), fp8_reference)
+
+
+def test_torchfunc_operands_are_the_references(one_thread):
+    """FP8HeadMatmul's h_f8 and W_f8, and the e5m2 cast its backward uses, equal the reference's bit for
+    bit; its products are the reference's products of those operands (fp32 sums of exact products)."""
+    h, w, g = (operands(seed, shape) for seed, shape in ((1, (64, 128)), (2, (256, 128)), (3, (64, 256))))
+    h, w = h / 1e3, w / 1e3  # the products of saturated operands would overflow fp32
+    z, h_f8, w_f8 = tf.FP8HeadMatmul.apply(torch.from_numpy(h), torch.from_numpy(w))
+    np.testing.assert_array_equal(torch_bits(h_f8), reference_bits(h, "x"))
+    np.testing.assert_array_equal(torch_bits(w_f8), reference_bits(w, "w"))
+    np.testing.assert_array_equal(torch_bits(tf.fp8_quantize(torch.from_numpy(g), "grad")), reference_bits(g, "grad"))
+    hd, wd = (torch.from_numpy(t).double().requires_grad_() for t in (h, w))
+    zd = sr.FP8HeadMatmul.apply(hd, wd)
+    gd = torch.from_numpy(g / 1e3).double()
+    zd.backward(gd)
+    torch.testing.assert_close(z.double(), zd.detach(), rtol=1e-6, atol=1e-6 * zd.abs().max().item())
+    dz = torch.func.vjp(lambda h, w: tf.FP8HeadMatmul.apply(h, w)[0], torch.from_numpy(h),
+                        torch.from_numpy(w))[1](gd.float())
+    for got, want in zip(dz, (hd.grad, wd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def test_gpt2_refuses_fp8_head():
+    for main in (tf.main, tj.main, lambda argv: tg.main(["torch", *argv])):
+        assert_refused(main, [(["--fp8-head"], "--fp8-head: the gpt2 recipe's lm head is its embedding wte")])
