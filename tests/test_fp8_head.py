@@ -99,3 +99,65 @@ def test_torchfunc_operands_are_the_references(one_thread):
 def test_gpt2_refuses_fp8_head():
     for main in (tf.main, tj.main, lambda argv: tg.main(["torch", *argv])):
         assert_refused(main, [(["--fp8-head"], "--fp8-head: the gpt2 recipe's lm head is its embedding wte")])
+
+
+# -----------------------------------------------------------------------------
+# the Triton trainer: backend torch, and backend triton in Triton's interpreter
+
+def test_triton_torch_trains_held_to_the_reference(fp8_reference, tiny_shards, tmp_path):
+    """(Backend triton's run takes ~4 minutes in the interpreter, and passed when measured; the suite checks
+    its head, below.)"""
+    tg.main(["torch", *fp8_flags(tiny_shards, tmp_path, fp8_reference[0])])
+    assert_held_to_the_reference(train_losses(tmp_path), fp8_reference)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_triton_head_trains_on_fp8_and_evaluates_plain(backend, one_thread):
+    """head_forward_backward at --fp8-head (Vp 256, chunks of 32 rows, the weight quantized once): training's
+    token losses, dh and the head's gradients are the float64 reference head's (FP8HeadMatmul, soft cap,
+    cross-entropy over all columns) within 1e-5; evaluation's losses (grads None) are the plain head's, which
+    differ from training's by far more."""
+    cfg, _ = tg.parse_args([backend, "--recipe", "speedrun", "--n-layer", "1", "--n-embd", "128", "--fp8-head",
+                            "--dtype", "fp32"])
+    ops = tg.backend_ops(backend, "speedrun")
+    rng = np.random.default_rng(5)
+    h = torch.from_numpy(rng.standard_normal((64, 128)).astype(np.float32))  # (N, C): RMSNorm's scale
+    w = {"proj.weight": torch.from_numpy((rng.standard_normal((256, 128)) * 0.1).astype(np.float32)),
+         "proj.bias": torch.from_numpy((rng.standard_normal(256) * 0.1).astype(np.float32))}
+    targets = torch.from_numpy(rng.integers(0, 256, 64))
+    grads = {k: torch.zeros_like(t) for k, t in w.items()}
+    losses, dh = tg.head_forward_backward(h, targets, w, grads, cfg, ops, 1.0, rows=32)
+    plain, _ = tg.head_forward_backward(h, targets, w, None, cfg, ops, 0.0, rows=32)
+    hd, wd, bd = (t.double().requires_grad_() for t in (h, w["proj.weight"], w["proj.bias"]))
+    expect = torch.nn.functional.cross_entropy(sr.softcap(sr.FP8HeadMatmul.apply(hd, wd) + bd), targets,
+                                               reduction="none")
+    expect.sum().backward()
+    for got, want in ((losses, expect.detach()), (dh, hd.grad), (grads["proj.weight"], wd.grad),
+                      (grads["proj.bias"], bd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    unquantized = torch.nn.functional.cross_entropy(sr.softcap(hd @ wd.T + bd), targets, reduction="none")
+    torch.testing.assert_close(plain.double(), unquantized.detach(), rtol=1e-5, atol=0)
+    assert (plain - losses).abs().max() > 1e-3 * losses.abs().max()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_triton_operands_are_the_references(backend, one_thread):
+    """Each backend's fp8_quantize equals the reference's casts bit for bit; fp8_matmul_forward and
+    fp8_matmul_backward give the reference's products of those operands (fp32 sums of exact products),
+    the bias and its gradient unquantized."""
+    ops = tg.backend_ops(backend, "speedrun")
+    h, w, g = (operands(seed, shape) for seed, shape in ((1, (64, 128)), (2, (256, 128)), (3, (64, 256))))
+    for t, kind in ((h, "x"), (w, "w"), (g, "grad")):
+        np.testing.assert_array_equal(torch_bits(ops.fp8_quantize(torch.from_numpy(t), kind)),
+                                      reference_bits(t, kind))
+    h, w, g = h / 1e3, w / 1e3, g / 1e3  # the products of saturated operands would overflow fp32
+    b = torch.from_numpy(operands(4, (256,)) / 1e6)
+    h_f8, w_f8 = ops.fp8_quantize(torch.from_numpy(h), "x"), ops.fp8_quantize(torch.from_numpy(w), "w")
+    z = ops.fp8_matmul_forward(h_f8, w_f8, b)
+    dw, db = torch.zeros(256, 128), torch.zeros(256)
+    dh = ops.fp8_matmul_backward(torch.from_numpy(g), h_f8, w_f8, dw, db)
+    hd, wd = (torch.from_numpy(t).double().requires_grad_() for t in (h, w))
+    zd = sr.FP8HeadMatmul.apply(hd, wd) + b.double()
+    zd.backward(torch.from_numpy(g).double())
+    for got, want in ((z, zd.detach()), (dh, hd.grad), (dw, wd.grad), (db, torch.from_numpy(g).double().sum(0))):
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
