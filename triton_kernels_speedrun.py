@@ -584,6 +584,16 @@ def case_qk_norm_rotary(ops, r, B, T, C, H):
     return dict(y=y, rstd=rstd, dx=dx)
 
 
+def case_fp8_head(ops, r, B, T, C, H):
+    N, Vp = B * T, B * T + 5
+    x_f8 = ops.fp8_quantize(r.rand(N, C, scale=5.0), "x")  # (N, C) e4m3fn, some saturated
+    w_f8 = ops.fp8_quantize(r.rand(Vp, C, scale=0.02), "w")  # (Vp, C) e4m3fn, some subnormal
+    z = ops.fp8_matmul_forward(x_f8, w_f8, r.rand(Vp))  # (N, Vp)
+    dw, db = r.rand(Vp, C, acc=True), r.rand(Vp, acc=True)  # (Vp, C), (Vp,) filled: the backward adds
+    dx = ops.fp8_matmul_backward(r.rand(N, Vp, scale=1e-3), x_f8, w_f8, dw, db)  # (N, C)
+    return dict(x_f8=x_f8, w_f8=w_f8, z=z, dx=dx, dw=dw, db=db)
+
+
 # --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
 SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
                      ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
@@ -591,7 +601,8 @@ SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", 
                      ("scaled attention fwd+bwd", case_scaled_attention),
                      ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
                      ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
-                     ("muon_update", case_muon), ("add_into", case_add_into)]
+                     ("muon_update", case_muon), ("add_into", case_add_into),
+                     ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
 
 
 def speedrun_bench_cases(cfg, ops, device):
