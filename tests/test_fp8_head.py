@@ -102,6 +102,35 @@ def test_gpt2_refuses_fp8_head():
 
 
 # -----------------------------------------------------------------------------
+# JAX
+
+def test_jax_trains_held_to_the_reference(fp8_reference, tiny_shards, tmp_path):
+    tj.main(fp8_flags(tiny_shards, tmp_path, fp8_reference[0]))
+    assert_held_to_the_reference(train_losses(tmp_path), fp8_reference)
+
+
+def test_jax_operands_are_the_references():
+    """fp8_quantize (what fp8_head_matmul casts with) equals the reference's casts bit for bit; the custom
+    VJP's products are the reference's products of those operands (fp32 sums of exact products)."""
+    import jax
+    import jax.numpy as jnp
+    h, w, g = (operands(seed, shape) for seed, shape in ((1, (64, 128)), (2, (256, 128)), (3, (64, 256))))
+    for t, kind in ((h, "x"), (w, "w"), (g, "grad")):
+        bits = jax.lax.bitcast_convert_type(tj.fp8_quantize(jnp.asarray(t), kind), jnp.uint8)
+        np.testing.assert_array_equal(np.asarray(bits), reference_bits(t, kind))
+    h, w, g = h / 1e3, w / 1e3, g / 1e3  # the products of saturated operands would overflow fp32
+    z, vjp = jax.vjp(tj.fp8_head_matmul, jnp.asarray(h), jnp.asarray(w))
+    dh, dw = vjp(jnp.asarray(g))
+    hd, wd = (torch.from_numpy(t).double().requires_grad_() for t in (h, w))
+    zd = sr.FP8HeadMatmul.apply(hd, wd)
+    zd.backward(torch.from_numpy(g).double())
+    for got, want in ((z, zd.detach()), (dh, hd.grad), (dw, wd.grad)):
+        assert got.dtype == jnp.float32
+        torch.testing.assert_close(torch.from_numpy(np.asarray(got, np.float64)), want, rtol=1e-6,
+                                   atol=1e-6 * want.abs().max().item())
+
+
+# -----------------------------------------------------------------------------
 # the Triton trainer: backend torch, and backend triton in Triton's interpreter
 
 def test_triton_torch_trains_held_to_the_reference(fp8_reference, tiny_shards, tmp_path):
