@@ -1048,14 +1048,14 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
                   stride_ab, stride_bb, stride_cb,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok, scale,
                   SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
-                  B_TRANS: tl.constexpr,
-                  TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
-    """c (M,N) = a (M,K) @ b (K,N) [x scale: FP8 operands] [+ bias (N)] [then an activation (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the
-    pre-activation stored to pre (M,N)]. Two data paths, which the autotuner times against each other as
-    configurations: pointer loads, one tile a program (any strides and alignment), or tensor descriptors,
-    persistent (TMA; where tma_ok: the descriptors a_desc..pre_desc exist, else they are None); neither is
-    fastest at every d12 shape (bench/NOTES.md). A batch of products (Muon's Newton-Schulz over the
+                  B_TRANS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
+    """c (M,N) = a (M,K) @ b (K,N) [x scale: FP8 operands, pointer path] [+ bias (N)] [then an activation
+    (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the pre-activation stored to pre (M,N)]. Two data paths, which
+    the autotuner times against each other as configurations: pointer loads, one tile a program (any
+    strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the descriptors
+    a_desc..pre_desc exist, else they are None); neither is fastest at every d12 shape (bench/NOTES.md).
+    A batch of products (Muon's Newton-Schulz over the
     matrices of one shape) runs on the pointer path, grid axis 1 the batch, its strides stride_ab..cb."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,

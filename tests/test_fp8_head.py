@@ -2,6 +2,9 @@
 tests/speedrun_reference.py's float64 FP8 head: its casts against torch's bit for bit, each trainer's
 quantized operands against its casts bit for bit, each trainer's loss over 3 steps against its run; the
 FP8 run apart from the unquantized one by more than that tolerance; the gpt2 recipe refusing the flag."""
+from dataclasses import replace
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -85,7 +88,8 @@ def test_torchfunc_operands_are_the_references(one_thread):
     z, h_f8, w_f8 = tf.FP8HeadMatmul.apply(torch.from_numpy(h), torch.from_numpy(w))
     np.testing.assert_array_equal(torch_bits(h_f8), reference_bits(h, "x"))
     np.testing.assert_array_equal(torch_bits(w_f8), reference_bits(w, "w"))
-    np.testing.assert_array_equal(torch_bits(tf.fp8_quantize(torch.from_numpy(g), "grad")), reference_bits(g, "grad"))
+    np.testing.assert_array_equal(torch_bits(tf.fp8_quantize(torch.from_numpy(g), "grad")),
+                                  reference_bits(g, "grad"))
     hd, wd = (torch.from_numpy(t).double().requires_grad_() for t in (h, w))
     zd = sr.FP8HeadMatmul.apply(hd, wd)
     gd = torch.from_numpy(g / 1e3).double()
@@ -95,6 +99,27 @@ def test_torchfunc_operands_are_the_references(one_thread):
                         torch.from_numpy(w))[1](gd.float())
     for got, want in zip(dz, (hd.grad, wd.grad)):
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def test_evaluation_uses_the_plain_head(one_thread):
+    """In torchfunc and JAX (jitted, as its evaluation is), the token losses that evaluation asks for
+    (train=False) are the unquantized head's with --fp8-head too; the training step's (train=True) differ.
+    (The Triton trainer's: test_triton_head_trains_on_fp8_and_evaluates_plain.)"""
+    import jax
+    import jax.numpy as jnp
+    from conftest import speedrun_random_weights
+    argv = ["--recipe", "speedrun", "--n-layer", "1", "--n-embd", "128", "--dtype", "fp32"]
+    x, y = np.random.default_rng(6).integers(0, 256, (2, 1, 16))  # (1, 16) each, of a 256-row head
+    for module, put in ((tf, torch.from_numpy), (tj, jnp.asarray)):
+        fp8, plain = (replace(module.parse_args(flags)[0], padded_vocab_size=256)
+                      for flags in ([*argv, "--fp8-head"], argv))
+        params = {k: put(w) for k, w in speedrun_random_weights(module.param_shapes(fp8), 2).items()}
+        evaluated, trained, unquantized = (
+            np.asarray(jax.jit(partial(tj.speedrun_token_losses, cfg=cfg, train=train))(params, x, y)
+                       if module is tj else tf.speedrun_token_losses(params, put(x), put(y), cfg, train))
+            for cfg, train in ((fp8, False), (fp8, True), (plain, True)))
+        np.testing.assert_array_equal(evaluated, unquantized)
+        assert np.abs(trained - unquantized).max() > 1e-4, module.__name__
 
 
 def test_gpt2_refuses_fp8_head():
