@@ -50,8 +50,8 @@ from trainkit import die
 from trainkit.flags import default_dtype, RunConfig, RunRecipe
 # llm.c's GPT-2 without a framework: names, shapes, init, model files, schedule
 from trainkit.gpt2 import (
-    DECAY_NAMES, EOT, LAYER_NAMES, PARAM_NAMES, VOCAB_SIZE, cosine_lr, gpt2_shapes, init_gpt2_numpy,
-    is_model_file, read_model_file, write_model_file)
+    DECAY_NAMES, EOT, LAYER_NAMES, PARAM_NAMES, VOCAB_SIZE, configure_gpt2, cosine_lr, gpt2_shapes,
+    init_gpt2_numpy, is_model_file, read_model_file, write_model_file)
 # llm.c's token shards and loader
 from trainkit.data import step_batches, val_batches
 # checkpoints and the out dir
@@ -88,7 +88,7 @@ class Recipe(RunRecipe):
     """A row of RECIPES: what --recipe NAME trains (RunRecipe's fields, then this trainer's). The rest of
     the file looks a recipe up here, never by its name; each recipe's section ends by adding its row."""
     # JAX's own
-    token_losses: Callable  # (params, x, y, cfg) -> per-token losses (B,T) fp32
+    token_losses: Callable  # (params, x, y, cfg, train) -> per-token losses (B,T) fp32; train: the step's
     summed: bool            # the step's gradient is of the summed token losses (else of their mean)
     scalars: Callable       # (step, cfg) -> the update's host-computed scalars (n,) fp32
     update: Callable        # (params, grads, m, v, scalars, cfg, layout) -> new (params, m, v)
@@ -359,9 +359,9 @@ def next_logits(params, tokens, t, cfg):
     return (h @ params["wte"][:VOCAB_SIZE].astype(h.dtype).T).astype(jnp.float32)  # (S,V)
 
 
-def token_losses(params, x, y, cfg):
+def token_losses(params, x, y, cfg, train=False):
     """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
-    columns."""
+    columns (train: the training step's, the same here)."""
     return cross_entropy(forward(params, x, cfg), y)                               # (B,T)
 
 
@@ -405,7 +405,7 @@ def adamw_update(params, grads, m, v, scalars, cfg):
 def loss_fn(params, x, y, cfg):
     """The loss one batch contributes, fp32: the recipe's mean token loss, or its sum (Recipe.summed)."""
     recipe = RECIPES[cfg.recipe]
-    losses = recipe.token_losses(params, x, y, cfg)                                # (B,T)
+    losses = recipe.token_losses(params, x, y, cfg, train=True)                    # (B,T)
     return jnp.sum(losses) if recipe.summed else jnp.mean(losses)
 
 
@@ -492,7 +492,7 @@ def gpt2_activation_bytes(cfg):
 
 
 RECIPES = {"gpt2": Recipe(
-    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2,
     shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
     model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
     read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
@@ -506,10 +506,11 @@ RECIPES = {"gpt2": Recipe(
 
 # the speedrun recipe without a framework: its config, shapes, init, lrs and model files
 from trainkit.speedrun import (
-    ATTN_SCALE, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS, SOFTCAP, SPEEDRUN_BETA1,
-    SPEEDRUN_BETA2, SPEEDRUN_DEFAULTS, SPEEDRUN_EPS, SPEEDRUN_HELP, SPEEDRUN_LRS, adamw_group,
-    configure_speedrun, init_speedrun_numpy, is_safetensors_file, muon_names, read_speedrun_file,
-    speedrun_lr, speedrun_lrs, speedrun_shapes, write_speedrun_file)
+    ATTN_SCALE, FP8_FORMATS, FP8_MAX, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY,
+    NEWTON_SCHULZ_STEPS, SOFTCAP, SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_DEFAULTS, SPEEDRUN_EPS,
+    SPEEDRUN_HELP, SPEEDRUN_LRS, adamw_group, configure_speedrun, fp8_reciprocal, init_speedrun_numpy,
+    is_safetensors_file, muon_names, read_speedrun_file, speedrun_lr, speedrun_lrs, speedrun_shapes,
+    write_speedrun_file)
 
 # -- config
 
@@ -578,16 +579,69 @@ def speedrun_transformer(params, idx, cfg):
     return rms_norm(x, params["norm2.gains"], eps)                                 # (B,T,C)
 
 
-def speedrun_logits(h, weight, bias):
-    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W)."""
-    z = linear(h, weight.astype(h.dtype), bias.astype(h.dtype)).astype(jnp.float32)  # (..., V)
+JAX_FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def fp8_quantize(x, kind):
+    """--fp8-head's operand `kind` (trainkit.speedrun.FP8_SCALES) of x: x times the scale's fp32 reciprocal,
+    in fp32, clamped to the format's largest finite value (ml_dtypes' casts give NaN in e4m3fn and inf in
+    e5m2 past it) and cast, rounding to nearest even."""
+    fmt = FP8_FORMATS[kind]
+    q = x.astype(jnp.float32) * np.float32(fp8_reciprocal(kind))
+    return jnp.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(JAX_FP8[fmt])
+
+
+def fp8_dot(a, b, contract, scale, dtype):
+    """(a . b over the axes `contract` (of a, of b)) x scale in dtype, of float8 operands: lax.dot_general
+    on them with fp32 accumulation. XLA on a CPU widens them to fp32 and multiplies in fp32 (its compiled
+    HLO: converts, then an fp32 dot); on a Hopper GPU its GEMM rewriter should make this a cuBLASLt FP8
+    GEMM (a __cublas$lt$matmul$f8 custom call in the compiled HLO: not yet checked on a GPU)."""
+    out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+    return (out * np.float32(scale)).astype(dtype)
+
+
+@jax.custom_vjp
+def fp8_head_matmul(h, w):
+    """z (N,V) = h (N,C) W^T (W (V,C)) on --fp8-head's FP8 operands, in h's dtype (docs/FORMATS.md, FP8
+    head); the backward quantizes dz to e5m2: dh = dz_f8 W_f8 in h's dtype, dW = dz_f8^T h_f8 in fp32,
+    returned in W's dtype."""
+    return fp8_head_forward(h, w)[0]
+
+
+def fp8_head_forward(h, w):
+    h_f8, w_f8 = fp8_quantize(h, "x"), fp8_quantize(w, "w")                       # (N,C), (V,C) e4m3fn
+    z = fp8_dot(h_f8, w_f8, ((1,), (1,)), FP8_SCALES["x"] * FP8_SCALES["w"], h.dtype)  # (N,V)
+    return z, (h_f8, w_f8, jnp.zeros((0,), w.dtype))  # the last, empty: W's dtype, its gradient's
+
+
+def fp8_head_backward(saved, dz):
+    h_f8, w_f8, w_dtype = saved
+    g_f8 = fp8_quantize(dz, "grad")                                               # (N,V) e5m2
+    dh = fp8_dot(g_f8, w_f8, ((1,), (0,)), FP8_SCALES["grad"] * FP8_SCALES["w"], dz.dtype)  # (N,C)
+    dw = fp8_dot(g_f8, h_f8, ((0,), (0,)), FP8_SCALES["grad"] * FP8_SCALES["x"], jnp.float32)  # (V,C)
+    return dh, dw.astype(w_dtype.dtype)
+
+
+fp8_head_matmul.defvjp(fp8_head_forward, fp8_head_backward)
+
+
+def speedrun_logits(h, weight, bias, fp8=False):
+    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W);
+    fp8: h W^T on FP8 operands (fp8_head_matmul)."""
+    if fp8:
+        z = fp8_head_matmul(h.reshape(-1, h.shape[-1]), weight.astype(h.dtype))   # (N,V)
+        z = (z.reshape(*h.shape[:-1], -1) + bias.astype(h.dtype)).astype(jnp.float32)  # (..., V)
+    else:
+        z = linear(h, weight.astype(h.dtype), bias.astype(h.dtype)).astype(jnp.float32)  # (..., V)
     return SOFTCAP * z * jax.lax.rsqrt(jnp.square(z) + SOFTCAP**2)                 # (..., V)
 
 
-def speedrun_forward(params, idx, cfg):
-    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32."""
+def speedrun_forward(params, idx, cfg, train=False):
+    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32; train: the training
+    step's, whose head is FP8 with --fp8-head."""
     h = speedrun_transformer(params, idx, cfg)                                     # (B,T,C)
-    return speedrun_logits(h, params["proj.weight"], params["proj.bias"])          # (B,T,Vp)
+    return speedrun_logits(h, params["proj.weight"], params["proj.bias"],
+                           fp8=train and cfg.fp8_head)                             # (B,T,Vp)
 
 
 def speedrun_next_logits(params, tokens, t, cfg):
@@ -597,9 +651,10 @@ def speedrun_next_logits(params, tokens, t, cfg):
     return speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE], params["proj.bias"][:VOCAB_SIZE])  # (S,V)
 
 
-def speedrun_token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns."""
-    logits = speedrun_forward(params, x, cfg)                                      # (B,T,Vp)
+def speedrun_token_losses(params, x, y, cfg, train=False):
+    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns (train: the training
+    step's, speedrun_forward's)."""
+    logits = speedrun_forward(params, x, cfg, train)                               # (B,T,Vp)
     target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]      # (B,T)
     return jax.nn.logsumexp(logits, axis=-1) - target_logit                        # (B,T)
 

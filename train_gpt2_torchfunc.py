@@ -40,8 +40,8 @@ import trainkit.flags
 from trainkit.flags import default_dtype, RunConfig, RunRecipe
 # llm.c's GPT-2 without a framework: names, shapes, init, model files, schedule
 from trainkit.gpt2 import (
-    DECAY_NAMES, EOT, LAYER_NAMES, VOCAB_SIZE, cosine_lr, gpt2_shapes, init_gpt2_numpy, is_model_file,
-    read_model_file, write_model_file)
+    DECAY_NAMES, EOT, LAYER_NAMES, VOCAB_SIZE, configure_gpt2, cosine_lr, gpt2_shapes, init_gpt2_numpy,
+    is_model_file, read_model_file, write_model_file)
 # llm.c's token shards and loader
 from trainkit.data import step_batches
 # checkpoints and the out dir
@@ -78,7 +78,7 @@ class Recipe(RunRecipe):
     """A row of RECIPES: what --recipe NAME trains (RunRecipe's fields, then this trainer's). The rest of
     the file looks a recipe up here, never by its name; each recipe's section ends by adding its row."""
     # torchfunc's own
-    token_losses: Callable  # (params, x, y, cfg) -> per-token losses (B,T) fp32
+    token_losses: Callable  # (params, x, y, cfg, train) -> per-token losses (B,T) fp32; train: the step's
     summed: bool            # the step's gradient is of the summed token losses (else of their mean)
     scalars: Callable       # (step, cfg, device) -> the update's host-computed scalars, a device tensor
     update: Callable        # (params, grads, m, v, scalars, coef, copies, cfg), in place
@@ -314,9 +314,9 @@ class CrossEntropy(torch.autograd.Function):
         return torch.where(col < VOCAB_SIZE, dlogits, 0.0).to(logits.dtype), None
 
 
-def token_losses(params, x, y, cfg):
+def token_losses(params, x, y, cfg, train=False):
     """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
-    columns."""
+    columns (train: the training step's, the same here)."""
     return CrossEntropy.apply(forward(params, x, cfg), y)[0]                      # (B,T)
 
 
@@ -395,7 +395,7 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
 def loss_fn(params, x, y, cfg):
     """The loss one batch contributes, fp32: the recipe's mean token loss, or its sum (Recipe.summed)."""
     recipe = RECIPES[cfg.recipe]
-    losses = recipe.token_losses(params, x, y, cfg)                                # (B,T)
+    losses = recipe.token_losses(params, x, y, cfg, train=True)                    # (B,T)
     return losses.sum() if recipe.summed else losses.mean()
 
 
@@ -508,7 +508,7 @@ def gpt2_activation_bytes(cfg):
 
 
 RECIPES = {"gpt2": Recipe(
-    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2,
     shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
     model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
     read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
@@ -521,10 +521,12 @@ RECIPES = {"gpt2": Recipe(
 
 # the speedrun recipe without a framework: its config, shapes, init, lrs and model files
 from trainkit.speedrun import (
-    ATTN_SCALE, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, SOFTCAP, SPEEDRUN_BETA1, SPEEDRUN_BETA2,
-    SPEEDRUN_DEFAULTS, SPEEDRUN_EPS, SPEEDRUN_HELP, SPEEDRUN_LRS, adamw_group, configure_speedrun,
-    init_speedrun_numpy, is_safetensors_file, muon_names, read_speedrun_file, speedrun_lr, speedrun_lrs,
-    speedrun_shapes, write_speedrun_file)
+    ATTN_SCALE, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, SOFTCAP, SPEEDRUN_BETA1,
+    SPEEDRUN_BETA2, SPEEDRUN_DEFAULTS, SPEEDRUN_EPS, SPEEDRUN_HELP, SPEEDRUN_LRS, adamw_group,
+    configure_speedrun, init_speedrun_numpy, is_safetensors_file, muon_names, read_speedrun_file, speedrun_lr,
+    speedrun_lrs, speedrun_shapes, write_speedrun_file)
+# --fp8-head's casts and FP8 products in torch
+from trainkit.torch_shared import fp8_matmul, fp8_quantize
 
 # -- config
 
@@ -599,17 +601,50 @@ def speedrun_transformer(params, idx, cfg):
     return F.rms_norm(x, (C,), params["norm2.gains"], eps)                         # (B,T,C)
 
 
-def speedrun_logits(h, weight, bias):
-    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W)."""
-    z = F.linear(h, weight, bias).float()                                          # (..., V)
+class FP8HeadMatmul(torch.autograd.Function):
+    """(z, h_f8, W_f8): z (N,V) = h (N,C) W^T (W (V,C)) on --fp8-head's FP8 operands, in h's dtype
+    (docs/FORMATS.md, FP8 head). The backward quantizes dz to e5m2: dh = dz_f8 W_f8 in h's dtype, dW =
+    dz_f8^T h_f8 in fp32 (which autograd hands back in W's dtype, as every gradient here)."""
+
+    @staticmethod
+    def forward(h, w):
+        h_f8, w_f8 = fp8_quantize(h, "x"), fp8_quantize(w, "w")                   # (N,C), (V,C) e4m3fn
+        z = fp8_matmul(h_f8, w_f8.t(), FP8_SCALES["x"], FP8_SCALES["w"], h.dtype, fast_accum=True)  # (N,V)
+        return z, h_f8, w_f8
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*output[1:])
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.h_dtype = inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx, dz, *_):
+        h_f8, w_f8 = ctx.saved_tensors
+        g_f8 = fp8_quantize(dz, "grad")                                           # (N,V) e5m2
+        dh = fp8_matmul(g_f8, w_f8, FP8_SCALES["grad"], FP8_SCALES["w"], ctx.h_dtype)  # (N,C)
+        dw = fp8_matmul(g_f8.t(), h_f8, FP8_SCALES["grad"], FP8_SCALES["x"], torch.float32)  # (V,C)
+        return dh, dw
+
+
+def speedrun_logits(h, weight, bias, fp8=False):
+    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W);
+    fp8: h W^T on FP8 operands (FP8HeadMatmul)."""
+    if fp8:
+        z = FP8HeadMatmul.apply(h.flatten(0, -2), weight)[0]                       # (N,V)
+        z = (z.view(*h.shape[:-1], -1) + bias).float()                             # (..., V)
+    else:
+        z = F.linear(h, weight, bias).float()                                      # (..., V)
     return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)                      # (..., V)
 
 
-def speedrun_forward(params, idx, cfg):
-    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32."""
+def speedrun_forward(params, idx, cfg, train=False):
+    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32; train: the training
+    step's, whose head is FP8 with --fp8-head."""
     with autocast(cfg, idx.device):
         h = speedrun_transformer(params, idx, cfg)                                 # (B,T,C)
-        return speedrun_logits(h, params["proj.weight"], params["proj.bias"])      # (B,T,Vp)
+        return speedrun_logits(h, params["proj.weight"], params["proj.bias"],
+                               fp8=train and cfg.fp8_head)                         # (B,T,Vp)
 
 
 def speedrun_next_logits(params, tokens, t, cfg):
@@ -619,9 +654,10 @@ def speedrun_next_logits(params, tokens, t, cfg):
         return speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE], params["proj.bias"][:VOCAB_SIZE])
 
 
-def speedrun_token_losses(params, x, y, cfg):
-    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns."""
-    logits = speedrun_forward(params, x, cfg)                                      # (B,T,Vp)
+def speedrun_token_losses(params, x, y, cfg, train=False):
+    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns (train: the training
+    step's, speedrun_forward's)."""
+    logits = speedrun_forward(params, x, cfg, train)                               # (B,T,Vp)
     # logsumexp, not F.cross_entropy: after the first step the ~50,000 unseen tokens' head rows are one
     # vector, so a row's logits are mostly equal, and the CPU log_softmax adds them in long running sums
     # whose rounding then piles up one way (up to 4e-5 off); torch.logsumexp's blocked sum does not

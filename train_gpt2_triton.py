@@ -52,8 +52,8 @@ from trainkit import die
 from trainkit.flags import default_dtype, RunConfig, RunRecipe
 # llm.c's GPT-2 without a framework: names, shapes, init, model files, schedule
 from trainkit.gpt2 import (
-    DECAY_NAMES, EOT, VOCAB_SIZE, cosine_lr, gpt2_shapes, init_gpt2_numpy, is_model_file, read_model_file,
-    write_model_file)
+    DECAY_NAMES, EOT, VOCAB_SIZE, configure_gpt2, cosine_lr, gpt2_shapes, init_gpt2_numpy, is_model_file,
+    read_model_file, write_model_file)
 # llm.c's token shards and loader
 from trainkit.data import step_batches
 # checkpoints and the out dir
@@ -543,20 +543,25 @@ def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS)
     """The lm head and the loss, forward and backward at once, `rows` rows at a time: the recipe's logits =
     h W^T (+ b) (Recipe.head); its loss (Recipe.loss) overwrites them with dlogits; then dh = dlogits W and
     dW += dlogits^T h (db += its column sums). Returns (losses (N,) fp32, dh (N, C)); with grads None, only
-    the losses (dh None)."""
+    the losses (dh None). With --fp8-head, training's matmuls take FP8 operands (the speedrun recipe's ops
+    fp8_quantize, fp8_matmul_forward and fp8_matmul_backward); evaluation's (grads None) stay plain."""
     N = h.shape[0]
     recipe = RECIPES[cfg.recipe]
     weight, bias = recipe.head
     losses = torch.empty(N, dtype=_acc(h.dtype), device=h.device)  # (N,)
     dh = torch.empty_like(h) if grads is not None else None  # (N, C)
+    head, forward, backward, inputs = w[weight], ops.matmul_forward, ops.matmul_backward, lambda hc: hc
+    if cfg.fp8_head and grads is not None:
+        head = ops.fp8_quantize(head, "w")  # (Vp, C) e4m3fn, once a micro-batch
+        forward, backward = ops.fp8_matmul_forward, ops.fp8_matmul_backward
+        inputs = lambda hc: ops.fp8_quantize(hc, "x")  # noqa: E731  (n, C) e4m3fn, what the backward reads
     for r0 in range(0, N, rows):
-        hc, t = h[r0:r0 + rows], targets[r0:r0 + rows]  # (n, C), (n,)
-        logits = ops.matmul_forward(hc, w[weight], w[bias] if bias else None)  # (n, Vp)
+        hc, t = inputs(h[r0:r0 + rows]), targets[r0:r0 + rows]  # (n, C), (n,)
+        logits = forward(hc, head, w[bias] if bias else None)  # (n, Vp)
         ops.copy_into(losses[r0:r0 + rows], recipe.loss(ops, logits, t, cfg, dloss))  # (n,)
         if grads is not None:
             dbias = grads[bias] if bias else None
-            ops.copy_into(dh[r0:r0 + rows], ops.matmul_backward(logits, hc, w[weight], grads[weight],
-                                                                dbias))  # (n, C)
+            ops.copy_into(dh[r0:r0 + rows], backward(logits, hc, head, grads[weight], dbias))  # (n, C)
         del logits  # freed before the next chunk allocates its own
     return losses, dh
 
@@ -701,7 +706,7 @@ def gpt2_activation_bytes(cfg):
 
 
 RECIPES = {"gpt2": Recipe(
-    help="llm.c's GPT-2 and AdamW", defaults={}, configure=lambda cfg, given, shape: None,
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2,
     shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
     model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
     read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
@@ -715,10 +720,12 @@ RECIPES = {"gpt2": Recipe(
 
 # the speedrun recipe without a framework: its config, shapes, init, lrs and model files
 from trainkit.speedrun import (
-    ATTN_SCALE, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, SOFTCAP, SPEEDRUN_BETA1, SPEEDRUN_BETA2,
-    SPEEDRUN_DEFAULTS, SPEEDRUN_EPS, SPEEDRUN_HELP, adamw_group, configure_speedrun, init_speedrun_numpy,
-    is_safetensors_file, muon_names, read_speedrun_file, speedrun_lr, speedrun_lrs, speedrun_shapes,
-    write_speedrun_file)
+    ATTN_SCALE, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, SOFTCAP, SPEEDRUN_BETA1,
+    SPEEDRUN_BETA2, SPEEDRUN_DEFAULTS, SPEEDRUN_EPS, SPEEDRUN_HELP, adamw_group, configure_speedrun,
+    init_speedrun_numpy, is_safetensors_file, muon_names, read_speedrun_file, speedrun_lr, speedrun_lrs,
+    speedrun_shapes, write_speedrun_file)
+# --fp8-head's casts and FP8 products in torch
+from trainkit.torch_shared import fp8_matmul, fp8_quantize
 
 # -- config
 
@@ -729,13 +736,13 @@ from trainkit.speedrun import (
 # The speedrun recipe's own computations, beside GPT-2's ops that it shares (matmul with bias,
 # global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
 # embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
-# ReLU^2, the soft-capped cross-entropy over all columns, Muon, and the sum of the input gradients of q, k
-# and v (add_into).
+# ReLU^2, the soft-capped cross-entropy over all columns, Muon, the sum of the input gradients of q, k
+# and v (add_into), and --fp8-head's casts and the head's matmuls on FP8 operands.
 SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
                      "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
                      "scaled_attention_forward", "scaled_attention_backward", "matmul_relu2_forward",
                      "relu2_forward", "relu2_backward", "softcap_crossentropy_forward_backward",
-                     "muon_update", "add_into")
+                     "muon_update", "add_into", "fp8_quantize", "fp8_matmul_forward", "fp8_matmul_backward")
 
 
 def torch_embedding_forward(idx, table):
@@ -881,6 +888,22 @@ def torch_add_into(acc, x):
     acc += x
 
 
+def torch_fp8_matmul_forward(x_f8, w_f8, b):
+    """z = (x_f8 w_f8^T) x_s w_s + b in b's dtype (the compute dtype), of --fp8-head's e4m3fn operands x_f8
+    (N, C) and w_f8 (V, C) (fp8_quantize's "x" and "w"): torch._scaled_mm on a CUDA GPU (fp8_matmul)."""
+    z = fp8_matmul(x_f8, w_f8.t(), FP8_SCALES["x"], FP8_SCALES["w"], b.dtype, fast_accum=True)  # (N, V)
+    return z.add_(b)
+
+
+def torch_fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
+    """torch_fp8_matmul_forward's backward: g_f8 = dz cast to e5m2 (fp8_quantize's "grad"); dx = g_f8 w_f8
+    g_s w_s in dz's dtype; dw += g_f8^T x_f8 g_s x_s, db += dz summed over the rows (unquantized), in fp32."""
+    g_f8 = fp8_quantize(dz, "grad")  # (N, V)
+    dw += fp8_matmul(g_f8.t(), x_f8, FP8_SCALES["grad"], FP8_SCALES["x"], torch.float32)  # (V, C)
+    db += dz.sum(0, dtype=db.dtype)  # (V,)
+    return fp8_matmul(g_f8, w_f8, FP8_SCALES["grad"], FP8_SCALES["w"], dz.dtype)  # (N, C)
+
+
 TORCH_SPEEDRUN_OPS = op_table("torch", dict(
     embedding_forward=torch_embedding_forward, embedding_backward=torch_embedding_backward,
     rmsnorm_forward=torch_rmsnorm_forward, residual_rmsnorm_forward=torch_residual_rmsnorm_forward,
@@ -892,7 +915,8 @@ TORCH_SPEEDRUN_OPS = op_table("torch", dict(
     matmul_relu2_forward=torch_matmul_relu2_forward,
     relu2_forward=torch_relu2_forward, relu2_backward=torch_relu2_backward,
     softcap_crossentropy_forward_backward=torch_softcap_crossentropy_forward_backward,
-    muon_update=torch_muon_update, add_into=torch_add_into,
+    muon_update=torch_muon_update, add_into=torch_add_into, fp8_quantize=fp8_quantize,
+    fp8_matmul_forward=torch_fp8_matmul_forward, fp8_matmul_backward=torch_fp8_matmul_backward,
 ), SPEEDRUN_OP_NAMES)
 
 

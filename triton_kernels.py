@@ -964,9 +964,9 @@ def _activation(x, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
 
 @triton.jit
 def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                 stride_cm, stride_cn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 stride_cm, stride_cn, scale, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                 FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """matmul_kernel's pointer path: this program's output tile, its operands loaded through pointers with
     any strides (the forward reads w (out,in) as b = w.T, the input gradient reads w as it is)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -992,6 +992,8 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
         acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if SCALED:  # FP8 operands' scales
+        acc *= scale
     if HAS_BIAS:
         acc += bias[None, :]  # (BM, BN)
     c_offs = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn  # (BM, BN)
@@ -1039,20 +1041,21 @@ def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRA
 
 
 @triton.autotune(configs=_matmul_configs("mm"), prune_configs_by=MATMUL_PRUNE, do_bench=_autotune_bench,
-                 key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "ACT"])
+                 key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "ACT", "SCALED"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K,
                   stride_ab, stride_bb, stride_cb,
-                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok,
-                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, B_TRANS: tl.constexpr,
-                  TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
-    """c (M,N) = a (M,K) @ b (K,N) [+ bias (N)] [then an activation (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the
-    pre-activation stored to pre (M,N)]. Two data paths, which the autotuner times against each other as
-    configurations: pointer loads, one tile a program (any strides and alignment), or tensor descriptors,
-    persistent (TMA; where tma_ok: the descriptors a_desc..pre_desc exist, else they are None); neither is
-    fastest at every d12 shape (bench/NOTES.md). A batch of products (Muon's Newton-Schulz over the
+                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok, scale,
+                  SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
+                  B_TRANS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
+    """c (M,N) = a (M,K) @ b (K,N) [x scale: FP8 operands, pointer path] [+ bias (N)] [then an activation
+    (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the pre-activation stored to pre (M,N)]. Two data paths, which
+    the autotuner times against each other as configurations: pointer loads, one tile a program (any
+    strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the descriptors
+    a_desc..pre_desc exist, else they are None); neither is fastest at every d12 shape (bench/NOTES.md).
+    A batch of products (Muon's Newton-Schulz over the
     matrices of one shape) runs on the pointer path, grid axis 1 the batch, its strides stride_ab..cb."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
@@ -1061,8 +1064,8 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
         batch = tl.program_id(1).to(tl.int64)
         _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb,
                      bias_ptr, pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk,
-                     stride_bn, stride_cm, stride_cn, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K,
-                     GROUP_M, EVEN_K)
+                     stride_bn, stride_cm, stride_cn, scale, SCALED, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N,
+                     BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -1082,8 +1085,9 @@ def _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stri
     b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
     db_acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)  # (BM, 16) only column 0 is ever nonzero
-    e0 = (tl.arange(0, BLOCK_K)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)  # (BK, 16) column 0 true
-    e0 = e0.to(a_ptr.dtype.element_ty)  # (BK, 16) ones in column 0
+    if WITH_DB:  # (never with FP8 operands)
+        e0 = (tl.arange(0, BLOCK_K)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)  # (BK, 16) column 0 true
+        e0 = e0.to(a_ptr.dtype.element_ty)  # (BK, 16) ones in column 0
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)  # (BM, BK)
@@ -1100,9 +1104,12 @@ def _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stri
 
 
 @triton.jit
-def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """dw[tile] += acc, and db[rows] += db from the programs of tile column 0: the fp32 gradients."""
+def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw[tile] += acc (x scale: FP8 operands), and db[rows] += db from the programs of tile column 0: the
+    fp32 gradients."""
+    if SCALED:
+        acc *= scale
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     dw_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # (BM, BN)
@@ -1113,16 +1120,16 @@ def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS: tl.con
             tl.store(db_ptr + offs_m, db + tl.load(db_ptr + offs_m, mask=offs_m < M, other=0.0), mask=offs_m < M)
 
 
-@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS"],
+@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS", "SCALED"],
                  reset_to_zero=["count_ptr"], restore_value=["dw_ptr", "db_ptr"], prune_configs_by=DW_PRUNE,
                  do_bench=_autotune_bench)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr, M, N, K,
-                     stride_am, stride_ak, stride_bk, stride_bn, SPLIT_K,
+                     stride_am, stride_ak, stride_bk, stride_bn, SPLIT_K, scale, SCALED: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight gradient dw (M,N) += dy.T (M,K) @ x (K,N) over the K = B*T rows, and the bias gradient
+    """The weight gradient dw (M,N) += dy.T (M,K) @ x (K,N) [x scale] over the K = B*T rows, and the bias gradient
     db (M) += the column sums of dy, computed by the programs of tile column 0. Split-K: the SPLIT_K
     programs of a tile each sum a chunk of rows into the fp32 workspace ws (tile, SPLIT_K, BM, BN); the
     last to finish (an atomic counter a tile) adds the partial sums in chunk order into dw: which program
@@ -1147,7 +1154,8 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
         acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk,
                               stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     if SPLIT_K == 1:
-        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
+        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
+                           BLOCK_N)
     else:
         # whole (BM, BN) partial tiles, contiguous: unmasked full-width stores and loads
         part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (BM, BN)
@@ -1166,7 +1174,8 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
                 acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")
                 if HAS_BIAS:
                     db += tl.load(ws_db_tile + s * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
-            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
+            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
+                           BLOCK_N)
 
 
 def _tma_ready(*tensors):
@@ -1179,18 +1188,19 @@ def _tma_ready(*tensors):
                and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
-def _matmul(a, b, bias=None, activation=None):
-    """c (M,N) = a (M,K) @ b (K,N) [+ bias] [activation: "gelu" or "relu2"]; returns (c, pre-activation or
-    None). Or a batch of them: a (n,M,K) @ b (n,K,N) -> c (n,M,N), no bias or activation."""
+def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
+    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias] [activation: "gelu" or "relu2"] in out_dtype (default
+    a's); returns (c, pre-activation or None). Or a batch of them: a (n,M,K) @ b (n,K,N) -> c (n,M,N), no
+    bias or activation. FP8 operands (with their scale) take the pointer path."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
-    c = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device)  # (M,N) or (n,M,N)
+    c = torch.empty((*a.shape[:-1], N), dtype=out_dtype or a.dtype, device=a.device)  # (M,N) or (n,M,N)
     pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if activation else None  # (M,N)
     b_trans = b.stride(-2) == 1 and b.stride(-1) != 1  # the forward's w.T: its descriptor reads w (N,K)
     b_rows = b.transpose(-2, -1) if b_trans else b  # row-major: what the descriptor reads
     descs = [None] * 4
-    if _tma_ready(a, b_rows, c):
+    if a.element_size() > 1 and _tma_ready(a, b_rows, c):
         # block shapes [1, 1] until the chosen config's pre-hook sets its own
         descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, b_rows, c, c if pre is None else pre)]
     sms = _num_sms(a.device)
@@ -1203,7 +1213,8 @@ def _matmul(a, b, bias=None, activation=None):
     matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
                         *batch_strides, a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2),
                         c.stride(-1),
-                        int(descs[0] is not None), HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
+                        int(descs[0] is not None), scale or 1.0, SCALED=scale is not None,
+                        HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
                         FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32,
                         B_TRANS=b_trans)
     return c, pre
@@ -1225,8 +1236,9 @@ def _dw_workspace_sizes(M, N, K, dtype, device):
     return tuple(max(s[i] for s in sizes) for i in range(3))
 
 
-def _matmul_dw(dy, x, dw, db):
-    """dw (M,N) += dy.T @ x and db (M) += dy.sum(0), fp32; dy (K,M), x (K,N)."""
+def _matmul_dw(dy, x, dw, db, scale=None):
+    """dw (M,N) += dy.T @ x [x scale: FP8 operands, then db None] and db (M) += dy.sum(0), fp32; dy (K,M),
+    x (K,N)."""
     K, M = dy.shape
     N = x.shape[1]
     grid = lambda meta: (  # noqa: E731
@@ -1243,7 +1255,8 @@ def _matmul_dw(dy, x, dw, db):
         count = torch.empty(sizes[2], dtype=torch.int32, device=dw.device)  # (tiles,) arrivals
         zero_fill(count)  # our Triton kernel (below), not torch.zeros: no torch op computes in the step
     matmul_dw_kernel[grid](dy, x, dw, stand_in if db is None else db, ws, ws_db, count, M, N, K,
-                           dy.stride(1), dy.stride(0), x.stride(0), x.stride(1), HAS_BIAS=db is not None)
+                           dy.stride(1), dy.stride(0), x.stride(0), x.stride(1), scale=scale or 1.0,
+                           SCALED=scale is not None, HAS_BIAS=db is not None)
 
 
 def matmul_forward(x, w, b):

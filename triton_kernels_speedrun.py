@@ -17,11 +17,13 @@ import triton.language as tl
 
 from train_gpt2_triton import (HEAD_ROWS, INTERPRET, SPEEDRUN_OP_NAMES, TORCH_SPEEDRUN_OPS, Config, compute_dtype,
                                op_table)
-from trainkit.speedrun import ATTN_SCALE, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS, SOFTCAP
-from triton_kernels import (CE_BLOCK_V, CE_WARPS, MT_BLOCK, MT_CHUNK, MT_WARPS, _activation_backward,
-                            _activation_forward, _check_tensors, _crossentropy_kernel, _flash_backward,
-                            _flash_forward, _flat_check, _layernorm_forward, _matmul, _owner_row, _row_blocks,
-                            _tensor_table, embedding_backward, encoder_forward, layernorm_backward)
+from trainkit.speedrun import (ATTN_SCALE, FP8_FORMATS, FP8_MAX, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM,
+                               MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS, SOFTCAP, fp8_reciprocal)
+from triton_kernels import (CE_BLOCK_V, CE_WARPS, ELEM_BLOCK, ELEM_WARPS, LN_REDUCE_BLOCK_C, LN_REDUCE_BLOCK_P,
+                            MT_BLOCK, MT_CHUNK, MT_WARPS, _activation_backward, _activation_forward,
+                            _check_tensors, _crossentropy_kernel, _flash_backward, _flash_forward, _flat_check,
+                            _layernorm_forward, _layernorm_param_grad_kernel, _matmul, _matmul_dw, _owner_row,
+                            _row_blocks, _tensor_table, embedding_backward, encoder_forward, layernorm_backward)
 from triton_tools import RecipeTools, _leaf, _nbytes
 
 
@@ -401,6 +403,71 @@ def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, ch
                                    BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
 
 
+# --- --fp8-head: the casts, and the head's matmuls on FP8 operands (docs/FORMATS.md, FP8 head) -----------
+# Triton's interpreter casts fp32 to float8 by truncating the mantissa and adding its next bit without
+# carrying it into the exponent (measured: 125.1 to e4m3fn gives 64, not 128), so the cast kernel rounds on
+# the float8 grid itself, in fp32: the value it then casts is on the grid, and that cast is exact on a GPU
+# and in the interpreter alike. The products are matmul_kernel's on float8 operands (tl.dot; the interpreter
+# widens them to fp16, exactly, and accumulates in fp32), their scales applied to the fp32 accumulator.
+FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_BIAS = {"e4m3fn": 7, "e5m2": 15}        # the formats' exponent biases ...
+FP8_MANTISSA = {"e4m3fn": 3, "e5m2": 2}     # ... and mantissa bits
+COLUMN_SUM_BLOCK = (16, 1 << 16) if INTERPRET else (LN_REDUCE_BLOCK_P, LN_REDUCE_BLOCK_C)  # (rows, columns)
+
+
+@triton.jit
+def _fp8_quantize_kernel(x_ptr, y_ptr, n, inverse, TOP: tl.constexpr, MANTISSA: tl.constexpr,
+                         MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
+    """y = x * inverse in fp32, clamped to +-TOP, rounded to nearest even on the float8 grid of MANTISSA bits
+    whose smallest normal is 2^MIN_EXP, then cast to y's float8 type (exact)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+    mask = offs < n
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inverse  # (BLOCK,)
+    v = tl.minimum(tl.maximum(v, -TOP), TOP)
+    bits = v.to(tl.uint32, bitcast=True)  # (BLOCK,) sign, exponent, 23 mantissa bits
+    DROP: tl.constexpr = 23 - MANTISSA
+    # normal: add half an ulp of the float8 mantissa less one, plus the kept last bit (ties to even), and cut;
+    # a carry runs into the exponent as it should
+    normal = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) >> DROP << DROP  # (BLOCK,)
+    # subnormal: fp32's own rounding of |v| + 1.5 * 2^23 ulp to the subnormals' fixed spacing, sign kept
+    MAGIC: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXP - MANTISSA)
+    sub = ((tl.abs(v) + MAGIC) - MAGIC).to(tl.uint32, bitcast=True) | (bits >> 31 << 31)  # (BLOCK,)
+    q = tl.where(tl.abs(v) < 2.0 ** MIN_EXP, sub, normal).to(tl.float32, bitcast=True)  # (BLOCK,) on the grid
+    tl.store(y_ptr + offs, q.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_quantize(x, kind):
+    """--fp8-head's operand `kind` (trainkit.speedrun.FP8_SCALES) of x: x times its scale's fp32 reciprocal,
+    saturated and rounded to nearest even, in its float8 format (the same bits as the torch backend's)."""
+    fmt = FP8_FORMATS[kind]
+    y = torch.empty(x.shape, dtype=FP8_TYPES[fmt], device=x.device)
+    _flat_check("fp8_quantize", x, y)
+    n = x.numel()
+    _fp8_quantize_kernel[(triton.cdiv(n, ELEM_BLOCK),)](x, y, n, fp8_reciprocal(kind), TOP=FP8_MAX[fmt],
+                                                       MANTISSA=FP8_MANTISSA[fmt], MIN_EXP=1 - FP8_BIAS[fmt],
+                                                       BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return y
+
+
+def fp8_matmul_forward(x_f8, w_f8, b):
+    """z (N,V) = (x_f8 (N,C) @ w_f8 (V,C).T) x_s w_s + b (V), in b's dtype: matmul_kernel on the float8
+    operands."""
+    return _matmul(x_f8, w_f8.t(), b, scale=FP8_SCALES["x"] * FP8_SCALES["w"], out_dtype=b.dtype)[0]
+
+
+def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
+    """g_f8 = dz cast to e5m2; dx (N,C) = g_f8 @ w_f8 g_s w_s in dz's dtype; dw (V,C) += g_f8.T @ x_f8 g_s
+    x_s and db (V) += dz's column sums (unquantized: the LayerNorm backward's reduce of row partials), fp32."""
+    g_f8 = fp8_quantize(dz, "grad")  # (N, V)
+    dx = _matmul(g_f8, w_f8, scale=FP8_SCALES["grad"] * FP8_SCALES["w"], out_dtype=dz.dtype)[0]  # (N, C)
+    _matmul_dw(g_f8, x_f8, dw, None, scale=FP8_SCALES["grad"] * FP8_SCALES["x"])
+    rows, cols = COLUMN_SUM_BLOCK
+    N, V = dz.shape
+    _layernorm_param_grad_kernel[(triton.cdiv(V, cols),)](dz, db, db, N, V, HAS_BIAS=False, BLOCK_P=rows,
+                                                          BLOCK_C=cols)
+    return dx
+
+
 TRITON_SPEEDRUN_OPS = op_table("triton", dict(
     embedding_forward=embedding_forward, embedding_backward=embedding_backward,
     rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
@@ -409,7 +476,8 @@ TRITON_SPEEDRUN_OPS = op_table("triton", dict(
     scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
     matmul_relu2_forward=matmul_relu2_forward, relu2_forward=relu2_forward, relu2_backward=relu2_backward,
     softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
-    muon_update=muon_update, add_into=add_into,
+    muon_update=muon_update, add_into=add_into, fp8_quantize=fp8_quantize,
+    fp8_matmul_forward=fp8_matmul_forward, fp8_matmul_backward=fp8_matmul_backward,
 ), SPEEDRUN_OP_NAMES)
 
 
@@ -516,6 +584,16 @@ def case_qk_norm_rotary(ops, r, B, T, C, H):
     return dict(y=y, rstd=rstd, dx=dx)
 
 
+def case_fp8_head(ops, r, B, T, C, H):
+    N, Vp = B * T, B * T + 5
+    x_f8 = ops.fp8_quantize(r.rand(N, C, scale=5.0), "x")  # (N, C) e4m3fn, some saturated
+    w_f8 = ops.fp8_quantize(r.rand(Vp, C, scale=0.02), "w")  # (Vp, C) e4m3fn, some subnormal
+    z = ops.fp8_matmul_forward(x_f8, w_f8, r.rand(Vp))  # (N, Vp)
+    dw, db = r.rand(Vp, C, acc=True), r.rand(Vp, acc=True)  # (Vp, C), (Vp,) filled: the backward adds
+    dx = ops.fp8_matmul_backward(r.rand(N, Vp, scale=1e-3), x_f8, w_f8, dw, db)  # (N, C)
+    return dict(x_f8=x_f8, w_f8=w_f8, z=z, dx=dx, dw=dw, db=db)
+
+
 # --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
 SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
                      ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
@@ -523,7 +601,8 @@ SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", 
                      ("scaled attention fwd+bwd", case_scaled_attention),
                      ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
                      ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
-                     ("muon_update", case_muon), ("add_into", case_add_into)]
+                     ("muon_update", case_muon), ("add_into", case_add_into),
+                     ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
 
 
 def speedrun_bench_cases(cfg, ops, device):
@@ -551,6 +630,9 @@ def speedrun_bench_cases(cfg, ops, device):
     pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
     z, targets = rand(R, Vp), torch.randint(Vp, (R,), device=device)  # (R, Vp), (R,)
     heads = [s.transpose(1, 2) for s in (q, k, v)]  # (B, H, T, D) each
+    xq, wq = ops.fp8_quantize(rand(R, C), "x"), ops.fp8_quantize(table, "w")  # (R, C), (Vp, C) e4m3fn
+    hb, dhw, dhb = rand(Vp), rand(Vp, C, dtype=torch.float32), rand(Vp, dtype=torch.float32)  # the head's
+    scaled_mm = "torch._scaled_mm" if device.type == "cuda" else "backend torch (fp32 matmul)"
 
     def sdpa_forward_backward():
         with torch.enable_grad():
@@ -593,6 +675,13 @@ def speedrun_bench_cases(cfg, ops, device):
          "backend torch (fp32 chunks)",
          lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
         ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
+        ("fp8_quantize", f"{Vp}x{C}", lambda: ops.fp8_quantize(table, "w"), "mul + clamp + cast",
+         lambda: t.fp8_quantize(table, "w"), (table,)),
+        ("fp8_matmul_forward", f"lm head {R}x{C}x{Vp}", lambda: ops.fp8_matmul_forward(xq, wq, hb), scaled_mm,
+         lambda: t.fp8_matmul_forward(xq, wq, hb), (xq, wq, hb)),
+        ("fp8_matmul_backward", f"lm head {R}x{C}x{Vp}", lambda: ops.fp8_matmul_backward(z, xq, wq, dhw, dhb),
+         f"cast + 2 x {scaled_mm} + sum", lambda: t.fp8_matmul_backward(z, xq, wq, dhw, dhb),
+         (z, xq, wq, dhw, dhb)),
     ]
     for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
         ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
@@ -613,6 +702,9 @@ def speedrun_op_work(name, args, kwargs, out):
     if name in ("scaled_attention_forward", "scaled_attention_backward"):
         B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
         return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name in ("fp8_matmul_forward", "fp8_matmul_backward"):  # one product, or two
+        N, C = args[1].shape
+        return (2 if name == "fp8_matmul_forward" else 4) * N * C * args[2].shape[0], 0
     if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
         n, (r, c) = len(args[0]), sorted(args[0][0].shape)
         return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0

@@ -356,6 +356,42 @@ def speedrun_reference_losses(tiny_shards):
     return losses
 
 
+# --fp8-head's runs: 3 steps of 1 x 32 tokens of tiny_shards from speedrun_random_weights (seed 1), L2 C128,
+# fp32, whose every tensor moves from the first step (from the recipe's init, the zero head quantizes to
+# zeros and the first step is the unquantized one's).
+FP8_RUN = dict(n_layer=2, n_embd=128, seq_len=32, batch_size=1, total_batch_size=32, steps=3)
+# The trainers' fp32 losses against the float64 reference with the same FP8 head, per step, relative. The
+# casts are deterministic, but an operand that fp32 and float64 compute a rounding apart can land on either
+# side of a float8 rounding midpoint, a step of 1/16 (e4m3) or 1/8 (e5m2) of its value; measured: at most
+# 2.3e-7 (torchfunc at step 3; JAX and the Triton trainer 8.3e-8). The FP8 head moves the reference's own
+# loss by 3.9e-4, 3.0e-4 and 5.0e-4 at steps 1-3: 300x this tolerance or more.
+FP8_REFERENCE_RTOL = 1e-6
+
+
+def fp8_flags(shards, out, init):
+    """The flags of an FP8_RUN of a trainer from model file init, on shards, into out (after the backend)."""
+    flags = ["--recipe", "speedrun", "--fp8-head", "--dtype", "fp32", "--val-every", "0", "--hellaswag-every",
+             "0", "--sample-every", "0", "--ckpt-every", "0", "--data", str(shards), "--out-dir", str(out),
+             "--init-from", str(init)]
+    return flags + [a for k, v in FP8_RUN.items() for a in ("--" + k.replace("_", "-"), str(v))]
+
+
+@pytest.fixture(scope="session")
+def fp8_reference(tiny_shards, tmp_path_factory):
+    """(init model file, per-step losses) of tests/speedrun_reference.py's float64 FP8_RUN with the FP8 head
+    (~2 s of CPU), from speedrun_random_weights (seed 1), written by trainkit as the trainers write it."""
+    import speedrun_reference
+    from trainkit.speedrun import speedrun_shapes, write_speedrun_file
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(n_layer=FP8_RUN["n_layer"], n_embd=FP8_RUN["n_embd"], padded_vocab_size=50304)
+    init = tmp_path_factory.mktemp("fp8") / "random_init.safetensors"
+    write_speedrun_file(str(init), speedrun_random_weights(speedrun_shapes(cfg), 1), cfg)
+    run = FP8_RUN
+    losses = speedrun_reference.train(init, [tiny_shards / "tiny_train_000001.bin"], run["batch_size"],
+                                      run["seq_len"], run["total_batch_size"], run["steps"], fp8_head=True)
+    return init, losses
+
+
 @pytest.fixture(scope="session")
 def hellaswag_dir(tmp_path_factory):
     """A HellaSwag cache dir holding the 10 real validation examples as hellaswag_val.jsonl."""

@@ -13,6 +13,10 @@ Conventions the trainers follow:
 - the lr schedule's step counts from 0 for the first update: the update after step s's gradient uses
   lr = base * lr_multiplier(s, steps), where steps is the run's number of steps;
 - weight decay is decoupled and scaled by the scheduled lr: p *= 1 - lr*wd, in AdamW and Muon alike.
+
+With fp8_head, the head's matmul in training is that of modded-nanogpt's record train_gpt.py (its mm_t and
+mm_t_backward): its operands rounded to float8 here by round_fp8, written from the formats' definitions
+(round to nearest even, saturating), not by a library's cast.
 """
 import functools
 import math
@@ -35,6 +39,62 @@ ADAM_BETAS, ADAM_EPS, ADAM_WD = (0.8, 0.95), 1e-10, 0.001
 EMBED_LR, HEAD_LR, VECTOR_LR = 0.7, 0.004, 0.015
 MUON_LR, MUON_WD, MUON_MOMENTUM, NS_STEPS = 0.025, 0.05, 0.95, 12
 COOLDOWN = 0.7     # the lr falls linearly to 0 over the last 70% of the steps
+# the FP8 head's static scales: an operand is multiplied by 1/scale, rounded to fp32, before its cast; the
+# gradient's is the reference's grad_scale x 0.75/448 for a gradient of the summed loss (grad_scale 1)
+FP8_SCALE = {"x": 100 / 448, "w": 1.6 / 448, "grad": 0.75 / 448}
+# (exponent bias, mantissa bits, largest finite value) of float8 e4m3fn (no inf) and e5m2
+FP8_FORMAT = {"x": (7, 3, 448.0), "w": (7, 3, 448.0), "grad": (15, 2, 57344.0)}
+
+
+# -----------------------------------------------------------------------------
+# FP8: the casts and the head's product
+
+def round_fp8(t, kind):
+    """float64 array t rounded to the float8 format of operand `kind` (FP8_FORMAT), as values: clamped to
+    +-max (saturating), then to the nearest multiple of the spacing at its binade (the subnormals' below
+    the smallest normal 2^(1-bias)), ties to even (np.round). Every step is exact in float64."""
+    bias, mant, top = FP8_FORMAT[kind]
+    t = np.clip(t, -top, top)
+    exp = np.frexp(np.abs(t))[1] - 1                     # |t| in [2^exp, 2^(exp+1)); 0 gives -1
+    spacing = np.exp2(np.maximum(exp, 1 - bias) - mant)
+    return np.round(t / spacing) * spacing
+
+
+def fp8_bits(q, kind):
+    """The uint8 encodings of values q on operand kind's float8 grid (round_fp8's output): sign, exponent
+    field (0 for subnormals), mantissa field."""
+    bias, mant, _ = FP8_FORMAT[kind]
+    a = np.abs(q)
+    exp = np.where(a >= 2.0 ** (1 - bias), np.frexp(a)[1] - 1, 1 - bias)
+    field = np.where(a >= 2.0 ** (1 - bias), exp + bias, 0)
+    frac = a / np.exp2(exp) - (a >= 2.0 ** (1 - bias))  # [0, 1): the mantissa bits after the point
+    code = (field << mant) + np.round(frac * 2 ** mant).astype(np.int64)
+    return (np.signbit(q).astype(np.int64) << 7 | code).astype(np.uint8)
+
+
+def quantize(t, kind):
+    """Operand `kind` of the FP8 head as float8 values in float64: t times 1/scale rounded to fp32 (the
+    product rounded to fp32, as the trainers take it), then round_fp8."""
+    inverse = np.float64(np.float32(1 / FP8_SCALE[kind]))
+    return round_fp8((np.asarray(t, np.float64) * inverse).astype(np.float32).astype(np.float64), kind)
+
+
+class FP8HeadMatmul(torch.autograd.Function):
+    """z = h W^T (h (N,C), W (V,C), float64) on float8 operands: (h_q W_q^T) x_s w_s; the backward rounds
+    dz to e5m2: dh = g_q W_q g_s w_s, dW = g_q^T h_q g_s x_s. The products are float64 (exact here: 4-bit
+    significands, sums of a few thousand)."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        hq, wq = (torch.from_numpy(quantize(t.detach().numpy(), k)) for t, k in ((h, "x"), (w, "w")))
+        ctx.save_for_backward(hq, wq)
+        return hq @ wq.T * (FP8_SCALE["x"] * FP8_SCALE["w"])
+
+    @staticmethod
+    def backward(ctx, dz):
+        hq, wq = ctx.saved_tensors
+        gq = torch.from_numpy(quantize(dz.numpy(), "grad"))
+        return gq @ wq * (FP8_SCALE["grad"] * FP8_SCALE["w"]), gq.T @ hq * (FP8_SCALE["grad"] * FP8_SCALE["x"])
 
 
 # -----------------------------------------------------------------------------
@@ -120,8 +180,9 @@ class GPT(nn.Module):
     """The speedrun GPT; its state_dict() names and shapes are the model file's. Its weights are torch's
     default init until a state is loaded: the recipe's init is init_state_dict's."""
 
-    def __init__(self, n_layer, n_embd):
+    def __init__(self, n_layer, n_embd, fp8_head=False):
         super().__init__()
+        self.fp8_head = fp8_head  # the head's product in training: FP8HeadMatmul's
         assert n_embd % HEAD_DIM == 0, f"n_embd {n_embd} is not a multiple of the head dim {HEAD_DIM}"
         self.embed = nn.Embedding(V, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd) for _ in range(n_layer))
@@ -133,7 +194,11 @@ class GPT(nn.Module):
         x = self.norm1(self.embed(idx))  # no position embedding: rotary only
         for block in self.blocks:
             x = block(x)
-        return softcap(self.proj(self.norm2(x)))
+        h = self.norm2(x)
+        if self.fp8_head and self.training:
+            z = FP8HeadMatmul.apply(h.flatten(0, 1), self.proj.weight).view(*h.shape[:2], -1) + self.proj.bias
+            return softcap(z)
+        return softcap(self.proj(h))
 
 
 @functools.lru_cache
@@ -180,12 +245,12 @@ def read_model_file(path):
     return load_file(str(path))
 
 
-def load_model(path, dtype=torch.float64):
+def load_model(path, dtype=torch.float64, fp8_head=False):
     """A GPT in `dtype` from a model file; its size comes from the tensor names and shapes."""
     state = read_model_file(path)
     n_layer = sum(1 for k in state if re.fullmatch(r"blocks\.\d+\.norm1\.gains", k))
     n_embd = state["embed.weight"].shape[1]
-    model = GPT(n_layer, n_embd).to(dtype)
+    model = GPT(n_layer, n_embd, fp8_head).to(dtype)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
     return model
 
@@ -264,11 +329,12 @@ def accumulate(model, loader, accum):
     return total
 
 
-def train(model_file, train_files, B, T, total_batch, steps, dtype=torch.float64, return_model=False):
+def train(model_file, train_files, B, T, total_batch, steps, dtype=torch.float64, return_model=False,
+          fp8_head=False):
     """Per-step mean train loss of `steps` steps of total_batch tokens (total_batch / (B*T) micro-batches
     of (B, T) from llm.c shards, in llm.c's order), from a speedrun model file. With return_model=True,
-    (losses, the trained model)."""
-    model = load_model(model_file, dtype)
+    (losses, the trained model); fp8_head: the head's product in training is FP8HeadMatmul's."""
+    model = load_model(model_file, dtype, fp8_head)
     adamw, muon = make_optimizers(model)
     assert total_batch % (B * T) == 0
     loader, accum = Loader(train_files, B, T), total_batch // (B * T)

@@ -63,6 +63,7 @@ class RunConfig:
     dtype: str = ""  # "": the device's default (default_dtype): bf16 on a GPU, fp32 on a CPU
     recompute: str = "none"  # what the backward recomputes instead of keeping: RECOMPUTE_LEVELS
     seed: int = 1337
+    fp8_head: bool = False  # the speedrun head's training matmuls in FP8 (trainkit.speedrun, docs/FORMATS.md)
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
@@ -141,6 +142,9 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
                    f"block reruns each block's forward in the backward (default {d.recompute})")
     p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
                    f"(default {d.seed})")
+    p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's matmuls in training "
+                   "take FP8 operands with modded-nanogpt's static scales (x e4m3, weight e4m3, gradient e5m2); "
+                   "evaluation, the fp32 masters and the model files are unchanged (default off)")
     p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, zero_stages))} here: "
                    "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
                    "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "

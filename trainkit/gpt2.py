@@ -30,6 +30,14 @@ LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along a leadin
 DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
 
 
+def configure_gpt2(cfg, given, shape):
+    """GPT-2's flag checks: its lm head is wte, tied to the embedding, so --fp8-head has no head of its own to
+    quantize."""
+    if cfg.fp8_head:
+        die("--fp8-head: the gpt2 recipe's lm head is its embedding wte (tied); FP8 is for the speedrun "
+            "recipe's untied head (--recipe speedrun)")
+
+
 def gpt2_shapes(cfg):
     """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
     L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size

@@ -121,6 +121,24 @@ def adamw_group(name):
 SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
 
 
+# --fp8-head: the head's training matmuls on FP8 operands with the static scales of modded-nanogpt's record
+# train_gpt.py (docs/FORMATS.md, FP8 head). Each operand is multiplied by its scale's fp32 reciprocal in fp32,
+# saturated at its format's largest finite value and rounded to nearest even: the head's input x and weight w
+# to e4m3fn, the logits' gradient to e5m2. The reference's grad_s is grad_scale x 0.75/448 against a
+# gradient it has already multiplied by grad_scale; ours is the gradient of the summed loss, unscaled, so
+# its scale is 0.75/448 and the quantized values are the reference's.
+FP8_SCALES = {"x": 100 / 448, "w": 1.6 / 448, "grad": 0.75 / 448}
+FP8_FORMATS = {"x": "e4m3fn", "w": "e4m3fn", "grad": "e5m2"}
+FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
+
+
+def fp8_reciprocal(kind):
+    """The fp32 value that --fp8-head multiplies operand `kind` (FP8_SCALES) by before its cast: 1/scale
+    rounded to fp32 once, the same in every framework (a division's rounding is not: CUDA torch divides by
+    a scalar as a multiplication by its reciprocal, Triton's fp32 division is approximate)."""
+    return float(np.float32(1 / FP8_SCALES[kind]))
+
+
 MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
 
 

@@ -1,7 +1,8 @@
 """torch only, shared by the two torch trainers: processes (setup_device, agree_to_stop), ZeRO-1's flat
 buffers (flat_layout, whole_matrix_layout, state_layout, shard_ranges, flat_gradients, sharded_state,
 state_bytes, gather_state, checkpoint_if_due), host-device copies, the evaluations (evaluate_val,
-evaluate_hellaswag, evals_left_to_run), the speedrun's Newton-Schulz, and the one-line failures: a lost
+evaluate_hellaswag, evals_left_to_run), the speedrun's Newton-Schulz and --fp8-head's casts and products
+(fp8_quantize, fp8_matmul), and the one-line failures: a lost
 process (fail_on_lost_peer), out of memory (fail_on_out_of_memory)."""
 import atexit
 import contextlib
@@ -21,7 +22,7 @@ from trainkit.checkpoints import save_checkpoint
 from trainkit.data import val_batches
 from trainkit.gpt2 import PARAM_NAMES
 from trainkit.logs import due, logged_evals
-from trainkit.speedrun import NEWTON_SCHULZ_STEPS
+from trainkit.speedrun import FP8_FORMATS, FP8_MAX, NEWTON_SCHULZ_STEPS, fp8_reciprocal
 
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
 
@@ -345,6 +346,29 @@ def newton_schulz(G, dtype):
         A = X @ X.mT                                                               # (n,r',r')
         X = 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                                 # (n,r',c')
     return X.mT if tall else X                                                     # (n,r,c)
+
+
+TORCH_FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_quantize(x, kind):
+    """--fp8-head's operand `kind` (trainkit.speedrun.FP8_SCALES) of x: x times the scale's fp32 reciprocal,
+    in fp32, clamped to the format's largest finite value (torch's e4m3fn cast saturates by itself, its e5m2
+    cast overflows to inf) and cast, rounding to nearest even."""
+    fmt = FP8_FORMATS[kind]
+    q = x.float() * fp8_reciprocal(kind)
+    return q.clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
+
+
+def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
+    """(a (M,K) @ b (K,N)) x scale_a x scale_b in out_dtype, of fp8 operands: torch._scaled_mm on a CUDA GPU
+    (a row-major, b column-major, as it requires; fast_accum: the reference's forward's faster, coarser
+    accumulation); elsewhere the same product of the operands' exact fp32 values, accumulated in fp32."""
+    if a.is_cuda:
+        sa, sb = (torch.tensor(s, dtype=torch.float32, device=a.device) for s in (scale_a, scale_b))
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
 
 
 def flat_gradients(shapes, layout, device):
