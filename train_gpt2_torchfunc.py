@@ -349,12 +349,18 @@ def model_weights(params, copies):
     return params if copies is None else {**params, **copies}
 
 
+NORM_PIECE = 1 << 18  # elements per piece of global_norm: 2 MiB fp64 temporaries, not a copy of wte
+
+
 def global_norm(grads):
     """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
     fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements.
     Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs. grads:
     {name: tensor}, all of them or (ZeRO-1) the pieces in this process's shard."""
-    norms = torch._foreach_norm(list(grads.values()), dtype=torch.float64)         # n x ()
+    # a piece at a time: fp64 norms cast their input, and on the CPU a cast of a whole gradient is a new
+    # tensor whose pages fault in, which takes longer than the sums
+    pieces = [p for g in grads.values() for p in g.reshape(-1).split(NORM_PIECE)]
+    norms = torch._foreach_norm(pieces, dtype=torch.float64)                       # n x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
 
@@ -608,8 +614,10 @@ def speedrun_transformer(params, idx, cfg):
     position embedding: the blocks' rotary gives the positions."""
     C, dt = cfg.n_embd, compute_dtype(cfg)
     eps = torch.finfo(dt).eps
-    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
-    x = F.rms_norm(params["embed.weight"][idx].to(dt), (C,), params["norm1.gains"], eps).to(dt)  # (B,T,C)
+    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32; by F.embedding,
+    # whose backward adds into one zeroed table (indexing's copies that table once more)
+    x = F.rms_norm(F.embedding(idx, params["embed.weight"]).to(dt), (C,), params["norm1.gains"],
+                   eps).to(dt)                                                     # (B,T,C)
     parts = [k[len("blocks.0."):] for k in params if k.startswith("blocks.0.")]  # a layer's weights' names
     for layer in range(cfg.n_layer):
         x = recomputed(lambda x, *ws: speedrun_block(x, dict(zip(parts, ws)), cfg), cfg, "block", [x],
