@@ -6,6 +6,7 @@ and a table of the median ms per step with its ratio to the reference's.
     python bench/cpu_speed.py                                   # both recipes, L4 C256, B4 T64: minutes
     python bench/cpu_speed.py --recipes speedrun --rounds 5 --steps 6
     python bench/cpu_speed.py --recipes gpt2 --n-layer 12 --n-embd 768 --rounds 2   # GPT-2 124M
+    python bench/cpu_speed.py --recipes speedrun --threads 1    # steadier on a machine others load
 
 Each trainer runs as its command line does (`--data synthetic`), in a process of its own per round; its
 step times are those its log.jsonl records, the first step (compilation, first touches) left out. The
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--steps", type=int, default=4, help="steps per run, the first not timed (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="runs of every contestant (default 3)")
+    p.add_argument("--threads", type=int, help="torch's threads in every process (OMP_NUM_THREADS; JAX keeps "
+                   "its own pool) (default: torch's choice, one per core)")
     p.add_argument("--reference-child", choices=list(REFERENCES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     recipes = args.recipes.split(",")
@@ -51,8 +54,8 @@ def parse_args(argv=None):
         p.error(f"--recipes {args.recipes}: each of them gpt2 or speedrun")
     if args.n_embd <= 0 or args.n_embd % 128:
         p.error(f"--n-embd {args.n_embd}: a positive multiple of 128 (the speedrun's heads are 128 wide)")
-    for name in ("n_layer", "batch_size", "seq_len", "rounds"):
-        if getattr(args, name) < 1:
+    for name in ("n_layer", "batch_size", "seq_len", "rounds", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     if args.steps < 2:
         p.error(f"--steps {args.steps}: at least 2 (the first step is not timed)")
@@ -123,16 +126,19 @@ def trainer_steps(command, recipe, args, out_dir):
              "--out-dir", out_dir]
     if recipe == "gpt2":
         flags += ["--n-head", args.n_embd // HEAD_DIM["gpt2"]]
-    run([*command, *flags])
+    run([*command, *flags], args.threads)
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         events = [json.loads(line) for line in f]
     return [e["dt_ms"] for e in events if "dt_ms" in e]
 
 
-def run(args):
-    """Runs `python args` from the repository root; its output, or a one-line error and exit 1."""
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES=""))
+def run(args, threads):
+    """Runs `python args` from the repository root, with `threads` torch threads (None: torch's choice); its
+    output, or a one-line error and exit 1."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         sys.exit(f"error: `python {' '.join(map(str, args))}` exited {proc.returncode}: {tail[0][:300]}")
@@ -159,14 +165,16 @@ def main(argv=None):
                 k = rnd % len(contestants)
                 for i, c in enumerate(contestants[k:] + contestants[:k]):  # each round starts one further on
                     if c == "reference":
-                        out = run([os.path.abspath(__file__), "--reference-child", recipe, *child_flags(args)])
+                        out = run([os.path.abspath(__file__), "--reference-child", recipe, *child_flags(args)],
+                                  args.threads)
                         steps = json.loads(out.strip().splitlines()[-1])
                     else:
                         steps = trainer_steps(TRAINERS[c], recipe, args, os.path.join(tmp, f"{recipe}_{rnd}_{i}"))
                     times[recipe, c] += steps[1:]  # the first step compiles and touches memory first
                     print(f"round {rnd + 1}/{args.rounds} {recipe:8s} {c:28s} "
                           + " ".join(f"{t:.0f}" for t in steps[1:]) + " ms", file=sys.stderr, flush=True)
-    print(f"CPU: {os.cpu_count()} cores | load average (1 min) {load_before[0]:.2f} before, "
+    threads = f"{args.threads} torch thread(s)" if args.threads else "torch's default threads"
+    print(f"CPU: {os.cpu_count()} cores, {threads} | load average (1 min) {load_before[0]:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after | {time.time() - t_start:.0f} s in all")
     print(f"L{args.n_layer} C{args.n_embd}, B{args.batch_size} T{args.seq_len}, fp32 | median of "
           f"{args.rounds} rounds x {args.steps - 1} steps (each run's first step left out)")
