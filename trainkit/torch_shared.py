@@ -341,7 +341,7 @@ def newton_schulz(G, dtype):
     tall = G.shape[-2] > G.shape[-1]
     X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
-    # each sum in the matmul that forms its product (baddbmm): no elementwise pass over A or X
+    # the sums inside the matmuls that form the products (baddbmm): three new tensors an iteration, not eight
     for _ in range(NEWTON_SCHULZ_STEPS):
         A = X @ X.mT                                                               # (n,r',r')
         B = torch.baddbmm(A, A, A, beta=-1.5, alpha=0.5)                           # (n,r',r')
