@@ -349,12 +349,18 @@ def model_weights(params, copies):
     return params if copies is None else {**params, **copies}
 
 
+NORM_PIECE = 1 << 18  # elements per piece of global_norm: 2 MiB fp64 temporaries, not a copy of wte
+
+
 def global_norm(grads):
     """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
     fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements.
     Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs. grads:
     {name: tensor}, all of them or (ZeRO-1) the pieces in this process's shard."""
-    norms = torch._foreach_norm(list(grads.values()), dtype=torch.float64)         # n x ()
+    # a piece at a time: fp64 norms cast their input, and on the CPU a cast of a whole gradient is a new
+    # tensor whose pages fault in, which takes longer than the sums
+    pieces = [p for g in grads.values() for p in g.reshape(-1).split(NORM_PIECE)]
+    norms = torch._foreach_norm(pieces, dtype=torch.float64)                       # n x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
 
@@ -365,26 +371,44 @@ def clip_coefficient(norm, cfg):
     return torch.ones_like(norm)                                                   # ()
 
 
+def clip_in_place(grads, coef, cfg):
+    """The gradients (a list) times coef, in place, where --grad-clip clips (a static test: the same graph
+    every step)."""
+    if cfg.grad_clip > 0:
+        torch._foreach_mul_(grads, coef)
+
+
+def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
+    """Adam's moments and step on lists of tensors, in place, as torch.optim.AdamW computes them: m =
+    lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p *= 1 - lr decay, p -= lr mhat / (sqrt(vhat) + eps) with
+    mhat = m / bias1, vhat = v / bias2. Every op but the one that starts the denominator runs in place: on
+    the CPU a new tensor costs a page fault per 4 KiB, which takes longer than the pass over it."""
+    torch._foreach_lerp_(m, g, 1.0 - betas[0])                                     # m = b1 m + (1-b1) g
+    torch._foreach_mul_(v, betas[1])
+    torch._foreach_addcmul_(v, g, g, value=1.0 - betas[1])                         # v = b2 v + (1-b2) g^2
+    denom = torch._foreach_div(v, bias2)                                           # vhat
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    # p + m / (denom x -bias1/lr) = p - lr mhat / (sqrt(vhat) + eps)
+    torch._foreach_mul_(denom, -bias1 / lr)
+    if decay:
+        torch._foreach_mul_(p, 1.0 - lr * decay)
+    torch._foreach_addcdiv_(p, m, denom)
+
+
 def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     """llm.c's AdamW on every tensor, in place, with multi-tensor ops, on the gradients times coef (the
-    clipping); weight decay only on DECAY_NAMES. Refreshes the compute-dtype copies from the new
-    masters (compiled, in the same pass over the weights). The gradients are left as they are. The dicts
+    clipping, which scales the gradients in place); weight decay only on DECAY_NAMES. Refreshes the
+    compute-dtype copies from the new masters (compiled, in the same pass over the weights). The dicts
     hold whole tensors, or (ZeRO-1) the 1-D pieces of them in this process's shard."""
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    names = list(grads)
-    p, g, m, v = ([d[k] for k in names] for d in (params, grads, m, v))
-    g = torch._foreach_mul(g, coef)
-    torch._foreach_mul_(m, ADAM_BETA1)
-    torch._foreach_add_(m, g, alpha=1.0 - ADAM_BETA1)                             # m = b1 m + (1-b1) g
-    torch._foreach_mul_(v, ADAM_BETA2)
-    torch._foreach_addcmul_(v, g, g, value=1.0 - ADAM_BETA2)                       # v = b2 v + (1-b2) g^2
-    denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
-    torch._foreach_add_(denom, ADAM_EPS)
-    update = torch._foreach_div(torch._foreach_div(m, bias1), denom)              # mhat/(sqrt(vhat)+eps)
-    decay = [i for i, k in enumerate(names) if k in DECAY_NAMES]
-    torch._foreach_add_([update[i] for i in decay], [p[i] for i in decay], alpha=cfg.weight_decay)
-    torch._foreach_mul_(update, lr)
-    torch._foreach_sub_(p, update)                                                 # p -= lr (... + wd p)
+    clip_in_place(list(grads.values()), coef, cfg)
+    betas = (ADAM_BETA1, ADAM_BETA2)
+    for decays in (True, False):
+        names = [k for k in grads if (k in DECAY_NAMES) == decays]
+        if names:
+            adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), lr, bias1, bias2, betas,
+                      ADAM_EPS, cfg.weight_decay if decays else 0.0)
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
@@ -592,8 +616,10 @@ def speedrun_transformer(params, idx, cfg):
     position embedding: the blocks' rotary gives the positions."""
     C, dt = cfg.n_embd, compute_dtype(cfg)
     eps = torch.finfo(dt).eps
-    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
-    x = F.rms_norm(params["embed.weight"][idx].to(dt), (C,), params["norm1.gains"], eps).to(dt)  # (B,T,C)
+    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32; by F.embedding,
+    # whose backward adds into one zeroed table (indexing's copies that table once more)
+    x = F.rms_norm(F.embedding(idx, params["embed.weight"]).to(dt), (C,), params["norm1.gains"],
+                   eps).to(dt)                                                     # (B,T,C)
     parts = [k[len("blocks.0."):] for k in params if k.startswith("blocks.0.")]  # a layer's weights' names
     for layer in range(cfg.n_layer):
         x = recomputed(lambda x, *ws: speedrun_block(x, dict(zip(parts, ws)), cfg), cfg, "block", [x],
@@ -627,24 +653,47 @@ class FP8HeadMatmul(torch.autograd.Function):
         return dh, dw
 
 
-def speedrun_logits(h, weight, bias, fp8=False):
-    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W);
-    fp8: h W^T on FP8 operands (FP8HeadMatmul)."""
-    if fp8:
-        z = FP8HeadMatmul.apply(h.flatten(0, -2), weight)[0]                       # (N,V)
-        z = (z.view(*h.shape[:-1], -1) + bias).float()                             # (..., V)
-    else:
-        z = F.linear(h, weight, bias).float()                                      # (..., V)
-    return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)                      # (..., V)
+def softcap(z):
+    """15 z / sqrt(z^2 + 15^2) in fp32 of the head's output z (..., V), in two new tensors, not five."""
+    z = z.float()                                                                  # (..., V)
+    r = z.square().add_(SOFTCAP**2).rsqrt_()                                       # (..., V)
+    return torch.mul(z, SOFTCAP).mul_(r), r                                        # (..., V) each
 
 
-def speedrun_forward(params, idx, cfg, train=False):
-    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32; train: the training
-    step's, whose head is FP8 with --fp8-head."""
-    with autocast(cfg, idx.device):
-        h = speedrun_transformer(params, idx, cfg)                                 # (B,T,C)
-        return speedrun_logits(h, params["proj.weight"], params["proj.bias"],
-                               fp8=train and cfg.fp8_head)                         # (B,T,Vp)
+def speedrun_logits(h, weight, bias):
+    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W)."""
+    return softcap(F.linear(h, weight, bias))[0]                                   # (..., V)
+
+
+class SoftcapCrossEntropy(torch.autograd.Function):
+    """Per-token loss (...,) in fp32 of the head's output z (..., Vp), soft-capped (softcap), over all Vp
+    columns, and the logsumexp it used. The backward is dz = g (softmax(c) - onehot) dc/dz with dc/dz =
+    15^3 / (z^2 + 15^2)^(3/2), formed in place in the two tensors of a softcap rerun; autodiff of the
+    forward would make a new (..., Vp) fp32 tensor in each of its dozen ops (on the CPU a page fault per 4
+    KiB of each). Keeps z alone."""
+
+    @staticmethod
+    def forward(z, targets):
+        c = softcap(z)[0]                                                          # (..., Vp)
+        # logsumexp, not F.cross_entropy: after the first step the ~50,000 unseen tokens' head rows are one
+        # vector, so a row's logits are mostly equal, and the CPU log_softmax adds them in long running sums
+        # whose rounding then piles up one way (up to 4e-5 off); torch.logsumexp's blocked sum does not
+        lse = torch.logsumexp(c, -1)                                               # (...,)
+        return lse - c.gather(-1, targets[..., None])[..., 0], lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, g, _):
+        z, targets, lse = ctx.saved_tensors
+        dz, r = softcap(z)                                                         # (..., Vp) each
+        dz.sub_(lse[..., None]).exp_()                                             # softmax (..., Vp)
+        dz.scatter_add_(-1, targets[..., None], torch.full_like(lse[..., None], -1.0))  # minus the one-hot
+        dz.mul_(g[..., None]).mul_(r.pow_(3).mul_(SOFTCAP**3))                     # (..., Vp)
+        return dz.to(z.dtype), None
 
 
 def speedrun_next_logits(params, tokens, t, cfg):
@@ -656,13 +705,15 @@ def speedrun_next_logits(params, tokens, t, cfg):
 
 def speedrun_token_losses(params, x, y, cfg, train=False):
     """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns (train: the training
-    step's, speedrun_forward's)."""
-    logits = speedrun_forward(params, x, cfg, train)                               # (B,T,Vp)
-    # logsumexp, not F.cross_entropy: after the first step the ~50,000 unseen tokens' head rows are one
-    # vector, so a row's logits are mostly equal, and the CPU log_softmax adds them in long running sums
-    # whose rounding then piles up one way (up to 4e-5 off); torch.logsumexp's blocked sum does not
-    target_logit = logits.gather(-1, y[..., None])[..., 0]                         # (B,T)
-    return torch.logsumexp(logits, -1) - target_logit                              # (B,T)
+    step's, whose head matmul is FP8HeadMatmul's with --fp8-head)."""
+    with autocast(cfg, x.device):
+        h = speedrun_transformer(params, x, cfg)                                   # (B,T,C)
+        if train and cfg.fp8_head:
+            z = FP8HeadMatmul.apply(h.flatten(0, 1), params["proj.weight"])[0]     # (B*T,Vp)
+            z = z.view(*h.shape[:2], -1) + params["proj.bias"]                     # (B,T,Vp)
+        else:
+            z = F.linear(h, params["proj.weight"], params["proj.bias"])            # (B,T,Vp)
+    return SoftcapCrossEntropy.apply(z, y)[0]                                      # (B,T)
 
 
 # -- optimizer
@@ -674,27 +725,17 @@ def speedrun_scalars(step, cfg, device):
                          1.0 - SPEEDRUN_BETA2 ** step], dtype=torch.float32, device=device)
 
 
-def speedrun_adamw(names, params, grads, m, v, lr, bias1, bias2, coef, weight_decay):
-    """AdamW with the speedrun recipe's betas and eps on the tensors `names`, in place, as torch.optim.AdamW
-    computes it: m = lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p *= 1 - lr*wd, p -= lr mhat/(sqrt(vhat)+eps),
-    on the gradients times coef (the clipping)."""
-    p, m, v = ([d[k] for k in names] for d in (params, m, v))
-    g = torch._foreach_mul([grads[k] for k in names], coef)
-    torch._foreach_lerp_(m, g, 1.0 - SPEEDRUN_BETA1)
-    torch._foreach_mul_(v, SPEEDRUN_BETA2)
-    torch._foreach_addcmul_(v, g, g, value=1.0 - SPEEDRUN_BETA2)
-    denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
-    torch._foreach_add_(denom, SPEEDRUN_EPS)
-    update = torch._foreach_div(torch._foreach_div(m, bias1), denom)
-    torch._foreach_mul_(p, 1.0 - lr * weight_decay)
-    torch._foreach_sub_(p, torch._foreach_mul(update, lr))
+def speedrun_adamw(names, params, grads, m, v, lr, bias1, bias2, weight_decay):
+    """AdamW with the speedrun recipe's betas and eps on the tensors `names`, in place (adam_step)."""
+    adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), lr, bias1, bias2,
+              (SPEEDRUN_BETA1, SPEEDRUN_BETA2), SPEEDRUN_EPS, weight_decay)
 
 
-def speedrun_muon(names, params, grads, m, lr, coef, dtype):
-    """Muon on the matrices `names`, all of one shape (r,c), in place, on the gradients times coef: the
-    momentum buffer m = lerp(m, g, 0.05), Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz
-    in `dtype` (batched over the matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update."""
-    g = torch._foreach_mul([grads[k] for k in names], coef)
+def speedrun_muon(names, params, grads, m, lr, dtype):
+    """Muon on the matrices `names`, all of one shape (r,c), in place: the momentum buffer m = lerp(m, g,
+    0.05), Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz in `dtype` (batched over the
+    matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update."""
+    g = [grads[k] for k in names]
     momentum = [m[k] for k in names]
     torch._foreach_lerp_(momentum, g, 1.0 - MUON_MOMENTUM)
     u = torch.stack(torch._foreach_lerp(g, momentum, MUON_MOMENTUM))              # (n,r,c)
@@ -712,15 +753,15 @@ def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
     hold whole tensors, or (ZeRO-1) 1-D pieces of the AdamW tensors and this process's Muon matrices whole;
     a shard may hold none of a group."""
     lr = dict(zip(SPEEDRUN_LRS, scalars[:4]))
+    clip_in_place(list(grads.values()), coef, cfg)
     adam = [k for k in grads if k in v]
     for group in ("embed", "head", "vector"):
         names = [k for k in adam if adamw_group(k) == group]
         if names:
-            speedrun_adamw(names, params, grads, m, v, lr[group], scalars[4], scalars[5], coef,
-                           cfg.weight_decay)
+            speedrun_adamw(names, params, grads, m, v, lr[group], scalars[4], scalars[5], cfg.weight_decay)
     muon = [k for k in grads if k not in v]
     for shape in dict.fromkeys(params[k].shape for k in muon):
-        speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m, lr["muon"], coef,
+        speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m, lr["muon"],
                       compute_dtype(cfg))
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
@@ -751,8 +792,9 @@ def speedrun_activation_bytes(cfg):
     }[cfg.recompute]
     embed = 2 * C * s        # the embedding's rows and their norm's normalized x (B,T,C)
     head = (3 * C * s        # the last block's output, the final norm's normalized x and output (B,T,C)
-            + 4 * V * 4      # the head's output z, 15 z, rsqrt(z^2 + 15^2) and the logits (B,T,Vp) fp32
-            + 3 * V * 4)     # logsumexp's backward: logits minus logsumexp, its exp, times the gradient
+            + V * s          # the head's output z (B,T,Vp), which the loss keeps
+            + 2 * V * 4)     # the loss's two fp32 temporaries (B,T,Vp): the logits and logsumexp's, or in
+    #                          the backward 1/sqrt(z^2 + 15^2) and the logits turned into the gradient
     in_block = {  # a block's backward at its peak, in square's: beyond what the blocks keep,
         "none": (C           # the gradient at the block's output (B,T,C)
                  + 4 * C     # the gradient at ReLU^2 (B,T,4C)

@@ -235,7 +235,10 @@ def torch_matmul_gelu_forward(x, w, b):
 
 def torch_matmul_backward(dy, x, w, dw, db):
     """y = x w^T + b  =>  dx = dy w, dw += dy^T x, db += dy summed over the rows."""
-    dw += (dy.t() @ x).to(dw.dtype)  # (M, K)
+    if dw.dtype == dy.dtype:  # added in the product: no (M, K) temporary, whose pages the CPU faults in
+        dw.addmm_(dy.t(), x)  # (M, K)
+    else:
+        dw += (dy.t() @ x).to(dw.dtype)  # (M, K)
     if db is not None:
         db += dy.sum(0, dtype=db.dtype)  # (M,)
     return dy @ w  # (N, K)
@@ -382,12 +385,14 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
     for i, (p, g, m, v, wd) in enumerate(zip(params, grads, ms, vs, weight_decays)):
         if grad_scale != 1.0:
             g = g * grad_scale  # same shape as p
+        # in place but for the denominator: on the CPU a new tensor costs a page fault per 4 KiB, which
+        # takes longer than the pass over it
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        update = (m / bc1).div_((v / bc2).sqrt_().add_(eps))  # mhat / (sqrt(vhat) + eps), like p
+        denom = torch.div(v, bc2).sqrt_().add_(eps)  # sqrt(vhat) + eps, like p
         if wd:
-            update.add_(p, alpha=wd)
-        p.sub_(update.mul_(lr))
+            p.mul_(1 - lr * wd)  # p - lr wd p, before the Adam step
+        p.addcdiv_(m, denom, value=-lr / bc1)  # p -= lr mhat / (sqrt(vhat) + eps)
         if copies is not None:
             copies[i].copy_(p)
 
@@ -857,8 +862,8 @@ def torch_softcap_crossentropy_forward_backward(z, targets, dloss):
     for r0 in range(0, N, CE_BLOCK):
         r1 = min(r0 + CE_BLOCK, N)
         zf = z[r0:r1].to(losses.dtype)  # (n, Vp)
-        rs = torch.rsqrt(zf.square() + SOFTCAP**2)  # (n, Vp)
-        c = SOFTCAP * zf * rs  # (n, Vp)
+        rs = zf.square().add_(SOFTCAP**2).rsqrt_()  # (n, Vp)
+        c = torch.mul(zf, SOFTCAP).mul_(rs)  # (n, Vp)
         t = targets[r0:r1, None]  # (n, 1)
         lse = torch.logsumexp(c, -1, keepdim=True)  # (n, 1)
         losses[r0:r1] = (lse - c.gather(1, t))[:, 0]  # (n,)

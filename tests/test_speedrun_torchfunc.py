@@ -189,7 +189,7 @@ def test_muon_matches_float64(shape, one_thread):
     gen = torch.Generator().manual_seed(0)
     p, g, momentum = (torch.randn(shape, generator=gen) * s for s in (0.05, 1.0, 0.3))
     params, grads, m = {"w": p.clone()}, {"w": g.clone()}, {"w": momentum.clone()}
-    tf.speedrun_muon(["w"], params, grads, m, torch.tensor(0.025), torch.ones(()), torch.float32)
+    tf.speedrun_muon(["w"], params, grads, m, torch.tensor(0.025), torch.float32)
     ref, ref_momentum = p.double(), momentum.double()
     sr.muon_update(ref, g.double(), ref_momentum, 0.025, sr.MUON_WD)
     step, ref_step = params["w"].double() - p.double(), ref - p.double()

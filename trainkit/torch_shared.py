@@ -342,9 +342,11 @@ def newton_schulz(G, dtype):
     tall = G.shape[-2] > G.shape[-1]
     X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
+    # the sums inside the matmuls that form the products (baddbmm): three new tensors an iteration, not eight
     for _ in range(NEWTON_SCHULZ_STEPS):
         A = X @ X.mT                                                               # (n,r',r')
-        X = 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                                 # (n,r',c')
+        B = torch.baddbmm(A, A, A, beta=-1.5, alpha=0.5)                           # (n,r',r')
+        X = torch.baddbmm(X, B, X, beta=2.0)                                       # (n,r',c')
     return X.mT if tall else X                                                     # (n,r,c)
 
 
