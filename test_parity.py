@@ -64,13 +64,16 @@ def tiktoken_cache():
 def configure_environment():
     """Must run before triton is imported anywhere in the test process (and is inherited by the scripts
     the tests start): the Triton interpreter without a GPU, tiktoken's cache built from tests/data, no
-    JAX memory grab. Running it again (conftest imports this module) keeps the cache it made."""
+    JAX memory grab, one torch thread a process unless the caller sets OMP_NUM_THREADS (the tiny models
+    gain nothing from more, and two workers' threads would otherwise contend for the cores). Running it
+    again (conftest imports this module) keeps the cache it made."""
     if "TRITON_INTERPRET" not in os.environ and not has_cuda_gpu():
         os.environ["TRITON_INTERPRET"] = "1"
     cache = os.environ.get("TIKTOKEN_CACHE_DIR", "")
     if not (os.path.basename(cache).startswith(TIKTOKEN_CACHE_PREFIX) and os.path.isdir(cache)):
         os.environ["TIKTOKEN_CACHE_DIR"] = tiktoken_cache()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 configure_environment()

@@ -31,6 +31,11 @@ def pytest_configure(config):
                             "backends), and every other script")
 
 
+# no network for a script: a proxy nobody listens on (tiktoken downloads through requests)
+OFFLINE = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "http_proxy":
+           "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+
+
 def data_file(rel):
     """Path of `rel` under tests/data (e.g. "tinyshakespeare/input.txt"); a missing one fails the test with
     a message naming it, never skips it."""

@@ -18,8 +18,8 @@ import pytest
 
 import hellaswag
 import prepro_fineweb
-from conftest import (EOT, REPO, assert_clean_error, data_file, run_script, run_script_on_a_full_disk,
-                      run_with_terminal_stderr)
+from conftest import (EOT, OFFLINE, REPO, assert_clean_error, data_file, run_script,
+                      run_script_on_a_full_disk, run_with_terminal_stderr)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,6 @@ def error_line(main, args, capsys):
     code = exc.value.code
     assert code not in (0, None)
     return code if isinstance(code, str) else capsys.readouterr().err.strip().splitlines()[-1]
-
-
-# no network for a script: a proxy nobody listens on (tiktoken downloads through requests)
-OFFLINE = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "http_proxy":
-           "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
 
 
 # -----------------------------------------------------------------------------
@@ -255,19 +250,6 @@ def test_gpt2_encoding_offline_falls_back_to_committed_files(tmp_path):
     assert proc.stdout.strip() == ("[15496, 995, 11, 428, 318, 402, 11571, 12, 17, 0] 50256 50257 "
                                    "'Hello world<|endoftext|>'"), proc.stdout
     assert proc.stderr.count("\n") == 1 and "tests/data/gpt2" in proc.stderr, proc.stderr
-
-
-def test_readme_smoke_run_samples_offline(tmp_path):
-    """The README's smoke run with sampling on (--sample-every 2), offline with tiktoken's cache empty,
-    completes and prints samples through the committed GPT-2 files."""
-    proc = run_script("train_gpt2_jax.py", "--data", "synthetic", "--n-layer", 2, "--n-head", 4, "--n-embd", 64,
-                      "--seq-len", 32, "--batch-size", 2, "--total-batch-size", 64, "--steps", 2, "--warmup",
-                      2, "--lr", "1e-3", "--hellaswag-every", 0, "--sample-every", 2, "--dtype", "fp32",
-                      "--out-dir", tmp_path / "smoke",
-                      env={**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"),
-                           "CUDA_VISIBLE_DEVICES": ""})
-    assert "using tokenizer.py's GPT-2" in proc.stderr + proc.stdout
-    assert re.search(r"^sample 0: '", proc.stdout, re.M), proc.stdout[-2000:]
 
 
 # -----------------------------------------------------------------------------

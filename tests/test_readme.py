@@ -6,7 +6,7 @@ import os
 import re
 import shlex
 
-from conftest import REPO, run_script, step_events
+from conftest import OFFLINE, REPO, run_script, step_events
 
 # the quick start's trainer runs here: as written, with `--steps QUICK_STEPS[recipe]` appended (argparse
 # keeps a flag's last value), so that each takes seconds; their losses still fall by more than FALL
@@ -63,14 +63,18 @@ def test_the_laptop_quick_start_learns(tmp_path):
 
 
 def test_the_smoke_runs_run(tmp_path):
-    """README's smoke runs on --data synthetic, one per recipe, as written: each completes and logs every
-    step."""
+    """README's smoke runs on --data synthetic, one per recipe, as written and offline with tiktoken's cache
+    empty: each completes, logs every step and prints its samples through the committed GPT-2 files."""
     commands = readme_commands("--data synthetic")
     assert {recipe(cmd) for cmd in commands} == set(QUICK_STEPS), "a smoke run of each recipe"
     folder = clone_like(tmp_path)
+    offline = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"),
+               **OFFLINE}
     for cmd in commands:
-        run_script(*cmd[1:], cwd=folder, env={"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"})
+        proc = run_script(*cmd[1:], cwd=folder, env=offline)
         steps = int(cmd[cmd.index("--steps") + 1])
         out = cmd[cmd.index("--out-dir") + 1]
         assert [e["step"] for e in step_events(out if os.path.isabs(out) else folder / out)] == \
             list(range(1, steps + 1))
+        assert "using tokenizer.py's GPT-2" in proc.stderr + proc.stdout
+        assert re.search(r"^sample 0: ['\"]", proc.stdout, re.M), proc.stdout[-2000:]

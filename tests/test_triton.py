@@ -90,14 +90,14 @@ def test_self_test_catches_a_wrong_backward(monkeypatch, capsys, one_thread):
     assert failed == {"gelu fwd+bwd", "model: every parameter gradient"}
 
 
-@pytest.mark.parametrize("recipe", tg.RECIPES)
-def test_no_autograd_in_a_training_step(monkeypatch, recipe, one_thread):
-    """A training step of either recipe records nothing for autograd: with the master weights made to
-    require grad, every op runs with grad mode off and returns tensors without grad_fn, no op saves a
-    tensor for backward (a saved-tensor hook that raises proves it: it does raise for a recorded product),
-    autograd's entry points are never called, every op of the recipe runs, yet the step updates every
-    weight tensor."""
-    cfg, _, state = small_state(recipe, torch.device("cpu"))
+@pytest.mark.parametrize("recipe, fp8_head", [("gpt2", False), ("speedrun", False), ("speedrun", True)])
+def test_no_autograd_in_a_training_step(monkeypatch, recipe, fp8_head, one_thread):
+    """A training step of either recipe (the speedrun's with and without --fp8-head) records nothing for
+    autograd: with the master weights made to require grad, every op runs with grad mode off and returns
+    tensors without grad_fn, no op saves a tensor for backward (a saved-tensor hook that raises proves it:
+    it does raise for a recorded product), autograd's entry points are never called, every op of the recipe
+    runs (the FP8 ones with --fp8-head only), yet the step updates every weight tensor."""
+    cfg, _, state = small_state(recipe, torch.device("cpu"), fp8_head=fp8_head)
     for t in state["params"].values():
         t.requires_grad_(True)  # so that any op run with grad mode on would record a graph
     before = {k: t.detach().clone() for k, t in state["params"].items()}
@@ -128,7 +128,12 @@ def test_no_autograd_in_a_training_step(monkeypatch, recipe, one_thread):
         with pytest.raises(AssertionError, match="saved a tensor"):
             (state["params"]["norm1.gains" if recipe == "speedrun" else "wte"] ** 2).sum()
         loss, norm = tg.train_step(state, xs, ys, 1, cfg, ops, 1)
-    assert set(tg.SPEEDRUN_OP_NAMES if recipe == "speedrun" else tg.OP_NAMES) <= seen
+    fp8_ops = {name for name in tg.SPEEDRUN_OP_NAMES if name.startswith("fp8_")}
+    if recipe == "speedrun":
+        expected = set(tg.SPEEDRUN_OP_NAMES) - (set() if fp8_head else fp8_ops)
+        assert expected <= seen and (fp8_head or not fp8_ops & seen)
+    else:
+        assert set(tg.OP_NAMES) <= seen
     assert math.isfinite(loss) and norm > 0
     assert all(not torch.equal(before[k], t) and t.grad is None for k, t in state["params"].items())
 
