@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import hellaswag
 import trainkit.flags
 # the one-line error
-from trainkit import die
+from trainkit import die, die_out_of_memory
 # the shared flags and what a recipe gives
 from trainkit.flags import default_dtype, RunConfig, RunRecipe
 # llm.c's GPT-2 without a framework: names, shapes, init, model files, schedule
@@ -954,9 +954,7 @@ def fail_on_out_of_memory(cfg):
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
-        die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a "
-            f"smaller batch{cheaper}): {str(e).splitlines()[0][:200]}")
+        die_out_of_memory(cfg, e)
 
 
 CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other

@@ -2,8 +2,8 @@
 trainer, for d12 at T = 1024, B = 16 in bf16, from each trainer's own accounting (activation_bytes, the
 figure its start line prints and its start event logs).
 
-    python bench/activations.py            # the table, as README.md's "Activation memory" holds it
-    python bench/activations.py --check    # exit 1 when README.md's table is not what the trainers give
+    python bench/activations.py            # the table, as docs/RESULTS.md's "Activation memory by trainer" holds it
+    python bench/activations.py --check    # exit 1 when docs/RESULTS.md's table is not what the trainers give
 
 The accounting is checked against measured peaks on the CPU by tests/test_recompute_*.py.
 """
@@ -39,25 +39,25 @@ def table():
     return "\n".join(rows)
 
 
-def readme_table():
-    """The table between README.md's markers."""
-    with open(os.path.join(REPO, "README.md")) as f:
+def published_table():
+    """The table between docs/RESULTS.md's markers."""
+    with open(os.path.join(REPO, "docs", "RESULTS.md")) as f:
         text = f.read()
     if START not in text or END not in text:
-        raise SystemExit(f"error: README.md has no {START} ... {END} block")
+        raise SystemExit(f"error: docs/RESULTS.md has no {START} ... {END} block")
     return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="compare with README.md's table; exit 1 if they differ")
+    p.add_argument("--check", action="store_true", help="compare with docs/RESULTS.md's table; exit 1 if they differ")
     args = p.parse_args(argv)
     if args.check:
-        if readme_table() != table():
-            print("README.md's activation table is stale: run python bench/activations.py and paste it",
+        if published_table() != table():
+            print("docs/RESULTS.md's activation table is stale: run python bench/activations.py and paste it",
                   file=sys.stderr)
             return 1
-        print("README.md's activation table matches the trainers' accounting")
+        print("docs/RESULTS.md's activation table matches the trainers' accounting")
         return 0
     print(table())
     return 0

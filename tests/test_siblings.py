@@ -334,14 +334,15 @@ def test_the_lines_table_is_the_files():
 
 
 def test_the_activation_table_is_the_accounting():
-    """README's activation table is what each trainer's activation_bytes gives now (bench/activations.py),
+    """docs/RESULTS.md's activation table is what each trainer's activation_bytes gives now (bench/activations.py),
     and in each trainer and recipe no level holds more than the one before it."""
     spec = importlib.util.spec_from_file_location("bench_activations",
                                                   os.path.join(REPO, "bench", "activations.py"))
     activations = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(activations)
     table = activations.table()
-    assert activations.readme_table() == table, "README.md's table is stale: run python bench/activations.py"
+    assert activations.published_table() == table, \
+        "docs/RESULTS.md's activation table is stale: run python bench/activations.py"
     rows = [[float(c.replace(",", "")) for c in line.strip("|").split("|")[2:]] for line in table.splitlines()[2:]]
     for recipe in range(0, len(rows), 3):
         none, pointwise, block = rows[recipe:recipe + 3]

@@ -20,6 +20,13 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+def die_out_of_memory(cfg, e):
+    """The one line that ends a run out of device memory (exception `e`): a bad --batch-size or --recompute."""
+    cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+    die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
+        f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
+
+
 def write_failure(path, e):
     """The one line that says why writing `path` failed, a full disk said as such."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

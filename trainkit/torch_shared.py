@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import hellaswag
-from trainkit import die
+from trainkit import die, die_out_of_memory
 from trainkit.checkpoints import save_checkpoint
 from trainkit.data import val_batches
 from trainkit.gpt2 import PARAM_NAMES
@@ -197,9 +197,7 @@ def fail_on_out_of_memory(cfg):
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
-        cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
-        die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a "
-            f"smaller batch{cheaper}): {str(e).splitlines()[0][:200]}")
+        die_out_of_memory(cfg, e)
 
 
 CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
