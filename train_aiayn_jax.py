@@ -137,13 +137,8 @@ class Config:
     translate: str = ""
 
 
-MODEL_FIELDS = ("n_layer", "n_head", "d_model", "d_ff")  # with vocab_size: the parameters' shapes
-
-
 def parse_args(argv=None):
-    """(cfg, given): given holds the flags on the command line; cfg layers them over the defaults of the
-    model preset's training recipe, of the preset (the dataset's: small for Multi30k, base for WMT14), of
-    the dataset, and of Config."""
+    """(cfg, given): the flags given, over the model's recipe, its preset, the dataset's defaults and Config."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
     p.add_argument("--dataset", choices=sorted(DATASETS), help="default multi30k")
@@ -225,8 +220,9 @@ def check_config(cfg):
         die(f"--src and --tgt are both {cfg.src}: choose two different languages")
     if not 0 <= cfg.dropout < 1 or not 0 <= cfg.label_smoothing < 1:
         die("--dropout and --label-smoothing must be in [0, 1)")
-    if cfg.lr < 0 or cfg.grad_clip < 0 or cfg.alpha < 0:
-        die("--lr, --grad-clip and --alpha must be >= 0")
+    for flag in ("lr", "grad_clip", "alpha"):
+        if not 0 <= getattr(cfg, flag) < math.inf:  # NaN fails too
+            die(f"--{flag.replace('_', '-')} must be finite and >= 0")
     if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
         die("--seed must be in [0, 2**63)")
     if cfg.max_len < 2:
@@ -271,9 +267,8 @@ def param_shapes(cfg):
 
 
 def init_params_numpy(cfg):
-    """fairseq's init of the paper's model, from cfg.seed: embeddings N(0, d_model^-0.5) with the padding
-    row at zero, Xavier-uniform weight matrices (q, k and v each its own (D, D) matrix), zero biases,
-    LayerNorm weight 1."""
+    """fairseq's init from cfg.seed: embeddings N(0, d_model^-0.5) (padding row 0), Xavier-uniform matrices
+    (q, k and v each its own (D, D)), zero biases, LayerNorm weights 1."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -296,10 +291,8 @@ def compute_dtype(cfg):
 
 
 def cast_params(params, cfg):
-    """The compute-dtype copy of the fp32 masters. The cast happens inside the jitted step, so gradients
-    come back to the fp32 masters. Kept fp32: LayerNorm's weights (its statistics are fp32) and the
-    embedding matrix, whose rows are gathered in fp32 (so its scatter-add gradient is summed in fp32) and
-    cast for the output projection where it is used."""
+    """The compute-dtype copy of the fp32 masters, cast inside the jitted step (gradients reach the masters)."""
+    # LayerNorm's weights and the embedding stay fp32: its rows are gathered (and its gradient summed) in fp32
     dt = compute_dtype(cfg)
     return {k: jnp.asarray(p, jnp.float32 if ".ln" in k or k == "emb" else dt) for k, p in params.items()}
 
@@ -335,9 +328,8 @@ def dropout(x, rate, key):
 
 
 def attend(q, k, v, mask, n_head):
-    """Scaled dot-product attention of q (B,Tq,D) over k, v (B,Tk,D), heads = D/n_head-wide slices.
-    mask broadcasts to (B,1,Tq,Tk), True where a query may look. Scores and softmax in fp32; a query with
-    nothing to look at (an all-padding row) gets a uniform average instead of NaNs."""
+    """Attention of q (B,Tq,D) over k, v (B,Tk,D) in n_head heads; mask broadcasts to (B,1,Tq,Tk), True where
+    a query may look. Scores and softmax in fp32; a query with nothing to look at averages, not NaNs."""
     B, Tq, D = q.shape
     Tk, Dh = k.shape[1], D // n_head
     q = q.reshape(B, Tq, n_head, Dh)                                               # (B,Tq,H,Dh)
@@ -350,8 +342,7 @@ def attend(q, k, v, mask, n_head):
 
 
 def embed(p, ids, pe, cfg, key):
-    """Token embeddings of ids (B,T) scaled by sqrt(d_model) plus their positions' sinusoids pe (T,D),
-    then dropout."""
+    """Token embeddings of ids (B,T) times sqrt(d_model), plus the positions' sinusoids pe (T,D), dropped out."""
     x = (p["emb"][ids] * math.sqrt(cfg.d_model) + pe).astype(compute_dtype(cfg))  # (B,T,D)
     return dropout(x, cfg.dropout, key)                                            # (B,T,D)
 
@@ -395,10 +386,8 @@ def cross_kv(p, memory):
 
 
 def decoder(p, x, mem_k, mem_v, src_mask, self_mask, cfg, key, cache=None, t=None):
-    """The decoder stack on embedded targets x (B,T,D). Training: the whole target at once under a
-    causal self_mask. Decoding: x is one position (B,1,D) at step t, whose keys and values are written
-    into cache = (k, v) (L,B,Tmax,D) each, and attention spans the cache under self_mask. Returns the
-    final hidden states (B,T,D) and the updated cache (None in training)."""
+    """(hidden states (B,T,D), updated cache) of the decoder on embedded targets x (B,T,D) under self_mask.
+    Decoding: x is position t (B,1,D), its keys and values written into cache = (k, v) (L,B,Tmax,D) each."""
     keys = layer_keys(key, cfg.n_layer, 3)
 
     def layer(x, xs):
@@ -432,8 +421,7 @@ def output_logits(p, x):
 
 
 def forward(params, src, tgt_in, cfg, key=None):
-    """Logits (B,T,V) in fp32 of every next target token, given source ids (B,S) and the target shifted
-    right (B,T) = BOS + target. key: dropout randomness (None: evaluation, no dropout)."""
+    """fp32 logits (B,T,V) of each next token of src (B,S), tgt_in (B,T) = BOS + target; key None: no dropout."""
     p = cast_params(params, cfg)
     memory, src_mask = encode(p, src, cfg, None if key is None else jax.random.fold_in(key, 0))  # (B,S,D)
     mem_k, mem_v = cross_kv(p, memory)                                             # (L,B,S,D) each
@@ -448,9 +436,8 @@ def forward(params, src, tgt_in, cfg, key=None):
 
 
 def smoothed_loss_sums(logits, targets, pad_id, eps):
-    """(label-smoothed loss, plain NLL, token count) summed over the non-padding targets (B,T). The
-    smoothed target puts 1-eps on the right token and eps spread evenly over all V tokens, so a token's
-    loss is (1-eps) * NLL + eps * mean over the vocabulary of -log p (torch's label_smoothing)."""
+    """(label-smoothed loss, plain NLL, token count) summed over the non-padding targets (B,T)."""
+    # 1-eps on the right token, eps spread over all V: (1-eps) * NLL + eps * mean -log p (torch's label_smoothing)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)                 # (B,T,V)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]          # (B,T)
     smooth = -jnp.mean(logp, axis=-1)                                              # (B,T)
@@ -469,53 +456,28 @@ def loss_sums(params, src, tgt_in, tgt_out, cfg, key=None):
 # Optimizer
 
 def lr_at(step, cfg):
-    """The paper's schedule for 1-based `step`: peak * min(step/warmup, sqrt(warmup/step)), i.e.
-    d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) when the peak is the paper's (--lr 0)."""
+    """The paper's schedule for 1-based `step`: peak * min(step/warmup, sqrt(warmup/step)) (--lr 0: its peak)."""
     peak = cfg.lr or cfg.d_model ** -0.5 * cfg.warmup ** -0.5
     return peak * min(step / cfg.warmup, math.sqrt(cfg.warmup / step))
 
 
 def adam_scalars(step, cfg):
-    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled step as data, so a new lr never recompiles it."""
+    """[lr, 1 - beta1^t, 1 - beta2^t] of 1-based step t, from the host in float64: a new lr never recompiles."""
     return np.array([lr_at(step, cfg), 1.0 - cfg.beta1 ** step, 1.0 - cfg.beta2 ** step], np.float32)
 
 
-def global_norm(grads):
-    """The L2 norm of all gradients together (torch.nn.utils.clip_grad_norm_'s total norm), fp32."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(grads[k])) for k in PARAM_NAMES))
-
-
-def adam_update(params, grads, m, v, scalars, cfg):
-    """Adam (the paper: no weight decay) on every tensor. Returns new (params, m, v)."""
-    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    new_params, new_m, new_v = {}, {}, {}
-    for k in PARAM_NAMES:
-        g = grads[k]
-        new_m[k] = cfg.beta1 * m[k] + (1.0 - cfg.beta1) * g
-        new_v[k] = cfg.beta2 * v[k] + (1.0 - cfg.beta2) * g * g
-        new_params[k] = params[k] - lr * (new_m[k] / bias1) / (jnp.sqrt(new_v[k] / bias2) + cfg.adam_eps)
-    return new_params, new_m, new_v
-
-
-def micro_loss(params, src, tgt_in, tgt_out, key, cfg):
-    """(summed label-smoothed loss, token count) of one micro-batch: what its gradient is taken of."""
-    loss, _, count = loss_sums(params, src, tgt_in, tgt_out, cfg, key)
-    return loss, count
-
-
 def train_step(params, m, v, src, tgt_in, tgt_out, step, scalars, cfg):
-    """One optimizer step over A micro-batches of one bucket: src, tgt_in, tgt_out (A,B,T). The loss is
-    the label-smoothed loss per target token of the whole step (every micro-batch's token sum over the
-    step's token count, as fairseq), its gradient clipped to cfg.grad_clip (0: never), then Adam. Dropout
-    randomness comes from (seed, step, micro-batch), so a resumed run repeats it exactly.
-    Returns (params, m, v, loss, grad_norm before clipping)."""
-    base = jax.random.fold_in(jax.random.key(cfg.seed), step)
+    """(params, m, v, loss, grad norm before clipping) of one Adam step over micro-batches src, tgt_in, tgt_out
+    (A,B,T); the loss per target token of the whole step (as fairseq), the gradient clipped to cfg.grad_clip."""
+    base = jax.random.fold_in(jax.random.key(cfg.seed), step)  # dropout from (seed, step, micro-batch)
 
     def micro_step(acc, xs):
         i, s, ti, to = xs
-        (loss, count), grads = jax.value_and_grad(micro_loss, has_aux=True)(
-            params, s, ti, to, jax.random.fold_in(base, i), cfg)
+
+        def micro_loss(params):
+            loss, _, count = loss_sums(params, s, ti, to, cfg, jax.random.fold_in(base, i))
+            return loss, count
+        (loss, count), grads = jax.value_and_grad(micro_loss, has_aux=True)(params)
         grads_acc, loss_acc, count_acc = acc
         return ({k: grads_acc[k] + grads[k] for k in PARAM_NAMES}, loss_acc + loss, count_acc + count), None
 
@@ -525,44 +487,23 @@ def train_step(params, m, v, src, tgt_in, tgt_out, step, scalars, cfg):
         micro_step, (zeros, jnp.float32(0), jnp.float32(0)), (jnp.arange(A), src, tgt_in, tgt_out))
     count = jnp.maximum(count, 1.0)
     grads = {k: g / count for k, g in grads.items()}                               # fp32 dict
-    norm = global_norm(grads)
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(grads[k])) for k in PARAM_NAMES))    # torch's total norm, fp32
     if cfg.grad_clip > 0:
         coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
         grads = {k: g * coef for k, g in grads.items()}
-    params, m, v = adam_update(params, grads, m, v, scalars, cfg)
-    return params, m, v, loss / count, norm
+    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
+    new_params, new_m, new_v = {}, {}, {}
+    for k in PARAM_NAMES:  # Adam, no weight decay (the paper)
+        new_m[k] = cfg.beta1 * m[k] + (1.0 - cfg.beta1) * grads[k]
+        new_v[k] = cfg.beta2 * v[k] + (1.0 - cfg.beta2) * grads[k] * grads[k]
+        new_params[k] = params[k] - lr * (new_m[k] / bias1) / (jnp.sqrt(new_v[k] / bias2) + cfg.adam_eps)
+    return new_params, new_m, new_v, loss / count, norm
 
 
 # -----------------------------------------------------------------------------
 # Data
 
 ENCODE_CHUNK = 100_000  # lines
-
-
-def split_files(cfg, split):
-    """Local paths of a split's raw files: one gzip'd text file per language (Multi30k), or the parquet
-    shards holding both languages (WMT14)."""
-    names = DATASETS[cfg.dataset]["splits"][split]
-    if cfg.dataset == "multi30k":
-        files = [f"{names}.{lang}.gz" for lang in (cfg.src, cfg.tgt)]
-    else:
-        files = [f"{name}.parquet" for name in names]
-    return [os.path.join(cfg.data_dir, f) for f in files]
-
-
-def fetch_split(cfg, split):
-    """split_files, each downloaded from cfg.base_url first if it is not there yet."""
-    paths = split_files(cfg, split)
-    for path in paths:
-        if not os.path.exists(path):
-            url = f"{cfg.base_url}/{os.path.basename(path)}"
-            try:
-                os.makedirs(cfg.data_dir, exist_ok=True)
-            except OSError as e:
-                die(f"--data-dir {cfg.data_dir}: cannot create it to download {url} ({e.strerror})")
-            print(f"downloading {url} to {path}")
-            download_file(url, path)
-    return paths
 
 
 def read_gz_lines(path):
@@ -575,29 +516,32 @@ def read_gz_lines(path):
     return lines[:-1] if lines[-1] == "" else lines
 
 
-def read_parquet_pairs(path, src, tgt):
-    """(src sentences, tgt sentences) from a parquet file with a `translation` struct column (WMT14)."""
-    import pyarrow
-    import pyarrow.parquet
-    try:
-        pairs = pyarrow.parquet.read_table(path, columns=["translation"]).column("translation")
-        pairs = pairs.combine_chunks()
-        return pairs.field(src).to_pylist(), pairs.field(tgt).to_pylist()
-    except (pyarrow.ArrowException, KeyError, OSError) as e:
-        die(f"{path} is not a parquet file of {src}-{tgt} translation pairs ({e}); delete it to download "
-            f"it again")
-
-
 def read_split(cfg, split):
-    """(source sentences, target sentences) of a split as raw text, downloading it first if needed."""
-    paths = fetch_split(cfg, split)
-    if cfg.dataset == "multi30k":
+    """(source sentences, target sentences) of a split as raw text, its files downloaded first if missing:
+    a gzip'd text file per language (Multi30k), or parquet shards holding both (WMT14)."""
+    names = DATASETS[cfg.dataset]["splits"][split]
+    multi30k = cfg.dataset == "multi30k"
+    files = [f"{names}.{lang}.gz" for lang in (cfg.src, cfg.tgt)] if multi30k else [f"{n}.parquet" for n in names]
+    paths = [os.path.join(cfg.data_dir, f) for f in files]
+    for path in paths:
+        if not os.path.exists(path):
+            url = f"{cfg.base_url}/{os.path.basename(path)}"
+            print(f"downloading {url} to {path}")
+            download_file(url, path)
+    if multi30k:
         src, tgt = read_gz_lines(paths[0]), read_gz_lines(paths[1])
     else:
+        import pyarrow
+        import pyarrow.parquet
         src, tgt = [], []
         for path in paths:
-            s, t = read_parquet_pairs(path, cfg.src, cfg.tgt)
-            src, tgt = src + s, tgt + t
+            try:
+                pairs = pyarrow.parquet.read_table(path, columns=["translation"]).column("translation")
+                pairs = pairs.combine_chunks()
+                src, tgt = src + pairs.field(cfg.src).to_pylist(), tgt + pairs.field(cfg.tgt).to_pylist()
+            except (pyarrow.ArrowException, KeyError, OSError) as e:
+                die(f"{path} is not a parquet file of {cfg.src}-{cfg.tgt} translation pairs ({e}); delete it to "
+                    f"download it again")
     if len(src) != len(tgt):
         die(f"{split} split: {len(src)} {cfg.src} lines but {len(tgt)} {cfg.tgt} lines ({', '.join(paths)})")
     if not src:
@@ -606,14 +550,12 @@ def read_split(cfg, split):
 
 
 def cache_dir(cfg):
-    """Where the BPE and the encoded splits are kept: beside the data, or in --out-dir when the data
-    directory is read-only (a shared offline copy)."""
+    """Where the BPE and the encoded splits are kept: beside the data, or in --out-dir if that is read-only."""
     return cfg.data_dir if os.access(cfg.data_dir, os.W_OK) else cfg.out_dir
 
 
 def build_tokenizer(cfg, train_src, train_tgt):
-    """(tokenizer, its file): the joint BPE of the training text, learned once and cached; past
-    BPE_TRAIN_PAIRS pairs it learns from an even sample of them."""
+    """(tokenizer, its file): the joint BPE of the training text (of an even sample past BPE_TRAIN_PAIRS), cached."""
     pair = "-".join(sorted((cfg.src, cfg.tgt)))
     path = os.path.join(cache_dir(cfg), f"joint_{pair}_{cfg.bpe_vocab}.bpe")
     if os.path.exists(path):
@@ -638,15 +580,9 @@ def build_tokenizer(cfg, train_src, train_tgt):
     return tok, path
 
 
-def set_vocab(cfg, tok):
-    """cfg with the tokenizer's size and the ids of its special tokens."""
-    pad, bos, eos = (tok.special_tokens[s] for s in SPECIALS)
-    return replace(cfg, vocab_size=tok.vocab_size, pad_id=pad, bos_id=bos, eos_id=eos)
-
-
 def encode_lines(tok, tok_path, lines, path):
-    """The BPE ids of every line as a ragged array (flat int32 ids, int64 offsets (n+1,)), cached in an
-    npz that remembers the sha256 of the tokenizer file and of the text, so a stale cache is redone."""
+    """The BPE ids of the lines, ragged (flat int32 ids, int64 offsets (n+1,)), cached in an npz at `path`."""
+    # keyed by the sha256 of the tokenizer file and of the text: a stale cache is redone
     h = hashlib.sha256()
     with open(tok_path, "rb") as f:
         h.update(f.read())
@@ -683,8 +619,7 @@ def encode_split(cfg, tok, tok_path, split, src_lines, tgt_lines):
 
 
 def bucket_size(n):
-    """The padded length for n tokens: the smallest of 16, 24, 32, 48, 64, 96, 128, ... that holds them,
-    so a run compiles one step per bucket and pads at most a third of any sequence."""
+    """The padded length for n tokens: the smallest of 16, 24, 32, 48, 64, 96, 128, ... that holds them."""
     size = 16
     while True:
         for s in (size, size * 3 // 2):
@@ -1145,7 +1080,8 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
         train_text = read_split(cfg, "train")
     if tok is None:
         tok, tok_path = build_tokenizer(cfg, *train_text)
-        cfg = set_vocab(cfg, tok)
+        pad, bos, eos = (tok.special_tokens[s] for s in SPECIALS)
+        cfg = replace(cfg, vocab_size=tok.vocab_size, pad_id=pad, bos_id=bos, eos_id=eos)
     val_text = read_split(cfg, "val")
     val = encode_split(cfg, tok, tok_path, "val", *val_text)
     val_batches = eval_batches(*val, cfg)
