@@ -156,40 +156,31 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, help="dropout on embeddings and sub-layer outputs (preset)")
     p.add_argument("--max-len", type=int, help=f"training pairs longer than this many BPE tokens + EOS on "
                    f"either side are skipped (default {Config.max_len})")
-    p.add_argument("--batch-tokens", type=int, help="padded source (and target) tokens per optimizer step "
-                   "(the model's recipe)")
+    p.add_argument("--batch-tokens", type=int, help="padded source (and target) tokens per step (the model's recipe)")
     p.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch, accumulated up to "
                    "--batch-tokens (default 0: one micro-batch per step)")
     p.add_argument("--steps", type=int, help="optimizer steps (the model's recipe)")
     p.add_argument("--lr", type=float, help="peak learning rate after the warmup; 0 = the paper's "
                    "d_model^-0.5 x warmup^-0.5 (the model's recipe)")
-    p.add_argument("--warmup", type=int, help="linear warmup steps before the inverse-square-root decay "
-                   "(the model's recipe)")
+    p.add_argument("--warmup", type=int, help="linear warmup steps before the 1/sqrt(step) decay (the model's recipe)")
     p.add_argument("--label-smoothing", type=float, help=f"default {Config.label_smoothing}")
     p.add_argument("--grad-clip", type=float, help="clip gradients to this global norm (default 0: never)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute precision; weights and Adam state "
-                   "stay fp32 (default bf16)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; weights, Adam state fp32 (default bf16)")
     p.add_argument("--seed", type=int, help=f"weights, dropout and batch order (default {Config.seed})")
     p.add_argument("--resume", help="checkpoint dir, or 'auto' (newest in --out-dir): its settings are "
                    "the defaults, model sizes and vocabulary fixed")
     p.add_argument("--out-dir", help=f"checkpoints, log.jsonl and hypotheses (default {Config.out_dir})")
     p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
                    "log.jsonl, checkpoints and hypotheses are moved into a replaced_<time> folder there first")
-    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints, 0 = never (the "
-                   "model's recipe)")
-    p.add_argument("--val-every", type=int, help="steps between validation losses, 0 = never (the "
-                   "model's recipe)")
+    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints, 0 = never (the model's recipe)")
+    p.add_argument("--val-every", type=int, help="steps between validation losses, 0 = never (the model's recipe)")
     p.add_argument("--average", type=int, help="the final BLEU uses the mean weights of the newest N "
                    f"checkpoints (default {Config.average})")
-    p.add_argument("--bleu-split", choices=["test", "val", "none"], help="split scored with BLEU at the "
-                   "end (default test)")
-    p.add_argument("--decode", choices=["beam", "greedy"], help="search for BLEU and --translate "
-                   "(default beam)")
+    p.add_argument("--bleu-split", choices=["test", "val", "none"], help="split for the final BLEU (default test)")
+    p.add_argument("--decode", choices=["beam", "greedy"], help="search for BLEU and --translate (default beam)")
     p.add_argument("--beam", type=int, help=f"beam width (default {Config.beam})")
-    p.add_argument("--alpha", type=float, help=f"GNMT length penalty exponent of the beam search "
-                   f"(default {Config.alpha})")
-    p.add_argument("--decode-batch", type=int, help=f"sentences decoded at a time (default "
-                   f"{Config.decode_batch})")
+    p.add_argument("--alpha", type=float, help=f"the beam's GNMT length penalty exponent (default {Config.alpha})")
+    p.add_argument("--decode-batch", type=int, help=f"sentences decoded at a time (default {Config.decode_batch})")
     p.add_argument("--eval-only", action="store_true", help="val loss and BLEU of --resume, then exit")
     p.add_argument("--translate", help="print the translation of this text (needs --resume)")
     given = vars(p.parse_args(argv))
@@ -650,10 +641,8 @@ def lengths(ragged):
 
 
 class Batches:
-    """The training pairs grouped by length bucket T and cut into optimizer steps: A micro-batches of
-    R_T = micro_tokens // T pairs each, src (A,R_T,T) = ids + EOS and tgt_in, tgt_out (A,R_T,T) = BOS + ids
-    and ids + EOS. Each epoch shuffles the pairs within buckets and the steps across buckets from
-    (seed, epoch), so (epoch, steps done in it) is the whole state a resumed run needs."""
+    """The training pairs by length bucket T, cut into steps of A micro-batches of R_T = micro_tokens // T pairs.
+    Each epoch shuffles from (seed, epoch), so (epoch, steps done in it) is all a resumed run needs."""
 
     def __init__(self, src, tgt, cfg):
         self.cfg = cfg
@@ -687,12 +676,9 @@ class Batches:
             die(f"--resume: the checkpoint is {index} steps into epoch {epoch}, which has only "
                 f"{len(self.steps)} (different data or --batch-tokens?)")
 
-    def state(self):
-        return self.epoch, self.index
-
     def next(self):
-        """(T, src, tgt_in, tgt_out) of the next step, int32 (A,R_T,T) each; short steps padded with empty
-        rows (all padding), which add nothing to the loss."""
+        """(T, src = ids + EOS, tgt_in = BOS + ids, tgt_out = ids + EOS) of the next step, int32 (A,R_T,T) each;
+        a short step gets rows of padding, which add nothing to the loss."""
         if self.index == len(self.steps):
             self.set_state(self.epoch + 1, 0)
         T, idx = self.steps[self.index]
@@ -706,8 +692,7 @@ class Batches:
 
 
 def eval_batches(src, tgt, cfg):
-    """A whole split for the loss: (src, tgt_in, tgt_out) batches (R,T) of one bucket T that holds its
-    longest pair (nothing skipped), so the evaluation compiles once."""
+    """A whole split for the loss: (src, tgt_in, tgt_out) batches (R,T) of the one bucket T of its longest pair."""
     need = int(np.max(np.maximum(lengths(src), lengths(tgt)))) + 1
     T = bucket_size(need)
     R = max(1, cfg.micro_tokens // T)
@@ -728,16 +713,15 @@ CHECKPOINT_FILES = ("params.npz", "state.npz", TOKENIZER_FILE)  # what makes a c
 RUN_FILES = ("hyp_val.txt", "hyp_test.txt")  # a run's files besides its log and checkpoints
 
 
-def save_checkpoint(out_dir, step, params, m, v, batches_state, cfg, tok_path):
-    """<out_dir>/ckpt_<step>/: params.npz (fp32 weights), state.npz (Adam moments, step, data position,
-    seed, config) and the tokenizer, so a checkpoint translates on its own. Written under a temporary
-    name, then renamed as the GPT-2 trainers' are: a crash never leaves a half checkpoint."""
+def save_checkpoint(out_dir, step, params, m, v, batches, cfg, tok_path):
+    """<out_dir>/ckpt_<step>/: params.npz (fp32), state.npz (Adam moments, step, data position, seed, config)
+    and the tokenizer; written under a temporary name, then renamed into place."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
-    state.update(step=np.int64(step), epoch=np.int64(batches_state[0]), index=np.int64(batches_state[1]),
+    state.update(step=np.int64(step), epoch=np.int64(batches.epoch), index=np.int64(batches.index),
                  seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
@@ -796,11 +780,8 @@ def load_checkpoint(path):
 
 
 def resume_config(saved, given):
-    """The checkpoint's settings with the flags given on this command line over them (so a resumed run
-    continues as it was started unless told otherwise). Its model, vocabulary and language pair stay:
-    a flag that disagrees with them is an error."""
-    fixed = MODEL_FIELDS + ("model", "dataset", "src", "tgt", "bpe_vocab")
-    for k in fixed:
+    """The checkpoint's settings with the flags given over them; its model, vocabulary and language pair stay."""
+    for k in ("n_layer", "n_head", "d_model", "d_ff", "model", "dataset", "src", "tgt", "bpe_vocab"):
         if k in given and given[k] != getattr(saved, k):
             die(f"--{k.replace('_', '-')} {given[k]} disagrees with the checkpoint ({getattr(saved, k)})")
     this_run = dict(resume="", eval_only=False, translate="", force=False)  # this command, not the saved run
@@ -808,8 +789,7 @@ def resume_config(saved, given):
 
 
 def averaged_params(path, n):
-    """(weights, checkpoints used): checkpoint `path`'s fp32 weights averaged with those of the n-1
-    checkpoints before it in its directory (the paper averages the last 5 of the base model)."""
+    """(weights, checkpoints used): the mean fp32 weights of checkpoint `path` and the n-1 before it in its dir."""
     found = [p for p in list_checkpoints(os.path.dirname(path))
              if os.path.basename(p) <= os.path.basename(path)]
     chosen = found[-n:] if path in found else [path]
@@ -838,21 +818,11 @@ def evaluate_loss(eval_fn, params, batches):
     return loss / count, nll / count
 
 
-def length_penalty(length, alpha):
-    """GNMT's length penalty ((5 + length) / 6)^alpha; a hypothesis scores log p / penalty."""
-    return ((5.0 + length) / 6.0) ** alpha
-
-
 def beam_search(step_fn, state, max_lens, t_max, beam, alpha, bos_id, eos_id):
-    """Beam search over a batch of n sentences, fairseq's rule: each step expands every live hypothesis
-    by every token, keeps the 2*beam best extensions by total log-probability; those among the best
-    `beam` that end in EOS are finished (score = log p / length_penalty(length with EOS)), the best
-    `beam` that do not stay alive, and a sentence is done once it has `beam` finished hypotheses. Only
-    EOS may follow max_lens (n,) tokens, so every sentence is done by then (t_max > max(max_lens)).
-    With beam 1 this is exactly greedy search.
-    step_fn(state, tokens (n*beam,), t) -> (log-probabilities (n*beam, V) fp32, state) runs the model one
-    step; state's arrays hold the n*beam hypotheses (sentence-major) along axis 1, reordered here as the
-    beams change. Returns (tokens (n, t_max) int32, each ending at its first EOS, scores (n,))."""
+    """(tokens (n, t_max) int32 ending at their first EOS, scores (n,)): fairseq's beam search (beam 1: greedy).
+    step_fn(state, tokens (n*beam,), t) -> (log p (n*beam, V) fp32, state); state holds the hypotheses on axis 1."""
+    # Each step keeps the 2*beam best extensions: those of the best `beam` that end in EOS finish (score log p /
+    # GNMT's ((5 + length) / 6)^alpha), the best `beam` others live on; only EOS may follow max_lens (n,) tokens
     n, K = max_lens.shape[0], beam
     seqs = jnp.full((n, K, t_max), eos_id, jnp.int32)                              # (n,K,t_max)
     alive = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (K - 1), jnp.float32), (n, 1))  # (n,K) log p
@@ -885,7 +855,7 @@ def beam_search(step_fn, state, max_lens, t_max, beam, alpha, bos_id, eos_id):
         hit = new[:, :, None] & (slot[:, :, None] == jnp.arange(K))                # (n,K cand,K slot)
         filled = jnp.any(hit, axis=1)                                              # (n,K)
         which = jnp.argmax(hit, axis=1)                                            # (n,K)
-        score = top[:, :K] / length_penalty(t + 1.0, alpha)                        # (n,K)
+        score = top[:, :K] / ((5.0 + t + 1.0) / 6.0) ** alpha                      # (n,K)
         done_scores = jnp.where(filled, jnp.take_along_axis(score, which, axis=1), done_scores)  # (n,K)
         done_seqs = jnp.where(filled[:, :, None], jnp.take_along_axis(ext[:, :K], which[:, :, None], axis=1),
                               done_seqs)                                           # (n,K,t_max)
@@ -907,8 +877,7 @@ def beam_search(step_fn, state, max_lens, t_max, beam, alpha, bos_id, eos_id):
 
 
 def greedy_search(step_fn, state, max_lens, t_max, bos_id, eos_id):
-    """The most probable next token at every step until EOS (forced after max_lens (n,) tokens).
-    Returns (tokens (n, t_max) int32 ending at their first EOS, summed log-probabilities (n,))."""
+    """(tokens (n, t_max) int32 ending at their first EOS, summed log p (n,)) of the most probable token each step."""
     n = max_lens.shape[0]
     seqs = jnp.full((n, t_max), eos_id, jnp.int32)                                 # (n,t_max)
 
@@ -932,9 +901,7 @@ def greedy_search(step_fn, state, max_lens, t_max, bos_id, eos_id):
 
 
 def translate_batch(params, src, max_lens, cfg, greedy):
-    """Decodes source ids src (n,S) (ids + EOS, padded) into (tokens (n, S+EXTRA_LEN), scores (n,)) with
-    the model's incremental decoder: the encoder runs once, each decoder step feeds one token and keeps
-    every layer's keys and values in a cache (L, n*beam, t_max, D)."""
+    """(tokens (n, S+EXTRA_LEN), scores (n,)) of source ids src (n,S) = ids + EOS, padded, by incremental decoding."""
     p = cast_params(params, cfg)
     n, S = src.shape
     K = 1 if greedy else cfg.beam
@@ -942,9 +909,7 @@ def translate_batch(params, src, max_lens, cfg, greedy):
     memory, src_mask = encode(p, src, cfg, None)                                   # (n,S,D), (n,1,1,S)
     mem_k, mem_v = (jnp.repeat(a, K, axis=1) for a in cross_kv(p, memory))         # (L,n*K,S,D) each
     src_mask = jnp.repeat(src_mask, K, axis=0)                                     # (n*K,1,1,S)
-    dt = compute_dtype(cfg)
-    cache = (jnp.zeros((cfg.n_layer, n * K, t_max, cfg.d_model), dt),
-             jnp.zeros((cfg.n_layer, n * K, t_max, cfg.d_model), dt))             # (L,n*K,t_max,D) x 2
+    cache = (jnp.zeros((cfg.n_layer, n * K, t_max, cfg.d_model), compute_dtype(cfg)),) * 2  # (L,n*K,t_max,D) x 2
     banned = jnp.zeros((cfg.vocab_size,), bool).at[jnp.array([cfg.pad_id, cfg.bos_id])].set(True)  # (V,)
 
     table = jnp.asarray(sinusoids(t_max, cfg.d_model))                             # (t_max,D)
@@ -962,9 +927,8 @@ def translate_batch(params, src, max_lens, cfg, greedy):
 
 
 def translate_ids(search, params, src, cfg):
-    """Token ids (without EOS) of the translations of every sentence of the ragged source ids src,
-    decoded cfg.decode_batch sentences at a time (longest first, so a batch's loop ends early), all
-    padded to one source length, so the search compiles once. A short last batch gets empty rows."""
+    """Token ids (without EOS) of the translations of the ragged source ids src, cfg.decode_batch at a time."""
+    # longest first, so a batch's loop ends early; one padded shape (a short last batch gets empty rows)
     lens = lengths(src)                                                            # (n,)
     S = bucket_size(int(lens.max()) + 1)
     B = min(cfg.decode_batch, len(lens))
@@ -987,8 +951,8 @@ def translate_ids(search, params, src, cfg):
 
 
 def evaluate_bleu(search, params, cfg, tok, split, src, refs):
-    """(BLEU, hypotheses file): the translations of a split, detokenized (the BPE decodes to raw text),
-    written to <out_dir>/hyp_<split>.txt, scored against the raw references by sacrebleu (cased, 13a)."""
+    """(BLEU, hypotheses file): sacrebleu (cased, 13a) of the split's detokenized translations, which go to
+    <out_dir>/hyp_<split>.txt."""
     hyps = [tok.decode(ids).replace("\r", " ").replace("\n", " ")  # one line per sentence, whatever
             for ids in translate_ids(search, params, src, cfg)]      # an undertrained model emits
     bleu = sacrebleu.corpus_bleu(hyps, [refs])
@@ -1005,35 +969,7 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
 
 
 # -----------------------------------------------------------------------------
-# Logging (log.jsonl's events are trainkit.logs.log_event's: the GPT-2 trainers' keys, plus bleu)
-
-def format_step(step, cfg, loss, norm, lr, dt_ms, tokens_per_s, peak_mem_gb):
-    mem_s = "n/a" if peak_mem_gb is None else f"{peak_mem_gb:.1f} GB"
-    return (f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | "
-            f"{dt_ms:.1f} ms | {tokens_per_s:,.0f} tok/s | mem {mem_s}")
-
-
-def peak_memory_gb(device):
-    """The device's peak of allocated bytes in GB; None where the backend keeps no statistics (CPU)."""
-    stats = device.memory_stats()
-    return stats["peak_bytes_in_use"] / 1e9 if stats and "peak_bytes_in_use" in stats else None
-
-
-# -----------------------------------------------------------------------------
 # Main
-
-def compile_train_steps(step_jit, params, m, v, batches, cfg):
-    """The train step compiled ahead of time for every bucket's shape (A,R_T,T), in parallel threads
-    (XLA compiles outside the GIL): {T: compiled}."""
-    scalar = jax.ShapeDtypeStruct((3,), jnp.float32)
-    step = jax.ShapeDtypeStruct((), jnp.int32)
-    lowered = {}
-    for T, rows in batches.rows.items():
-        batch = jax.ShapeDtypeStruct((batches.accum, rows, T), jnp.int32)
-        lowered[T] = step_jit.lower(params, m, v, batch, batch, batch, step, scalar)
-    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-        return dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
-
 
 def load_tokenizer(path):
     try:
@@ -1149,7 +1085,13 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
     t0 = time.perf_counter()
     step_jit = jax.jit(partial(train_step, cfg=cfg), donate_argnums=(0, 1, 2))
     params, m, v = jax.device_put((params, m, v))
-    compiled = compile_train_steps(step_jit, params, m, v, batches, cfg)
+    lowered = {}  # the step of every bucket's shape (A,R_T,T), compiled in threads: XLA compiles outside the GIL
+    for T, rows in batches.rows.items():
+        batch = jax.ShapeDtypeStruct((batches.accum, rows, T), jnp.int32)
+        lowered[T] = step_jit.lower(params, m, v, batch, batch, batch, jax.ShapeDtypeStruct((), jnp.int32),
+                                    jax.ShapeDtypeStruct((3,), jnp.float32))
+    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+        compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
     print(f"compiled the train step for {len(compiled)} bucket shapes in {time.perf_counter() - t0:.1f} s")
 
     step, times, counts, loop_start = info["step"], [], [], time.perf_counter()
@@ -1167,15 +1109,18 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
             die(f"step {step}: the loss is {loss} (try a lower --lr or --dtype fp32)")
         times.append(dt)
         counts.append(tokens)
-        lr, mem = lr_at(step, cfg), peak_memory_gb(device)
-        print(format_step(step, cfg, loss, norm, lr, 1000 * dt, tokens / dt, mem))
+        lr, stats = lr_at(step, cfg), device.memory_stats()  # no statistics on a CPU
+        mem = stats["peak_bytes_in_use"] / 1e9 if stats and "peak_bytes_in_use" in stats else None
+        mem_s = "n/a" if mem is None else f"{mem:.1f} GB"
+        print(f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | {1000 * dt:.1f} ms | "
+              f"{tokens / dt:,.0f} tok/s | mem {mem_s}")
         log_event(cfg.out_dir, FRAMEWORK, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                   tokens_per_s=tokens / dt, peak_mem_gb=mem)
         if due(cfg.val_every, step, cfg.steps):
             run_val(step, params)
         signum = signals.received  # a signal makes this step the last: checkpointed, then the run stops
         if due(cfg.ckpt_every, step, step if signum else cfg.steps):
-            print(f"saved {save_checkpoint(cfg.out_dir, step, params, m, v, batches.state(), cfg, tok_path)}")
+            print(f"saved {save_checkpoint(cfg.out_dir, step, params, m, v, batches, cfg, tok_path)}")
         stop_on_signal(signum, step, cfg, True)
     signals.training = False  # the checkpoints are written: a signal during the final BLEU stops at once
     if times:  # the first step can carry one-off start-up costs: left out of the means when it can be
