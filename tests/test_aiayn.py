@@ -390,6 +390,16 @@ def test_bad_input_gets_a_one_line_error(data_dir, jax_env, tmp_path):
         aiayn.parse_args(["--batch-tokens", "2000", "--micro-tokens", "1000", "--max-len", "1000"])
 
 
+@pytest.mark.parametrize("flag", ["--lr", "--grad-clip", "--alpha"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_non_finite_or_negative_rates_are_refused(flag, value):
+    """--lr, --grad-clip and --alpha nan, inf or negative are a one-line error naming the flag, as in the
+    GPT-2 trainers; 0 stays allowed (--lr 0: the paper's peak, --grad-clip 0: never clip)."""
+    with pytest.raises(SystemExit, match=re.escape(f"{flag} must be finite and >= 0")):
+        aiayn.parse_args([flag, value])
+    assert getattr(aiayn.parse_args([flag, "0"])[0], flag[2:].replace("-", "_")) == 0
+
+
 def test_seed_out_of_range_and_empty_translate_are_refused(trained, jax_env):
     """--seed -1 or 2**63 is a one-line error, as in the GPT-2 trainers; --translate '' (an unset shell
     variable) with --resume is refused in one line and never trains: the run's out dir stays as it was."""
