@@ -14,9 +14,8 @@ final score averages the last --average checkpoints and is sacrebleu's cased BLE
     python train_aiayn_jax.py --eval-only --resume auto --average 5  # BLEU of the last 5 checkpoints
     python train_aiayn_jax.py --translate "A man is riding a bike." --resume out/aiayn_jax/ckpt_0008000
 
-Everything one step needs (each micro-batch's forward and backward, the Adam update) is one jitted
-function per bucket shape, compiled ahead of time, so a run compiles a handful of times, not per batch.
-log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
+A step (each micro-batch's forward and backward, then Adam) is one jitted function per bucket shape, compiled
+ahead of time. log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
 """
 import argparse
 import gzip
@@ -473,9 +472,8 @@ def train_step(params, m, v, src, tgt_in, tgt_out, step, scalars, cfg):
         return ({k: grads_acc[k] + grads[k] for k in PARAM_NAMES}, loss_acc + loss, count_acc + count), None
 
     zeros = {k: jnp.zeros_like(p) for k, p in params.items()}
-    A = src.shape[0]
     (grads, loss, count), _ = jax.lax.scan(
-        micro_step, (zeros, jnp.float32(0), jnp.float32(0)), (jnp.arange(A), src, tgt_in, tgt_out))
+        micro_step, (zeros, jnp.float32(0), jnp.float32(0)), (jnp.arange(src.shape[0]), src, tgt_in, tgt_out))
     count = jnp.maximum(count, 1.0)
     grads = {k: g / count for k, g in grads.items()}                               # fp32 dict
     norm = jnp.sqrt(sum(jnp.sum(jnp.square(grads[k])) for k in PARAM_NAMES))    # torch's total norm, fp32
@@ -602,11 +600,8 @@ def encode_lines(tok, tok_path, lines, path):
 
 def encode_split(cfg, tok, tok_path, split, src_lines, tgt_lines):
     """(source ragged ids, target ragged ids) of a split."""
-    out = []
-    for lang, lines in ((cfg.src, src_lines), (cfg.tgt, tgt_lines)):
-        path = os.path.join(cache_dir(cfg), f"{split}.{lang}.bpe{cfg.bpe_vocab}.npz")
-        out.append(encode_lines(tok, tok_path, lines, path))
-    return out
+    paths = [os.path.join(cache_dir(cfg), f"{split}.{lang}.bpe{cfg.bpe_vocab}.npz") for lang in (cfg.src, cfg.tgt)]
+    return [encode_lines(tok, tok_path, lines, path) for lines, path in zip((src_lines, tgt_lines), paths)]
 
 
 def bucket_size(n):
@@ -759,7 +754,8 @@ def load_npz(path, names):
 
 def load_checkpoint(path):
     """(params, m, v, state, saved config) of a checkpoint directory, shapes checked against its config."""
-    state = load_npz(os.path.join(path, "state.npz"), ["step", "epoch", "index", "seed", "config"])
+    moment_names = [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES]
+    state = load_npz(os.path.join(path, "state.npz"), ["step", "epoch", "index", "seed", "config"] + moment_names)
     try:
         saved = Config(**{k: v for k, v in json.loads(str(state["config"])).items()
                           if k in {f.name for f in fields(Config)}})
@@ -767,25 +763,15 @@ def load_checkpoint(path):
         die(f"{path}/state.npz: unreadable config ({e})")
     shapes = param_shapes(saved)
     params = load_npz(os.path.join(path, "params.npz"), PARAM_NAMES)
-    moments = load_npz(os.path.join(path, "state.npz"), [f"{p}.{k}" for p in "mv" for k in PARAM_NAMES])
     for k in PARAM_NAMES:
-        for name, a in ((k, params[k]), (f"m.{k}", moments[f"m.{k}"]), (f"v.{k}", moments[f"v.{k}"])):
+        for name, a in ((k, params[k]), (f"m.{k}", state[f"m.{k}"]), (f"v.{k}", state[f"v.{k}"])):
             if a.shape != shapes[k]:
                 die(f"checkpoint {path}: {name} has shape {a.shape}, its config implies {shapes[k]}")
-    m = {k: moments[f"m.{k}"] for k in PARAM_NAMES}
-    v = {k: moments[f"v.{k}"] for k in PARAM_NAMES}
+    m = {k: state[f"m.{k}"] for k in PARAM_NAMES}
+    v = {k: state[f"v.{k}"] for k in PARAM_NAMES}
     info = {k: int(state[k]) for k in ("step", "epoch", "index", "seed")}
     check_checkpoint_step(path, info["step"])
     return params, m, v, info, saved
-
-
-def resume_config(saved, given):
-    """The checkpoint's settings with the flags given over them; its model, vocabulary and language pair stay."""
-    for k in ("n_layer", "n_head", "d_model", "d_ff", "model", "dataset", "src", "tgt", "bpe_vocab"):
-        if k in given and given[k] != getattr(saved, k):
-            die(f"--{k.replace('_', '-')} {given[k]} disagrees with the checkpoint ({getattr(saved, k)})")
-    this_run = dict(resume="", eval_only=False, translate="", force=False)  # this command, not the saved run
-    return check_config(replace(saved, **{**this_run, **given}))
 
 
 def averaged_params(path, n):
@@ -990,7 +976,12 @@ def main(argv, signals):
     params = m = v = None
     if cfg.resume:
         params, m, v, info, saved = load_checkpoint(cfg.resume)
-        cfg = resume_config(saved, {**given, "resume": cfg.resume})
+        for k in ("n_layer", "n_head", "d_model", "d_ff", "model", "dataset", "src", "tgt", "bpe_vocab"):
+            if k in given and given[k] != getattr(saved, k):  # the model, vocabulary and language pair stay
+                die(f"--{k.replace('_', '-')} {given[k]} disagrees with the checkpoint ({getattr(saved, k)})")
+        # the checkpoint's settings with the flags given over them; what this command does is its own
+        this_run = dict(eval_only=False, translate="", force=False)
+        cfg = check_config(replace(saved, **{**this_run, **given, "resume": cfg.resume}))
         tok_path = os.path.join(cfg.resume, TOKENIZER_FILE)
         tok = load_tokenizer(tok_path)
         if tok.vocab_size != cfg.vocab_size:
@@ -1008,8 +999,7 @@ def main(argv, signals):
 
 
 def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
-    """Training (or, with --eval-only, evaluation) after main has restored any checkpoint. The out dir is
-    locked for the run's life (the lock goes when run returns), before the tokenizer may be cached there."""
+    """Training (or --eval-only's evaluation) after main restored any checkpoint, the out dir locked meanwhile."""
     lock = prepare_out_dir(cfg, True, info["step"], restart, RUN_FILES)  # noqa: F841
     t0 = time.perf_counter()
     if not cfg.eval_only:
