@@ -539,7 +539,7 @@ def read_split(cfg, split):
 
 
 def cache_dir(cfg):
-    """Where the BPE and the encoded splits are kept: beside the data, or in --out-dir if that is read-only."""
+    """Where the BPE and the encoded splits are kept: beside the data, or in --out-dir if the data's is read-only."""
     return cfg.data_dir if os.access(cfg.data_dir, os.W_OK) else cfg.out_dir
 
 
