@@ -129,15 +129,11 @@ def param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: ops
 #
-# Every computation of a training step is one of the ops in OP_NAMES, and a backend fills them all in: `torch`
-# here, with plain torch ops (the readable reference), `triton` in triton_kernels.py, with our kernels
-# (`--test` checks each against the other). Each forward returns its output and what its backward needs; each
-# backward is derived by hand. The interface: N = B*T rows, `dt` the compute dtype; weight gradients are fp32
-# buffers that backwards ADD into (+=), so micro-batches accumulate and the tied wte collects both its uses.
-# Statistics, softmax and losses are computed in fp32 (fp64 when everything is fp64, as in --test). Besides
-# the model's ops, the optimizer's (global_norm, adamw_update) and four small ones that the training step
-# needs: copy_into (an lm-head chunk's rows into place), zero_fill, clip_by_norm and sum_into (the loss), so
-# that backend triton's step runs no torch compute op at all.
+# A training step computes only the ops of OP_NAMES: backend torch's here, backend triton's in triton_kernels.py
+# (--test checks each against the other). Each forward returns what its backward needs; N = B*T rows. Weight
+# gradients are fp32 buffers that backwards add into (+=): micro-batches accumulate, the tied wte gets both
+# uses. Statistics, softmax and losses are fp32 (fp64 in an fp64 --test). The step's small ops (copy_into,
+# zero_fill, clip_by_norm, sum_into) are ops too, so that backend triton's step runs no torch compute op.
 
 OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
             "layernorm_backward", "matmul_forward", "matmul_gelu_forward", "matmul_backward", "gelu_forward",
@@ -151,8 +147,8 @@ HEAD_ROWS = 4096  # rows per lm-head chunk: only (HEAD_ROWS, Vp) logits ever exi
 
 
 def _acc(dtype):
-    """The dtype that statistics and accumulations use for compute dtype `dtype`: fp32, or fp64 for fp64
-    (a plain comparison: torch.promote_types would be a dispatched op inside the training step)."""
+    """The dtype of statistics and accumulations for compute dtype `dtype`: fp32, or fp64 for fp64."""
+    # a plain comparison: torch.promote_types would be a dispatched op inside the training step
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -168,10 +164,9 @@ def torch_encoder_backward(dx, idx, dwte, dwpe):
 
 
 def torch_embedding_backward(dx, idx, dtable):
-    """Each row of the table the forward gathered gets back the sum of its rows of dx (a token seen twice
-    gets both). Not index_add_ of all N rows, whose atomic adds on a GPU sum a repeated token in a different
-    order every run: sorted by token, each token's rows form one run, summed as a difference of fp64 prefix
-    sums, and each table row is added to once: the same bits on every run."""
+    """dtable[token] += the sum of dx's rows of that token, deterministically."""
+    # not index_add_ of all N rows (a GPU's atomic adds reorder a repeated token's sum every run): each
+    # token's sorted rows are summed as a difference of fp64 prefix sums, and each table row added to once
     B, T, C = dx.shape
     tokens, order = idx.reshape(-1).sort(stable=True)  # (N,) each
     last = torch.ones_like(tokens, dtype=torch.bool)  # (N,) the last row of each token's run
@@ -199,9 +194,8 @@ def torch_residual_layernorm_forward(res, h, w, b):
 
 
 def torch_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
-    """With xhat = (x - mean) * rstd and g = dy * w, the gradient through the normalization is
-    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += sum over rows of dy * xhat, db += sum of dy.
-    dres, the gradient that reaches x around the LayerNorm through the residual add, is added to dx."""
+    """dx = rstd (g - mean(g) - xhat mean(g xhat)) + dres with g = dy w; dw += sum dy xhat, db += sum dy."""
+
     acc = mean.dtype
     dyf = dy.to(acc)  # (N, C)
     xhat = (x.to(acc) - mean[:, None]) * rstd[:, None]  # (N, C)
@@ -253,16 +247,13 @@ def torch_gelu_backward(dy, pre):
 
 
 def _heads(qkv, n_head):
-    """q, k, v as (B, H, T, D) views of the fused (B, T, 3C) projection; head h is columns h*D..(h+1)*D-1
-    of each third."""
+    """q, k, v as (B, H, T, D) views of the fused (B, T, 3C) projection (head h: columns h*D.. of each third)."""
     B, T, C3 = qkv.shape
     return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
 
 
 def _causal_scores(q, k, i0, scale):
-    """fp32 scores scale q k^T (B, H, n, i0+n) of the n query rows starting at row i0 against the keys up
-    to the last of them (later keys are masked for every row of the block, so they are never multiplied);
-    -inf where a key comes after its query."""
+    """fp32 scores scale q k^T (B, H, n, i0+n) of query rows i0.. against keys 0..i0+n-1, -inf after the query."""
     n = q.shape[2]
     i1 = i0 + n
     s = (q @ k[:, :, :i1].transpose(-1, -2)).to(_acc(q.dtype)) * scale  # (B, H, n, i1)
@@ -272,9 +263,7 @@ def _causal_scores(q, k, i0, scale):
 
 
 def _attention_forward(q, k, v, scale):
-    """Causal softmax(scale q k^T) v of q, k, v (B, H, T, D), ATTN_BLOCK query rows at a time: the output
-    (B, T, H, D) and each row's logsumexp of the scores (B, H, T), from which a backward recomputes the
-    probabilities."""
+    """Causal softmax(scale q k^T) v of q, k, v (B, H, T, D), ATTN_BLOCK query rows at a time: (out, lse)."""
     B, H, T, D = q.shape
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)  # (B, T, H, D)
     lse = torch.empty(B, H, T, dtype=_acc(q.dtype), device=q.device)  # (B, H, T)
@@ -288,10 +277,8 @@ def _attention_forward(q, k, v, scale):
 
 
 def _attention_backward(do, q, k, v, out, lse, scale, dq, dk_out, dv_out):
-    """With S = scale q k^T and P = exp(S - lse) recomputed per block of query rows:
-    dv = P^T do, dP = do v^T, dS = P * (dP - rowsum(do * out)), dq = scale dS k, dk = scale dS^T q.
-    (rowsum(do * out) = rowsum(P * dP): the softmax's Jacobian without forming it.) do, q, k, v, out are
-    (B, H, T, D); the gradients are written into dq, dk_out, dv_out (B, T, H, D)."""
+    """Of (B, H, T, D) inputs into dq, dk_out, dv_out (B, T, H, D), P = exp(scale q k^T - lse) recomputed."""
+    # dv = P^T do, dS = P (do v^T - rowsum(do out)), dq = scale dS k, dk = scale dS^T q
     B, H, T, D = q.shape
     acc = lse.dtype
     delta = (do.to(acc) * out.to(acc)).sum(-1)  # (B, H, T)
@@ -311,8 +298,7 @@ def _attention_backward(do, q, k, v, out, lse, scale, dq, dk_out, dv_out):
 
 
 def torch_attention_forward(qkv, n_head):
-    """Causal softmax(q k^T / sqrt(D)) v per head of the fused projection qkv (B, T, 3C). Keeps only the
-    output and each row's logsumexp of the scores."""
+    """Causal softmax(q k^T / sqrt(D)) v per head of qkv (B, T, 3C): (out (B, T, C), lse (B, H, T))."""
     B, T, C3 = qkv.shape
     q, k, v = _heads(qkv, n_head)  # (B, H, T, D) each
     out, lse = _attention_forward(q, k, v, 1.0 / math.sqrt(q.shape[-1]))  # (B, T, H, D), (B, H, T)
@@ -331,9 +317,7 @@ def torch_attention_backward(dout, qkv, out, lse, n_head):
 
 
 def torch_crossentropy_forward_backward(logits, targets, V, dloss):
-    """loss = logsumexp(z[:V]) - z[target] per row; the logits are overwritten with the loss's gradient,
-    dloss * (softmax(z[:V]) - onehot(target)), and 0 in the padded columns V..Vp-1, CE_BLOCK rows at a
-    time so the fp32 temporaries stay small. Returns the losses (N,) in fp32."""
+    """Losses (N,) fp32 over the first V columns; logits become dloss * (softmax - onehot), 0 in the padding."""
     N = logits.shape[0]
     losses = torch.empty(N, dtype=_acc(logits.dtype), device=logits.device)  # (N,)
     for r0 in range(0, N, CE_BLOCK):
@@ -355,8 +339,8 @@ def torch_copy_into(dst, src):
 
 
 def torch_global_norm(grads):
-    """L2 norm over all gradient tensors (0-d fp32). Sums of squares, not torch.linalg.vector_norm: on the
-    CPU that accumulates fp32 sequentially (1.7e-4 off for a wte-sized gradient), sum() pairwise."""
+    """L2 norm over all gradient tensors (0-d fp32)."""
+    # not torch.linalg.vector_norm: on the CPU it sums fp32 sequentially (1.7e-4 off for wte), sum() pairwise
     return torch.stack([g.square().sum() for g in grads]).sum().sqrt()  # ()
 
 
@@ -365,9 +349,7 @@ def torch_zero_fill(x):
 
 
 def torch_clip_by_norm(g, norm, max_norm):
-    """g *= max_norm / (norm + 1e-6) where that is below 1 (torch.nn.utils.clip_grad_norm_), computed on the
-    device in fp32, so the step never waits for the norm to reach the host. A NaN norm makes g NaN, as in
-    clip_grad_norm_ (clamp passes NaN on)."""
+    """g *= min(1, max_norm / (norm + 1e-6)) on the device, as clip_grad_norm_ (a NaN norm makes g NaN)."""
     g.mul_((max_norm / (norm + 1e-6)).clamp_(max=1.0))  # all gradients, flat
 
 
@@ -377,16 +359,12 @@ def torch_sum_into(acc, x, scale):
 
 
 def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
-    """llm.c's AdamW in place on lists of fp32 tensors, the gradients first scaled by grad_scale (the
-    clipping coefficient): m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
-    p -= lr (mhat / (sqrt(vhat) + eps) + wd p) with mhat = m / (1-b1^t), vhat = v / (1-b2^t); then the
-    compute-dtype copies (None in fp32) are refreshed from the updated masters."""
+    """llm.c's AdamW in place on lists of fp32 tensors (g scaled by grad_scale); refreshes copies (None: fp32)."""
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     for i, (p, g, m, v, wd) in enumerate(zip(params, grads, ms, vs, weight_decays)):
         if grad_scale != 1.0:
             g = g * grad_scale  # same shape as p
-        # in place but for the denominator: on the CPU a new tensor costs a page fault per 4 KiB, which
-        # takes longer than the pass over it
+        # in place but for the denominator: on the CPU a new tensor's page faults outlast the pass over it
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = torch.div(v, bc2).sqrt_().add_(eps)  # sqrt(vhat) + eps, like p
@@ -398,8 +376,7 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
 
 
 def op_table(backend, ops, names=OP_NAMES):
-    """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or a
-    recipe's own op names) exactly."""
+    """A backend's op namespace from {op name: function}, which must fill in `names` exactly."""
     missing, unknown = sorted(set(names) - set(ops)), sorted(set(ops) - set(names))
     if missing or unknown:
         raise TypeError(f"backend {backend}: ops missing {missing}, ops not in the interface {unknown}")
@@ -422,8 +399,7 @@ TORCH_OPS = op_table("torch", dict(
 
 
 def gpt2_ops(backend):
-    """GPT-2's op namespace of `backend`, OP_NAMES: TORCH_OPS, or triton_kernels.py's TRITON_OPS (imported
-    here, when first asked for: the kernels file imports this one)."""
+    """GPT-2's op namespace of `backend`: TORCH_OPS, or TRITON_OPS (imported here: it imports this file)."""
     if backend == "torch":
         return TORCH_OPS
     import triton_kernels
@@ -431,8 +407,8 @@ def gpt2_ops(backend):
 
 
 def backend_ops(name, recipe=Config.recipe):
-    """The op namespace of backend `name` for `recipe` (its Recipe.ops). Backend triton's kernels need a
-    CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    """The op namespace of backend `name` for `recipe` (its Recipe.ops)."""
+
     if name == "triton" and not INTERPRET and not torch.cuda.is_available():
         die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
             "TRITON_INTERPRET=1 (slow, fp32 only)")
@@ -451,17 +427,13 @@ def compute_dtype(cfg):
 # memory (The Triton trainer's GPT-2).
 
 def kept_for_backward(saved, cfg):
-    """What a block keeps for its backward of what its forward made for it (`saved`, {name: tensor}, both
-    recipes naming the block's input res and its attention's row logsumexp lse): all of it at --recompute
-    none and pointwise, res and lse alone at block (the backward reruns the block from res; lse, H fp32 per
-    token beside res's C, is kept, and the backward reads it rather than the rerun's equal copy)."""
+    """What a block keeps of its forward's `saved` for its backward: all, or res and lse at --recompute block."""
+    # lse is H fp32 per token beside res's C: kept, and read rather than the rerun's equal copy
     return {k: saved[k] for k in ("res", "lse")} if cfg.recompute == "block" else saved
 
 
 def gpt2_block_forward(w, l, res, h, shape, cfg, ops):
-    """Layer l from its input res (N, C) and ln_1's output h (N, C), (B, T) = shape, up to its MLP's
-    activation: returns (what its backward reads: res, qkv, atty, lse, res2, fch; gelu(fch) (N, 4C)). The
-    forward runs it once; at --recompute block the backward runs it again, the same ops on the same input."""
+    """Layer l from res (N, C) and ln_1's output h to its MLP's activation: ({what backward reads}, gelu(fch))."""
     B, T = shape
     C = cfg.n_embd
     qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
@@ -473,19 +445,14 @@ def gpt2_block_forward(w, l, res, h, shape, cfg, ops):
 
 
 def gpt2_block_rerun(w, l, kept, shape, cfg, ops):
-    """--recompute block: layer l's forward again from what it kept (kept_for_backward), just before its
-    backward, with ln_1's output recomputed from res as the fused kernel of the layer before made it: the
-    same ops on the same input, so what its backward reads (gpt2_block_forward's dict), bit for bit."""
+    """--recompute block: gpt2_block_forward's dict again from what layer l kept, bit for bit (the same ops)."""
     h, _, _ = ops.layernorm_forward(kept["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
     saved, _ = gpt2_block_forward(w, l, kept["res"], h, shape, cfg, ops)  # {name: tensor}
     return {**saved, "lse": kept["lse"]}
 
 
 def gpt2_forward(w, idx, cfg, ops, acts=None):
-    """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
-    head's input. With a list `acts`, every layer appends what its backward needs (see above; at
-    --recompute block only its input and lse: kept_for_backward) and a last entry holds the final residual
-    and ln_f's statistics; without, nothing outlives its use."""
+    """ln_f's output (B*T, C) for token ids idx (B, T); appends what the backward needs to a list `acts`."""
     B, T = idx.shape
     C, L = cfg.n_embd, cfg.n_layer
     res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
@@ -505,15 +472,14 @@ def gpt2_forward(w, idx, cfg, ops, acts=None):
 
 
 def head_logits(h, w, cfg, ops):
-    """z = h W^T (+ b) (N, Vp) of the recipe's lm head (Recipe.head: GPT-2's is wte, without a bias)."""
+    """z = h W^T (+ b) (N, Vp) of the recipe's lm head (Recipe.head)."""
     weight, bias = RECIPES[cfg.recipe].head
     return ops.matmul_forward(h, w[weight], w[bias] if bias else None)
 
 
 @torch.no_grad()
 def forward(params, idx, cfg):
-    """The logits (B, T, Vp) for token ids idx (B, T), as the recipe's Recipe.logits makes them of the head's
-    output (GPT-2's as they are); params are the weights in the compute dtype."""
+    """The logits (B, T, Vp) (Recipe.logits of the head's output) for token ids idx (B, T)."""
     B, T = idx.shape
     recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
     h = recipe.forward(params, idx, cfg, ops)  # (N, C)
@@ -522,34 +488,24 @@ def forward(params, idx, cfg):
 
 @torch.no_grad()
 def token_losses(params, x, y, cfg):
-    """Per-token losses (B, T) in fp32 (the recipe's Recipe.loss), HEAD_ROWS rows of logits at a time (the
-    loss op's gradient output is simply dropped)."""
+    """Per-token losses (B, T) in fp32 (Recipe.loss), HEAD_ROWS rows of logits at a time."""
     ops = backend_ops(cfg.backend, cfg.recipe)
     h = RECIPES[cfg.recipe].forward(params, x, cfg, ops)  # (N, C)
     losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
     return losses.view(x.shape)  # (B, T)
 
 
-def loss_fn(params, x, y, cfg):
-    """Mean token loss of one micro-batch (fp32 scalar)."""
-    return token_losses(params, x, y, cfg).mean()
-
-
 # -----------------------------------------------------------------------------
 # GPT-2: backward
 
 def gpt2_loss(ops, logits, targets, cfg, dloss):
-    """GPT-2's token losses (n,) fp32: the cross-entropy over the first V of the Vp columns, the logits
-    overwritten with dloss times its gradient (0 in the padded columns)."""
+    """GPT-2's token losses (n,) fp32 over the first V columns; the logits become dloss times their gradient."""
     return ops.crossentropy_forward_backward(logits, targets, cfg.vocab_size, dloss)
 
 
 def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
-    """The lm head and the loss, forward and backward at once, `rows` rows at a time: the recipe's logits =
-    h W^T (+ b) (Recipe.head); its loss (Recipe.loss) overwrites them with dlogits; then dh = dlogits W and
-    dW += dlogits^T h (db += its column sums). Returns (losses (N,) fp32, dh (N, C)); with grads None, only
-    the losses (dh None). With --fp8-head, training's matmuls take FP8 operands (the speedrun recipe's ops
-    fp8_quantize, fp8_matmul_forward and fp8_matmul_backward); evaluation's (grads None) stay plain."""
+    """The lm head and the loss, forward and backward, `rows` rows at a time: (losses (N,) fp32, dh (N, C))."""
+    # grads None: evaluation, the losses alone; --fp8-head's FP8 matmuls are training's only
     N = h.shape[0]
     recipe = RECIPES[cfg.recipe]
     weight, bias = recipe.head
@@ -572,10 +528,7 @@ def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS)
 
 
 def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
-    """The forward in reverse, from dh (N, C), the gradient of ln_f's output: ln_f, then per layer the MLP
-    and the attention, then the embedding. Pops each layer's saved tensors off `acts` as it goes, so their
-    memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed;
-    at --recompute block, each layer's forward reruns from what it kept just before its backward."""
+    """gpt2_forward in reverse from dh (N, C), popping each layer's `acts` (freed as it goes) into grads."""
     B, T = idx.shape
     C, H = cfg.n_embd, cfg.n_head
     g = grads
@@ -610,8 +563,8 @@ def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
 
 
 def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
-    """One micro-batch (x, y (B, T) int64) of the recipe's model: forward, loss, backward. Adds the
-    gradient of dloss * (sum of the token losses) into grads; returns the token losses (N,) in fp32."""
+    """Adds the gradient of dloss * (summed token losses) of x, y (B, T) into grads; returns the losses (N,)."""
+
     recipe = RECIPES[cfg.recipe]
     acts = []
     h = recipe.forward(w, x, cfg, ops, acts)  # (N, C)
@@ -629,9 +582,7 @@ BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
 
 
 def gpt2_update(state, step, cfg, ops):
-    """GPT-2's update of optimizer step `step` (1-based), in place, on this process's shard: llm.c's AdamW
-    (adamw_update) at cosine_lr's lr, weight decay on DECAY_NAMES only, which also refreshes the
-    compute-dtype copies."""
+    """llm.c's AdamW of step `step` (1-based) on this process's shard, weight decay on DECAY_NAMES only."""
     names = list(state["shard_grads"])
     copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
     ops.adamw_update([state["shard_params"][k] for k in names], [state["shard_grads"][k] for k in names],
@@ -646,12 +597,8 @@ def gpt2_update(state, step, cfg, ops):
 
 @torch.no_grad()
 def train_step(state, xs, ys, step, cfg, ops, world):
-    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): returns (train loss, grad
-    norm before clipping) as floats. Each micro-batch's forward and hand-written backward add into the
-    fp32 gradients, scaled to the gradient of the mean token loss over all micro-batches (or of the sum:
-    Recipe.summed); then one all-reduce (stage 1: reduce-scatter), clipping by global norm, Recipe.update
-    (stage 1: on this process's shard, then an all-gather of the weights). No autograd. All but the
-    collectives runs through `ops`: the host waits once, at the end, for the loss and the norm."""
+    """Optimizer step `step` (1-based) on micro-batches xs, ys (A, B, T): (loss, grad norm before clipping)."""
+    # all but the collectives runs through `ops`: the host waits once, at the end, for the loss and norm
     w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
     ops.zero_fill(flat)
     share = 1.0 / (xs[0].numel() * len(xs) * world)  # each token's share of the mean loss
@@ -663,10 +610,8 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     ops.zero_fill(loss)
     for x, y in zip(xs, ys):
         ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), share)
-    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
-    # summed gradients, the norm from every shard's sum of squares, the update of its shard of the masters
-    # (and of the compute copies), then every process's updated shard of the weights to every process.
-    # Stage 0 sums everything with one all-reduce, and a process's shard is the whole model.
+    # ZeRO-1 over processes: reduce-scatter per group (compute_groups), update the shard, all-gather the
+    # weights; stage 0: one all-reduce, and a process's shard is the whole model
     sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
@@ -692,9 +637,8 @@ def train_step(state, xs, ys, step, cfg, ops, world):
 
 
 def gpt2_activation_bytes(cfg):
-    """GPT-2's Recipe.activation_bytes: the bytes that one micro-batch's saved tensors (gpt2_forward's
-    `acts`, and at --recompute block the layer rerun) hold at their peak, which none and pointwise reach at
-    the forward's end, block at the first rerun (ln_f's tensors freed by then): per token, times B*T."""
+    """Peak bytes of one micro-batch's saved tensors: at the forward's end, or (block) at the first rerun."""
+
     C, H, L, x = cfg.n_embd, cfg.n_head, cfg.n_layer, compute_dtype(cfg).itemsize
     kept = (C * x    # res (N, C): the layer's input
             + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
