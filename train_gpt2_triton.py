@@ -383,19 +383,7 @@ def op_table(backend, ops, names=OP_NAMES):
     return SimpleNamespace(**ops)
 
 
-TORCH_OPS = op_table("torch", dict(
-    encoder_forward=torch_encoder_forward, encoder_backward=torch_encoder_backward,
-    layernorm_forward=torch_layernorm_forward, residual_layernorm_forward=torch_residual_layernorm_forward,
-    layernorm_backward=torch_layernorm_backward,
-    matmul_forward=torch_matmul_forward, matmul_gelu_forward=torch_matmul_gelu_forward,
-    matmul_backward=torch_matmul_backward,
-    gelu_forward=torch_gelu_forward, gelu_backward=torch_gelu_backward,
-    attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
-    crossentropy_forward_backward=torch_crossentropy_forward_backward,
-    global_norm=torch_global_norm, adamw_update=torch_adamw_update,
-    zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
-    copy_into=torch_copy_into,
-))
+TORCH_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in OP_NAMES})  # op X is torch_X
 
 
 def gpt2_ops(backend):
@@ -682,11 +670,7 @@ from trainkit.torch_shared import fp8_matmul, fp8_quantize
 
 # -- ops
 
-# The speedrun recipe's own computations, beside GPT-2's ops that it shares (matmul with bias,
-# global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
-# embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
-# ReLU^2, the soft-capped cross-entropy over all columns, Muon, the sum of the input gradients of q, k
-# and v (add_into), and --fp8-head's casts and the head's matmuls on FP8 operands.
+# The speedrun recipe's own ops, beside GPT-2's that it shares (matmul, the optimizer's and the step's)
 SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
                      "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
                      "scaled_attention_forward", "scaled_attention_backward", "matmul_relu2_forward",
@@ -700,8 +684,7 @@ def torch_embedding_forward(idx, table):
 
 
 def torch_rmsnorm_forward(x, w, eps):
-    """y = x * rstd * w over the last dim, rstd = 1 / sqrt(mean(x^2) + eps), computed in fp32; w None: no
-    gain (q and k over a head). Returns (y, rstd (...,) fp32)."""
+    """(y = x rstd w (w None: no gain), rstd = 1 / sqrt(mean(x^2) + eps) (...,) fp32) over the last dim."""
     xf = x.to(_acc(x.dtype))  # (..., C)
     rstd = torch.rsqrt((xf * xf).mean(-1) + eps)  # (...,)
     y = xf * rstd[..., None]  # (..., C)
@@ -716,9 +699,7 @@ def torch_residual_rmsnorm_forward(res, h, w, eps):
 
 
 def torch_rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
-    """With xhat = x * rstd and g = dy * w (g = dy without gain), the gradient through the normalization is
-    dx = rstd * (g - xhat * mean(g * xhat)); dw += sum over rows of dy * xhat (dw None without gain). dres,
-    the gradient that reaches x around the norm through the residual add, is added to dx."""
+    """dx = rstd (g - xhat mean(g xhat)) + dres with g = dy w (dy without gain); dw += sum dy xhat."""
     acc = rstd.dtype
     dyf = dy.to(acc)  # (..., C)
     xhat = x.to(acc) * rstd[..., None]  # (..., C)
@@ -733,9 +714,7 @@ def torch_rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
 
 
 def _rotary_cos_sin(T, D, dtype, device):
-    """cos and sin (T, D/2) in `dtype` of the angles t * freq of the speedrun model's half-truncated rotary:
-    freq = (1/1024)^linspace(0, 1) over the first D/4 pairs, in fp32 as the reference's buffer holds them,
-    and 0 over the last D/4 (those pairs are not rotated)."""
+    """cos and sin (T, D/2) of t freq, freq = (1/1024)^linspace(0, 1) (fp32) over D/4 pairs, then D/4 zeros."""
     freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=device)  # (D/4,)
     freq = torch.cat([freq, freq.new_zeros(D // 4)]).to(dtype)  # (D/2,)
     theta = torch.outer(torch.arange(T, dtype=dtype, device=device), freq)  # (T, D/2)
@@ -743,9 +722,7 @@ def _rotary_cos_sin(T, D, dtype, device):
 
 
 def torch_qk_norm_rotary_forward(x, eps):
-    """q or k (B, T, H, D): RMS-normed over each head without gain, xhat = x * rstd, then rotated per
-    position t: with halves xhat1, xhat2, y = (xhat1 cos + xhat2 sin, -xhat1 sin + xhat2 cos), theta = t
-    freq; in fp32. Returns (y (B, T, H, D), rstd (B, T, H) fp32)."""
+    """q or k (B, T, H, D) RMS-normed per head without gain, then rotated: (y (B, T, H, D), rstd (B, T, H))."""
     B, T, H, D = x.shape
     xhat, rstd = torch_rmsnorm_forward(x.to(_acc(x.dtype)), None, eps)  # (B, T, H, D), (B, T, H)
     cos, sin = (t[:, None] for t in _rotary_cos_sin(T, D, xhat.dtype, x.device))  # (T, 1, D/2) each
@@ -754,8 +731,7 @@ def torch_qk_norm_rotary_forward(x, eps):
 
 
 def torch_qk_norm_rotary_backward(dy, x, rstd):
-    """The rotation is orthogonal: dxhat = R^T dy, (dy1 cos - dy2 sin, dy1 sin + dy2 cos); then the
-    RMSNorm backward without gain, dx = rstd * (dxhat - xhat * mean(dxhat * xhat))."""
+    """dx of torch_qk_norm_rotary_forward: the rotation's transpose, then the RMSNorm backward without gain."""
     B, T, H, D = x.shape
     cos, sin = (t[:, None] for t in _rotary_cos_sin(T, D, rstd.dtype, x.device))  # (T, 1, D/2) each
     dy1, dy2 = dy.to(rstd.dtype).chunk(2, dim=-1)  # (B, T, H, D/2) each
@@ -797,10 +773,8 @@ def torch_relu2_backward(dy, pre):
 
 
 def torch_softcap_crossentropy_forward_backward(z, targets, dloss):
-    """The soft-capped logits c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2) in fp32, and loss = logsumexp(c) -
-    c[target] over ALL Vp columns (as the reference's); z is overwritten with the loss's gradient,
-    dloss (softmax(c) - onehot(target)) dc/dz, dc/dz = SOFTCAP^3 / (z^2 + SOFTCAP^2)^(3/2), CE_BLOCK rows at
-    a time so the fp32 temporaries stay small. Returns the losses (N,) in fp32."""
+    """Losses (N,) fp32 of c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2) over all Vp columns; z becomes their gradient."""
+    # dz = dloss (softmax(c) - onehot) dc/dz, dc/dz = SOFTCAP^3 / (z^2 + SOFTCAP^2)^(3/2)
     N = z.shape[0]
     losses = torch.empty(N, dtype=_acc(z.dtype), device=z.device)  # (N,)
     for r0 in range(0, N, CE_BLOCK):
@@ -818,10 +792,7 @@ def torch_softcap_crossentropy_forward_backward(z, targets, dloss):
 
 
 def torch_muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype):
-    """Muon in place on lists of fp32 matrices of one shape (r, c): the momentum buffer m = lerp(m, g,
-    1 - momentum), Nesterov's u = lerp(g, m, momentum), orthogonalized by newton_schulz in `dtype` (batched
-    over the matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr wd, p -= lr update; then the compute-dtype
-    copies (None in fp32) are refreshed from the updated masters."""
+    """Muon in place on lists of fp32 matrices of one shape (Newton-Schulz in `dtype`); refreshes copies."""
     torch._foreach_lerp_(ms, grads, 1.0 - momentum)
     u = torch.stack(torch._foreach_lerp(grads, ms, momentum))  # (n, r, c)
     r, c = u.shape[1:]
@@ -838,40 +809,28 @@ def torch_add_into(acc, x):
 
 
 def torch_fp8_matmul_forward(x_f8, w_f8, b):
-    """z = (x_f8 w_f8^T) x_s w_s + b in b's dtype (the compute dtype), of --fp8-head's e4m3fn operands x_f8
-    (N, C) and w_f8 (V, C) (fp8_quantize's "x" and "w"): torch._scaled_mm on a CUDA GPU (fp8_matmul)."""
+    """z = (x_f8 w_f8^T) x_s w_s + b in b's dtype, of --fp8-head's e4m3fn x_f8 (N, C) and w_f8 (V, C)."""
     z = fp8_matmul(x_f8, w_f8.t(), FP8_SCALES["x"], FP8_SCALES["w"], b.dtype, fast_accum=True)  # (N, V)
     return z.add_(b)
 
 
 def torch_fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
-    """torch_fp8_matmul_forward's backward: g_f8 = dz cast to e5m2 (fp8_quantize's "grad"); dx = g_f8 w_f8
-    g_s w_s in dz's dtype; dw += g_f8^T x_f8 g_s x_s, db += dz summed over the rows (unquantized), in fp32."""
+    """torch_fp8_matmul_forward's backward through dz cast to e5m2: dx; dw, db (of dz unquantized) += fp32."""
     g_f8 = fp8_quantize(dz, "grad")  # (N, V)
     dw += fp8_matmul(g_f8.t(), x_f8, FP8_SCALES["grad"], FP8_SCALES["x"], torch.float32)  # (V, C)
     db += dz.sum(0, dtype=db.dtype)  # (V,)
     return fp8_matmul(g_f8, w_f8, FP8_SCALES["grad"], FP8_SCALES["w"], dz.dtype)  # (N, C)
 
 
-TORCH_SPEEDRUN_OPS = op_table("torch", dict(
-    embedding_forward=torch_embedding_forward, embedding_backward=torch_embedding_backward,
-    rmsnorm_forward=torch_rmsnorm_forward, residual_rmsnorm_forward=torch_residual_rmsnorm_forward,
-    rmsnorm_backward=torch_rmsnorm_backward,
-    qk_norm_rotary_forward=torch_qk_norm_rotary_forward,
-    qk_norm_rotary_backward=torch_qk_norm_rotary_backward,
-    scaled_attention_forward=torch_scaled_attention_forward,
-    scaled_attention_backward=torch_scaled_attention_backward,
-    matmul_relu2_forward=torch_matmul_relu2_forward,
-    relu2_forward=torch_relu2_forward, relu2_backward=torch_relu2_backward,
-    softcap_crossentropy_forward_backward=torch_softcap_crossentropy_forward_backward,
-    muon_update=torch_muon_update, add_into=torch_add_into, fp8_quantize=fp8_quantize,
-    fp8_matmul_forward=torch_fp8_matmul_forward, fp8_matmul_backward=torch_fp8_matmul_backward,
-), SPEEDRUN_OP_NAMES)
+torch_fp8_quantize = fp8_quantize  # trainkit's casts
+TORCH_SPEEDRUN_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in SPEEDRUN_OP_NAMES},
+                              SPEEDRUN_OP_NAMES)
+
+
 
 
 def speedrun_ops(backend):
-    """The speedrun recipe's op namespace of `backend`: GPT-2's and its own, SPEEDRUN_OP_NAMES (backend
-    triton's, TRITON_SPEEDRUN_OPS, in triton_kernels_speedrun.py, imported here when first asked for)."""
+    """The speedrun recipe's op namespace of `backend`: GPT-2's and its own (SPEEDRUN_OP_NAMES)."""
     if backend == "torch":
         own = TORCH_SPEEDRUN_OPS
     else:
@@ -882,18 +841,10 @@ def speedrun_ops(backend):
 
 # -- model
 
-# The speedrun model, as tests/speedrun_reference.py computes it, on GPT-2's ops where they fit and
-# SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (gpt2_forward)
-# in channels of the residual stream: res (C), q and k before their norm (C each), v (C), the attention's
-# output y (C) and its row logsumexp, res2 (C) and the MLP's pre-activation (4C): 10 C, as GPT-2's. The
-# norms' outputs, the rotated q and k and relu(pre)^2 are recomputed by the backward; the embedding's
-# rows and the final residual with their norms' statistics are kept once. So --recompute pointwise keeps
-# what none keeps, as in GPT-2; block keeps res and lse alone and reruns the block (speedrun_block_rerun).
+# The speedrun model, as tests/speedrun_reference.py computes it; what it keeps: as GPT-2's (docs/FORMATS.md)
 
 def speedrun_block_forward(w, l, res, h, shape, cfg, ops):
-    """Block l from its input res (N, C) and norm1's output h (N, C), (B, T) = shape, up to its MLP's
-    activation: returns (what its backward reads: res, q, k, v, y, lse, res2, pre; relu(pre)^2 (N, 4C)).
-    The forward runs it once; at --recompute block the backward runs it again (speedrun_block_rerun)."""
+    """Block l from res (N, C) and norm1's output h to its MLP's activation: ({what backward reads}, relu(pre)^2)."""
     B, T = shape
     C, H, D = cfg.n_embd, cfg.n_embd // HEAD_DIM, HEAD_DIM
     eps = torch.finfo(res.dtype).eps
@@ -910,23 +861,18 @@ def speedrun_block_forward(w, l, res, h, shape, cfg, ops):
 
 
 def speedrun_block_rerun(w, l, kept, shape, cfg, ops):
-    """--recompute block: block l's forward again from what it kept (kept_for_backward), just before its
-    backward, with norm1's output recomputed from res as the fused kernel of the block before made it: the
-    same ops on the same input, so what its backward reads (speedrun_block_forward's dict), bit for bit."""
+    """--recompute block: speedrun_block_forward's dict again from what block l kept, bit for bit."""
     h, _ = ops.rmsnorm_forward(kept["res"], w[f"blocks.{l}.norm1.gains"], torch.finfo(kept["res"].dtype).eps)
     saved, _ = speedrun_block_forward(w, l, kept["res"], h, shape, cfg, ops)  # {name: tensor}
     return {**saved, "lse": kept["lse"]}
 
 
 def speedrun_forward(w, idx, cfg, ops, acts=None):
-    """Embedding, its RMSNorm, the L blocks and the final RMSNorm for token ids idx (B, T): returns the
-    final norm's output (B*T, C), the head's input. RMSNorm's eps is the compute dtype's machine epsilon
-    (the reference's F.rms_norm default). With a list `acts`, what the backward needs (see above; at
-    --recompute block only each block's input and lse: kept_for_backward)."""
+    """The final norm's output (B*T, C) for token ids idx (B, T); appends what the backward needs to `acts`."""
     B, T = idx.shape
     C, L = cfg.n_embd, cfg.n_layer
     emb = ops.embedding_forward(idx, w["embed.weight"]).view(B * T, C)  # (N, C)
-    eps = torch.finfo(emb.dtype).eps
+    eps = torch.finfo(emb.dtype).eps  # F.rms_norm's default, as the reference's
     res, rstd = ops.rmsnorm_forward(emb, w["norm1.gains"], eps)  # (N, C) residual stream, (N,)
     if acts is not None:
         acts.append(dict(emb=emb, rstd=rstd))
@@ -946,8 +892,7 @@ def speedrun_forward(w, idx, cfg, ops, acts=None):
 
 
 def speedrun_logits(z):
-    """The head's soft cap, 15 z / sqrt(z^2 + 15^2), in fp32 (evaluation and sampling; training's is in
-    softcap_crossentropy_forward_backward)."""
+    """The head's soft cap, SOFTCAP z / sqrt(z^2 + SOFTCAP^2), in fp32 (evaluation and sampling)."""
     z = z.float()  # (..., V)
     return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)  # (..., V)
 
@@ -955,17 +900,12 @@ def speedrun_logits(z):
 # -- backward
 
 def speedrun_loss(ops, logits, targets, cfg, dloss):
-    """The speedrun model's token losses (n,) fp32: the soft-capped cross-entropy over all Vp columns, as
-    the reference's, the logits overwritten with dloss times its gradient."""
+    """The soft-capped token losses (n,) fp32 over all Vp columns; the logits become dloss times their gradient."""
     return ops.softcap_crossentropy_forward_backward(logits, targets, dloss)
 
 
 def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
-    """speedrun_forward in reverse, from dh (N, C), the gradient of the final norm's output: that norm,
-    then per block the MLP and the attention, then the embedding's norm and the embedding. Pops each
-    block's saved tensors off `acts` as it goes; the norms' outputs, the rotated q and k and relu(pre)^2
-    are recomputed; at --recompute block, each block's forward reruns from what it kept just before its
-    backward."""
+    """speedrun_forward in reverse from dh (N, C), popping each block's `acts` (freed as it goes) into grads."""
     B, T = idx.shape
     C, H, D = cfg.n_embd, cfg.n_embd // HEAD_DIM, HEAD_DIM
     a = acts.pop()
@@ -1013,12 +953,8 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
 
 
 def speedrun_update(state, step, cfg, ops):
-    """The speedrun recipe's update of optimizer step `step` (1-based), in place, on this process's shard:
-    AdamW (adamw_update with the recipe's betas and eps, weight decay --weight-decay) on the tensors v holds
-    (the embedding, the head weight, every vector), each SPEEDRUN_LRS group at its lr; Muon (muon_update,
-    batched by shape, Newton-Schulz in the compute dtype) on the rest, the blocks' matrices, whose momentum
-    buffers m holds; both refresh the compute-dtype copies. The dicts hold whole tensors, or (ZeRO-1) 1-D
-    pieces of the AdamW tensors and this process's Muon matrices whole; a shard may hold none of a group."""
+    """Step `step` (1-based) on this process's shard: AdamW per lr group on what v holds, Muon by shape on the rest."""
+    # ZeRO-1 shards hold 1-D pieces of the AdamW tensors and whole Muon matrices, maybe none of a group
     lrs = speedrun_lrs(step - 1, cfg)
     p, g, m, v, copies = (state[k] for k in ("shard_params", "shard_grads", "m", "v", "shard_copies"))
 
@@ -1042,10 +978,8 @@ def speedrun_update(state, step, cfg, ops):
 # -- training step
 
 def speedrun_activation_bytes(cfg):
-    """The speedrun recipe's Recipe.activation_bytes: the bytes that one micro-batch's saved tensors
-    (speedrun_forward's `acts`, and at --recompute block the block rerun) hold at their peak, which none and
-    pointwise reach at the forward's end, block at the first rerun (the final norm's tensors freed by then,
-    the embedding's still kept): per token, times B*T."""
+    """Peak bytes of one micro-batch's saved tensors: at the forward's end, or (block) at the first rerun."""
+
     C, H, L, x = cfg.n_embd, cfg.n_embd // HEAD_DIM, cfg.n_layer, compute_dtype(cfg).itemsize
     kept = (C * x    # res (N, C): the block's input
             + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
@@ -1080,10 +1014,7 @@ RECIPES["speedrun"] = Recipe(
 # Triton plumbing: devices, state and evaluation
 
 def compute_groups(cfg):
-    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
-    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): bf16 copies of
-    every tensor, or with --dtype fp32 the fp32 masters themselves. A recipe's Muon matrices, which a
-    process updates whole, are a last group of their own."""
+    """[(names, dtype)] of the flat buffers' stretches, one all-gather each at stage 1: Muon's matrices last."""
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     dtype = compute_dtype(cfg)
@@ -1091,12 +1022,8 @@ def compute_groups(cfg):
 
 
 def make_state(params, m, v, cfg, device, rank=0, world=1):
-    """The training state on the device, from numpy dicts of the fp32 masters and the moments: every
-    process holds all of the fp32 gradients `grads` (views of one flat buffer, `grad_buffer`, that one
-    kernel zeroes) and all of the `weights` the model computes with (compute_groups: bf16 copies of the
-    masters, or the fp32 masters themselves); what else it holds is its ZeRO stage's (whole_state,
-    sharded_state). train_step updates `shard_params` from `shard_grads`, m and v (v of the AdamW tensors
-    only: Muon keeps one buffer, in m), and refreshes `shard_copies`."""
+    """The training state on the device from numpy dicts: all `grads` (views of `grad_buffer`) and `weights`,
+    and its ZeRO stage's `shard_*` tensors, m and v (v of the AdamW tensors only)."""
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
@@ -1107,10 +1034,7 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
 
 
 def whole_state(state, params, m, v, cfg, device):
-    """Stage 0: a process's shard is the whole model, its one group the whole buffer. It holds all of the
-    fp32 masters `params` and the moments m, v; one all-reduce sums the gradients, and it updates every
-    weight. `shard_params`, `shard_grads`, `shard_copies` are `params`, `grads` and the bf16 `weights`
-    (None in fp32, where the model computes with the masters)."""
+    """Stage 0: a process's shard is the whole model (shard_copies: the bf16 `weights`, None in fp32)."""
     state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
     state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()}
                         if cfg.dtype == "bf16" else state["params"])
@@ -1121,8 +1045,7 @@ def whole_state(state, params, m, v, cfg, device):
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors, not
-    the activations), by kind: state_bytes of this trainer's layout."""
+    """Bytes of make_state's tensors in one process, by kind (state_bytes of this trainer's layout)."""
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
     return state_bytes(cfg.zero_stage, shapes, layout, muon, world)
@@ -1130,9 +1053,8 @@ def device_state_bytes(cfg, shapes, world):
 
 @torch.no_grad()
 def generate(params, generator, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant."""
+    """SAMPLE_COUNT top-TOP_K continuations of EOT (S, T) int64, every position recomputed (no KV cache)."""
+
     recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
     device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
