@@ -195,7 +195,6 @@ def torch_residual_layernorm_forward(res, h, w, b):
 
 def torch_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     """dx = rstd (g - mean(g) - xhat mean(g xhat)) + dres with g = dy w; dw += sum dy xhat, db += sum dy."""
-
     acc = mean.dtype
     dyf = dy.to(acc)  # (N, C)
     xhat = (x.to(acc) - mean[:, None]) * rstd[:, None]  # (N, C)
@@ -396,7 +395,6 @@ def gpt2_ops(backend):
 
 def backend_ops(name, recipe=Config.recipe):
     """The op namespace of backend `name` for `recipe` (its Recipe.ops)."""
-
     if name == "triton" and not INTERPRET and not torch.cuda.is_available():
         die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
             "TRITON_INTERPRET=1 (slow, fp32 only)")
@@ -411,8 +409,7 @@ def compute_dtype(cfg):
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
-# What the forward keeps for the backward, and what a d12 step needs in all: docs/FORMATS.md, Activation
-# memory (The Triton trainer's GPT-2).
+# What the forward keeps for the backward, and a d12 step's memory: docs/FORMATS.md, Activation memory.
 
 def kept_for_backward(saved, cfg):
     """What a block keeps of its forward's `saved` for its backward: all, or res and lse at --recompute block."""
@@ -552,7 +549,6 @@ def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
 
 def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
     """Adds the gradient of dloss * (summed token losses) of x, y (B, T) into grads; returns the losses (N,)."""
-
     recipe = RECIPES[cfg.recipe]
     acts = []
     h = recipe.forward(w, x, cfg, ops, acts)  # (N, C)
@@ -603,12 +599,11 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
-    if world > 1 and not sharded:
-        dist.all_reduce(flat)  # one collective for all 16 gradients
     if sharded:
         for group in state["groups"]:
-            first, end = group["span"]
-            dist.reduce_scatter_single(group["grads"], flat[first:end])
+            dist.reduce_scatter_single(group["grads"], flat[slice(*group["span"])])
+    elif world > 1:
+        dist.all_reduce(flat)  # one collective for all the gradients
     norm = ops.global_norm(list(state["shard_grads"].values()))  # ()
     if sharded:
         squares = norm.double().square()  # ()
@@ -626,7 +621,6 @@ def train_step(state, xs, ys, step, cfg, ops, world):
 
 def gpt2_activation_bytes(cfg):
     """Peak bytes of one micro-batch's saved tensors: at the forward's end, or (block) at the first rerun."""
-
     C, H, L, x = cfg.n_embd, cfg.n_head, cfg.n_layer, compute_dtype(cfg).itemsize
     kept = (C * x    # res (N, C): the layer's input
             + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
@@ -979,7 +973,6 @@ def speedrun_update(state, step, cfg, ops):
 
 def speedrun_activation_bytes(cfg):
     """Peak bytes of one micro-batch's saved tensors: at the forward's end, or (block) at the first rerun."""
-
     C, H, L, x = cfg.n_embd, cfg.n_embd // HEAD_DIM, cfg.n_layer, compute_dtype(cfg).itemsize
     kept = (C * x    # res (N, C): the block's input
             + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
@@ -1054,7 +1047,6 @@ def device_state_bytes(cfg, shapes, world):
 @torch.no_grad()
 def generate(params, generator, cfg):
     """SAMPLE_COUNT top-TOP_K continuations of EOT (S, T) int64, every position recomputed (no KV cache)."""
-
     recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
     device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
@@ -1110,8 +1102,8 @@ def main(argv, signals):
     say(f"batch: {cfg.batch_size} x {cfg.seq_len} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    activations = RECIPES[cfg.recipe].activation_bytes(cfg)
-    say(format_memory(cfg, held, activations, world, RECIPES[cfg.recipe].optimizers))
+    activations = recipe.activation_bytes(cfg)
+    say(format_memory(cfg, held, activations, world, recipe.optimizers))
     warning = device.type == "cpu" and memory_warning(held, activations, world, host_memory_available())
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
@@ -1139,13 +1131,12 @@ def main(argv, signals):
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
 
-        flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
-        flops = (flops_per_token, peak * world if peak else None)  # per token; the devices' peak per s
+        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile = None
-        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
+        times = {}  # step -> its time; their sum is what --time-budget counts
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
@@ -1154,13 +1145,12 @@ def main(argv, signals):
             x, y = step_batches(train_loader, grad_accum)  # (A, B, T) each
             xs, ys = put_batch(x, device), put_batch(y, device)
             loss, norm = train_step(state, xs, ys, step, cfg, profile["ops"] if profile else ops, world)
-            dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
-            times[step] = dt
-            spent += dt
+            times[step] = dt = time.perf_counter() - t0  # train_step waited for the device: the whole step
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # --time-budget and signals: all processes must stop at the same step
-            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
+            budget_spent = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget
+            signum = signals.received
             if world > 1:
                 budget_spent, signum = agree_to_stop(budget_spent, signum, rank, device)
             last = step if budget_spent or signum else cfg.steps
@@ -1172,12 +1162,12 @@ def main(argv, signals):
                     torch.cuda.reset_peak_memory_stats(device)
             if profile and step == profile_steps[-1]:
                 tools.finish_profile(profile, profile_steps, [1000 * times[s] for s in profile_steps], weights,
-                               xs[0], cfg, ops, device, rank, master)
+                                     xs[0], cfg, ops, device, rank, master)
                 profile = None
-            report_step(step, cfg, loss, norm, RECIPES[cfg.recipe].lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
+            report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
                         framework, master, say)
             # the checkpoint before a signal's stop and the evaluations (--resume runs those log.jsonl lacks)
-            checkpoint_if_due(state, step, last, train_loader, cfg, RECIPES[cfg.recipe], world, master, say)
+            checkpoint_if_due(state, step, last, train_loader, cfg, recipe, world, master, say)
             stop_on_signal(signum, step, cfg, master)
             run_evals(step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
             say_samples(lambda g: generate(weights, g, cfg), cfg, step, last, device, encoder and encoder.decode,
