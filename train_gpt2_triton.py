@@ -129,11 +129,10 @@ def param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: ops
 #
-# A training step computes only the ops of OP_NAMES: backend torch's here, backend triton's in triton_kernels.py
-# (--test checks each against the other). Each forward returns what its backward needs; N = B*T rows. Weight
-# gradients are fp32 buffers that backwards add into (+=): micro-batches accumulate, the tied wte gets both
-# uses. Statistics, softmax and losses are fp32 (fp64 in an fp64 --test). The step's small ops (copy_into,
-# zero_fill, clip_by_norm, sum_into) are ops too, so that backend triton's step runs no torch compute op.
+# A training step computes only the ops of OP_NAMES (the step's small ones too: backend triton's step runs no
+# torch compute op): backend torch's here, triton's in triton_kernels.py. Each forward returns what its backward
+# needs; N = B*T rows. Weight gradients are fp32 buffers that backwards add into (+=): micro-batches accumulate,
+# the tied wte gets both uses. Statistics, softmax and losses are fp32 (fp64 in an fp64 --test).
 
 OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
             "layernorm_backward", "matmul_forward", "matmul_gelu_forward", "matmul_backward", "gelu_forward",
@@ -404,7 +403,6 @@ def backend_ops(name, recipe=Config.recipe):
 # -----------------------------------------------------------------------------
 # GPT-2: model
 
-
 def compute_dtype(cfg):
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
@@ -561,7 +559,6 @@ def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
 # -----------------------------------------------------------------------------
 # GPT-2: AdamW and the lr schedule
 
-
 BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
 
 
@@ -577,7 +574,6 @@ def gpt2_update(state, step, cfg, ops):
 
 # -----------------------------------------------------------------------------
 # GPT-2: training step
-
 
 @torch.no_grad()
 def train_step(state, xs, ys, step, cfg, ops, world):
@@ -945,7 +941,6 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
 
 # -- optimizer
 
-
 def speedrun_update(state, step, cfg, ops):
     """Step `step` (1-based) on this process's shard: AdamW per lr group on what v holds, Muon by shape on the rest."""
     # ZeRO-1 shards hold 1-D pieces of the AdamW tensors and whole Muon matrices, maybe none of a group
@@ -998,9 +993,8 @@ RECIPES["speedrun"] = Recipe(
     is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
     model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
     activation_bytes=speedrun_activation_bytes,
-    ops=speedrun_ops, forward=speedrun_forward, backward=speedrun_backward,
-    head=("proj.weight", "proj.bias"), loss=speedrun_loss, logits=speedrun_logits, summed=True,
-    update=speedrun_update)
+    ops=speedrun_ops, forward=speedrun_forward, backward=speedrun_backward, head=("proj.weight", "proj.bias"),
+    loss=speedrun_loss, logits=speedrun_logits, summed=True, update=speedrun_update)
 
 
 # -----------------------------------------------------------------------------
