@@ -275,7 +275,7 @@ def _attention_forward(q, k, v, scale):
 
 
 def _attention_backward(do, q, k, v, out, lse, scale, dq, dk_out, dv_out):
-    """Of (B, H, T, D) inputs into dq, dk_out, dv_out (B, T, H, D), P = exp(scale q k^T - lse) recomputed."""
+    """_attention_forward's gradients into dq, dk_out, dv_out (B, T, H, D), P recomputed per block from lse."""
     # dv = P^T do, dS = P (do v^T - rowsum(do out)), dq = scale dS k, dk = scale dS^T q
     B, H, T, D = q.shape
     acc = lse.dtype
@@ -815,8 +815,6 @@ def torch_fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
 torch_fp8_quantize = fp8_quantize  # trainkit's casts
 TORCH_SPEEDRUN_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in SPEEDRUN_OP_NAMES},
                               SPEEDRUN_OP_NAMES)
-
-
 
 
 def speedrun_ops(backend):
