@@ -129,15 +129,10 @@ def param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: ops
 #
-# Every computation of a training step is one of the ops in OP_NAMES, and a backend fills them all in: `torch`
-# here, with plain torch ops (the readable reference), `triton` in triton_kernels.py, with our kernels
-# (`--test` checks each against the other). Each forward returns its output and what its backward needs; each
-# backward is derived by hand. The interface: N = B*T rows, `dt` the compute dtype; weight gradients are fp32
-# buffers that backwards ADD into (+=), so micro-batches accumulate and the tied wte collects both its uses.
-# Statistics, softmax and losses are computed in fp32 (fp64 when everything is fp64, as in --test). Besides
-# the model's ops, the optimizer's (global_norm, adamw_update) and four small ones that the training step
-# needs: copy_into (an lm-head chunk's rows into place), zero_fill, clip_by_norm and sum_into (the loss), so
-# that backend triton's step runs no torch compute op at all.
+# A training step computes only the ops of OP_NAMES (the step's small ones too: backend triton's step runs no
+# torch compute op): backend torch's here, triton's in triton_kernels.py. Each forward returns what its backward
+# needs; N = B*T rows. Weight gradients are fp32 buffers that backwards add into (+=): micro-batches accumulate,
+# the tied wte gets both uses. Statistics, softmax and losses are fp32 (fp64 in an fp64 --test).
 
 OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
             "layernorm_backward", "matmul_forward", "matmul_gelu_forward", "matmul_backward", "gelu_forward",
@@ -151,8 +146,8 @@ HEAD_ROWS = 4096  # rows per lm-head chunk: only (HEAD_ROWS, Vp) logits ever exi
 
 
 def _acc(dtype):
-    """The dtype that statistics and accumulations use for compute dtype `dtype`: fp32, or fp64 for fp64
-    (a plain comparison: torch.promote_types would be a dispatched op inside the training step)."""
+    """The dtype of statistics and accumulations for compute dtype `dtype`: fp32, or fp64 for fp64."""
+    # a plain comparison: torch.promote_types would be a dispatched op inside the training step
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -168,10 +163,9 @@ def torch_encoder_backward(dx, idx, dwte, dwpe):
 
 
 def torch_embedding_backward(dx, idx, dtable):
-    """Each row of the table the forward gathered gets back the sum of its rows of dx (a token seen twice
-    gets both). Not index_add_ of all N rows, whose atomic adds on a GPU sum a repeated token in a different
-    order every run: sorted by token, each token's rows form one run, summed as a difference of fp64 prefix
-    sums, and each table row is added to once: the same bits on every run."""
+    """dtable[token] += the sum of dx's rows of that token, deterministically."""
+    # not index_add_ of all N rows (a GPU's atomic adds reorder a repeated token's sum every run): each
+    # token's sorted rows are summed as a difference of fp64 prefix sums, and each table row added to once
     B, T, C = dx.shape
     tokens, order = idx.reshape(-1).sort(stable=True)  # (N,) each
     last = torch.ones_like(tokens, dtype=torch.bool)  # (N,) the last row of each token's run
@@ -199,9 +193,7 @@ def torch_residual_layernorm_forward(res, h, w, b):
 
 
 def torch_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
-    """With xhat = (x - mean) * rstd and g = dy * w, the gradient through the normalization is
-    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += sum over rows of dy * xhat, db += sum of dy.
-    dres, the gradient that reaches x around the LayerNorm through the residual add, is added to dx."""
+    """dx = rstd (g - mean(g) - xhat mean(g xhat)) + dres with g = dy w; dw += sum dy xhat, db += sum dy."""
     acc = mean.dtype
     dyf = dy.to(acc)  # (N, C)
     xhat = (x.to(acc) - mean[:, None]) * rstd[:, None]  # (N, C)
@@ -253,16 +245,13 @@ def torch_gelu_backward(dy, pre):
 
 
 def _heads(qkv, n_head):
-    """q, k, v as (B, H, T, D) views of the fused (B, T, 3C) projection; head h is columns h*D..(h+1)*D-1
-    of each third."""
+    """q, k, v as (B, H, T, D) views of the fused (B, T, 3C) projection (head h: columns h*D.. of each third)."""
     B, T, C3 = qkv.shape
     return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
 
 
 def _causal_scores(q, k, i0, scale):
-    """fp32 scores scale q k^T (B, H, n, i0+n) of the n query rows starting at row i0 against the keys up
-    to the last of them (later keys are masked for every row of the block, so they are never multiplied);
-    -inf where a key comes after its query."""
+    """fp32 scores scale q k^T (B, H, n, i0+n) of query rows i0.. against keys 0..i0+n-1, -inf after the query."""
     n = q.shape[2]
     i1 = i0 + n
     s = (q @ k[:, :, :i1].transpose(-1, -2)).to(_acc(q.dtype)) * scale  # (B, H, n, i1)
@@ -272,9 +261,7 @@ def _causal_scores(q, k, i0, scale):
 
 
 def _attention_forward(q, k, v, scale):
-    """Causal softmax(scale q k^T) v of q, k, v (B, H, T, D), ATTN_BLOCK query rows at a time: the output
-    (B, T, H, D) and each row's logsumexp of the scores (B, H, T), from which a backward recomputes the
-    probabilities."""
+    """Causal softmax(scale q k^T) v of q, k, v (B, H, T, D), ATTN_BLOCK query rows at a time: (out, lse)."""
     B, H, T, D = q.shape
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)  # (B, T, H, D)
     lse = torch.empty(B, H, T, dtype=_acc(q.dtype), device=q.device)  # (B, H, T)
@@ -288,10 +275,8 @@ def _attention_forward(q, k, v, scale):
 
 
 def _attention_backward(do, q, k, v, out, lse, scale, dq, dk_out, dv_out):
-    """With S = scale q k^T and P = exp(S - lse) recomputed per block of query rows:
-    dv = P^T do, dP = do v^T, dS = P * (dP - rowsum(do * out)), dq = scale dS k, dk = scale dS^T q.
-    (rowsum(do * out) = rowsum(P * dP): the softmax's Jacobian without forming it.) do, q, k, v, out are
-    (B, H, T, D); the gradients are written into dq, dk_out, dv_out (B, T, H, D)."""
+    """_attention_forward's gradients into dq, dk_out, dv_out (B, T, H, D), P recomputed per block from lse."""
+    # dv = P^T do, dS = P (do v^T - rowsum(do out)), dq = scale dS k, dk = scale dS^T q
     B, H, T, D = q.shape
     acc = lse.dtype
     delta = (do.to(acc) * out.to(acc)).sum(-1)  # (B, H, T)
@@ -311,8 +296,7 @@ def _attention_backward(do, q, k, v, out, lse, scale, dq, dk_out, dv_out):
 
 
 def torch_attention_forward(qkv, n_head):
-    """Causal softmax(q k^T / sqrt(D)) v per head of the fused projection qkv (B, T, 3C). Keeps only the
-    output and each row's logsumexp of the scores."""
+    """Causal softmax(q k^T / sqrt(D)) v per head of qkv (B, T, 3C): (out (B, T, C), lse (B, H, T))."""
     B, T, C3 = qkv.shape
     q, k, v = _heads(qkv, n_head)  # (B, H, T, D) each
     out, lse = _attention_forward(q, k, v, 1.0 / math.sqrt(q.shape[-1]))  # (B, T, H, D), (B, H, T)
@@ -331,9 +315,7 @@ def torch_attention_backward(dout, qkv, out, lse, n_head):
 
 
 def torch_crossentropy_forward_backward(logits, targets, V, dloss):
-    """loss = logsumexp(z[:V]) - z[target] per row; the logits are overwritten with the loss's gradient,
-    dloss * (softmax(z[:V]) - onehot(target)), and 0 in the padded columns V..Vp-1, CE_BLOCK rows at a
-    time so the fp32 temporaries stay small. Returns the losses (N,) in fp32."""
+    """Losses (N,) fp32 over the first V columns; logits become dloss * (softmax - onehot), 0 in the padding."""
     N = logits.shape[0]
     losses = torch.empty(N, dtype=_acc(logits.dtype), device=logits.device)  # (N,)
     for r0 in range(0, N, CE_BLOCK):
@@ -355,8 +337,8 @@ def torch_copy_into(dst, src):
 
 
 def torch_global_norm(grads):
-    """L2 norm over all gradient tensors (0-d fp32). Sums of squares, not torch.linalg.vector_norm: on the
-    CPU that accumulates fp32 sequentially (1.7e-4 off for a wte-sized gradient), sum() pairwise."""
+    """L2 norm over all gradient tensors (0-d fp32)."""
+    # not torch.linalg.vector_norm: on the CPU it sums fp32 sequentially (1.7e-4 off for wte), sum() pairwise
     return torch.stack([g.square().sum() for g in grads]).sum().sqrt()  # ()
 
 
@@ -365,9 +347,7 @@ def torch_zero_fill(x):
 
 
 def torch_clip_by_norm(g, norm, max_norm):
-    """g *= max_norm / (norm + 1e-6) where that is below 1 (torch.nn.utils.clip_grad_norm_), computed on the
-    device in fp32, so the step never waits for the norm to reach the host. A NaN norm makes g NaN, as in
-    clip_grad_norm_ (clamp passes NaN on)."""
+    """g *= min(1, max_norm / (norm + 1e-6)) on the device, as clip_grad_norm_ (a NaN norm makes g NaN)."""
     g.mul_((max_norm / (norm + 1e-6)).clamp_(max=1.0))  # all gradients, flat
 
 
@@ -377,16 +357,12 @@ def torch_sum_into(acc, x, scale):
 
 
 def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
-    """llm.c's AdamW in place on lists of fp32 tensors, the gradients first scaled by grad_scale (the
-    clipping coefficient): m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
-    p -= lr (mhat / (sqrt(vhat) + eps) + wd p) with mhat = m / (1-b1^t), vhat = v / (1-b2^t); then the
-    compute-dtype copies (None in fp32) are refreshed from the updated masters."""
+    """llm.c's AdamW in place on lists of fp32 tensors (g scaled by grad_scale); refreshes copies (None: fp32)."""
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     for i, (p, g, m, v, wd) in enumerate(zip(params, grads, ms, vs, weight_decays)):
         if grad_scale != 1.0:
             g = g * grad_scale  # same shape as p
-        # in place but for the denominator: on the CPU a new tensor costs a page fault per 4 KiB, which
-        # takes longer than the pass over it
+        # in place but for the denominator: on the CPU a new tensor's page faults outlast the pass over it
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = torch.div(v, bc2).sqrt_().add_(eps)  # sqrt(vhat) + eps, like p
@@ -398,32 +374,18 @@ def torch_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, wei
 
 
 def op_table(backend, ops, names=OP_NAMES):
-    """A backend's op namespace from {op name: function}, which must fill in `names` (OP_NAMES, or a
-    recipe's own op names) exactly."""
+    """A backend's op namespace from {op name: function}, which must fill in `names` exactly."""
     missing, unknown = sorted(set(names) - set(ops)), sorted(set(ops) - set(names))
     if missing or unknown:
         raise TypeError(f"backend {backend}: ops missing {missing}, ops not in the interface {unknown}")
     return SimpleNamespace(**ops)
 
 
-TORCH_OPS = op_table("torch", dict(
-    encoder_forward=torch_encoder_forward, encoder_backward=torch_encoder_backward,
-    layernorm_forward=torch_layernorm_forward, residual_layernorm_forward=torch_residual_layernorm_forward,
-    layernorm_backward=torch_layernorm_backward,
-    matmul_forward=torch_matmul_forward, matmul_gelu_forward=torch_matmul_gelu_forward,
-    matmul_backward=torch_matmul_backward,
-    gelu_forward=torch_gelu_forward, gelu_backward=torch_gelu_backward,
-    attention_forward=torch_attention_forward, attention_backward=torch_attention_backward,
-    crossentropy_forward_backward=torch_crossentropy_forward_backward,
-    global_norm=torch_global_norm, adamw_update=torch_adamw_update,
-    zero_fill=torch_zero_fill, clip_by_norm=torch_clip_by_norm, sum_into=torch_sum_into,
-    copy_into=torch_copy_into,
-))
+TORCH_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in OP_NAMES})  # op X is torch_X
 
 
 def gpt2_ops(backend):
-    """GPT-2's op namespace of `backend`, OP_NAMES: TORCH_OPS, or triton_kernels.py's TRITON_OPS (imported
-    here, when first asked for: the kernels file imports this one)."""
+    """GPT-2's op namespace of `backend`: TORCH_OPS, or TRITON_OPS (imported here: it imports this file)."""
     if backend == "torch":
         return TORCH_OPS
     import triton_kernels
@@ -431,8 +393,7 @@ def gpt2_ops(backend):
 
 
 def backend_ops(name, recipe=Config.recipe):
-    """The op namespace of backend `name` for `recipe` (its Recipe.ops). Backend triton's kernels need a
-    CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    """The op namespace of backend `name` for `recipe` (its Recipe.ops)."""
     if name == "triton" and not INTERPRET and not torch.cuda.is_available():
         die("backend triton needs a CUDA GPU; without one, run its kernels in Triton's CPU interpreter with "
             "TRITON_INTERPRET=1 (slow, fp32 only)")
@@ -442,26 +403,20 @@ def backend_ops(name, recipe=Config.recipe):
 # -----------------------------------------------------------------------------
 # GPT-2: model
 
-
 def compute_dtype(cfg):
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
-# What the forward keeps for the backward, and what a d12 step needs in all: docs/FORMATS.md, Activation
-# memory (The Triton trainer's GPT-2).
+# What the forward keeps for the backward, and a d12 step's memory: docs/FORMATS.md, Activation memory.
 
 def kept_for_backward(saved, cfg):
-    """What a block keeps for its backward of what its forward made for it (`saved`, {name: tensor}, both
-    recipes naming the block's input res and its attention's row logsumexp lse): all of it at --recompute
-    none and pointwise, res and lse alone at block (the backward reruns the block from res; lse, H fp32 per
-    token beside res's C, is kept, and the backward reads it rather than the rerun's equal copy)."""
+    """What a block keeps of its forward's `saved` for its backward: all, or res and lse at --recompute block."""
+    # lse is H fp32 per token beside res's C: kept, and read rather than the rerun's equal copy
     return {k: saved[k] for k in ("res", "lse")} if cfg.recompute == "block" else saved
 
 
 def gpt2_block_forward(w, l, res, h, shape, cfg, ops):
-    """Layer l from its input res (N, C) and ln_1's output h (N, C), (B, T) = shape, up to its MLP's
-    activation: returns (what its backward reads: res, qkv, atty, lse, res2, fch; gelu(fch) (N, 4C)). The
-    forward runs it once; at --recompute block the backward runs it again, the same ops on the same input."""
+    """Layer l from res (N, C) and ln_1's output h to its MLP's activation: ({what backward reads}, gelu(fch))."""
     B, T = shape
     C = cfg.n_embd
     qkv = ops.matmul_forward(h, w["c_attn.w"][l], w["c_attn.b"][l])  # (N, 3C)
@@ -473,19 +428,14 @@ def gpt2_block_forward(w, l, res, h, shape, cfg, ops):
 
 
 def gpt2_block_rerun(w, l, kept, shape, cfg, ops):
-    """--recompute block: layer l's forward again from what it kept (kept_for_backward), just before its
-    backward, with ln_1's output recomputed from res as the fused kernel of the layer before made it: the
-    same ops on the same input, so what its backward reads (gpt2_block_forward's dict), bit for bit."""
+    """--recompute block: gpt2_block_forward's dict again from what layer l kept, bit for bit (the same ops)."""
     h, _, _ = ops.layernorm_forward(kept["res"], w["ln_1.w"][l], w["ln_1.b"][l])  # (N, C)
     saved, _ = gpt2_block_forward(w, l, kept["res"], h, shape, cfg, ops)  # {name: tensor}
     return {**saved, "lse": kept["lse"]}
 
 
 def gpt2_forward(w, idx, cfg, ops, acts=None):
-    """Embedding, the L blocks and ln_f for token ids idx (B, T): returns ln_f's output (B*T, C), the lm
-    head's input. With a list `acts`, every layer appends what its backward needs (see above; at
-    --recompute block only its input and lse: kept_for_backward) and a last entry holds the final residual
-    and ln_f's statistics; without, nothing outlives its use."""
+    """ln_f's output (B*T, C) for token ids idx (B, T); appends what the backward needs to a list `acts`."""
     B, T = idx.shape
     C, L = cfg.n_embd, cfg.n_layer
     res = ops.encoder_forward(idx, w["wte"], w["wpe"]).view(B * T, C)  # (N, C) residual stream
@@ -505,15 +455,14 @@ def gpt2_forward(w, idx, cfg, ops, acts=None):
 
 
 def head_logits(h, w, cfg, ops):
-    """z = h W^T (+ b) (N, Vp) of the recipe's lm head (Recipe.head: GPT-2's is wte, without a bias)."""
+    """z = h W^T (+ b) (N, Vp) of the recipe's lm head (Recipe.head)."""
     weight, bias = RECIPES[cfg.recipe].head
     return ops.matmul_forward(h, w[weight], w[bias] if bias else None)
 
 
 @torch.no_grad()
 def forward(params, idx, cfg):
-    """The logits (B, T, Vp) for token ids idx (B, T), as the recipe's Recipe.logits makes them of the head's
-    output (GPT-2's as they are); params are the weights in the compute dtype."""
+    """The logits (B, T, Vp) (Recipe.logits of the head's output) for token ids idx (B, T)."""
     B, T = idx.shape
     recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
     h = recipe.forward(params, idx, cfg, ops)  # (N, C)
@@ -522,34 +471,24 @@ def forward(params, idx, cfg):
 
 @torch.no_grad()
 def token_losses(params, x, y, cfg):
-    """Per-token losses (B, T) in fp32 (the recipe's Recipe.loss), HEAD_ROWS rows of logits at a time (the
-    loss op's gradient output is simply dropped)."""
+    """Per-token losses (B, T) in fp32 (Recipe.loss), HEAD_ROWS rows of logits at a time."""
     ops = backend_ops(cfg.backend, cfg.recipe)
     h = RECIPES[cfg.recipe].forward(params, x, cfg, ops)  # (N, C)
     losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
     return losses.view(x.shape)  # (B, T)
 
 
-def loss_fn(params, x, y, cfg):
-    """Mean token loss of one micro-batch (fp32 scalar)."""
-    return token_losses(params, x, y, cfg).mean()
-
-
 # -----------------------------------------------------------------------------
 # GPT-2: backward
 
 def gpt2_loss(ops, logits, targets, cfg, dloss):
-    """GPT-2's token losses (n,) fp32: the cross-entropy over the first V of the Vp columns, the logits
-    overwritten with dloss times its gradient (0 in the padded columns)."""
+    """GPT-2's token losses (n,) fp32 over the first V columns; the logits become dloss times their gradient."""
     return ops.crossentropy_forward_backward(logits, targets, cfg.vocab_size, dloss)
 
 
 def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS):
-    """The lm head and the loss, forward and backward at once, `rows` rows at a time: the recipe's logits =
-    h W^T (+ b) (Recipe.head); its loss (Recipe.loss) overwrites them with dlogits; then dh = dlogits W and
-    dW += dlogits^T h (db += its column sums). Returns (losses (N,) fp32, dh (N, C)); with grads None, only
-    the losses (dh None). With --fp8-head, training's matmuls take FP8 operands (the speedrun recipe's ops
-    fp8_quantize, fp8_matmul_forward and fp8_matmul_backward); evaluation's (grads None) stay plain."""
+    """The lm head and the loss, forward and backward, `rows` rows at a time: (losses (N,) fp32, dh (N, C))."""
+    # grads None: evaluation, the losses alone; --fp8-head's FP8 matmuls are training's only
     N = h.shape[0]
     recipe = RECIPES[cfg.recipe]
     weight, bias = recipe.head
@@ -572,10 +511,7 @@ def head_forward_backward(h, targets, w, grads, cfg, ops, dloss, rows=HEAD_ROWS)
 
 
 def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
-    """The forward in reverse, from dh (N, C), the gradient of ln_f's output: ln_f, then per layer the MLP
-    and the attention, then the embedding. Pops each layer's saved tensors off `acts` as it goes, so their
-    memory is freed as the backward consumes it; ln_1's and ln_2's outputs and gelu(fch) are recomputed;
-    at --recompute block, each layer's forward reruns from what it kept just before its backward."""
+    """gpt2_forward in reverse from dh (N, C), popping each layer's `acts` (freed as it goes) into grads."""
     B, T = idx.shape
     C, H = cfg.n_embd, cfg.n_head
     g = grads
@@ -610,8 +546,7 @@ def gpt2_backward(dh, idx, w, grads, acts, cfg, ops):
 
 
 def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
-    """One micro-batch (x, y (B, T) int64) of the recipe's model: forward, loss, backward. Adds the
-    gradient of dloss * (sum of the token losses) into grads; returns the token losses (N,) in fp32."""
+    """Adds the gradient of dloss * (summed token losses) of x, y (B, T) into grads; returns the losses (N,)."""
     recipe = RECIPES[cfg.recipe]
     acts = []
     h = recipe.forward(w, x, cfg, ops, acts)  # (N, C)
@@ -624,14 +559,11 @@ def forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=HEAD_ROWS):
 # -----------------------------------------------------------------------------
 # GPT-2: AdamW and the lr schedule
 
-
 BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
 
 
 def gpt2_update(state, step, cfg, ops):
-    """GPT-2's update of optimizer step `step` (1-based), in place, on this process's shard: llm.c's AdamW
-    (adamw_update) at cosine_lr's lr, weight decay on DECAY_NAMES only, which also refreshes the
-    compute-dtype copies."""
+    """llm.c's AdamW of step `step` (1-based) on this process's shard, weight decay on DECAY_NAMES only."""
     names = list(state["shard_grads"])
     copies = [state["shard_copies"][k] for k in names] if state["shard_copies"] else None
     ops.adamw_update([state["shard_params"][k] for k in names], [state["shard_grads"][k] for k in names],
@@ -643,15 +575,10 @@ def gpt2_update(state, step, cfg, ops):
 # -----------------------------------------------------------------------------
 # GPT-2: training step
 
-
 @torch.no_grad()
 def train_step(state, xs, ys, step, cfg, ops, world):
-    """Optimizer step `step` (1-based) on the micro-batches xs, ys (A, B, T): returns (train loss, grad
-    norm before clipping) as floats. Each micro-batch's forward and hand-written backward add into the
-    fp32 gradients, scaled to the gradient of the mean token loss over all micro-batches (or of the sum:
-    Recipe.summed); then one all-reduce (stage 1: reduce-scatter), clipping by global norm, Recipe.update
-    (stage 1: on this process's shard, then an all-gather of the weights). No autograd. All but the
-    collectives runs through `ops`: the host waits once, at the end, for the loss and the norm."""
+    """Optimizer step `step` (1-based) on micro-batches xs, ys (A, B, T): (loss, grad norm before clipping)."""
+    # all but the collectives runs through `ops`: the host waits once, at the end, for the loss and norm
     w, grads, flat = state["weights"], state["grads"], state["grad_buffer"]
     ops.zero_fill(flat)
     share = 1.0 / (xs[0].numel() * len(xs) * world)  # each token's share of the mean loss
@@ -663,19 +590,16 @@ def train_step(state, xs, ys, step, cfg, ops, world):
     ops.zero_fill(loss)
     for x, y in zip(xs, ys):
         ops.sum_into(loss, forward_backward(w, grads, x, y, cfg, ops, dloss), share)
-    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
-    # summed gradients, the norm from every shard's sum of squares, the update of its shard of the masters
-    # (and of the compute copies), then every process's updated shard of the weights to every process.
-    # Stage 0 sums everything with one all-reduce, and a process's shard is the whole model.
+    # ZeRO-1 over processes: reduce-scatter per group (compute_groups), update the shard, all-gather the
+    # weights; stage 0: one all-reduce, and a process's shard is the whole model
     sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
-    if world > 1 and not sharded:
-        dist.all_reduce(flat)  # one collective for all 16 gradients
     if sharded:
         for group in state["groups"]:
-            first, end = group["span"]
-            dist.reduce_scatter_single(group["grads"], flat[first:end])
+            dist.reduce_scatter_single(group["grads"], flat[slice(*group["span"])])
+    elif world > 1:
+        dist.all_reduce(flat)  # one collective for all the gradients
     norm = ops.global_norm(list(state["shard_grads"].values()))  # ()
     if sharded:
         squares = norm.double().square()  # ()
@@ -692,9 +616,7 @@ def train_step(state, xs, ys, step, cfg, ops, world):
 
 
 def gpt2_activation_bytes(cfg):
-    """GPT-2's Recipe.activation_bytes: the bytes that one micro-batch's saved tensors (gpt2_forward's
-    `acts`, and at --recompute block the layer rerun) hold at their peak, which none and pointwise reach at
-    the forward's end, block at the first rerun (ln_f's tensors freed by then): per token, times B*T."""
+    """Peak bytes of one micro-batch's saved tensors: at the forward's end, or (block) at the first rerun."""
     C, H, L, x = cfg.n_embd, cfg.n_head, cfg.n_layer, compute_dtype(cfg).itemsize
     kept = (C * x    # res (N, C): the layer's input
             + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
@@ -738,11 +660,7 @@ from trainkit.torch_shared import fp8_matmul, fp8_quantize
 
 # -- ops
 
-# The speedrun recipe's own computations, beside GPT-2's ops that it shares (matmul with bias,
-# global_norm, adamw_update with its betas, zero_fill, clip_by_norm, sum_into, copy_into): its
-# embedding without positions, RMSNorm, q and k RMS-normed and rotated, attention with its own scale,
-# ReLU^2, the soft-capped cross-entropy over all columns, Muon, the sum of the input gradients of q, k
-# and v (add_into), and --fp8-head's casts and the head's matmuls on FP8 operands.
+# The speedrun recipe's own ops, beside GPT-2's that it shares (matmul, the optimizer's and the step's)
 SPEEDRUN_OP_NAMES = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "residual_rmsnorm_forward",
                      "rmsnorm_backward", "qk_norm_rotary_forward", "qk_norm_rotary_backward",
                      "scaled_attention_forward", "scaled_attention_backward", "matmul_relu2_forward",
@@ -756,8 +674,7 @@ def torch_embedding_forward(idx, table):
 
 
 def torch_rmsnorm_forward(x, w, eps):
-    """y = x * rstd * w over the last dim, rstd = 1 / sqrt(mean(x^2) + eps), computed in fp32; w None: no
-    gain (q and k over a head). Returns (y, rstd (...,) fp32)."""
+    """(y = x rstd w (w None: no gain), rstd = 1 / sqrt(mean(x^2) + eps) (...,) fp32) over the last dim."""
     xf = x.to(_acc(x.dtype))  # (..., C)
     rstd = torch.rsqrt((xf * xf).mean(-1) + eps)  # (...,)
     y = xf * rstd[..., None]  # (..., C)
@@ -772,9 +689,7 @@ def torch_residual_rmsnorm_forward(res, h, w, eps):
 
 
 def torch_rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
-    """With xhat = x * rstd and g = dy * w (g = dy without gain), the gradient through the normalization is
-    dx = rstd * (g - xhat * mean(g * xhat)); dw += sum over rows of dy * xhat (dw None without gain). dres,
-    the gradient that reaches x around the norm through the residual add, is added to dx."""
+    """dx = rstd (g - xhat mean(g xhat)) + dres with g = dy w (dy without gain); dw += sum dy xhat."""
     acc = rstd.dtype
     dyf = dy.to(acc)  # (..., C)
     xhat = x.to(acc) * rstd[..., None]  # (..., C)
@@ -789,9 +704,7 @@ def torch_rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
 
 
 def _rotary_cos_sin(T, D, dtype, device):
-    """cos and sin (T, D/2) in `dtype` of the angles t * freq of the speedrun model's half-truncated rotary:
-    freq = (1/1024)^linspace(0, 1) over the first D/4 pairs, in fp32 as the reference's buffer holds them,
-    and 0 over the last D/4 (those pairs are not rotated)."""
+    """cos and sin (T, D/2) of t freq, freq = (1/1024)^linspace(0, 1) (fp32) over D/4 pairs, then D/4 zeros."""
     freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=device)  # (D/4,)
     freq = torch.cat([freq, freq.new_zeros(D // 4)]).to(dtype)  # (D/2,)
     theta = torch.outer(torch.arange(T, dtype=dtype, device=device), freq)  # (T, D/2)
@@ -799,9 +712,7 @@ def _rotary_cos_sin(T, D, dtype, device):
 
 
 def torch_qk_norm_rotary_forward(x, eps):
-    """q or k (B, T, H, D): RMS-normed over each head without gain, xhat = x * rstd, then rotated per
-    position t: with halves xhat1, xhat2, y = (xhat1 cos + xhat2 sin, -xhat1 sin + xhat2 cos), theta = t
-    freq; in fp32. Returns (y (B, T, H, D), rstd (B, T, H) fp32)."""
+    """q or k (B, T, H, D) RMS-normed per head without gain, then rotated: (y (B, T, H, D), rstd (B, T, H))."""
     B, T, H, D = x.shape
     xhat, rstd = torch_rmsnorm_forward(x.to(_acc(x.dtype)), None, eps)  # (B, T, H, D), (B, T, H)
     cos, sin = (t[:, None] for t in _rotary_cos_sin(T, D, xhat.dtype, x.device))  # (T, 1, D/2) each
@@ -810,8 +721,7 @@ def torch_qk_norm_rotary_forward(x, eps):
 
 
 def torch_qk_norm_rotary_backward(dy, x, rstd):
-    """The rotation is orthogonal: dxhat = R^T dy, (dy1 cos - dy2 sin, dy1 sin + dy2 cos); then the
-    RMSNorm backward without gain, dx = rstd * (dxhat - xhat * mean(dxhat * xhat))."""
+    """dx of torch_qk_norm_rotary_forward: the rotation's transpose, then the RMSNorm backward without gain."""
     B, T, H, D = x.shape
     cos, sin = (t[:, None] for t in _rotary_cos_sin(T, D, rstd.dtype, x.device))  # (T, 1, D/2) each
     dy1, dy2 = dy.to(rstd.dtype).chunk(2, dim=-1)  # (B, T, H, D/2) each
@@ -853,10 +763,8 @@ def torch_relu2_backward(dy, pre):
 
 
 def torch_softcap_crossentropy_forward_backward(z, targets, dloss):
-    """The soft-capped logits c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2) in fp32, and loss = logsumexp(c) -
-    c[target] over ALL Vp columns (as the reference's); z is overwritten with the loss's gradient,
-    dloss (softmax(c) - onehot(target)) dc/dz, dc/dz = SOFTCAP^3 / (z^2 + SOFTCAP^2)^(3/2), CE_BLOCK rows at
-    a time so the fp32 temporaries stay small. Returns the losses (N,) in fp32."""
+    """Losses (N,) fp32 of c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2) over all Vp columns; z becomes their gradient."""
+    # dz = dloss (softmax(c) - onehot) dc/dz, dc/dz = SOFTCAP^3 / (z^2 + SOFTCAP^2)^(3/2)
     N = z.shape[0]
     losses = torch.empty(N, dtype=_acc(z.dtype), device=z.device)  # (N,)
     for r0 in range(0, N, CE_BLOCK):
@@ -874,10 +782,7 @@ def torch_softcap_crossentropy_forward_backward(z, targets, dloss):
 
 
 def torch_muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype):
-    """Muon in place on lists of fp32 matrices of one shape (r, c): the momentum buffer m = lerp(m, g,
-    1 - momentum), Nesterov's u = lerp(g, m, momentum), orthogonalized by newton_schulz in `dtype` (batched
-    over the matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr wd, p -= lr update; then the compute-dtype
-    copies (None in fp32) are refreshed from the updated masters."""
+    """Muon in place on lists of fp32 matrices of one shape (Newton-Schulz in `dtype`); refreshes copies."""
     torch._foreach_lerp_(ms, grads, 1.0 - momentum)
     u = torch.stack(torch._foreach_lerp(grads, ms, momentum))  # (n, r, c)
     r, c = u.shape[1:]
@@ -894,40 +799,26 @@ def torch_add_into(acc, x):
 
 
 def torch_fp8_matmul_forward(x_f8, w_f8, b):
-    """z = (x_f8 w_f8^T) x_s w_s + b in b's dtype (the compute dtype), of --fp8-head's e4m3fn operands x_f8
-    (N, C) and w_f8 (V, C) (fp8_quantize's "x" and "w"): torch._scaled_mm on a CUDA GPU (fp8_matmul)."""
+    """z = (x_f8 w_f8^T) x_s w_s + b in b's dtype, of --fp8-head's e4m3fn x_f8 (N, C) and w_f8 (V, C)."""
     z = fp8_matmul(x_f8, w_f8.t(), FP8_SCALES["x"], FP8_SCALES["w"], b.dtype, fast_accum=True)  # (N, V)
     return z.add_(b)
 
 
 def torch_fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
-    """torch_fp8_matmul_forward's backward: g_f8 = dz cast to e5m2 (fp8_quantize's "grad"); dx = g_f8 w_f8
-    g_s w_s in dz's dtype; dw += g_f8^T x_f8 g_s x_s, db += dz summed over the rows (unquantized), in fp32."""
+    """torch_fp8_matmul_forward's backward through dz cast to e5m2: dx; dw, db (of dz unquantized) += fp32."""
     g_f8 = fp8_quantize(dz, "grad")  # (N, V)
     dw += fp8_matmul(g_f8.t(), x_f8, FP8_SCALES["grad"], FP8_SCALES["x"], torch.float32)  # (V, C)
     db += dz.sum(0, dtype=db.dtype)  # (V,)
     return fp8_matmul(g_f8, w_f8, FP8_SCALES["grad"], FP8_SCALES["w"], dz.dtype)  # (N, C)
 
 
-TORCH_SPEEDRUN_OPS = op_table("torch", dict(
-    embedding_forward=torch_embedding_forward, embedding_backward=torch_embedding_backward,
-    rmsnorm_forward=torch_rmsnorm_forward, residual_rmsnorm_forward=torch_residual_rmsnorm_forward,
-    rmsnorm_backward=torch_rmsnorm_backward,
-    qk_norm_rotary_forward=torch_qk_norm_rotary_forward,
-    qk_norm_rotary_backward=torch_qk_norm_rotary_backward,
-    scaled_attention_forward=torch_scaled_attention_forward,
-    scaled_attention_backward=torch_scaled_attention_backward,
-    matmul_relu2_forward=torch_matmul_relu2_forward,
-    relu2_forward=torch_relu2_forward, relu2_backward=torch_relu2_backward,
-    softcap_crossentropy_forward_backward=torch_softcap_crossentropy_forward_backward,
-    muon_update=torch_muon_update, add_into=torch_add_into, fp8_quantize=fp8_quantize,
-    fp8_matmul_forward=torch_fp8_matmul_forward, fp8_matmul_backward=torch_fp8_matmul_backward,
-), SPEEDRUN_OP_NAMES)
+torch_fp8_quantize = fp8_quantize  # trainkit's casts
+TORCH_SPEEDRUN_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in SPEEDRUN_OP_NAMES},
+                              SPEEDRUN_OP_NAMES)
 
 
 def speedrun_ops(backend):
-    """The speedrun recipe's op namespace of `backend`: GPT-2's and its own, SPEEDRUN_OP_NAMES (backend
-    triton's, TRITON_SPEEDRUN_OPS, in triton_kernels_speedrun.py, imported here when first asked for)."""
+    """The speedrun recipe's op namespace of `backend`: GPT-2's and its own (SPEEDRUN_OP_NAMES)."""
     if backend == "torch":
         own = TORCH_SPEEDRUN_OPS
     else:
@@ -938,18 +829,10 @@ def speedrun_ops(backend):
 
 # -- model
 
-# The speedrun model, as tests/speedrun_reference.py computes it, on GPT-2's ops where they fit and
-# SPEEDRUN_OP_NAMES' where they do not. What its forward keeps per layer, as GPT-2's (gpt2_forward)
-# in channels of the residual stream: res (C), q and k before their norm (C each), v (C), the attention's
-# output y (C) and its row logsumexp, res2 (C) and the MLP's pre-activation (4C): 10 C, as GPT-2's. The
-# norms' outputs, the rotated q and k and relu(pre)^2 are recomputed by the backward; the embedding's
-# rows and the final residual with their norms' statistics are kept once. So --recompute pointwise keeps
-# what none keeps, as in GPT-2; block keeps res and lse alone and reruns the block (speedrun_block_rerun).
+# The speedrun model, as tests/speedrun_reference.py computes it; what it keeps: as GPT-2's (docs/FORMATS.md)
 
 def speedrun_block_forward(w, l, res, h, shape, cfg, ops):
-    """Block l from its input res (N, C) and norm1's output h (N, C), (B, T) = shape, up to its MLP's
-    activation: returns (what its backward reads: res, q, k, v, y, lse, res2, pre; relu(pre)^2 (N, 4C)).
-    The forward runs it once; at --recompute block the backward runs it again (speedrun_block_rerun)."""
+    """Block l from res (N, C) and norm1's output h to its MLP's activation: ({what backward reads}, relu(pre)^2)."""
     B, T = shape
     C, H, D = cfg.n_embd, cfg.n_embd // HEAD_DIM, HEAD_DIM
     eps = torch.finfo(res.dtype).eps
@@ -966,23 +849,18 @@ def speedrun_block_forward(w, l, res, h, shape, cfg, ops):
 
 
 def speedrun_block_rerun(w, l, kept, shape, cfg, ops):
-    """--recompute block: block l's forward again from what it kept (kept_for_backward), just before its
-    backward, with norm1's output recomputed from res as the fused kernel of the block before made it: the
-    same ops on the same input, so what its backward reads (speedrun_block_forward's dict), bit for bit."""
+    """--recompute block: speedrun_block_forward's dict again from what block l kept, bit for bit."""
     h, _ = ops.rmsnorm_forward(kept["res"], w[f"blocks.{l}.norm1.gains"], torch.finfo(kept["res"].dtype).eps)
     saved, _ = speedrun_block_forward(w, l, kept["res"], h, shape, cfg, ops)  # {name: tensor}
     return {**saved, "lse": kept["lse"]}
 
 
 def speedrun_forward(w, idx, cfg, ops, acts=None):
-    """Embedding, its RMSNorm, the L blocks and the final RMSNorm for token ids idx (B, T): returns the
-    final norm's output (B*T, C), the head's input. RMSNorm's eps is the compute dtype's machine epsilon
-    (the reference's F.rms_norm default). With a list `acts`, what the backward needs (see above; at
-    --recompute block only each block's input and lse: kept_for_backward)."""
+    """The final norm's output (B*T, C) for token ids idx (B, T); appends what the backward needs to `acts`."""
     B, T = idx.shape
     C, L = cfg.n_embd, cfg.n_layer
     emb = ops.embedding_forward(idx, w["embed.weight"]).view(B * T, C)  # (N, C)
-    eps = torch.finfo(emb.dtype).eps
+    eps = torch.finfo(emb.dtype).eps  # F.rms_norm's default, as the reference's
     res, rstd = ops.rmsnorm_forward(emb, w["norm1.gains"], eps)  # (N, C) residual stream, (N,)
     if acts is not None:
         acts.append(dict(emb=emb, rstd=rstd))
@@ -1002,8 +880,7 @@ def speedrun_forward(w, idx, cfg, ops, acts=None):
 
 
 def speedrun_logits(z):
-    """The head's soft cap, 15 z / sqrt(z^2 + 15^2), in fp32 (evaluation and sampling; training's is in
-    softcap_crossentropy_forward_backward)."""
+    """The head's soft cap, SOFTCAP z / sqrt(z^2 + SOFTCAP^2), in fp32 (evaluation and sampling)."""
     z = z.float()  # (..., V)
     return SOFTCAP * z * torch.rsqrt(z.square() + SOFTCAP**2)  # (..., V)
 
@@ -1011,17 +888,12 @@ def speedrun_logits(z):
 # -- backward
 
 def speedrun_loss(ops, logits, targets, cfg, dloss):
-    """The speedrun model's token losses (n,) fp32: the soft-capped cross-entropy over all Vp columns, as
-    the reference's, the logits overwritten with dloss times its gradient."""
+    """The soft-capped token losses (n,) fp32 over all Vp columns; the logits become dloss times their gradient."""
     return ops.softcap_crossentropy_forward_backward(logits, targets, dloss)
 
 
 def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
-    """speedrun_forward in reverse, from dh (N, C), the gradient of the final norm's output: that norm,
-    then per block the MLP and the attention, then the embedding's norm and the embedding. Pops each
-    block's saved tensors off `acts` as it goes; the norms' outputs, the rotated q and k and relu(pre)^2
-    are recomputed; at --recompute block, each block's forward reruns from what it kept just before its
-    backward."""
+    """speedrun_forward in reverse from dh (N, C), popping each block's `acts` (freed as it goes) into grads."""
     B, T = idx.shape
     C, H, D = cfg.n_embd, cfg.n_embd // HEAD_DIM, HEAD_DIM
     a = acts.pop()
@@ -1067,14 +939,9 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
 
 # -- optimizer
 
-
 def speedrun_update(state, step, cfg, ops):
-    """The speedrun recipe's update of optimizer step `step` (1-based), in place, on this process's shard:
-    AdamW (adamw_update with the recipe's betas and eps, weight decay --weight-decay) on the tensors v holds
-    (the embedding, the head weight, every vector), each SPEEDRUN_LRS group at its lr; Muon (muon_update,
-    batched by shape, Newton-Schulz in the compute dtype) on the rest, the blocks' matrices, whose momentum
-    buffers m holds; both refresh the compute-dtype copies. The dicts hold whole tensors, or (ZeRO-1) 1-D
-    pieces of the AdamW tensors and this process's Muon matrices whole; a shard may hold none of a group."""
+    """Step `step` (1-based) on this process's shard: AdamW per lr group on what v holds, Muon by shape on the rest."""
+    # ZeRO-1 shards hold 1-D pieces of the AdamW tensors and whole Muon matrices, maybe none of a group
     lrs = speedrun_lrs(step - 1, cfg)
     p, g, m, v, copies = (state[k] for k in ("shard_params", "shard_grads", "m", "v", "shard_copies"))
 
@@ -1098,10 +965,7 @@ def speedrun_update(state, step, cfg, ops):
 # -- training step
 
 def speedrun_activation_bytes(cfg):
-    """The speedrun recipe's Recipe.activation_bytes: the bytes that one micro-batch's saved tensors
-    (speedrun_forward's `acts`, and at --recompute block the block rerun) hold at their peak, which none and
-    pointwise reach at the forward's end, block at the first rerun (the final norm's tensors freed by then,
-    the embedding's still kept): per token, times B*T."""
+    """Peak bytes of one micro-batch's saved tensors: at the forward's end, or (block) at the first rerun."""
     C, H, L, x = cfg.n_embd, cfg.n_embd // HEAD_DIM, cfg.n_layer, compute_dtype(cfg).itemsize
     kept = (C * x    # res (N, C): the block's input
             + 4 * H)  # lse (B, H, T) fp32: the attention's row logsumexp
@@ -1127,19 +991,15 @@ RECIPES["speedrun"] = Recipe(
     is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
     model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
     activation_bytes=speedrun_activation_bytes,
-    ops=speedrun_ops, forward=speedrun_forward, backward=speedrun_backward,
-    head=("proj.weight", "proj.bias"), loss=speedrun_loss, logits=speedrun_logits, summed=True,
-    update=speedrun_update)
+    ops=speedrun_ops, forward=speedrun_forward, backward=speedrun_backward, head=("proj.weight", "proj.bias"),
+    loss=speedrun_loss, logits=speedrun_logits, summed=True, update=speedrun_update)
 
 
 # -----------------------------------------------------------------------------
 # Triton plumbing: devices, state and evaluation
 
 def compute_groups(cfg):
-    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
-    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): bf16 copies of
-    every tensor, or with --dtype fp32 the fp32 masters themselves. A recipe's Muon matrices, which a
-    process updates whole, are a last group of their own."""
+    """[(names, dtype)] of the flat buffers' stretches, one all-gather each at stage 1: Muon's matrices last."""
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     dtype = compute_dtype(cfg)
@@ -1147,12 +1007,8 @@ def compute_groups(cfg):
 
 
 def make_state(params, m, v, cfg, device, rank=0, world=1):
-    """The training state on the device, from numpy dicts of the fp32 masters and the moments: every
-    process holds all of the fp32 gradients `grads` (views of one flat buffer, `grad_buffer`, that one
-    kernel zeroes) and all of the `weights` the model computes with (compute_groups: bf16 copies of the
-    masters, or the fp32 masters themselves); what else it holds is its ZeRO stage's (whole_state,
-    sharded_state). train_step updates `shard_params` from `shard_grads`, m and v (v of the AdamW tensors
-    only: Muon keeps one buffer, in m), and refreshes `shard_copies`."""
+    """The training state on the device from numpy dicts: all `grads` (views of `grad_buffer`) and `weights`,
+    and its ZeRO stage's `shard_*` tensors, m and v (v of the AdamW tensors only)."""
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
@@ -1163,10 +1019,7 @@ def make_state(params, m, v, cfg, device, rank=0, world=1):
 
 
 def whole_state(state, params, m, v, cfg, device):
-    """Stage 0: a process's shard is the whole model, its one group the whole buffer. It holds all of the
-    fp32 masters `params` and the moments m, v; one all-reduce sums the gradients, and it updates every
-    weight. `shard_params`, `shard_grads`, `shard_copies` are `params`, `grads` and the bf16 `weights`
-    (None in fp32, where the model computes with the masters)."""
+    """Stage 0: a process's shard is the whole model (shard_copies: the bf16 `weights`, None in fp32)."""
     state.update({name: to_device(d, device) for name, d in (("params", params), ("m", m), ("v", v))})
     state["weights"] = ({k: t.to(torch.bfloat16) for k, t in state["params"].items()}
                         if cfg.dtype == "bf16" else state["params"])
@@ -1177,8 +1030,7 @@ def whole_state(state, params, m, v, cfg, device):
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors, not
-    the activations), by kind: state_bytes of this trainer's layout."""
+    """Bytes of make_state's tensors in one process, by kind (state_bytes of this trainer's layout)."""
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
     return state_bytes(cfg.zero_stage, shapes, layout, muon, world)
@@ -1186,9 +1038,7 @@ def device_state_bytes(cfg, shapes, world):
 
 @torch.no_grad()
 def generate(params, generator, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant."""
+    """SAMPLE_COUNT top-TOP_K continuations of EOT (S, T) int64, every position recomputed (no KV cache)."""
     recipe, ops = RECIPES[cfg.recipe], backend_ops(cfg.backend, cfg.recipe)
     device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
@@ -1244,8 +1094,8 @@ def main(argv, signals):
     say(f"batch: {cfg.batch_size} x {cfg.seq_len} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    activations = RECIPES[cfg.recipe].activation_bytes(cfg)
-    say(format_memory(cfg, held, activations, world, RECIPES[cfg.recipe].optimizers))
+    activations = recipe.activation_bytes(cfg)
+    say(format_memory(cfg, held, activations, world, recipe.optimizers))
     warning = device.type == "cpu" and memory_warning(held, activations, world, host_memory_available())
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
@@ -1273,13 +1123,12 @@ def main(argv, signals):
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
 
-        flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
-        flops = (flops_per_token, peak * world if peak else None)  # per token; the devices' peak per s
+        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile = None
-        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
+        times = {}  # step -> its time; their sum is what --time-budget counts
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
@@ -1288,13 +1137,12 @@ def main(argv, signals):
             x, y = step_batches(train_loader, grad_accum)  # (A, B, T) each
             xs, ys = put_batch(x, device), put_batch(y, device)
             loss, norm = train_step(state, xs, ys, step, cfg, profile["ops"] if profile else ops, world)
-            dt = time.perf_counter() - t0  # train_step waited for the device: dt spans the whole step
-            times[step] = dt
-            spent += dt
+            times[step] = dt = time.perf_counter() - t0  # train_step waited for the device: the whole step
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # --time-budget and signals: all processes must stop at the same step
-            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
+            budget_spent = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget
+            signum = signals.received
             if world > 1:
                 budget_spent, signum = agree_to_stop(budget_spent, signum, rank, device)
             last = step if budget_spent or signum else cfg.steps
@@ -1306,12 +1154,12 @@ def main(argv, signals):
                     torch.cuda.reset_peak_memory_stats(device)
             if profile and step == profile_steps[-1]:
                 tools.finish_profile(profile, profile_steps, [1000 * times[s] for s in profile_steps], weights,
-                               xs[0], cfg, ops, device, rank, master)
+                                     xs[0], cfg, ops, device, rank, master)
                 profile = None
-            report_step(step, cfg, loss, norm, RECIPES[cfg.recipe].lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
+            report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
                         framework, master, say)
             # the checkpoint before a signal's stop and the evaluations (--resume runs those log.jsonl lacks)
-            checkpoint_if_due(state, step, last, train_loader, cfg, RECIPES[cfg.recipe], world, master, say)
+            checkpoint_if_due(state, step, last, train_loader, cfg, recipe, world, master, say)
             stop_on_signal(signum, step, cfg, master)
             run_evals(step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
             say_samples(lambda g: generate(weights, g, cfg), cfg, step, last, device, encoder and encoder.decode,
