@@ -1,6 +1,4 @@
-"""triton_tools.py: the code of train_gpt2_triton.py's --test, --profile and --bench-ops, which stay flags of
-the trainer: its main imports this file when one of them is given (this file imports the trainer's model,
-backend torch's ops and flags, so the trainer never imports it at its own import).
+"""triton_tools.py: train_gpt2_triton.py's --test, --profile and --bench-ops (its main imports this file for them).
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
     python train_gpt2_triton.py triton --test              # every kernel against backend torch
@@ -8,13 +6,13 @@ backend torch's ops and flags, so the trainer never imports it at its own import
         --profile                                          # tables of steps 2-4, per op and per kernel
     python train_gpt2_triton.py triton --bench-ops         # every op against the PyTorch op it replaces
 
-Map: the file's sections, in order.
-    Self-test (--test)                     each op and the whole model against a reference
-    Profiling (--profile, --bench-ops)     per op and per kernel: time, FLOP/s or GB/s, against PyTorch's
-    The tools of each recipe               RecipeTools, TOOLS: gpt2's row, the speedrun recipe's module
+Map:
+    Self-test (--test)
+    Profiling (--profile, --bench-ops)
+    The tools of each recipe
 """
 import contextlib
-import importlib
+import functools
 import math
 import os
 import sys
@@ -40,14 +38,11 @@ from trainkit.torch_shared import peak_memory_gb
 # -----------------------------------------------------------------------------
 # Self-test (--test)
 #
-# Each op's forward and backward on random inputs of several shapes (odd sizes, T = 1, T past a block),
-# then the whole model's loss, logits and every parameter gradient over two micro-batches, against a
-# reference: for backend torch, torch.autograd through PyTorch's own functional ops; for backend triton,
-# backend torch. References run in fp64 on the very values the tested run sees (its inputs rounded to the
-# dtype under test first), so the error measured is the tested run's alone.
+# Each op on random inputs of several shapes, then the whole model's loss, logits and gradients over two
+# micro-batches, against a reference (autograd for backend torch, backend torch for backend triton) run in
+# fp64 on the very values the tested run sees (its inputs rounded to the dtype under test first).
 
-# (B, T, C, H); the interpreter is slow: there a smaller batch, and T past its 32-row blocks twice instead
-# of 4 times
+# (B, T, C, H); the interpreter is slow: there a smaller batch, and T past its 32-row blocks twice, not 4 times
 TEST_SHAPES = ([(1, 1, 8, 1), (2, 7, 12, 3), (2, 33, 40, 5), (1, 67, 64, 1)] if INTERPRET else
                [(1, 1, 8, 1), (2, 7, 12, 3), (3, 33, 40, 5), (1, 130, 64, 1)])
 TEST_TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max relative error
@@ -92,10 +87,6 @@ def autograd_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     return dx if dres is None else dx + dres
 
 
-def autograd_matmul_forward(x, w, b):
-    return F.linear(x, w, b)  # (N, M)
-
-
 def autograd_matmul_gelu_forward(x, w, b):
     pre = F.linear(x, w, b)  # (N, M)
     return F.gelu(pre, approximate="tanh"), pre
@@ -111,10 +102,6 @@ def autograd_matmul_backward(dy, x, w, dw, db):
     if db is not None:
         db += grads[2]
     return grads[0]
-
-
-def autograd_gelu_forward(pre):
-    return F.gelu(pre, approximate="tanh")  # (N, M)
 
 
 def autograd_gelu_backward(dy, pre):
@@ -150,14 +137,9 @@ def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
     return losses.detach()
 
 
-def autograd_global_norm(grads):
-    return torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))  # ()
-
-
 def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step,
                           grad_scale):
-    """torch.optim.AdamW, its state set to the given moments and step: the same update in another form
-    (decoupled decay p *= 1 - lr wd, then the Adam step)."""
+    """torch.optim.AdamW with its state set to the given moments and step (the same update in another form)."""
     opt = torch.optim.AdamW([{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decays)],
                             lr=lr, betas=(beta1, beta2), eps=eps, foreach=False)
     for p, g, m, v in zip(params, grads, ms, vs):
@@ -170,10 +152,6 @@ def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, 
             copies[i].copy_(p)
 
 
-def autograd_zero_fill(x):
-    x.copy_(torch.zeros_like(x))
-
-
 def autograd_clip_by_norm(g, norm, max_norm):
     """torch.nn.utils.clip_grads_with_norm_, on a parameter whose .grad is g."""
     p = _leaf(torch.zeros_like(g))
@@ -181,33 +159,27 @@ def autograd_clip_by_norm(g, norm, max_norm):
     torch.nn.utils.clip_grads_with_norm_([p], max_norm, norm, foreach=False)
 
 
-def autograd_sum_into(acc, x, scale):
-    acc.copy_(acc + torch.sum(x) * scale)
-
-
-def autograd_copy_into(dst, src):
-    dst.copy_(src.reshape(dst.shape))
-
-
 AUTOGRAD_OPS = op_table("autograd", dict(
     encoder_forward=autograd_encoder_forward, encoder_backward=autograd_encoder_backward,
     layernorm_forward=autograd_layernorm_forward,
     residual_layernorm_forward=autograd_residual_layernorm_forward,
     layernorm_backward=autograd_layernorm_backward,
-    matmul_forward=autograd_matmul_forward, matmul_gelu_forward=autograd_matmul_gelu_forward,
+    matmul_forward=F.linear, matmul_gelu_forward=autograd_matmul_gelu_forward,
     matmul_backward=autograd_matmul_backward,
-    gelu_forward=autograd_gelu_forward, gelu_backward=autograd_gelu_backward,
+    gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"), gelu_backward=autograd_gelu_backward,
     attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
     crossentropy_forward_backward=autograd_crossentropy_forward_backward,
-    global_norm=autograd_global_norm, adamw_update=autograd_adamw_update,
-    zero_fill=autograd_zero_fill, clip_by_norm=autograd_clip_by_norm, sum_into=autograd_sum_into,
-    copy_into=autograd_copy_into,
+    global_norm=lambda grads: torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])),
+    adamw_update=autograd_adamw_update,
+    zero_fill=lambda x: x.copy_(torch.zeros_like(x)), clip_by_norm=autograd_clip_by_norm,
+    sum_into=lambda acc, x, scale: acc.copy_(acc + torch.sum(x) * scale),
+    copy_into=lambda dst, src: dst.copy_(src.reshape(dst.shape)),
 ))
 
 
 def op_inputs(dt, rdt, device):
-    """A source of random test tensors of dtype dt, each first rounded to rdt (the dtype under test), so
-    that a reference run (dt fp64) draws exactly the values the tested run (dt = rdt) draws."""
+    """Random test tensors in dt, each first rounded to rdt (the dtype under test): an fp64 reference run
+    draws exactly the values the tested run (dt = rdt) draws."""
     gen = torch.Generator().manual_seed(TEST_SEED)
 
     def rand(*shape, scale=1.0, shift=0.0, acc=False, positive=False):
@@ -249,21 +221,14 @@ def case_residual_layernorm(ops, r, B, T, C, H):
     return dict(x=x, y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
 
 
-def case_matmul(ops, r, B, T, C, H):
-    x, w, b = r.rand(B * T, C), r.rand(3 * C, C, scale=C ** -0.5), r.rand(3 * C)  # (N, C), (3C, C), (3C,)
-    y = ops.matmul_forward(x, w, b)  # (N, 3C)
-    dw, db = r.rand(3 * C, C, acc=True), r.rand(3 * C, acc=True)  # (3C, C), (3C,)
-    dx = ops.matmul_backward(r.rand(B * T, 3 * C), x, w, dw, db)  # (N, C)
-    return dict(y=y, dx=dx, dw=dw, db=db)
-
-
-def case_matmul_no_bias(ops, r, B, T, C, H):
-    M = 5 * C + 3  # like the lm head: a wide output, no bias
+def case_matmul(ops, r, B, T, C, H, bias=True):
+    M = 3 * C if bias else 5 * C + 3  # without bias like the lm head: a wide output
     x, w = r.rand(B * T, C), r.rand(M, C, scale=C ** -0.5)  # (N, C), (M, C)
-    y = ops.matmul_forward(x, w, None)  # (N, M)
-    dw = r.rand(M, C, acc=True)  # (M, C)
-    dx = ops.matmul_backward(r.rand(B * T, M), x, w, dw, None)  # (N, C)
-    return dict(y=y, dx=dx, dw=dw)
+    b = r.rand(M) if bias else None  # (M,)
+    y = ops.matmul_forward(x, w, b)  # (N, M)
+    dw, db = r.rand(M, C, acc=True), r.rand(M, acc=True) if bias else None  # (M, C), (M,)
+    dx = ops.matmul_backward(r.rand(B * T, M), x, w, dw, db)  # (N, C)
+    return dict(y=y, dx=dx, dw=dw, **({"db": db} if bias else {}))
 
 
 def case_matmul_gelu(ops, r, B, T, C, H):
@@ -319,8 +284,7 @@ def case_adamw(ops, r, B, T, C, H):
 
 
 def case_step_ops(ops, r, B, T, C, H):
-    """The training step's own ops: zeroing, clipping (a norm above the limit, and one below it: no change),
-    the loss sum, and the copy of an lm-head chunk's rows into the middle of a buffer."""
+    """Zeroing, clipping (by a norm above the limit, and one below: no change), the loss sum, a row copy."""
     zeroed = r.rand(B, T, C)  # (B, T, C)
     ops.zero_fill(zeroed)
     clipped, kept = r.rand(B * T * C + 5, acc=True), r.rand(B * T * C + 5, acc=True)  # flat gradients
@@ -329,14 +293,15 @@ def case_step_ops(ops, r, B, T, C, H):
     acc = r.rand(acc=True)  # () a running loss
     ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 1.0 / (B * T))
     ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 0.5)
-    copied = r.rand(B * T + 2, C)  # (N+2, C)
+    copied = r.rand(B * T + 2, C)  # (N+2, C) an lm-head chunk's rows copied into its middle
     ops.copy_into(copied[1:B * T + 1], r.rand(B * T, C))
     return dict(zeroed=zeroed, clipped=clipped, kept=kept, acc=acc, copied=copied)
 
 
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
             ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
-            ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
+            ("matmul no bias fwd+bwd", functools.partial(case_matmul, bias=False)),
+            ("matmul+gelu fwd+bwd", case_matmul_gelu),
             ("gelu fwd+bwd", case_gelu), ("attention fwd+bwd", case_attention),
             ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
@@ -359,8 +324,8 @@ def self_test_model_data(r, cfg):
 
 
 def case_model(backend, r, cfg):
-    """Logits of the first micro-batch, mean loss and all gradients over both, through the trainer's model
-    of cfg's recipe on `backend` (the lm head in chunks of 5 rows, so that chunks end inside a sequence)."""
+    """The first micro-batch's logits, the mean loss and all gradients over both, through the trainer's model
+    on `backend` (the lm head in chunks of 5 rows: chunks end inside a sequence)."""
     ops = backend_ops(backend, cfg.recipe)
     w, batches = self_test_model_data(r, cfg)
     grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
@@ -405,8 +370,8 @@ def reference_case_model(r, cfg):
 
 
 def compare(got, want):
-    """(max abs error, max relative error) of got against want; relative to want's largest magnitude, so
-    entries near zero do not blow it up; infinite for a wrong shape or a non-finite value."""
+    """(max abs error, max error relative to want's largest magnitude); infinite for a wrong shape or a
+    non-finite value."""
     g = got.detach().to("cpu", torch.float64)
     w = want.detach().to("cpu", torch.float64)
     if g.shape != w.shape or not torch.isfinite(g).all():
@@ -418,8 +383,7 @@ def compare(got, want):
 
 @contextlib.contextmanager
 def first_configs(active=True):
-    """Inside (when active), every autotuned kernel runs the first configuration its pruning keeps for the
-    arguments, without timing the others."""
+    """Inside (when active), every autotuned kernel runs the first config its pruning keeps, untimed."""
     tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
     prunes = [k.early_config_prune for k in tuners]
 
@@ -436,27 +400,14 @@ def first_configs(active=True):
 
 
 def run_self_test(cfg):
-    """--test: prints a table row by row as the checks run (check, dtype, max abs error, max relative
-    error, tolerance, result, worst output) and exits non-zero if any check fails. TF32 is off while it
-    runs (fp32 references must be fp32) and the caller's settings are restored after it (the tests call it
-    in their own process). A recipe whose backend torch ops autograd checks elsewhere
-    (RecipeTools.autograd_test) refuses backend torch."""
+    """--test: a table row by row as the checks run; exits non-zero if any fails. TF32 is off meanwhile (fp32
+    references must be fp32), the caller's settings restored after."""
     tools = recipe_tools(cfg.recipe)
     if cfg.backend == "torch" and tools.autograd_test:
         die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
             f"torch's {cfg.recipe} ops are held to autograd by {tools.autograd_test})")
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        _run_self_test(cfg)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-
-
-def _run_self_test(cfg):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ops = backend_ops(cfg.backend, cfg.recipe)
-    cases = recipe_tools(cfg.recipe).test_cases()
     if cfg.backend == "torch":
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
     else:
@@ -483,22 +434,26 @@ def _run_self_test(cfg):
 
     f64 = torch.float64
     passed = []
-    with torch.no_grad(), first_configs(pinned):
-        for dt in dtypes:
-            for name, case in cases:
-                results = []
-                for shape in TEST_SHAPES:
-                    got = case(ops, op_inputs(dt, dt, device), *shape)
-                    want = case(ref_ops, op_inputs(f64, dt, device), *shape)
-                    results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
-                passed.append(report(name, dt, results))
-            tcfg = recipe_tools(cfg.recipe).test_config
-            got = case_model(cfg.backend, op_inputs(dt, dt, device), tcfg)
-            want = ref_model(op_inputs(f64, dt, device), tcfg)
-            passed.append(report("model loss and logits", dt,
-                                 [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
-            passed.append(report("model: every parameter gradient", dt,
-                                 [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad(), first_configs(pinned):
+            for dt in dtypes:
+                for name, case in tools.test_cases():
+                    results = []
+                    for shape in TEST_SHAPES:
+                        got = case(ops, op_inputs(dt, dt, device), *shape)
+                        want = case(ref_ops, op_inputs(f64, dt, device), *shape)
+                        results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
+                    passed.append(report(name, dt, results))
+                got = case_model(cfg.backend, op_inputs(dt, dt, device), tools.test_config)
+                want = ref_model(op_inputs(f64, dt, device), tools.test_config)
+                passed.append(report("model loss and logits", dt,
+                                     [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
+                passed.append(report("model: every parameter gradient", dt,
+                                     [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     if not all(passed):
         die(f"--test: {passed.count(False)} of {len(passed)} checks failed")
     print(f"--test: all {len(passed)} checks passed")
@@ -515,10 +470,9 @@ def _nbytes(*tensors):
 
 
 def op_work(name, args, kwargs, out):
-    """(flops, bytes) that one call of op `name` cannot do without: the matmul flops of the matmuls and
-    the attention (causal: half the score matrix; its backward recomputes the scores, 5 matmuls in all),
-    and for the others the bytes they must read and write. Achieved TFLOP/s and GB/s are measured
-    against these. A recipe's own ops: its RecipeTools.op_work."""
+    """(flops, bytes) that one call of op `name` cannot do without, which achieved TFLOP/s and GB/s are measured
+    against: the matmuls' and the causal attention's flops (its backward: 5 matmuls), else the bytes read and
+    written. A recipe's own ops: its RecipeTools.op_work."""
     for recipe in RECIPES:
         work = recipe_tools(recipe).op_work(name, args, kwargs, out)
         if work is not None:
@@ -572,9 +526,8 @@ def _elapsed_ms(t0, t1):
 
 
 def timed_ops(ops, device, calls, active=None):
-    """ops with every function timed and labelled for the profiler's trace: each call appends
-    [name, start, end, flops, bytes] to `calls`; while it runs, `active` (a list) ends with
-    (name, its index in calls)."""
+    """ops, each call timed, labelled in the profiler's trace and appended to `calls` as [name, start, end,
+    flops, bytes]; while it runs, `active` (a list) ends with (name, its index in calls)."""
     def wrap(name, fn):
         def call(*args, **kwargs):
             record = [name, None, None, 0, 0]
@@ -593,28 +546,17 @@ def timed_ops(ops, device, calls, active=None):
     return SimpleNamespace(**{name: wrap(name, fn) for name, fn in vars(ops).items()})
 
 
-def _dot_kernel_flops(name, a):
-    """Matmul FLOPs a launch of one of our tl.dot kernels performs, from its arguments (None for the
-    others): 2MNK for the matmuls; for the causal attention the (B, H, T, T) half-matrices it multiplies
-    (2 dots forward, 4 in the dK/dV kernel and 3 in the dQ kernel, which recompute the scores)."""
+def kernel_work(name, a):
+    """(flops, bytes) of one kernel launch with bound arguments `a`: our tl.dot kernels' FLOPs, else every
+    distinct tensor passed, once (the embedding backward: the dwte rows it updates)."""
     if name in ("matmul_kernel", "matmul_dw_kernel"):
         batch = a["a_ptr"].shape[0] if a["a_ptr"].dim() == 3 else 1  # Newton-Schulz's batched products
-        return 2 * a["M"] * a["N"] * a["K"] * batch
+        return 2 * a["M"] * a["N"] * a["K"] * batch, 0
+    # the causal attention's (B, H, T, T) half matrices: 2 dots forward, 4 in dK/dV and 3 in dQ (recomputing)
     dots = {"attn_fwd_kernel": 2, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}.get(name)
-    if dots is None:
-        return None
-    q = a["q_ptr"]  # (B, T, C) view of qkv, or (B, T, H, D)
-    return dots * q.shape[1] * q.numel()
-
-
-def kernel_work(name, a):
-    """(flops, bytes) of one kernel launch with bound arguments `a`: the FLOPs of our tl.dot kernels; for
-    the memory-bound ones every distinct tensor they are passed, once (a lower bound for a buffer read and
-    written; the embedding backward counts only the dwte rows it updates). kernel_table replaces the
-    bytes by its op's when the kernel is all of its op, or reads the op's tensors through a pointer table."""
-    flops = _dot_kernel_flops(name, a)
-    if flops is not None:
-        return flops, 0
+    if dots is not None:
+        q = a["q_ptr"]  # (B, T, C) view of qkv, or (B, T, H, D)
+        return dots * q.shape[1] * q.numel(), 0
     tensors = {t.data_ptr(): t for t in a.values() if isinstance(t, torch.Tensor)}
     if name == "_encoder_wte_backward_kernel":
         dwte = tensors.pop(a["dwte_ptr"].data_ptr())
@@ -622,25 +564,19 @@ def kernel_work(name, a):
     return 0, _nbytes(*tensors.values())
 
 
-def kernel_modules():
-    """The kernel files loaded: triton_kernels, and a recipe's own triton_kernels_<recipe> once its ops or
-    tools are (triton_kernels_speedrun)."""
-    return [triton_kernels] + [module for name, module in list(sys.modules.items())
-                               if name.startswith("triton_kernels_")]
-
-
 def launched_kernels():
-    """{name: kernel} of every Triton jit, autotune or heuristics object of the kernel files loaded (the jit
-    helpers that kernels call inside are among them, and are never launched themselves)."""
-    return {name: k for module in kernel_modules() for name, k in vars(module).items()
+    """{name: kernel} of every Triton jit, autotune or heuristics object of the kernel files loaded
+    (triton_kernels, and a recipe's triton_kernels_<recipe>), jit helpers included."""
+    modules = [triton_kernels] + [module for name, module in list(sys.modules.items())
+                                  if name.startswith("triton_kernels_")]
+    return {name: k for module in modules for name, k in vars(module).items()
             if isinstance(k, triton.runtime.KernelInterface)}
 
 
 @contextlib.contextmanager
 def timed_kernels(device, launches, active):
-    """Inside, every launch of one of our Triton kernels is timed on the device and labelled
-    `kernel <name>` in the profiler's trace: each appends [op index, kernel, start, end, flops, bytes] to
-    `launches`, op index being that of the innermost op running (see timed_ops), or None."""
+    """Inside, every launch of our kernels is timed and labelled `kernel <name>` in the trace, appended to
+    `launches` as [op index (the innermost op running, see timed_ops, or None), kernel, start, end, flops, bytes]."""
     kernels = launched_kernels()
 
     def wrap(name, kernel, run):
@@ -663,9 +599,8 @@ def timed_kernels(device, launches, active):
 
 
 def kernel_table(calls, launches):
-    """{(op, kernel): [launches, ms, flops, bytes]} over the profiled step: each kernel under the op that
-    launched it, so the forward's and the backward's uses of a kernel stay apart. A memory-bound kernel
-    that is all of its op, or the global norm's (which reads the gradients through a pointer table), is
+    """{(op, kernel): [launches, ms, flops, bytes]}, each kernel under the op that launched it. A memory-bound
+    kernel that is all of its op, or the global norm's (it reads the gradients through a pointer table), is
     credited with the op's bytes."""
     per_call = {}
     for launch in launches:
@@ -695,10 +630,8 @@ HOST_READ_OPS = {"aten::item", "aten::_local_scalar_dense"}
 
 
 def torch_ops_census(events, op_names):
-    """{(aten op, the op of the interface it ran in, or "(step)"): count} over the profiled events, leaving
-    out those inside our kernels' launches (a launch runs no torch op on a GPU; Triton's CPU interpreter
-    copies the arguments to the host and back inside it). Nested aten ops count too: a wrapper such as
-    aten::reshape shows what it really did (aten::view, or a copy)."""
+    """{(aten op, the op it ran in, or "(step)"): count} over the profiled events outside our kernels' launches
+    (the interpreter copies arguments inside them), nested aten ops included."""
     counts = {}
     for e in events:
         if not e.name.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
@@ -714,8 +647,8 @@ def torch_ops_census(events, op_names):
 
 
 def kept_bytes(w, x, cfg, ops):
-    """{op name: bytes} that one micro-batch's forward keeps for its backward, each saved tensor traced back
-    to the op that made it by its storage address."""
+    """{op name: bytes} that one micro-batch's forward keeps for its backward, traced to the op that made each
+    saved tensor by its storage address."""
     maker = {}
 
     def wrap(name, fn):
@@ -742,9 +675,8 @@ def _rate(flops, nbytes, ms):
 
 
 def start_profile(ops, device):
-    """--profile, before its first step: torch.profiler records, and every op of `ops` and every launch of
-    our Triton kernels is timed and labelled in the trace (timed_ops, timed_kernels). The profiled steps
-    run the returned profile's "ops"; finish_profile ends it."""
+    """--profile, before its first step: torch.profiler records, and every op and kernel launch is timed and
+    labelled; the profiled steps run the returned profile's "ops"; finish_profile ends it."""
     calls, launches, active = [], [], []
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -758,12 +690,9 @@ def start_profile(ops, device):
 
 @torch.no_grad()
 def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
-    """--profile, after its last step (`steps` the profiled step numbers, `steps_ms` their times): stops
-    recording and writes this process's Chrome trace to OUT_DIR/profile. Rank 0 prints, over those steps,
-    per op and per kernel (under the op that launched it): calls, time, share of the steps, TFLOP/s or
-    GB/s, and per op the bytes its outputs keep for the backward (on micro-batch x (B, T)); the torch ops
-    the steps ran besides allocation and views; on a GPU, all device work that is not one of our kernels;
-    the peak memory since the first step."""
+    """--profile, after its last step: writes this process's Chrome trace to OUT_DIR/profile; rank 0 prints the
+    per-op and per-kernel tables, the torch ops besides allocation and views, the GPU work besides our kernels,
+    what the forward keeps for the backward (on micro-batch x) and the peak memory."""
     profile["recording"].close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -828,9 +757,8 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
 
 
 def time_ms(fn, device):
-    """Median milliseconds of fn(): on a GPU by triton.testing.do_bench (25 ms of warm-up, then 100 ms of
-    calls, each after the L2 cache is flushed, so no op reads its inputs from a warm cache); elsewhere over
-    BENCH_REPS calls after BENCH_WARMUP (which also compile)."""
+    """Median milliseconds of fn(): on a GPU by triton.testing.do_bench (L2 flushed before each call), else
+    over BENCH_REPS calls after BENCH_WARMUP."""
     if device.type == "cuda":
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     for _ in range(BENCH_WARMUP):
@@ -844,8 +772,8 @@ def time_ms(fn, device):
 
 
 def bench_cases(cfg, ops, device):
-    """(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work) at the model's
-    shapes: N = B*T rows, and HEAD_ROWS rows for the lm head and the loss, as the training step runs them."""
+    """[(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work)] at the model's
+    shapes (HEAD_ROWS rows for the lm head and the loss, as the step runs them)."""
     dt = compute_dtype(cfg)
     B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
                          cfg.padded_vocab_size)
@@ -969,9 +897,8 @@ def copy_bandwidth_gbs(device):
 
 @torch.no_grad()
 def bench_ops(cfg, ops, device):
-    """--bench-ops: each op of the backend at the model's shapes against the PyTorch op it replaces:
-    milliseconds and achieved TFLOP/s or GB/s of both (GB/s also as a share of the device's measured copy
-    bandwidth, the ceiling of a memory-bound op), and the speed-up over the PyTorch op."""
+    """--bench-ops: each op against the PyTorch op it replaces, at the model's shapes: ms, TFLOP/s or GB/s (also
+    as a share of the copy bandwidth, a memory-bound op's ceiling) and the speed-up."""
     copy_gbs = copy_bandwidth_gbs(device)
     print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
@@ -996,9 +923,8 @@ def bench_ops(cfg, ops, device):
 # -----------------------------------------------------------------------------
 # The tools of each recipe
 #
-# What the tools ask of a recipe, beside its row of the trainer's RECIPES: gpt2's row here, the speedrun
-# recipe's with its kernels (the module named here, loaded on first use), so that deleting the speedrun
-# recipe's parts leaves gpt2's tools working.
+# What the tools ask of a recipe beside its RECIPES row: gpt2's row here; a recipe's own kernels file adds its
+# row (TOOLS["speedrun"] = ...), so that deleting the speedrun recipe's parts leaves gpt2's tools working.
 
 @dataclass(frozen=True)
 class RecipeTools:
@@ -1010,19 +936,17 @@ class RecipeTools:
     op_work: Callable     # (name, args, kwargs, out) -> (flops, bytes) of one of its own ops, else None
 
 
-TOOLS = {
-    "gpt2": RecipeTools(
-        test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
-                           seq_len=9, batch_size=2),
-        test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases,
-        op_work=lambda name, args, kwargs, out: None),
-    "speedrun": "triton_kernels_speedrun",  # its TOOLS
-}
+TOOLS = {"gpt2": RecipeTools(
+    test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
+                       seq_len=9, batch_size=2),
+    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases,
+    op_work=lambda name, args, kwargs, out: None)}
 
 
 def recipe_tools(recipe):
-    """TOOLS' row of `recipe`, loading it from its module on first use."""
-    row = TOOLS[recipe]
-    if isinstance(row, str):
-        row = TOOLS[recipe] = importlib.import_module(row).TOOLS
-    return row
+    """TOOLS' row of `recipe`; a recipe's own row comes with its kernels file, which its triton ops load."""
+    if recipe not in TOOLS:
+        RECIPES[recipe].ops("triton")
+    if recipe not in TOOLS:
+        die(f"--recipe {recipe} has no row in triton_tools.TOOLS: no --test, --profile or --bench-ops for it")
+    return TOOLS[recipe]
