@@ -101,9 +101,8 @@ def encoder_forward(idx, wte, wpe):
     x = torch.empty((B, T, C), dtype=wte.dtype, device=wte.device)                  # (B, T, C) dt
     block_c, block_rows = _row_blocks(C)
     grid = (triton.cdiv(B * T, block_rows),)
-    _encoder_forward_kernel[grid](idx, wte, wte if wpe is None else wpe, x, B * T, T, C,
-                                  HAS_WPE=wpe is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
-                                  num_warps=ROW_WARPS)
+    _encoder_forward_kernel[grid](idx, wte, wte if wpe is None else wpe, x, B * T, T, C, HAS_WPE=wpe is not None,
+                                  BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
     return x
 
 
@@ -234,9 +233,8 @@ def embedding_backward(dx, idx, dtable):
     _encoder_sort_kernel[(triton.cdiv(N, ENC_SORT_BLOCK_N),)](
         idx, order, sorted_tok, N, BLOCK_N=ENC_SORT_BLOCK_N, BLOCK_M=ENC_SORT_BLOCK_M, STAGES=ENC_SORT_STAGES)
     n_cblocks = triton.cdiv(C, ENC_BLOCK_C)
-    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dtable, carry, N, C,
-                                                     SLOTS=ENC_SLOTS, BLOCK_C=ENC_BLOCK_C,
-                                                     num_warps=ENC_WARPS)
+    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dtable, carry, N, C, SLOTS=ENC_SLOTS,
+                                                     BLOCK_C=ENC_BLOCK_C, num_warps=ENC_WARPS)
     _encoder_carry_kernel[(tiles, n_cblocks)](carry, sorted_tok, dtable, N, C, SLOTS=ENC_SLOTS,
                                               TILES=ENC_CARRY_TILES, BLOCK_C=ENC_BLOCK_C)
 
@@ -298,9 +296,9 @@ def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
     block_c, block_rows = _row_blocks(C)
     # unused pointers (no residual, RMS's mean and bias) get ones the flags compile out
     _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
-        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y,
-        rstd if rms else mean, rstd, N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows,
-        BLOCK_C=block_c, num_warps=ROW_WARPS)
+        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y, rstd if rms else mean,
+        rstd, N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
+        num_warps=ROW_WARPS)
     return xsum, y, mean, rstd
 
 
@@ -308,11 +306,6 @@ def layernorm_forward(x, w, b):
     """x (N,C) dt, w (C) dt, b (C) dt -> (y (N,C) dt, mean (N) fp32, rstd (N) fp32)."""
     _, y, mean, rstd = _layernorm_forward(x, None, w, b)
     return y, mean, rstd
-
-
-def residual_layernorm_forward(res, h, w, b):
-    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, LayerNorm(x) (N,C) dt, mean (N), rstd (N))."""
-    return _layernorm_forward(res, h, w, b)
 
 
 @triton.jit
@@ -403,8 +396,7 @@ def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
                                      BLOCK_ROWS=block_rows, BLOCK_C=block_c, STAGES=LN_BWD_STAGES,
                                      num_warps=LN_BWD_WARPS)
     _layernorm_param_grad_kernel[(triton.cdiv(C, LN_REDUCE_BLOCK_C),)](
-        partial, dw, dw if rms else db, P, C, HAS_BIAS=not rms, BLOCK_P=LN_REDUCE_BLOCK_P,
-        BLOCK_C=LN_REDUCE_BLOCK_C)
+        partial, dw, dw if rms else db, P, C, HAS_BIAS=not rms, BLOCK_P=LN_REDUCE_BLOCK_P, BLOCK_C=LN_REDUCE_BLOCK_C)
     return dx
 
 
@@ -456,6 +448,7 @@ def _activation_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, ACT: tl.constexpr, BLO
 
 
 def _activation_forward(pre, activation):
+    """pre (N,M) dt -> activation(pre) (N,M) dt: "gelu" (tanh approximation) or "relu2"."""
     y = torch.empty_like(pre)                                                       # (N, M) dt
     n = pre.numel()
     _activation_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, ACT=ACTIVATIONS[activation],
@@ -464,21 +457,12 @@ def _activation_forward(pre, activation):
 
 
 def _activation_backward(dy, pre, activation):
+    """dy, pre (N,M) dt -> dpre (N,M) dt."""
     dpre = torch.empty_like(pre)                                                    # (N, M) dt
     n = pre.numel()
     _activation_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, ACT=ACTIVATIONS[activation],
                                                                BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
     return dpre
-
-
-def gelu_forward(pre):
-    """pre (N,M) dt -> gelu(pre) (N,M) dt, tanh approximation."""
-    return _activation_forward(pre, "gelu")
-
-
-def gelu_backward(dy, pre):
-    """dy (N,M), pre (N,M) dt -> dpre (N,M) dt."""
-    return _activation_backward(dy, pre, "gelu")
 
 
 # --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
@@ -580,9 +564,8 @@ def _owner_row(table_ptr, n_tensors, NCOL: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.constexpr,
-                                CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-                                STAGES: tl.constexpr):
+def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                                BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     row = _owner_row(table_ptr, n_tensors, 3, BLOCK_T)  # numel, first chunk, grad pointer
     numel = tl.load(row)
     start = (tl.program_id(0) - tl.load(row + 1)) * CHUNK                           # int64 scalar
@@ -625,9 +608,8 @@ def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, grad_scale,
-                  HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
+def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, grad_scale, HAS_COPY: tl.constexpr,
+                  ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
     # table row: numel, first chunk, param, grad, m, v, copy pointers, weight decay (float64 bits)
     row = _owner_row(table_ptr, n_tensors, 8, BLOCK_T)
     numel = tl.load(row)
@@ -677,10 +659,9 @@ def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_de
         _check_tensors("adamw_update copies", copies, (torch.bfloat16,), params)
     table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays],
                                            chunk=chunk)
-    _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step,
-                             1.0 - beta2 ** step, grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned,
-                             CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(len(params)),
-                             num_warps=MT_WARPS)
+    _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step, 1.0 - beta2 ** step,
+                             grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
+                             BLOCK_T=triton.next_power_of_2(len(params)), num_warps=MT_WARPS)
 
 
 # -----------------------------------------------------------------------------
@@ -901,9 +882,8 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
 
 @triton.jit
 def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """matmul_kernel's descriptor path (Hopper's TMA): tiles read and written by descriptors (b_desc holds
     w (N,K) when B_TRANS), edges handled by the hardware. Persistent: each program walks the output tiles
     num_programs apart; the flattened loop loads the next tile's first K blocks during this one's epilogue."""
@@ -933,9 +913,8 @@ def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRA
                  key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "ACT", "SCALED"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K,
-                  stride_ab, stride_bb, stride_cb,
-                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok, scale,
+def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K, stride_ab,
+                  stride_bb, stride_cb, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok, scale,
                   SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
                   B_TRANS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
@@ -1003,9 +982,8 @@ def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED: t
             tl.store(db_ptr + offs_m, db + tl.load(db_ptr + offs_m, mask=offs_m < M, other=0.0), mask=offs_m < M)
 
 
-@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS", "SCALED"],
-                 reset_to_zero=["count_ptr"], restore_value=["dw_ptr", "db_ptr"], prune_configs_by=DW_PRUNE,
-                 do_bench=_autotune_bench)
+@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS", "SCALED"], reset_to_zero=["count_ptr"],
+                 restore_value=["dw_ptr", "db_ptr"], prune_configs_by=DW_PRUNE, do_bench=_autotune_bench)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr, M, N, K,
@@ -1203,9 +1181,8 @@ def _store_rows(base, x, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
-def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """Online softmax over the key blocks [lo, hi), rescaling acc (BM,BD), l_i and m_i (BM,) as the max grows;
     DIAGONAL blocks mask keys after the query and check rows against T."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -1228,8 +1205,7 @@ def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t
 @triton.autotune(configs=_attention_configs("fwd"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
-                    stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """BLOCK_M queries of one (batch, head): keys before the block unmasked, the diagonal masked, later ones
     skipped; the longest (last) query blocks run first."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -1256,9 +1232,8 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, strid
 
 
 @triton.jit
-def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b,
-                          stride_dout_t, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
+def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b, stride_dout_t,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta (B,H,T) = rowsum(dout * out) per head, the softmax backward's sum_j p_j dp_j, computed once."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -1318,20 +1293,17 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_p
     lse_row = lse_ptr + pid_bh * T
     delta_row = delta_ptr + pid_bh * T
     diag_hi = tl.minimum(start_n + BLOCK_N, T)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n,
-                               diag_hi, T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M,
-                               BLOCK_N, True)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T,
-                               T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N,
-                               False)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n, diag_hi, T,
+                               stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, True)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T, T, stride_t,
+                               stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, D, BLOCK_D)
     _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, D, BLOCK_D)
 
 
 @triton.jit
-def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
@@ -1370,8 +1342,7 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
                         stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, start_m,
-                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D, BLOCK_D,
-                        BLOCK_M, BLOCK_N, True)
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, True)
     _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, D, BLOCK_D)
 
 
@@ -1397,8 +1368,8 @@ def _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale):
     BD = _head_block(D)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
     attn_bwd_delta_kernel[(B * H, triton.cdiv(T, ATTN_DELTA_BLOCK))](
-        out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        D=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
+        out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), D=D, BLOCK_D=BD,
+        BLOCK_M=ATTN_DELTA_BLOCK)
     rest = (T, H, scale, math.log2(math.e) * scale, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1))
     attn_bwd_dkdv_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_N"]))](
         q, k, v, dout, lse, delta, dk, dv, *rest, D=D, BLOCK_D=BD)
@@ -1519,10 +1490,11 @@ def copy_into(dst, src):
 
 TRITON_OPS = op_table("triton", dict(
     encoder_forward=encoder_forward, encoder_backward=encoder_backward,
-    layernorm_forward=layernorm_forward, residual_layernorm_forward=residual_layernorm_forward,
+    layernorm_forward=layernorm_forward, residual_layernorm_forward=_layernorm_forward,  # (x + h, y, mean, rstd)
     layernorm_backward=layernorm_backward,
     matmul_forward=matmul_forward, matmul_gelu_forward=matmul_gelu_forward, matmul_backward=matmul_backward,
-    gelu_forward=gelu_forward, gelu_backward=gelu_backward,
+    gelu_forward=functools.partial(_activation_forward, activation="gelu"),
+    gelu_backward=functools.partial(_activation_backward, activation="gelu"),
     attention_forward=attention_forward, attention_backward=attention_backward,
     crossentropy_forward_backward=crossentropy_forward_backward,
     global_norm=global_norm, adamw_update=adamw_update,

@@ -30,11 +30,6 @@ from triton_tools import TOOLS, RecipeTools, _leaf, _nbytes
 # First the ops that triton_kernels.py's kernels serve through a flag (the embedding without positions,
 # RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own scale over separate q, k, v).
 
-def embedding_forward(idx, table):
-    """idx (B,T) int64, table (Vp,C) dt -> x (B,T,C) dt: the speedrun model's rows, without positions."""
-    return encoder_forward(idx, table, None)
-
-
 def rmsnorm_forward(x, w, eps):
     """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
     _, y, _, rstd = _layernorm_forward(x, None, w, None, eps, rms=True)
@@ -50,16 +45,6 @@ def residual_rmsnorm_forward(res, h, w, eps):
 def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
     """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, dres included."""
     return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
-
-
-def relu2_forward(pre):
-    """pre (N,M) dt -> relu(pre)^2 (N,M) dt."""
-    return _activation_forward(pre, "relu2")
-
-
-def relu2_backward(dy, pre):
-    """dy (N,M), pre (N,M) dt -> dpre = dy * 2 relu(pre) (N,M) dt."""
-    return _activation_backward(dy, pre, "relu2")
 
 
 def matmul_relu2_forward(x, w, b):
@@ -427,12 +412,14 @@ def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
 
 
 TRITON_SPEEDRUN_OPS = op_table("triton", dict(
-    embedding_forward=embedding_forward, embedding_backward=embedding_backward,
+    embedding_forward=functools.partial(encoder_forward, wpe=None), embedding_backward=embedding_backward,
     rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
     rmsnorm_backward=rmsnorm_backward,
     qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
     scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
-    matmul_relu2_forward=matmul_relu2_forward, relu2_forward=relu2_forward, relu2_backward=relu2_backward,
+    matmul_relu2_forward=matmul_relu2_forward,
+    relu2_forward=functools.partial(_activation_forward, activation="relu2"),
+    relu2_backward=functools.partial(_activation_backward, activation="relu2"),
     softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
     muon_update=muon_update, add_into=add_into, fp8_quantize=triton_fp8_quantize,
     fp8_matmul_forward=fp8_matmul_forward, fp8_matmul_backward=fp8_matmul_backward,
