@@ -296,9 +296,8 @@ def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
     block_c, block_rows = _row_blocks(C)
     # unused pointers (no residual, RMS's mean and bias) get ones the flags compile out
     _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
-        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y, rstd if rms else mean,
-        rstd, N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
-        num_warps=ROW_WARPS)
+        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y, rstd if rms else mean, rstd,
+        N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
     return xsum, y, mean, rstd
 
 
@@ -927,10 +926,9 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
                           FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         batch = tl.program_id(1).to(tl.int64)
-        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb,
-                     bias_ptr, pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk,
-                     stride_bn, stride_cm, stride_cn, scale, SCALED, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N,
-                     BLOCK_K, GROUP_M, EVEN_K)
+        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb, bias_ptr,
+                     pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                     stride_cn, scale, SCALED, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -1066,11 +1064,9 @@ def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
     batch_strides = (a.stride(0), b.stride(0), c.stride(0)) if a.dim() == 3 else (0, 0, 0)
     matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
                         *batch_strides, a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2),
-                        c.stride(-1),
-                        int(descs[0] is not None), scale or 1.0, SCALED=scale is not None,
+                        c.stride(-1), int(descs[0] is not None), scale or 1.0, SCALED=scale is not None,
                         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
-                        FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32,
-                        B_TRANS=b_trans)
+                        FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32, B_TRANS=b_trans)
     return c, pre
 
 

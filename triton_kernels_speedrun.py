@@ -172,8 +172,7 @@ def qk_norm_rotary_forward(x, eps):
     rstd = torch.empty((B, T, H), dtype=torch.float32, device=x.device)             # (B,T,H) fp32
     block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
     _qk_norm_rotary_forward_kernel[(triton.cdiv(B * T * H, block_rows),)](
-        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-        num_warps=QK_WARPS)
+        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=QK_WARPS)
     return y, rstd
 
 
@@ -184,8 +183,7 @@ def qk_norm_rotary_backward(dy, x, rstd):
     dx = torch.empty_like(x)                                                        # (B,T,H,D)
     block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
     _qk_norm_rotary_backward_kernel[(triton.cdiv(B * T * H, block_rows),)](
-        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-        num_warps=QK_WARPS)
+        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=QK_WARPS)
     return dx
 
 
@@ -266,9 +264,8 @@ def _axpby_kernel(out_ptr, x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr,
-                        ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
+def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
     # table row: numel, first chunk, param, copy pointers; the matrix's update is x's, as for the momentum
     row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
     numel = tl.load(row)
@@ -340,12 +337,10 @@ def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, ch
     u = torch.empty((n, r, c), dtype=dtype, device=params[0].device)  # (n, r, c) u, then its update
     table, chunks, aligned = _tensor_table([grads, ms], chunk=chunk)
     sumsq = torch.empty(chunks, dtype=torch.float32, device=u.device)  # (chunks,) fp32 partial sums of u^2
-    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned,
-                                     CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(n),
-                                     num_warps=MT_WARPS)
-    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n,
-                                                                BLOCK=MUON_BLOCK, BLOCK_P=MUON_PARTIALS_BLOCK,
-                                                                num_warps=MUON_WARPS)
+    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned, CHUNK=chunk,
+                                     BLOCK=block, BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
+    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n, BLOCK=MUON_BLOCK,
+                                                                BLOCK_P=MUON_PARTIALS_BLOCK, num_warps=MUON_WARPS)
     _newton_schulz(u)
     table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
     _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
