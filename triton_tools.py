@@ -54,15 +54,21 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
+def _vjp(fn, inputs, dy):
+    """The gradients of fn's output against dy with respect to inputs (each made a fresh leaf)."""
+    leaves = [_leaf(t) for t in inputs]
+    with torch.enable_grad():
+        y = fn(*leaves)
+    return torch.autograd.grad(y, leaves, dy)
+
+
 def autograd_encoder_forward(idx, wte, wpe):
     return F.embedding(idx, wte) + wpe[:idx.shape[1]]  # (B, T, C)
 
 
 def autograd_encoder_backward(dx, idx, dwte, dwpe):
-    wte, wpe = _leaf(torch.zeros_like(dwte)), _leaf(torch.zeros_like(dwpe))  # values do not matter: linear
-    with torch.enable_grad():
-        x = autograd_encoder_forward(idx, wte, wpe)  # (B, T, C)
-    gwte, gwpe = torch.autograd.grad(x, (wte, wpe), dx.to(x.dtype))
+    gwte, gwpe = _vjp(lambda wte, wpe: autograd_encoder_forward(idx, wte, wpe),  # linear: at zeros
+                      (torch.zeros_like(dwte), torch.zeros_like(dwpe)), dx.to(dwte.dtype))
     dwte += gwte
     dwpe += gwpe
 
@@ -78,10 +84,7 @@ def autograd_residual_layernorm_forward(res, h, w, b):
 
 
 def autograd_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
-    x, w, b = _leaf(x), _leaf(w), _leaf(torch.zeros_like(w))
-    with torch.enable_grad():
-        y = F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS)  # (N, C)
-    dx, gw, gb = torch.autograd.grad(y, (x, w, b), dy)
+    dx, gw, gb = _vjp(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS), (x, w, torch.zeros_like(w)), dy)
     dw += gw
     db += gb
     return dx if dres is None else dx + dres
@@ -93,11 +96,8 @@ def autograd_matmul_gelu_forward(x, w, b):
 
 
 def autograd_matmul_backward(dy, x, w, dw, db):
-    x, w = _leaf(x), _leaf(w)
-    b = _leaf(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)) if db is not None else None
-    with torch.enable_grad():
-        y = F.linear(x, w, b)  # (N, M)
-    grads = torch.autograd.grad(y, (x, w) if b is None else (x, w, b), dy)
+    b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)  # (M,)
+    grads = _vjp(F.linear, (x, w) if db is None else (x, w, b), dy)
     dw += grads[1]
     if db is not None:
         db += grads[2]
@@ -105,10 +105,7 @@ def autograd_matmul_backward(dy, x, w, dw, db):
 
 
 def autograd_gelu_backward(dy, pre):
-    pre = _leaf(pre)
-    with torch.enable_grad():
-        y = F.gelu(pre, approximate="tanh")  # (N, M)
-    return torch.autograd.grad(y, pre, dy)[0]
+    return _vjp(lambda pre: F.gelu(pre, approximate="tanh"), (pre,), dy)[0]
 
 
 def autograd_attention_forward(qkv, n_head):
@@ -123,10 +120,7 @@ def autograd_attention_forward(qkv, n_head):
 
 
 def autograd_attention_backward(dout, qkv, out, lse, n_head):
-    qkv = _leaf(qkv)
-    with torch.enable_grad():
-        out, _ = autograd_attention_forward(qkv, n_head)  # (B, T, C)
-    return torch.autograd.grad(out, qkv, dout)[0]
+    return _vjp(lambda qkv: autograd_attention_forward(qkv, n_head)[0], (qkv,), dout)[0]
 
 
 def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
@@ -204,21 +198,16 @@ def case_encoder(ops, r, B, T, C, H):
     return dict(x=x, dwte=dwte, dwpe=dwpe)
 
 
-def case_layernorm(ops, r, B, T, C, H):
-    x, w, b = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0), r.rand(C)  # (N, C), (C,), (C,)
-    y, mean, rstd = ops.layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
-    dw, db = r.rand(C, acc=True), r.rand(C, acc=True)  # (C,) each
-    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db)  # (N, C)
-    return dict(y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
-
-
-def case_residual_layernorm(ops, r, B, T, C, H):
-    res, h = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C)  # (N, C) each
+def case_layernorm(ops, r, B, T, C, H, residual=False):
+    x = r.rand(B * T, C, scale=2.0, shift=0.5)  # (N, C)
+    h = r.rand(B * T, C) if residual else None  # (N, C) added to x first
     w, b = r.rand(C, shift=1.0), r.rand(C)  # (C,) each
-    x, y, mean, rstd = ops.residual_layernorm_forward(res, h, w, b)  # (N, C) x2, (N,) x2
+    x, y, mean, rstd = (ops.residual_layernorm_forward(x, h, w, b) if residual else
+                        (x, *ops.layernorm_forward(x, w, b)))  # (N, C) x2, (N,) x2
     dw, db = r.rand(C, acc=True), r.rand(C, acc=True)  # (C,) each
-    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db, dres=r.rand(B * T, C))  # (N, C)
-    return dict(x=x, y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
+    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db,
+                                dres=r.rand(B * T, C) if residual else None)  # (N, C)
+    return dict(y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db, **({"x": x} if residual else {}))
 
 
 def case_matmul(ops, r, B, T, C, H, bias=True):
@@ -299,10 +288,10 @@ def case_step_ops(ops, r, B, T, C, H):
 
 
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
-            ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
-            ("matmul no bias fwd+bwd", functools.partial(case_matmul, bias=False)),
-            ("matmul+gelu fwd+bwd", case_matmul_gelu),
-            ("gelu fwd+bwd", case_gelu), ("attention fwd+bwd", case_attention),
+            ("residual+layernorm fwd+bwd", functools.partial(case_layernorm, residual=True)),
+            ("matmul fwd+bwd", case_matmul), ("matmul no bias fwd+bwd", functools.partial(case_matmul, bias=False)),
+            ("matmul+gelu fwd+bwd", case_matmul_gelu), ("gelu fwd+bwd", case_gelu),
+            ("attention fwd+bwd", case_attention),
             ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
 
@@ -386,12 +375,9 @@ def first_configs(active=True):
     """Inside (when active), every autotuned kernel runs the first config its pruning keeps, untimed."""
     tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
     prunes = [k.early_config_prune for k in tuners]
-
-    def first(prune):
-        return lambda configs, named_args, **kwargs: (
-            prune(configs, named_args, **kwargs) if prune else configs)[:1]
     for k, prune in zip(tuners, prunes):
-        k.early_config_prune = first(prune)
+        k.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: (
+            prune(configs, named_args, **kwargs) if prune else configs)[:1]
     try:
         yield
     finally:
@@ -612,11 +598,8 @@ def kernel_table(calls, launches):
             if i is not None and not flops and calls[i][4] and (
                     len(group) == 1 or name == "_global_norm_partial_kernel"):
                 nbytes = calls[i][4]
-            row = table.setdefault((op, name), [0, 0.0, 0, 0])
-            row[0] += 1
-            row[1] += _elapsed_ms(t0, t1)
-            row[2] += flops
-            row[3] += nbytes
+            row = table.setdefault((op, name), [0, 0.0, 0, 0])  # launches, ms, flops, bytes
+            row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
     return table
 
 
@@ -707,11 +690,8 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
     step_ms = sum(steps_ms)
     table = {}
     for name, t0, t1, flops, nbytes in calls:
-        row = table.setdefault(name, [0, 0.0, 0, 0])
-        row[0] += 1
-        row[1] += _elapsed_ms(t0, t1)
-        row[2] += flops
-        row[3] += nbytes
+        row = table.setdefault(name, [0, 0.0, 0, 0])  # calls, ms, flops, bytes
+        row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
     print(f"profile of steps {steps[0]}-{steps[-1]}: backend {cfg.backend}, {cfg.dtype}, micro-batches of "
           f"{cfg.batch_size} x {cfg.seq_len}, {cfg.total_batch_size} tokens per step, L{cfg.n_layer} "
           f"H{cfg.n_head} C{cfg.n_embd}")
