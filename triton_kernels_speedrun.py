@@ -21,7 +21,7 @@ from triton_kernels import (CE_BLOCK_V, CE_WARPS, ELEM_BLOCK, ELEM_WARPS, LN_RED
                             _check_tensors, _crossentropy_kernel, _flash_backward, _flash_forward, _flat_check,
                             _layernorm_forward, _layernorm_param_grad_kernel, _matmul, _matmul_dw, _owner_row,
                             _row_blocks, _tensor_table, embedding_backward, encoder_forward, layernorm_backward)
-from triton_tools import TOOLS, RecipeTools, _leaf, _nbytes
+from triton_tools import TOOLS, RecipeTools, _leaf, _nbytes, op_case
 
 
 # -----------------------------------------------------------------------------
@@ -539,7 +539,6 @@ def speedrun_bench_cases(cfg, ops, device):
     H, D = C // HEAD_DIM, HEAD_DIM
     N, R = B * T, min(B * T, HEAD_ROWS)
     eps = torch.finfo(dt).eps
-    t = TORCH_SPEEDRUN_OPS
 
     def rand(*shape, dtype=dt):
         return torch.randn(shape, device=device, dtype=dtype)
@@ -566,56 +565,37 @@ def speedrun_bench_cases(cfg, ops, device):
             o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=ATTN_SCALE)  # (B, H, T, D)
             o.backward(dout.view(B, T, H, D).transpose(1, 2))
 
+    op = functools.partial(op_case, ops, TORCH_SPEEDRUN_OPS)
     cases = [
-        ("embedding_forward", f"{B}x{T}x{C}", lambda: ops.embedding_forward(idx, table),
-         "F.embedding", lambda: F.embedding(idx, table), (idx, table)),
-        ("embedding_backward", f"{B}x{T}x{C}", lambda: ops.embedding_backward(dy.view(B, T, C), idx, dtable),
-         "sort + cumsum + index_add_", lambda: t.embedding_backward(dy.view(B, T, C), idx, dtable),
-         (dy.view(B, T, C), idx, dtable)),
-        ("rmsnorm_forward", f"{N}x{C}", lambda: ops.rmsnorm_forward(x, w, eps),
-         "backend torch (fp32 rsqrt)", lambda: t.rmsnorm_forward(x, w, eps), (x, w, eps)),
-        ("residual_rmsnorm_forward", f"{N}x{C}", lambda: ops.residual_rmsnorm_forward(x, h, w, eps),
-         "add + backend torch's", lambda: t.residual_rmsnorm_forward(x, h, w, eps), (x, h, w, eps)),
-        ("rmsnorm_backward", f"{N}x{C}", lambda: ops.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
-         "backend torch (fp32)", lambda: t.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
-         (dy, x, w, rstd, dw, h)),
-        ("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_forward(q, eps),
-         "backend torch (fp32)", lambda: t.qk_norm_rotary_forward(q, eps), (q, eps)),
-        ("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_backward(dq, q, qrstd),
-         "backend torch (fp32)", lambda: t.qk_norm_rotary_backward(dq, q, qrstd), (dq, q, qrstd)),
-        ("scaled_attention_forward", f"{B}x{H}x{T}x{D}",
-         lambda: ops.scaled_attention_forward(q, k, v, ATTN_SCALE), "SDPA causal",
-         lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE), (q, k, v)),
+        op("embedding_forward", f"{B}x{T}x{C}", (idx, table), "F.embedding", lambda: F.embedding(idx, table)),
+        op("embedding_backward", f"{B}x{T}x{C}", (dy.view(B, T, C), idx, dtable), "sort + cumsum + index_add_"),
+        op("rmsnorm_forward", f"{N}x{C}", (x, w, eps), "backend torch (fp32 rsqrt)"),
+        op("residual_rmsnorm_forward", f"{N}x{C}", (x, h, w, eps), "add + backend torch's"),
+        op("rmsnorm_backward", f"{N}x{C}", (dy, x, w, rstd, dw, h), "backend torch (fp32)"),
+        op("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", (q, eps), "backend torch (fp32)"),
+        op("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", (dq, q, qrstd), "backend torch (fp32)"),
+        op("scaled_attention_forward", f"{B}x{H}x{T}x{D}", (q, k, v, ATTN_SCALE), "SDPA causal",
+           lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE)),
         ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
          lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(
              q, k, v, ATTN_SCALE), ATTN_SCALE),
          "SDPA causal fwd+bwd", sdpa_forward_backward, None),
-        ("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", lambda: ops.matmul_relu2_forward(xf, wf, bf),
-         "F.linear + relu + square", lambda: F.relu(F.linear(xf, wf, bf)).square(), (xf, wf, bf)),
-        ("relu2_forward", f"{N}x{4 * C}", lambda: ops.relu2_forward(pre), "relu + square",
-         lambda: F.relu(pre).square(), (pre,)),
-        ("relu2_backward", f"{N}x{4 * C}", lambda: ops.relu2_backward(dpre, pre), "backend torch",
-         lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
-        ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
-         lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
-         "backend torch (fp32 chunks)",
-         lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
-        ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
-        ("fp8_quantize", f"{Vp}x{C}", lambda: ops.fp8_quantize(table, "w"), "mul + clamp + cast",
-         lambda: t.fp8_quantize(table, "w"), (table,)),
-        ("fp8_matmul_forward", f"lm head {R}x{C}x{Vp}", lambda: ops.fp8_matmul_forward(xq, wq, hb), scaled_mm,
-         lambda: t.fp8_matmul_forward(xq, wq, hb), (xq, wq, hb)),
-        ("fp8_matmul_backward", f"lm head {R}x{C}x{Vp}", lambda: ops.fp8_matmul_backward(z, xq, wq, dhw, dhb),
-         f"cast + 2 x {scaled_mm} + sum", lambda: t.fp8_matmul_backward(z, xq, wq, dhw, dhb),
-         (z, xq, wq, dhw, dhb)),
+        op("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", (xf, wf, bf), "F.linear + relu + square",
+           lambda: F.relu(F.linear(xf, wf, bf)).square()),
+        op("relu2_forward", f"{N}x{4 * C}", (pre,), "relu + square", lambda: F.relu(pre).square()),
+        op("relu2_backward", f"{N}x{4 * C}", (dpre, pre), "backend torch"),
+        op("softcap_crossentropy_forward_backward", f"{R}x{Vp}", (z, targets, 1.0), "backend torch (fp32 chunks)"),
+        op("add_into", f"{N}x{C}", (x, h), "Tensor.add_", lambda: x.add_(h)),
+        op("fp8_quantize", f"{Vp}x{C}", (table, "w"), "mul + clamp + cast"),
+        op("fp8_matmul_forward", f"lm head {R}x{C}x{Vp}", (xq, wq, hb), scaled_mm),
+        op("fp8_matmul_backward", f"lm head {R}x{C}x{Vp}", (z, xq, wq, dhw, dhb), f"cast + 2 x {scaled_mm} + sum"),
     ]
     for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
         ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
         gs, ms = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
         copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
         args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
-        cases.append(("muon_update", f"{n} x {r}x{c}", lambda args=args: ops.muon_update(*args),
-                      "backend torch (torch.bmm)", lambda args=args: t.muon_update(*args), args))
+        cases.append(op("muon_update", f"{n} x {r}x{c}", args, "backend torch (torch.bmm)"))
     return cases
 
 

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 import triton
 
 import triton_kernels
-from train_gpt2_triton import (BETA1, BETA2, EPS, HEAD_ROWS, INTERPRET, LN_EPS, RECIPES, Config, _acc, backend_ops,
-                               compute_dtype, forward, forward_backward, op_table, param_shapes,
-                               torch_clip_by_norm, torch_encoder_backward, torch_sum_into)
+from train_gpt2_triton import (BETA1, BETA2, EPS, HEAD_ROWS, INTERPRET, LN_EPS, RECIPES, TORCH_OPS, Config, _acc,
+                               backend_ops, compute_dtype, forward, forward_backward, op_table, param_shapes)
 from trainkit import die
 from trainkit.gpt2 import PARAM_NAMES
 from trainkit.torch_shared import peak_memory_gb
@@ -751,6 +750,13 @@ def time_ms(fn, device):
     return float(np.median(times))
 
 
+def op_case(ops, torch_ops, name, shape, args, torch_label, theirs=None):
+    """A --bench-ops case: (name, shape, op `name` of ops called on args, torch_label, theirs (by default
+    torch_ops' op `name` on args), args)."""
+    theirs = theirs or (lambda: getattr(torch_ops, name)(*args))
+    return name, shape, lambda: getattr(ops, name)(*args), torch_label, theirs, args
+
+
 def bench_cases(cfg, ops, device):
     """[(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work)] at the model's
     shapes (HEAD_ROWS rows for the lm head and the loss, as the step runs them)."""
@@ -758,6 +764,7 @@ def bench_cases(cfg, ops, device):
     B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
                          cfg.padded_vocab_size)
     N, R = B * T, min(B * T, HEAD_ROWS)
+    op = functools.partial(op_case, ops, TORCH_OPS)
 
     def rand(*shape, dtype=dt):
         return torch.randn(shape, device=device, dtype=dtype)
@@ -769,35 +776,26 @@ def bench_cases(cfg, ops, device):
     dw, db = rand(C, dtype=torch.float32), rand(C, dtype=torch.float32)  # (C,) each
     y, mean, rstd = ops.layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
     cases = [
-        ("encoder_forward", f"{B}x{T}x{C}", lambda: ops.encoder_forward(idx, wte, wpe),
-         "F.embedding + add", lambda: F.embedding(idx, wte) + wpe[:T], (idx, wte, wpe)),
-        ("encoder_backward", f"{B}x{T}x{C}", lambda: ops.encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
-         "sort + cumsum + index_add_", lambda: torch_encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
-         (dy.view(B, T, C), idx, dwte, dwpe)),
-        ("layernorm_forward", f"{N}x{C}", lambda: ops.layernorm_forward(x, w, b),
-         "torch.native_layer_norm", lambda: torch.native_layer_norm(x, (C,), w, b, LN_EPS), (x, w, b)),
-        ("residual_layernorm_forward", f"{N}x{C}", lambda: ops.residual_layernorm_forward(x, h, w, b),
-         "add + native_layer_norm", lambda: torch.native_layer_norm(x + h, (C,), w, b, LN_EPS), (x, h, w, b)),
-        ("layernorm_backward", f"{N}x{C}",
-         lambda: ops.layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=h),
-         "native_layer_norm_backward", lambda: torch.ops.aten.native_layer_norm_backward(
-             dy, x, [C], mean[:, None], rstd[:, None], w, b, [True, True, True])[0] + h,
-         (dy, x, w, mean, rstd, dw, db, h)),
+        op("encoder_forward", f"{B}x{T}x{C}", (idx, wte, wpe), "F.embedding + add",
+           lambda: F.embedding(idx, wte) + wpe[:T]),
+        op("encoder_backward", f"{B}x{T}x{C}", (dy.view(B, T, C), idx, dwte, dwpe), "sort + cumsum + index_add_"),
+        op("layernorm_forward", f"{N}x{C}", (x, w, b), "torch.native_layer_norm",
+           lambda: torch.native_layer_norm(x, (C,), w, b, LN_EPS)),
+        op("residual_layernorm_forward", f"{N}x{C}", (x, h, w, b), "add + native_layer_norm",
+           lambda: torch.native_layer_norm(x + h, (C,), w, b, LN_EPS)),
+        op("layernorm_backward", f"{N}x{C}", (dy, x, w, mean, rstd, dw, db, h), "native_layer_norm_backward",
+           lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [C], mean[:, None], rstd[:, None], w, b,
+                                                             [True, True, True])[0] + h),
     ]
     for label, K, M, bias in (("c_attn", C, 3 * C, True), ("attn.c_proj", C, C, True),
                               ("mlp.c_proj", 4 * C, C, True), ("lm head", C, Vp, False)):
         rows = R if label == "lm head" else N
         xm, wm, bm, dym = rand(rows, K), rand(M, K), rand(M) if bias else None, rand(rows, M)
         dwm, dbm = rand(M, K, dtype=torch.float32), rand(M, dtype=torch.float32) if bias else None
-        cases += [
-            ("matmul_forward", f"{label} {rows}x{K}x{M}",
-             lambda xm=xm, wm=wm, bm=bm: ops.matmul_forward(xm, wm, bm),
-             "F.linear", lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm), (xm, wm, bm)),
-            ("matmul_backward", f"{label} {rows}x{K}x{M}",
-             lambda dym=dym, xm=xm, wm=wm, dwm=dwm, dbm=dbm: ops.matmul_backward(dym, xm, wm, dwm, dbm),
-             "2 x torch.mm (+ sum)", lambda dym=dym, xm=xm, wm=wm, bias=bias: (
-                 dym @ wm, dym.t() @ xm, dym.sum(0) if bias else None), (dym, xm, wm, dwm, dbm)),
-        ]
+        cases += [op("matmul_forward", f"{label} {rows}x{K}x{M}", (xm, wm, bm), "F.linear",
+                     lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm)),
+                  op("matmul_backward", f"{label} {rows}x{K}x{M}", (dym, xm, wm, dwm, dbm), "2 x torch.mm (+ sum)",
+                     lambda dym=dym, xm=xm, wm=wm, bias=bias: (dym @ wm, dym.t() @ xm, dym.sum(0) if bias else None))]
     xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
     pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
     qkv, dout = rand(B, T, 3 * C), rand(B, T, C)  # (B, T, 3C), (B, T, C)
@@ -828,39 +826,32 @@ def bench_cases(cfg, ops, device):
             F.cross_entropy(z[:, :V].float(), targets).backward()
 
     cases += [
-        ("matmul_gelu_forward", f"c_fc {N}x{C}x{4 * C}", lambda: ops.matmul_gelu_forward(xf, wf, bf),
-         "F.linear + F.gelu", lambda: F.gelu(F.linear(xf, wf, bf), approximate="tanh"), (xf, wf, bf)),
-        ("gelu_forward", f"{N}x{4 * C}", lambda: ops.gelu_forward(pre),
-         "F.gelu(tanh)", lambda: F.gelu(pre, approximate="tanh"), (pre,)),
-        ("gelu_backward", f"{N}x{4 * C}", lambda: ops.gelu_backward(dpre, pre),
-         "aten.gelu_backward", lambda: torch.ops.aten.gelu_backward(dpre, pre, approximate="tanh"),
-         (dpre, pre)),
-        ("attention_forward", f"{B}x{H}x{T}x{C // H}", lambda: ops.attention_forward(qkv, H),
-         "SDPA causal", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (qkv, H)),
+        op("matmul_gelu_forward", f"c_fc {N}x{C}x{4 * C}", (xf, wf, bf), "F.linear + F.gelu",
+           lambda: F.gelu(F.linear(xf, wf, bf), approximate="tanh")),
+        op("gelu_forward", f"{N}x{4 * C}", (pre,), "F.gelu(tanh)", lambda: F.gelu(pre, approximate="tanh")),
+        op("gelu_backward", f"{N}x{4 * C}", (dpre, pre), "aten.gelu_backward",
+           lambda: torch.ops.aten.gelu_backward(dpre, pre, approximate="tanh")),
+        op("attention_forward", f"{B}x{H}x{T}x{C // H}", (qkv, H), "SDPA causal",
+           lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         ("attention_forward+backward", f"{B}x{H}x{T}x{C // H}",
          lambda: ops.attention_backward(dout, qkv, *ops.attention_forward(qkv, H), H),
          "SDPA causal fwd+bwd", sdpa_forward_backward, None),
-        ("crossentropy_forward_backward", f"{R}x{Vp}",
-         lambda: ops.crossentropy_forward_backward(logits, targets, V, 1.0 / R),
-         "F.cross_entropy fwd+bwd", torch_cross_entropy, (logits, targets, V, 1.0 / R)),
-        ("global_norm", f"{len(params)} tensors", lambda: ops.global_norm(grads),
-         "torch._foreach_norm", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
-         (grads,)),
-        ("adamw_update", f"{len(params)} tensors", lambda: ops.adamw_update(*adamw_args),
-         f"torch AdamW ({'fused' if device.type == 'cuda' else 'for-loop'})", adamw.step, adamw_args),
+        op("crossentropy_forward_backward", f"{R}x{Vp}", (logits, targets, V, 1.0 / R), "F.cross_entropy fwd+bwd",
+           torch_cross_entropy),
+        op("global_norm", f"{len(params)} tensors", (grads,), "torch._foreach_norm",
+           lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))),
+        op("adamw_update", f"{len(params)} tensors", adamw_args,
+           f"torch AdamW ({'fused' if device.type == 'cuda' else 'for-loop'})", adamw.step),
     ]
     flat = rand(sum(p.numel() for p in params), dtype=torch.float32)  # (P,) all gradients
     norm = torch.full((), 1.001, device=device)  # () clips by 0.999: the values barely move over the reps
     losses, loss = rand(R, dtype=torch.float32), torch.zeros((), device=device)  # (R,), ()
     rows, chunk = rand(N, C), rand(R, C)  # (N, C), (R, C) an lm-head chunk's dh into its rows
     cases += [
-        ("zero_fill", f"{flat.numel()} grads", lambda: ops.zero_fill(flat), "Tensor.zero_", flat.zero_, (flat,)),
-        ("clip_by_norm", f"{flat.numel()} grads", lambda: ops.clip_by_norm(flat, norm, 1.0),
-         "mul_ by the clamped coefficient", lambda: torch_clip_by_norm(flat, norm, 1.0), (flat, norm, 1.0)),
-        ("sum_into", f"{R} losses", lambda: ops.sum_into(loss, losses, 1.0 / R), "Tensor.sum + add_",
-         lambda: torch_sum_into(loss, losses, 1.0 / R), (loss, losses, 1.0 / R)),
-        ("copy_into", f"{R}x{C} rows", lambda: ops.copy_into(rows[:R], chunk), "Tensor.copy_",
-         lambda: rows[:R].copy_(chunk), (rows[:R], chunk)),
+        op("zero_fill", f"{flat.numel()} grads", (flat,), "Tensor.zero_", flat.zero_),
+        op("clip_by_norm", f"{flat.numel()} grads", (flat, norm, 1.0), "mul_ by the clamped coefficient"),
+        op("sum_into", f"{R} losses", (loss, losses, 1.0 / R), "Tensor.sum + add_"),
+        op("copy_into", f"{R}x{C} rows", (rows[:R], chunk), "Tensor.copy_", lambda: rows[:R].copy_(chunk)),
     ]
     return cases
 
