@@ -6,7 +6,6 @@ per program and loop step, so a few block sizes take a wide value there (`... if
 
 Map:
     Triton kernels: memory-bound ops
-    Triton kernels: shared helpers
     Triton kernels: matmul with fused epilogues, and dW
     Triton kernels: causal flash attention
     Triton kernels: the training step's own
@@ -592,8 +591,7 @@ def _global_norm_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
 
 
 def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
-    """grads: fp32 tensors -> () fp32, the L2 norm of all of them, fixed chunks summed in a fixed order.
-    chunk, block: elements per program and per loop step (powers of 2, block <= chunk)."""
+    """grads: fp32 tensors -> () fp32, their L2 norm; chunk, block: elements per program and loop step."""
     _check_tensors("global_norm grads", grads, (torch.float32,), grads)
     table, chunks, aligned = _tensor_table([grads], chunk=chunk)
     partial = torch.empty(chunks, dtype=torch.float32, device=grads[0].device)      # (chunks,) fp32
@@ -664,13 +662,15 @@ def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_de
 
 
 # -----------------------------------------------------------------------------
-# Triton kernels: shared helpers
-
+# Triton kernels: matmul with fused epilogues, and dW
+#
 # Kernels spell constants out (log2(e), ln(2), sqrt(2/pi)): compiled Triton reads no Python global. Every
 # tl.dot says input_precision="ieee": fp32 stays true fp32 (no TF32); 16-bit operands use the tensor cores.
 # A fixed config gives the same bits every run; on a GPU the autotuner's timed choice may differ between
 # processes (dW's SPLIT_K, attention's streamed block), so a resumed run matches to rounding. The
-# interpreter has one config per shape: there the bits repeat.
+# interpreter has one config per shape: there the bits repeat. H100: a 128x256 tile is the largest whose fp32
+# accumulator fits 8 warps' registers; 128x128 with 3 stages leaves room for two programs an SM, one's
+# epilogue under the other's main loop (bench/NOTES.md).
 
 
 @triton.jit
@@ -690,20 +690,13 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-# -----------------------------------------------------------------------------
-# Triton kernels: matmul with fused epilogues, and dW
-
-# H100: a 128x256 tile is the largest whose fp32 accumulator fits 8 warps' registers; 128x128 with 3 stages
-# leaves room for two programs an SM, one's epilogue under the other's main loop (bench/NOTES.md).
-
 INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
 INTERPRETER_WIDE = 128  # the interpreter's dimensions of at least this size take one wide block
 
 
 def _matmul_configs(kernel, interpret=INTERPRET):
-    """Kernel "mm"'s (forward and dX) or "dw"'s configs: the H100's (16-bit: BLOCK_K 64, 128x256 tiles or
-    two 128x128 programs an SM; dW split 1..8 ways; mm also on the TMA path; fp32: BLOCK_K 32), or the
-    interpreter's blocks of 32 to 512 a side."""
+    """Kernel "mm"'s (forward and dX) or "dw"'s configs: the H100's (dW split 1..8 ways, mm also on the TMA
+    path; BLOCK_K 64 for 16-bit inputs, 32 for fp32), or the interpreter's blocks of 32 to 512 a side."""
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
                                **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
@@ -748,9 +741,8 @@ def _prune_matmul_configs(configs, named_args, **kwargs):
 
 
 def _interpreter_config(configs, named_args, **kwargs):
-    """The interpreter's one config for a shape (run untimed): its cost is per program and loop step, so a
-    dimension of INTERPRETER_WIDE or more takes one block as wide (up to 512, 256 along K), smaller ones 32
-    (the small test shapes still run several tiles, partial tiles and K steps)."""
+    """The interpreter's one config for a shape (run untimed): a dimension of INTERPRETER_WIDE or more in one
+    block (up to 512, 256 along K), smaller ones in blocks of 32 (the tests still run several tiles)."""
     dims = {"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]}
     want = {k: min(INTERPRETER_BLOCKS[-2 if k == "BLOCK_K" else -1], triton.next_power_of_2(d))
             if d >= INTERPRETER_WIDE else 32 for k, d in dims.items()}
@@ -770,9 +762,8 @@ def _dw_workspace(M, N, cfg):
 
 
 def _dw_cost(M, N, K, sms, cfg):
-    """Modelled time of dW under one config, in 128x256x64 main-loop steps: waves of SPLIT_K*tiles programs
-    times a chunk's steps, plus, when split, storing and reading back the partial sums (~1.5 steps each). It
-    only ranks split counts for one tile shape; the autotuner measures the rest."""
+    """Modelled time of dW under one config in 128x256x64 main-loop steps (waves of programs times a chunk's
+    steps, plus the split partial sums' round trip): it ranks split counts, the autotuner measures."""
     bm, bn, bk, split = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     steps = triton.cdiv(triton.cdiv(K, split), bk)
@@ -883,9 +874,8 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
 def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """matmul_kernel's descriptor path (Hopper's TMA): tiles read and written by descriptors (b_desc holds
-    w (N,K) when B_TRANS), edges handled by the hardware. Persistent: each program walks the output tiles
-    num_programs apart; the flattened loop loads the next tile's first K blocks during this one's epilogue."""
+    """matmul_kernel's descriptor path (Hopper's TMA; b_desc holds w (N,K) when B_TRANS), persistent: each
+    program walks the tiles num_programs apart, loading the next tile's K blocks during this one's epilogue."""
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     k_steps = (K + BLOCK_K - 1) // BLOCK_K
@@ -917,10 +907,8 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
                   SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
                   B_TRANS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
-    """c (M,N) = a (M,K) @ b (K,N) [x scale: FP8, pointer path] [+ bias (N)] [then activation ACT (1 tanh-GELU,
-    2 relu^2), pre (M,N) kept]. The autotuner times two paths as configs: pointer loads, a tile a program, or
-    TMA descriptors, persistent (where tma_ok; else they are None). A batch (Newton-Schulz) runs on the
-    pointer path, grid axis 1, strides stride_ab..cb."""
+    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias (N)] [then activation ACT, pre (M,N) kept], on the pointer
+    path or the TMA path (where tma_ok), timed against each other as configs; a batch on grid axis 1."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
                           FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
@@ -988,9 +976,8 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
                      stride_am, stride_ak, stride_bk, stride_bn, SPLIT_K, scale, SCALED: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """dw (M,N) += dy.T (M,K) @ x (K,N) [x scale] over the K = B*T rows, db (M) += dy's column sums (tile
-    column 0). Split-K: a tile's SPLIT_K programs (adjacent ids) sum chunks of rows into the workspace ws;
-    the last to arrive (an atomic counter) adds them into dw in chunk order: the order never changes."""
+    """dw (M,N) += dy.T (M,K) @ x (K,N) [x scale], db (M) += dy's column sums. Split-K: a tile's programs sum
+    chunks of rows into ws; the last to arrive (an atomic counter) adds them into dw in chunk order."""
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -1202,8 +1189,7 @@ def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t
 @triton.jit
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
                     stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """BLOCK_M queries of one (batch, head): keys before the block unmasked, the diagonal masked, later ones
-    skipped; the longest (last) query blocks run first."""
+    """BLOCK_M queries of one (batch, head), the diagonal masked, later keys skipped; longest blocks first."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -1272,8 +1258,7 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
 def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, sm_scale,
                          qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """BLOCK_N keys of one (batch, head), dK and dV written once (no atomics): the diagonal queries masked,
-    later ones not."""
+    """BLOCK_N keys of one (batch, head), dK and dV written once (no atomics), the diagonal queries masked."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     pid_bh = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N

@@ -471,8 +471,7 @@ MUON_TEST_WIDTH = 40  # case_muon's widest: two 32-wide tiles (one partial) in t
 
 
 def case_muon(ops, r, B, T, C, H):
-    """Muon on two wide and two tall matrices from nonzero momentum, one step; small masters (0.02), so that
-    an error in the update shows in them."""
+    """Muon on two wide and two tall matrices, one step; small masters (0.02) show an error in the update."""
     out = {}
     c = min(C, MUON_TEST_WIDTH)
     for name, shape in (("wide", (c, 3 * c + 1)), ("tall", (4 * c, c))):

@@ -358,8 +358,7 @@ def reference_case_model(r, cfg):
 
 
 def compare(got, want):
-    """(max abs error, max error relative to want's largest magnitude); infinite for a wrong shape or a
-    non-finite value."""
+    """(max abs error, max error relative to want's largest magnitude); inf for a wrong shape or non-finite."""
     g = got.detach().to("cpu", torch.float64)
     w = want.detach().to("cpu", torch.float64)
     if g.shape != w.shape or not torch.isfinite(g).all():
@@ -455,9 +454,8 @@ def _nbytes(*tensors):
 
 
 def op_work(name, args, kwargs, out):
-    """(flops, bytes) that one call of op `name` cannot do without, which achieved TFLOP/s and GB/s are measured
-    against: the matmuls' and the causal attention's flops (its backward: 5 matmuls), else the bytes read and
-    written. A recipe's own ops: its RecipeTools.op_work."""
+    """(flops, bytes) that one call of op `name` cannot do without: the matmuls' and the causal attention's
+    flops, else the bytes read and written; a recipe's own ops: its RecipeTools.op_work."""
     for recipe in RECIPES:
         work = recipe_tools(recipe).op_work(name, args, kwargs, out)
         if work is not None:
@@ -584,9 +582,8 @@ def timed_kernels(device, launches, active):
 
 
 def kernel_table(calls, launches):
-    """{(op, kernel): [launches, ms, flops, bytes]}, each kernel under the op that launched it. A memory-bound
-    kernel that is all of its op, or the global norm's (it reads the gradients through a pointer table), is
-    credited with the op's bytes."""
+    """{(op, kernel): [launches, ms, flops, bytes]}; a memory-bound kernel that is all of its op, or the global
+    norm's (it reads through a pointer table), is credited with the op's bytes."""
     per_call = {}
     for launch in launches:
         per_call.setdefault(launch[0], []).append(launch)
@@ -673,8 +670,7 @@ def start_profile(ops, device):
 @torch.no_grad()
 def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
     """--profile, after its last step: writes this process's Chrome trace to OUT_DIR/profile; rank 0 prints the
-    per-op and per-kernel tables, the torch ops besides allocation and views, the GPU work besides our kernels,
-    what the forward keeps for the backward (on micro-batch x) and the peak memory."""
+    per-op and per-kernel tables, the other torch ops and GPU work, what the forward keeps, the peak memory."""
     profile["recording"].close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -736,8 +732,7 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
 
 
 def time_ms(fn, device):
-    """Median milliseconds of fn(): on a GPU by triton.testing.do_bench (L2 flushed before each call), else
-    over BENCH_REPS calls after BENCH_WARMUP."""
+    """Median ms of fn(): on a GPU by triton.testing.do_bench, else over BENCH_REPS calls after BENCH_WARMUP."""
     if device.type == "cuda":
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     for _ in range(BENCH_WARMUP):
