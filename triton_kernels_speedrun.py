@@ -310,19 +310,6 @@ def add_into(acc, x):
     axpby(acc, 1.0, acc, 1.0, x)
 
 
-def _newton_schulz(x):
-    """newton_schulz's iterations in place on normalized x (n, r, c), each product one batched launch. Tall
-    matrices without a transpose: X <- 2X + B X on X = x^T is x <- 2x + x B (A = x^T x and B symmetric)."""
-    tall = x.shape[1] > x.shape[2]
-    for _ in range(NEWTON_SCHULZ_STEPS):
-        xt = x.transpose(1, 2)                                                      # (n, c, r) a view
-        A, _ = _matmul(xt, x) if tall else _matmul(x, xt)                           # (n, k, k), k = min(r, c)
-        AA, _ = _matmul(A, A)                                                       # (n, k, k)
-        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
-        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (n, r, c)
-        axpby(x, 2.0, x, 1.0, Bx)                                                   # (n, r, c)
-
-
 def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
     """Muon in place, as torch_muon_update, over fp32 matrices of one shape: Newton-Schulz in `dtype` (fp32 or
     bf16); `copies` (bf16, or None) get the params rounded. chunk and block as in global_norm."""
@@ -341,7 +328,16 @@ def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, ch
                                      BLOCK=block, BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
     _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n, BLOCK=MUON_BLOCK,
                                                                 BLOCK_P=MUON_PARTIALS_BLOCK, num_warps=MUON_WARPS)
-    _newton_schulz(u)
+    # newton_schulz in place, each product one batched launch; tall matrices without a transpose:
+    # X <- 2X + B X on X = u^T is u <- 2u + u B (A = u^T u and B symmetric)
+    tall = r > c
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        ut = u.transpose(1, 2)                                                      # (n, c, r) a view
+        A, _ = _matmul(ut, u) if tall else _matmul(u, ut)                           # (n, k, k), k = min(r, c)
+        AA, _ = _matmul(A, A)                                                       # (n, k, k)
+        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
+        Bu, _ = _matmul(u, A) if tall else _matmul(A, u)                           # (n, r, c)
+        axpby(u, 2.0, u, 1.0, Bu)                                                   # (n, r, c)
     table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
     _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
                                    HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
@@ -467,13 +463,10 @@ def case_softcap_crossentropy(ops, r, B, T, C, H):
     return dict(losses=losses, dz=z)
 
 
-MUON_TEST_WIDTH = 40  # case_muon's widest: two 32-wide tiles (one partial) in the interpreter
-
-
 def case_muon(ops, r, B, T, C, H):
     """Muon on two wide and two tall matrices, one step; small masters (0.02) show an error in the update."""
     out = {}
-    c = min(C, MUON_TEST_WIDTH)
+    c = min(C, 40)  # at most two 32-wide tiles (one partial) in the interpreter
     for name, shape in (("wide", (c, 3 * c + 1)), ("tall", (4 * c, c))):
         params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
         ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]

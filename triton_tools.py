@@ -581,24 +581,6 @@ def timed_kernels(device, launches, active):
             del kernel.run
 
 
-def kernel_table(calls, launches):
-    """{(op, kernel): [launches, ms, flops, bytes]}; a memory-bound kernel that is all of its op, or the global
-    norm's (it reads through a pointer table), is credited with the op's bytes."""
-    per_call = {}
-    for launch in launches:
-        per_call.setdefault(launch[0], []).append(launch)
-    table = {}
-    for i, group in per_call.items():
-        op = calls[i][0] if i is not None else "(step)"
-        for _, name, t0, t1, flops, nbytes in group:
-            if i is not None and not flops and calls[i][4] and (
-                    len(group) == 1 or name == "_global_norm_partial_kernel"):
-                nbytes = calls[i][4]
-            row = table.setdefault((op, name), [0, 0.0, 0, 0])  # launches, ms, flops, bytes
-            row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
-    return table
-
-
 ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                   "aten::lift_fresh", "aten::detach_", "aten::detach"}
 VIEW_OPS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
@@ -606,23 +588,6 @@ VIEW_OPS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsaf
             "aten::narrow", "aten::split", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::alias",
             "aten::to"}  # aten::to is a view when nothing changes; a real conversion calls aten::_to_copy
 HOST_READ_OPS = {"aten::item", "aten::_local_scalar_dense"}
-
-
-def torch_ops_census(events, op_names):
-    """{(aten op, the op it ran in, or "(step)"): count} over the profiled events outside our kernels' launches
-    (the interpreter copies arguments inside them), nested aten ops included."""
-    counts = {}
-    for e in events:
-        if not e.name.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        parent, op, inside = e.cpu_parent, "(step)", False
-        while parent is not None and not inside:
-            inside = parent.name.startswith("kernel ")
-            op = parent.name if op == "(step)" and parent.name in op_names else op
-            parent = parent.cpu_parent
-        if not inside:
-            counts[e.name, op] = counts.get((e.name, op), 0) + 1
-    return counts
 
 
 def kept_bytes(w, x, cfg, ops):
@@ -690,15 +655,26 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
     print(f"profile of steps {steps[0]}-{steps[-1]}: backend {cfg.backend}, {cfg.dtype}, micro-batches of "
           f"{cfg.batch_size} x {cfg.seq_len}, {cfg.total_batch_size} tokens per step, L{cfg.n_layer} "
           f"H{cfg.n_head} C{cfg.n_embd}")
-    print(f"{'op':<37} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} "
-          f"{'kept MB':>8}")
+    print(f"{'op':<37} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} {'kept MB':>8}")
     for name, (n, ms, flops, nbytes) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         mb = f"{kept[name] / 1e6:8.2f}" if name in kept else f"{'':>8}"
         print(f"{name:<37} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)} {mb}")
     in_ops = sum(row[1] for row in table.values())
     print(f"{'(outside the ops)':<30} {'':>5} {step_ms - in_ops:9.3f} {100 * (1 - in_ops / step_ms):7.1f}")
     print(f"{'steps':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
-    kernels = kernel_table(calls, launches)
+    # each kernel under the op that launched it; a memory-bound kernel that is all of its op, or the global
+    # norm's (it reads through a pointer table), is credited with the op's bytes
+    per_call, kernels = {}, {}
+    for launch in launches:
+        per_call.setdefault(launch[0], []).append(launch)
+    for i, group in per_call.items():
+        op = calls[i][0] if i is not None else "(step)"
+        for _, name, t0, t1, flops, nbytes in group:
+            if i is not None and not flops and calls[i][4] and (
+                    len(group) == 1 or name == "_global_norm_partial_kernel"):
+                nbytes = calls[i][4]
+            row = kernels.setdefault((op, name), [0, 0.0, 0, 0])  # launches, ms, flops, bytes
+            row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
     if kernels:
         print(f"\nper kernel, under the op that launched it ({len(launches)} launches):")
         print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8}")
@@ -708,7 +684,19 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
         in_kernels = sum(row[1] for row in kernels.values())
         print(f"{'(outside the kernels: launches, Python, allocation)':<62} {'':>5} {step_ms - in_kernels:9.3f} "
               f"{100 * (1 - in_kernels / step_ms):7.1f}")
-    census = torch_ops_census(prof.events(), set(vars(ops)))
+    # {(aten op, the op it ran in, or "(step)"): count} outside our kernels' launches (the interpreter copies
+    # arguments inside them), nested aten ops included
+    census, op_names = {}, set(vars(ops))
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        parent, op, inside = e.cpu_parent, "(step)", False
+        while parent is not None and not inside:
+            inside = parent.name.startswith("kernel ")
+            op = parent.name if op == "(step)" and parent.name in op_names else op
+            parent = parent.cpu_parent
+        if not inside:
+            census[e.name, op] = census.get((e.name, op), 0) + 1
     count = lambda names: sum(n for (aten, _), n in census.items() if aten in names)  # noqa: E731
     others = sorted((op, aten, n) for (aten, op), n in census.items()
                     if aten not in ALLOCATION_OPS | VIEW_OPS | HOST_READ_OPS)
@@ -721,8 +709,7 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(ours):
                 row = foreign.setdefault(e.name, [0, 0.0])
-                row[0] += 1
-                row[1] += (e.time_range.end - e.time_range.start) / 1000
+                row[:] = row[0] + 1, row[1] + (e.time_range.end - e.time_range.start) / 1000
         print("GPU work in the steps besides our kernels: " + (", ".join(
             f"{name} x{n} {ms:.3f} ms" for name, (n, ms) in foreign.items()) if foreign else "none"))
     print(f"kept for the backward: {sum(kept.values()) / 1e6:.2f} MB per micro-batch of {cfg.batch_size} "
