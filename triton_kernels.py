@@ -510,14 +510,13 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP:
     tl.store(losses_ptr + row, lse - target_logit)
 
 
-def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V):
-    """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32; OVERWRITES logits with
-    dloss * (softmax(logits[:, :V]) - onehot), 0 in the padded columns. block_v: logits per loop step."""
+def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V, cap=0.0):
+    """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32 (soft-capped logits' with cap > 0);
+    OVERWRITES logits with dloss * dlosses/dlogits, 0 in the padded columns. block_v: logits per loop step."""
     Vp = logits.shape[-1]
     N = logits.numel() // Vp
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
-    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, CAP=0.0, BLOCK_V=block_v,
-                               num_warps=CE_WARPS)
+    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, CAP=cap, BLOCK_V=block_v, num_warps=CE_WARPS)
     return losses
 
 

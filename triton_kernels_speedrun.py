@@ -16,11 +16,11 @@ from train_gpt2_triton import (HEAD_ROWS, INTERPRET, SPEEDRUN_OP_NAMES, TORCH_SP
                                op_table)
 from trainkit.speedrun import (ATTN_SCALE, FP8_FORMATS, FP8_MAX, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM,
                                MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS, SOFTCAP, fp8_reciprocal)
-from triton_kernels import (CE_BLOCK_V, CE_WARPS, ELEM_BLOCK, ELEM_WARPS, LN_REDUCE_BLOCK_C, LN_REDUCE_BLOCK_P,
-                            MT_BLOCK, MT_CHUNK, MT_WARPS, _activation_backward, _activation_forward,
-                            _check_tensors, _crossentropy_kernel, _flash_backward, _flash_forward, _flat_check,
-                            _layernorm_forward, _layernorm_param_grad_kernel, _matmul, _matmul_dw, _owner_row,
-                            _row_blocks, _tensor_table, embedding_backward, encoder_forward, layernorm_backward)
+from triton_kernels import (CE_BLOCK_V, ELEM_BLOCK, ELEM_WARPS, LN_REDUCE_BLOCK_C, LN_REDUCE_BLOCK_P, MT_BLOCK,
+                            MT_CHUNK, MT_WARPS, _activation_backward, _activation_forward, _check_tensors,
+                            _flash_backward, _flash_forward, _flat_check, _layernorm_forward,
+                            _layernorm_param_grad_kernel, _matmul, _matmul_dw, _owner_row, _row_blocks, _tensor_table,
+                            crossentropy_forward_backward, embedding_backward, encoder_forward, layernorm_backward)
 from triton_tools import TOOLS, RecipeTools, _leaf, _nbytes, op_case
 
 
@@ -54,13 +54,8 @@ def matmul_relu2_forward(x, w, b):
 
 def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
     """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
-    OVERWRITES z with dloss * dlosses/dz. block_v as in crossentropy_forward_backward."""
-    Vp = z.shape[-1]
-    N = z.numel() // Vp
-    losses = torch.empty(N, dtype=torch.float32, device=z.device)                   # (N,) fp32
-    _crossentropy_kernel[(N,)](z, targets, losses, Vp, Vp, dloss, CAP=SOFTCAP, BLOCK_V=block_v,
-                               num_warps=CE_WARPS)
-    return losses
+    OVERWRITES z with dloss * dlosses/dz."""
+    return crossentropy_forward_backward(z, targets, z.shape[-1], dloss, block_v, cap=SOFTCAP)
 
 
 def _check_heads(name, qkv, rows):
