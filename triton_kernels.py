@@ -1,28 +1,15 @@
-"""triton_kernels.py: backend `triton` of train_gpt2_triton.py, GPT-2's op interface filled in by our own
-Triton kernels, each kernel beside the Python wrapper that launches it, its block sizes named constants.
+"""triton_kernels.py: backend `triton` of train_gpt2_triton.py: GPT-2's ops on our own Triton kernels, each
+beside the Python wrapper that launches it, block sizes named. The memory-bound ops, then the matmul and the
+flash attention, then the step's own kernels: no torch op computes on the device in backend triton's step.
+Without a GPU, TRITON_INTERPRET=1 runs every kernel in Triton's interpreter (slow, fp32 only); its cost is
+per program and loop step, so a few block sizes take a wide value there (`... if INTERPRET else ...`).
 
-The kernels come in three groups: first the memory-bound ops (embedding, LayerNorm, GELU, cross-entropy,
-global norm, AdamW; RMSNorm, ReLU^2 and the soft cap are flags of the same kernels), then the two that hold
-the FLOPs (matmul with fused epilogues, causal flash attention), then the training step's own kernels
-(zeroing and clipping the gradients, summing the loss, copying a chunk's rows into place), so that no torch
-op computes anything on the device in backend triton's step: torch allocates memory, makes views, and
-builds the multi-tensor kernels' small pointer tables on the host. The speedrun recipe's ops are in
-triton_kernels_speedrun.py; --test, --profile and --bench-ops in triton_tools.py. Without a GPU,
-TRITON_INTERPRET=1 (set before triton is imported) runs every kernel in Triton's interpreter: slow, and
-fp32 only (its bf16 dots are wrong). The interpreter's cost is Python overhead per program and per loop
-step, not per element, so a few block sizes below take a wide value there (`... if INTERPRET else ...`);
-the tests pass small ones explicitly where a loop over blocks must run more than once.
-
-The trainer imports this file when backend triton is asked for (gpt2_ops), and this file imports the
-trainer's op interface (op_table, OP_NAMES through it) and constants.
-
-Map: the file's sections, in order.
-    Triton kernels: memory-bound ops       embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
-    Triton kernels: shared helpers         constants, precision, determinism, tile order
-    Triton kernels: matmul with fused epilogues, and dW   forward and dX, the weight and bias gradients
-    Triton kernels: causal flash attention  forward, dK/dV and dQ
-    Triton kernels: the training step's own   zeroing, clipping, the loss sum, copies
-    Backend triton: the op interface filled in by the kernels above   TRITON_OPS
+Map:
+    Triton kernels: memory-bound ops
+    Triton kernels: matmul with fused epilogues, and dW
+    Triton kernels: causal flash attention
+    Triton kernels: the training step's own
+    Backend triton: the op interface filled in by the kernels above
 """
 import functools
 import math
@@ -38,26 +25,12 @@ from train_gpt2_triton import INTERPRET, LN_EPS, op_table
 # -----------------------------------------------------------------------------
 # Triton kernels: memory-bound ops
 #
-# Conventions. N = B*T rows, C channels, `dt` the compute dtype (bf16 or fp32). Inputs are loaded in their
-# own dtype, all arithmetic is fp32, each result is rounded once when stored. Every load and store is
-# masked, so any shape works; the block sizes below only decide speed. Row offsets are int64 (N*Vp
-# passes 2**31 at B*T = 43k), offsets inside a block stay int32.
-#
-# Determinism: every kernel here gives bit-identical results run to run (torch's index_add_, behind
-# backend torch's embedding backward, does not on the GPU), and every partition of a reduction depends on
-# the shapes and the block sizes below only, never on the device or on timing; none of these kernels is
-# autotuned. No floating-point atomics: the embedding backward sorts the rows by token (a stable rank sort
-# by N^2 integer compares) and sums each token's rows in a fixed order; LayerNorm's dgamma/dbeta, the wpe
-# gradient and the global norm reduce fixed partitions in a fixed order. (The autotuned matmul and
-# attention kernels below are deterministic for a fixed configuration; see "Determinism across
-# processes" there.)
-#
-# Memory-bound loops are software-pipelined: tl.range(..., num_stages=S) has Triton issue the loads of the
-# next S-1 iterations into shared memory (cp.async) while the current one is computed, which keeps enough
-# bytes in flight per SM (HBM latency ~1 us x ~23 GB/s per SM on the H100 wants ~25-50 KB) without more
-# resident programs than the registers allow. Block sizes were chosen for the H100 by reasoning (132 SMs,
-# 64k registers, 228 KB shared memory and at most 64 warps per SM), each a named constant; `--bench-ops`
-# times every op against the PyTorch op it replaces and `--profile` every kernel of a step, to retune them.
+# N = B*T rows, C channels, `dt` the compute dtype (bf16 or fp32). Loads in the input's dtype, arithmetic in
+# fp32, each result rounded once when stored; every load and store masked. Row offsets are int64 (N*Vp passes
+# 2**31 at B*T = 43k). Deterministic: no floating-point atomics, and every reduction's partition depends on
+# the shapes and the block sizes only (none of these kernels is autotuned). Memory-bound loops are pipelined
+# (tl.range num_stages). Block sizes were reasoned for the H100 (132 SMs, 64k registers, 228 KB shared
+# memory); `--bench-ops` and `--profile` time them, to retune.
 
 ROW_TILE = 4096         # elements per program in the row kernels: 4 rows of a 1024-wide block at C=768,
 ROW_WARPS = 8           # ... 16 per thread, two 16-byte bf16 vectors per tensor per thread
@@ -71,8 +44,7 @@ ELEM_BLOCK = 4096       # activations: 16 elements per thread with 8 warps, 12k 
 ELEM_WARPS = 8
 
 
-# cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter takes a
-# row in one step (its cost is per loop step, not per element)
+# cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter: one step
 CE_BLOCK_V = 1 << 16 if INTERPRET else 4096
 CE_WARPS = 8
 ENC_SORT_BLOCK_N = 16   # embedding sort: (16 rows, 256 rows) compare tiles, 512 programs at N = 8k, 32
@@ -86,8 +58,7 @@ ENC_WPE_BLOCK_T = 8     # wpe reduce: (8 positions, 256 channels) per program, p
 ENC_WPE_STAGES = 3
 
 
-# multi-tensor kernels: elements per program (8 blocks of MT_BLOCK); the interpreter runs a chunk of one
-# wide block, and fewer programs
+# multi-tensor kernels: elements per program (8 blocks of MT_BLOCK); the interpreter: one wide block
 MT_CHUNK = 1 << 16 if INTERPRET else 16384
 MT_BLOCK = 1 << 16 if INTERPRET else 2048
 MT_WARPS = 8
@@ -129,34 +100,22 @@ def encoder_forward(idx, wte, wpe):
     x = torch.empty((B, T, C), dtype=wte.dtype, device=wte.device)                  # (B, T, C) dt
     block_c, block_rows = _row_blocks(C)
     grid = (triton.cdiv(B * T, block_rows),)
-    _encoder_forward_kernel[grid](idx, wte, wte if wpe is None else wpe, x, B * T, T, C,
-                                  HAS_WPE=wpe is not None, BLOCK_ROWS=block_rows, BLOCK_C=block_c,
-                                  num_warps=ROW_WARPS)
+    _encoder_forward_kernel[grid](idx, wte, wte if wpe is None else wpe, x, B * T, T, C, HAS_WPE=wpe is not None,
+                                  BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
     return x
 
 
-# The token gradient dwte[v] += sum of dx over the rows whose token is v must not race when a token repeats,
-# and must be summed in the same order on every run (the same bits every run, so a resumed run repeats the
-# uninterrupted one). Three steps, no floating-point atomics:
-# (1) a stable rank sort of the rows by token: the slot of row n is the number of rows m whose (token, m)
-# sorts before (token_n, n), counted by comparing against every row: N^2 pairs, ~3 integer instructions
-# each (7e7 pairs at N = 8k: ~8 us of the H100's integer issue rate, 4x per doubling of N; a counting
-# sort would scale better but costs four more launches, more than this at the d12 batch sizes).
-# (2) Programs over ENC_SLOTS sorted slots: in sorted order a token's rows are one contiguous run, so a
-# tile sums the pieces of all runs inside it at once as one small matrix product, same (S, S) @ dx rows
-# (S, BC) with same[i, j] = (token_i == token_j): 0/1 weights in fp32 and a fixed summation order (an inf
-# or NaN in dx reaches the other tokens of its tile through 0 * inf; that step is lost to overflow either
-# way). A run that lies inside the tile is added into its wte row (no other program holds that token);
-# the piece of a run that crosses a tile boundary goes to a carry buffer instead. (3) The tile where a
-# crossing run starts adds its piece and the following tiles' pieces, in tile order, into the wte row.
+# dwte[v] += the rows of dx whose token is v, in the same order every run and without atomics, in three
+# steps: (1) a stable rank sort of the rows by token (N^2 integer compares: ~8 us at N = 8k); (2) each tile of
+# ENC_SLOTS sorted slots sums the pieces of the token runs inside it as one product same (S, S) @ dx (S, BC)
+# and adds a run that lies inside the tile to its wte row, a piece of a run crossing the tile's edge to a
+# carry buffer; (3) the tile where a crossing run starts adds the carried pieces in tile order.
 
 @triton.jit
 def _encoder_sort_kernel(idx_ptr, order_ptr, sorted_tok_ptr, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          STAGES: tl.constexpr):
-    # slot[n] = #{m: token_m < token_n} + #{m < n: token_m == token_n}. The m-blocks below the one holding
-    # our rows count token_m <= token_n, those above token_m < token_n; only the block holding our rows
-    # compares positions (BLOCK_M is a multiple of BLOCK_N, so our rows lie in one m-block). Counts are
-    # kept per (n, m) lane and reduced once at the end, so the loops are compares and adds only.
+    # slot[n] = #{m: token_m < token_n} + #{m < n: token_m == token_n}: m-blocks below ours count <=, those
+    # above <, our own block compares positions (BLOCK_M is a multiple of BLOCK_N)
     n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)                                                  # (BN,) our rows
     n_mask = n < N
@@ -273,9 +232,8 @@ def embedding_backward(dx, idx, dtable):
     _encoder_sort_kernel[(triton.cdiv(N, ENC_SORT_BLOCK_N),)](
         idx, order, sorted_tok, N, BLOCK_N=ENC_SORT_BLOCK_N, BLOCK_M=ENC_SORT_BLOCK_M, STAGES=ENC_SORT_STAGES)
     n_cblocks = triton.cdiv(C, ENC_BLOCK_C)
-    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dtable, carry, N, C,
-                                                     SLOTS=ENC_SLOTS, BLOCK_C=ENC_BLOCK_C,
-                                                     num_warps=ENC_WARPS)
+    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dtable, carry, N, C, SLOTS=ENC_SLOTS,
+                                                     BLOCK_C=ENC_BLOCK_C, num_warps=ENC_WARPS)
     _encoder_carry_kernel[(tiles, n_cblocks)](carry, sorted_tok, dtable, N, C, SLOTS=ENC_SLOTS,
                                               TILES=ENC_CARRY_TILES, BLOCK_C=ENC_BLOCK_C)
 
@@ -289,9 +247,7 @@ def encoder_backward(dx, idx, dwte, dwpe):
 
 
 # --- LayerNorm, and (RMS) the speedrun model's RMSNorm, optionally fused with the residual add before it ---
-# RMSNorm is LayerNorm without the mean and the bias: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps). The
-# same kernels compute both (RMS a constexpr, so each compiles without the other's arithmetic); RMSNorm
-# stores no mean and adds no dbias.
+# RMSNorm: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps), no mean, no bias (RMS a constexpr)
 
 @triton.jit
 def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_ptr, rstd_ptr, N, C, eps,
@@ -329,8 +285,7 @@ def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_
 
 
 def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
-    """LayerNorm (RMSNorm with rms: mean None, b unused) over the last axis of x, or of x + h when h is
-    given: (x + h or None, y, mean, rstd)."""
+    """LayerNorm (RMSNorm with rms) over the last axis of x, or of x + h: (x + h or None, y, mean, rstd)."""
     C = x.shape[-1]
     N = x.numel() // C
     xsum = torch.empty_like(x) if h is not None else None                           # (..., C) dt
@@ -340,9 +295,8 @@ def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
     block_c, block_rows = _row_blocks(C)
     # unused pointers (no residual, RMS's mean and bias) get ones the flags compile out
     _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
-        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y,
-        rstd if rms else mean, rstd, N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows,
-        BLOCK_C=block_c, num_warps=ROW_WARPS)
+        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y, rstd if rms else mean, rstd,
+        N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
     return xsum, y, mean, rstd
 
 
@@ -352,18 +306,12 @@ def layernorm_forward(x, w, b):
     return y, mean, rstd
 
 
-def residual_layernorm_forward(res, h, w, b):
-    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, LayerNorm(x) (N,C) dt, mean (N), rstd (N))."""
-    return _layernorm_forward(res, h, w, b)
-
-
 @triton.jit
 def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, partial_ptr,
                                N, C, rows_per_program, HAS_DRES: tl.constexpr, RMS: tl.constexpr,
                                BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
-    # dx for a contiguous range of rows, plus this range's partial dgamma/dbeta: partial[0, pid] and
-    # partial[1, pid], summed over the programs by _layernorm_param_grad_kernel (no atomics on the weights).
-    # The row loop is pipelined: the tiles of the next STAGES-1 steps load while this one is computed.
+    # dx for a contiguous range of rows, and the range's partial dgamma/dbeta (partial[0, pid], partial[1, pid])
+    # that _layernorm_param_grad_kernel sums: no atomics on the weights
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,)
     cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
@@ -388,9 +336,8 @@ def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_pt
             mean = tl.load(mean_ptr + row0 + rows, mask=row_mask, other=0.0)        # (R,)
             xhat = (x - mean[:, None]) * rstd[:, None]                              # (R, BC)
         g = dy * w[None, :]                                                         # (R, BC) dL/dxhat
-        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = g * rstd - (xhat * c1 + c2), with the row
-        # scalars folded first: two fused multiply-adds per element instead of four operations (RMSNorm's
-        # has no mean(g) term: c2 = 0)
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = g * rstd - (xhat * c1 + c2): two fused
+        # multiply-adds an element (RMSNorm: c2 = 0)
         c1 = tl.sum(g * xhat, axis=1) / C * rstd                                    # (R,) rstd mean(g xhat)
         if RMS:
             dx = g * rstd[:, None] - xhat * c1[:, None]                             # (R, BC)
@@ -431,15 +378,13 @@ def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, HAS_BIAS: tl
 
 
 def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
-    """dy, x (N,C) dt; w (C); mean, rstd (N) fp32; dw, db (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt
-    (dx includes dres: the residual stream's gradient flowing through the fused add). With mean and db
-    None, RMSNorm's backward."""
+    """dy, x (N,C) dt; w (C); mean, rstd (N) fp32; dw, db (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt,
+    dres included. With mean and db None, RMSNorm's backward."""
     C = x.shape[-1]
     N = x.numel() // C
     dx = torch.empty_like(x)                                                        # (..., C) dt
     block_c, block_rows = _row_blocks(C, LN_BWD_TILE)
-    # whole row tiles per program; the count P <= LN_BWD_PROGRAMS, and with it the summation order,
-    # depends on N only
+    # whole row tiles per program; their count P <= LN_BWD_PROGRAMS, and the summation order, depend on N only
     rows_per_program = block_rows * triton.cdiv(N, block_rows * LN_BWD_PROGRAMS)
     P = triton.cdiv(N, rows_per_program)
     rms = mean is None
@@ -449,24 +394,19 @@ def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
                                      BLOCK_ROWS=block_rows, BLOCK_C=block_c, STAGES=LN_BWD_STAGES,
                                      num_warps=LN_BWD_WARPS)
     _layernorm_param_grad_kernel[(triton.cdiv(C, LN_REDUCE_BLOCK_C),)](
-        partial, dw, dw if rms else db, P, C, HAS_BIAS=not rms, BLOCK_P=LN_REDUCE_BLOCK_P,
-        BLOCK_C=LN_REDUCE_BLOCK_C)
+        partial, dw, dw if rms else db, P, C, HAS_BIAS=not rms, BLOCK_P=LN_REDUCE_BLOCK_P, BLOCK_C=LN_REDUCE_BLOCK_C)
     return dx
 
 
-# --- Activations: tanh-GELU, gelu(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), GPT-2's, and ------
-# relu(x)^2, the speedrun model's (the bias add before either, and the forward itself, are fused into the
-# matmul's epilogue: matmul_gelu_forward, matmul_relu2_forward; the backward recomputes it here)
+# --- Activations: tanh-GELU (GPT-2's) and relu(x)^2 (the speedrun's); the forward is fused into the matmul ---
 
 ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # the ACT codes of the kernels below and of matmul_kernel
 
 
 @triton.jit
 def _gelu_parts(x):
-    # (1 + tanh(u), 1 - tanh(u)^2) at u = sqrt(2/pi) (x + 0.044715 x^3), both from e = exp(-2|u|) in (0, 1]:
-    # 1 + tanh = 2/(1+e) for u >= 0 and 2e/(1+e) below, 1 - tanh^2 = 4e/(1+e)^2. Nothing overflows, and
-    # neither cancels where tanh is near -1 or 1 (there, 1 - tanh(u) rounded in fp32 would carry an error
-    # of 6e-8 that the backward multiplies by x * du/dx, some 100 at |x| = 10)
+    # (1 + tanh(u), 1 - tanh(u)^2) at u = sqrt(2/pi) (x + 0.044715 x^3), from e = exp(-2|u|): no overflow, and
+    # no cancellation where tanh is near -1 or 1
     u = 0.7978845608028654 * (x + 0.044715 * x * x * x)                             # sqrt(2/pi) = 0.797...
     e = tl.exp(-2.0 * tl.abs(u))
     r = 1.0 / (1.0 + e)
@@ -506,6 +446,7 @@ def _activation_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, ACT: tl.constexpr, BLO
 
 
 def _activation_forward(pre, activation):
+    """pre (N,M) dt -> activation(pre) (N,M) dt: "gelu" (tanh approximation) or "relu2"."""
     y = torch.empty_like(pre)                                                       # (N, M) dt
     n = pre.numel()
     _activation_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, ACT=ACTIVATIONS[activation],
@@ -514,6 +455,7 @@ def _activation_forward(pre, activation):
 
 
 def _activation_backward(dy, pre, activation):
+    """dy, pre (N,M) dt -> dpre (N,M) dt."""
     dpre = torch.empty_like(pre)                                                    # (N, M) dt
     n = pre.numel()
     _activation_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, ACT=ACTIVATIONS[activation],
@@ -521,20 +463,8 @@ def _activation_backward(dy, pre, activation):
     return dpre
 
 
-def gelu_forward(pre):
-    """pre (N,M) dt -> gelu(pre) (N,M) dt, tanh approximation."""
-    return _activation_forward(pre, "gelu")
-
-
-def gelu_backward(dy, pre):
-    """dy (N,M), pre (N,M) dt -> dpre (N,M) dt."""
-    return _activation_backward(dy, pre, "gelu")
-
-
 # --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
-# The speedrun model's head soft-caps its logits first, c = SOFTCAP z / sqrt(z^2 + SOFTCAP^2), and takes the
-# loss over all Vp columns (V = Vp): the same kernel with the cap (a constexpr) applied as each logit is
-# loaded and its derivative, SOFTCAP^3 / (z^2 + SOFTCAP^2)^(3/2), multiplied into the gradient.
+# CAP > 0: of the soft-capped logits c = CAP z / sqrt(z^2 + CAP^2) (the speedrun's head)
 
 @triton.jit
 def _softcap(z, CAP: tl.constexpr):
@@ -546,10 +476,8 @@ def _softcap(z, CAP: tl.constexpr):
 @triton.jit
 def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP: tl.constexpr,
                          BLOCK_V: tl.constexpr):
-    # one row: pass 1 streams the V real logits with an online logsumexp (a running max and a sum rescaled
-    # when the max grows, one exp per logit); pass 2 overwrites the row with dloss * (softmax - onehot),
-    # and zeros in the padded columns V..Vp-1. Nothing but the row's two scalars is kept in fp32. CAP > 0:
-    # the soft-capped logits' (the cap recomputed in pass 2 rather than stored).
+    # one row: pass 1 an online logsumexp over the V real logits, pass 2 overwrites the row with
+    # dloss * (softmax - onehot), 0 in the padded columns
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * Vp
     cols = tl.arange(0, BLOCK_V)                                                    # (BV,)
@@ -559,8 +487,6 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP:
         target_logit, _ = _softcap(target_logit, CAP)
     run_max = tl.full((), float("-inf"), tl.float32)                                # scalar fp32
     run_sum = tl.full((), 0.0, tl.float32)                                          # scalar fp32
-    # loads are masked at Vp (a multiple of 16 at 50304, so 16-byte vector loads) and the padded columns
-    # are dropped after loading
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols                                                               # (BV,)
         x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)         # (BV,)
@@ -584,32 +510,24 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP:
     tl.store(losses_ptr + row, lse - target_logit)
 
 
-def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V):
-    """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32; OVERWRITES logits with
-    dlogits = dloss * (softmax(logits[:, :V]) - onehot), and 0 in the padded columns V..Vp-1. block_v:
-    logits per loop step (a power of 2; the tests give a small one so that a row spans several)."""
+def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V, cap=0.0):
+    """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32 (soft-capped logits' with cap > 0);
+    OVERWRITES logits with dloss * dlosses/dlogits, 0 in the padded columns. block_v: logits per loop step."""
     Vp = logits.shape[-1]
     N = logits.numel() // Vp
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
-    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, CAP=0.0, BLOCK_V=block_v,
-                               num_warps=CE_WARPS)
+    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, CAP=cap, BLOCK_V=block_v, num_warps=CE_WARPS)
     return losses
 
 
 # --- Global gradient norm and AdamW over all parameters: multi-tensor kernels ----------------------------
-# One launch covers every tensor: a small int64 table holds, per tensor, its element count, the index of
-# its first MT_CHUNK-element chunk, its data pointers and its weight decay; program i finds the tensor that
-# owns chunk i by counting the first-chunk entries <= i. Pointers read from a table carry no alignment
-# information, so the wrapper checks alignment and the kernels restate it (ALIGNED) to keep 16-byte loads.
-
-TABLE_NUMEL, TABLE_FIRST_CHUNK, TABLE_PTRS = 0, 1, 2   # table columns; pointers follow, then the floats
+# One launch for every tensor: program i finds the tensor that owns chunk i in a small int64 table (element
+# count, first chunk, pointers, weight decay); ALIGNED restates the alignment the wrapper checked.
 
 
 def _tensor_table(pointer_lists, floats=(), chunk=MT_CHUNK):
-    """(table (n_tensors, 2 + len(pointer_lists) + len(floats)) int64 on the device, chunks, aligned).
-    pointer_lists: lists of tensors (None entries or a None list give a null pointer); the first list
-    sets each row's element count. floats: lists of Python floats, stored as float64 bit patterns.
-    chunk: elements per program."""
+    """(table (n_tensors, 2 + pointer lists + floats) int64 on the device, chunks, aligned): the first list sets
+    the element counts; None gives a null pointer; floats are stored as float64 bits; chunk: elements a program."""
     lead = pointer_lists[0]
     rows, first, aligned = [], 0, True
     for i, t in enumerate(lead):
@@ -634,9 +552,8 @@ def _check_tensors(name, tensors, dtypes, like):
 
 @triton.jit
 def _owner_row(table_ptr, n_tensors, NCOL: tl.constexpr, BLOCK_T: tl.constexpr):
-    # the table row of the tensor that owns this program's chunk: the last row whose first chunk <= pid
-    # (sizes and offsets are loaded by the caller: hints set on values returned from a jit function are
-    # dropped when triton 3.6 inlines it)
+    # the table row of the tensor that owns this program's chunk (hints on values a jit function returns
+    # are dropped: the caller loads sizes and offsets)
     t = tl.arange(0, BLOCK_T)                                                       # (BT,)
     firsts = tl.load(table_ptr + t * NCOL + 1, mask=t < n_tensors, other=2147483647)  # (BT,) int64
     owner = tl.sum((firsts <= tl.program_id(0)).to(tl.int32), axis=0) - 1
@@ -644,9 +561,8 @@ def _owner_row(table_ptr, n_tensors, NCOL: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.constexpr,
-                                CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-                                STAGES: tl.constexpr):
+def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                                BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
     row = _owner_row(table_ptr, n_tensors, 3, BLOCK_T)  # numel, first chunk, grad pointer
     numel = tl.load(row)
     start = (tl.program_id(0) - tl.load(row + 1)) * CHUNK                           # int64 scalar
@@ -674,9 +590,7 @@ def _global_norm_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
 
 
 def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
-    """grads: list of fp32 tensors -> 0-d fp32 tensor, the L2 norm of all of them (deterministic: fixed
-    chunks summed in a fixed order). chunk, block: elements per program and per loop step (powers of 2,
-    block <= chunk; the tests give small ones so that a tensor spans several chunks of several blocks)."""
+    """grads: fp32 tensors -> () fp32, their L2 norm; chunk, block: elements per program and loop step."""
     _check_tensors("global_norm grads", grads, (torch.float32,), grads)
     table, chunks, aligned = _tensor_table([grads], chunk=chunk)
     partial = torch.empty(chunks, dtype=torch.float32, device=grads[0].device)      # (chunks,) fp32
@@ -690,9 +604,8 @@ def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, grad_scale,
-                  HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
+def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, grad_scale, HAS_COPY: tl.constexpr,
+                  ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
     # table row: numel, first chunk, param, grad, m, v, copy pointers, weight decay (float64 bits)
     row = _owner_row(table_ptr, n_tensors, 8, BLOCK_T)
     numel = tl.load(row)
@@ -721,8 +634,7 @@ def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, gra
         g = tl.load(g_ptr + o + offs, mask=mask, other=0.0) * grad_scale            # (BL,) fp32
         m = beta1 * tl.load(m_ptr + o + offs, mask=mask, other=0.0) + (1.0 - beta1) * g
         v = beta2 * tl.load(v_ptr + o + offs, mask=mask, other=0.0) + (1.0 - beta2) * g * g
-        # llm.c's update with IEEE sqrt and division, so that it matches backend torch's
-        # p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p)
+        # llm.c's update with IEEE sqrt and division, as backend torch's
         mhat = tl.div_rn(m, bias1)
         vhat = tl.div_rn(v, bias2)
         p = p - lr * (tl.div_rn(mhat, tl.sqrt_rn(vhat) + eps) + wd * p)
@@ -735,52 +647,34 @@ def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, gra
 
 def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale,
                  chunk=MT_CHUNK, block=MT_BLOCK):
-    """One AdamW step (llm.c's, as torch_adamw_update: step t = `step`, 1-based) over lists of fp32 params,
-    grads, m, v, with grads scaled by grad_scale first; `copies` (bf16 tensors, or None) get the updated
-    params rounded to bf16. One launch for all tensors; chunk and block as in global_norm."""
+    """One AdamW step (llm.c's, as torch_adamw_update) over lists of fp32 params, grads (scaled by grad_scale),
+    m, v; `copies` (bf16, or None) get the params rounded. chunk and block as in global_norm."""
     _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,),
                    params * 4)
     if copies is not None:
         _check_tensors("adamw_update copies", copies, (torch.bfloat16,), params)
     table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays],
                                            chunk=chunk)
-    _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step,
-                             1.0 - beta2 ** step, grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned,
-                             CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(len(params)),
-                             num_warps=MT_WARPS)
+    _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step, 1.0 - beta2 ** step,
+                             grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
+                             BLOCK_T=triton.next_power_of_2(len(params)), num_warps=MT_WARPS)
 
 
 # -----------------------------------------------------------------------------
-# Triton kernels: shared helpers
-
-# Kernels spell their constants out (log2(e) = 1.4426950408889634, ln(2) = 0.6931471805599453,
-# sqrt(2/pi) = 0.7978845608028654): compiled Triton reads no plain Python global inside a kernel.
-# Every tl.dot says input_precision="ieee": fp32 operands then multiply in true fp32 (the trainers' fp32
-# mode promises no TF32, whose 10-bit mantissa costs ~1e-3 relative error); 16-bit operands go to the
-# tensor cores whatever the setting, with fp32 accumulation.
+# Triton kernels: matmul with fused epilogues, and dW
 #
-# Determinism across processes. Each kernel below gives the same bits on every run for a fixed
-# configuration (no floating-point atomics; split-K partial sums are added in a fixed order). But on a GPU
-# the autotuner picks the configuration by timing the candidates, once per shape in each process, and
-# keeps its choice in that process only (Triton writes it to disk only with TRITON_CACHE_AUTOTUNING=1).
-# Timing noise can make another process, a resumed run or another rank of a torchrun, pick another
-# configuration; where that changes the order of a sum, the last bits of the result change: dW's SPLIT_K
-# (how the B*T rows are cut into partial sums; BLOCK_K is one per input width), and the attention's
-# streamed block (BLOCK_N keys per step in the forward's online softmax and in dQ, BLOCK_M queries per
-# step in dK/dV). The forward/dX matmul's configurations for one input width share BLOCK_K, so every
-# output element adds the same K blocks in the same order whatever the tile (inside a block the order is
-# the MMA instruction's; tiles have not been compared bit for bit). So on a GPU a resumed backend-triton
-# run matches the uninterrupted one to rounding, not bit for bit. In the interpreter every autotuned
-# kernel has exactly one configuration per shape (_interpreter_config, _interpreter_dw_config and the
-# single attention configs below), which the autotuner runs without timing: there the bits repeat in
-# every process.
+# Kernels spell constants out (log2(e), ln(2), sqrt(2/pi)): compiled Triton reads no Python global. Every
+# tl.dot says input_precision="ieee": fp32 stays true fp32 (no TF32); 16-bit operands use the tensor cores.
+# A fixed config gives the same bits every run; on a GPU the autotuner's timed choice may differ between
+# processes (dW's SPLIT_K, attention's streamed block), so a resumed run matches to rounding. The
+# interpreter has one config per shape: there the bits repeat. H100: a 128x256 tile is the largest whose fp32
+# accumulator fits 8 warps' registers; 128x128 with 3 stages leaves room for two programs an SM, one's
+# epilogue under the other's main loop (bench/NOTES.md).
 
 
 @triton.jit
 def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Maps a linear program id to the (row, column) tile of an (M,N) output so that GROUP_M consecutive
-    row tiles sweep the columns together: programs running at the same time share the same A rows and B
-    columns, which then come from L2 instead of HBM."""
+    """The (row, column) tile of program `pid`: GROUP_M row tiles sweep the columns together, sharing L2."""
     num_m = (M + BLOCK_M - 1) // BLOCK_M  # (not tl.cdiv: each jit call costs ~1 ms in the interpreter)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     per_group = GROUP_M * num_n
@@ -795,27 +689,13 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-# -----------------------------------------------------------------------------
-# Triton kernels: matmul with fused epilogues, and dW
-
-# H100 facts the configurations rely on: a 128x256 (or 256x128) tile is the largest whose fp32
-# accumulator fits in 8 warps' registers, and the one that asks least of L2 per flop; a 128x128 tile with 3
-# stages (96 KB of shared memory, at most 128 registers a thread at 8 warps or 255 at 4) leaves room for
-# two programs on an SM, so that one's prologue and epilogue (bias, GELU, the stores) run under the other's
-# main loop: what the K=768 layers need, whose main loop is only 12 steps of 64 (bench/NOTES.md: how these
-# choices were made).
-
 INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
 INTERPRETER_WIDE = 128  # the interpreter's dimensions of at least this size take one wide block
 
 
 def _matmul_configs(kernel, interpret=INTERPRET):
-    """The configurations of kernel "mm" (forward and dX) or "dw": the H100's, or (interpret) blocks of 32
-    to 512 a side (_interpreter_config), dW split in 1 or 2, mm on either path.
-    16-bit inputs: BLOCK_K 64, 128x256 / 256x128 tiles (one program an SM, 3 stages: 144 KB) and 128x128
-    ones (two programs an SM). dW's long K loops: the big tiles and a 4-stage 128x128, each split 1..8
-    ways (_prune_dw_configs keeps two). "mm": each pointer config, and a 4-stage 128x128, also on the
-    descriptor path (TMA, persistent: PER_SM programs an SM). fp32 (FMA units) takes BLOCK_K 32."""
+    """Kernel "mm"'s (forward and dX) or "dw"'s configs: the H100's (dW split 1..8 ways, mm also on the TMA
+    path; BLOCK_K 64 for 16-bit inputs, 32 for fp32), or the interpreter's blocks of 32 to 512 a side."""
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
                                **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
@@ -841,10 +721,8 @@ def _matmul_configs(kernel, interpret=INTERPRET):
 
 
 def _tma_block_shapes(nargs):
-    """Every mm config's pre-hook: sets the descriptors' block shapes, where they exist, to the tiles of
-    the configuration about to run (the wrapper builds them before the autotuner picks one). The pointer
-    path needs it too: its launch still encodes the descriptors it is passed, and the driver refuses [1, 1]
-    blocks of 16-bit elements."""
+    """Every mm config's pre-hook: sets the descriptors' block shapes (built before the autotuner picks) to the
+    config's tiles; the pointer path needs it too (its launch encodes them, and the driver refuses [1, 1])."""
     if nargs["a_desc"] is None:
         return
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
@@ -855,20 +733,15 @@ def _tma_block_shapes(nargs):
 
 
 def _prune_matmul_configs(configs, named_args, **kwargs):
-    """16-bit inputs get the BLOCK_K 64 (tensor core) configs, fp32 inputs the BLOCK_K 32 ones; the
-    descriptor-path configs only where the descriptors exist (tma_ok)."""
+    """BLOCK_K 64 configs for 16-bit inputs, 32 for fp32; the TMA ones only where the descriptors exist."""
     block_k = 32 if named_args["a_ptr"].element_size() == 4 else 64
     tma = bool(named_args.get("tma_ok"))
     return [c for c in configs if c.kwargs["BLOCK_K"] == block_k and (tma or not c.kwargs.get("TMA"))] or configs
 
 
 def _interpreter_config(configs, named_args, **kwargs):
-    """The interpreter's one config for a shape (a single survivor is run without benchmarking). Its cost
-    is Python overhead per program and per loop step, not arithmetic: a dimension of INTERPRETER_WIDE or
-    more gets one block as wide as it, up to 512 (256 along K): the lm head's 50304 columns take 99
-    programs, not 1572, and the speedrun model's 128-wide products one (Muon's Newton-Schulz runs 36 a
-    matrix); smaller ones take 32, so that the small test shapes still run several tiles, partial tiles
-    and several K steps."""
+    """The interpreter's one config for a shape (run untimed): a dimension of INTERPRETER_WIDE or more in one
+    block (up to 512, 256 along K), smaller ones in blocks of 32 (the tests still run several tiles)."""
     dims = {"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]}
     want = {k: min(INTERPRETER_BLOCKS[-2 if k == "BLOCK_K" else -1], triton.next_power_of_2(d))
             if d >= INTERPRETER_WIDE else 32 for k, d in dims.items()}
@@ -881,19 +754,15 @@ DW_WORKSPACE_BYTES = 64 << 20  # split-K partial sums: at most 64 MiB (qkv's 7 s
 
 
 def _dw_workspace(M, N, cfg):
-    """Elements of the fp32 partial sums of dw (tiles, SPLIT_K, BM, BN) and db (tiles, SPLIT_K, BM), and
-    the tile count, of one dW config."""
+    """(elements of dw's and db's fp32 partial sums, tiles) of one dW config."""
     bm, bn, split = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["SPLIT_K"]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     return tiles * split * bm * bn, tiles * split * bm, tiles
 
 
 def _dw_cost(M, N, K, sms, cfg):
-    """Modelled time of dW under one config, in 128x256x64 main-loop steps (~0.85 us at ~650 TFLOP/s):
-    waves of SPLIT_K*tiles programs times the steps of one row chunk, plus, when split, the partial sums
-    on the critical path: a program stores its fp32 tile and the tile's last program reads all SPLIT_K of
-    them back, ~1.5 steps each for a 128x256 tile at an SM's share of L2 bandwidth. It only ranks split
-    counts for one tile shape; the autotuner measures the rest."""
+    """Modelled time of dW under one config in 128x256x64 main-loop steps (waves of programs times a chunk's
+    steps, plus the split partial sums' round trip): it ranks split counts, the autotuner measures."""
     bm, bn, bk, split = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     steps = triton.cdiv(triton.cdiv(K, split), bk)
@@ -902,8 +771,7 @@ def _dw_cost(M, N, K, sms, cfg):
 
 
 def _prune_dw_configs(configs, named_args, **kwargs):
-    """The dW configs for this input width whose partial sums fit in DW_WORKSPACE_BYTES, and of each tile
-    shape the two split counts _dw_cost ranks best for this (M, N, K) on this GPU."""
+    """Per tile shape, the two split counts _dw_cost ranks best whose partial sums fit DW_WORKSPACE_BYTES."""
     M, N, K = named_args["M"], named_args["N"], named_args["K"]
     sms = _num_sms(named_args["a_ptr"].device)
     width = [c for c in _prune_matmul_configs(configs, named_args) if c.kwargs["SPLIT_K"] == 1
@@ -916,16 +784,14 @@ def _prune_dw_configs(configs, named_args, **kwargs):
 
 
 def _interpreter_dw_config(configs, named_args, **kwargs):
-    """The interpreter's dW config: _interpreter_config's blocks, split in 2 once K passes one block of rows
-    (so the CPU tests run the split path and its reduction), else 1."""
+    """_interpreter_config's blocks, split in 2 once K passes one block (the tests run the split path)."""
     blocks = _interpreter_config(configs, named_args)
     split = 2 if named_args["K"] > blocks[0].kwargs["BLOCK_K"] else 1
     return [c for c in blocks if c.kwargs["SPLIT_K"] == split]
 
 
 def _autotune_bench(kernel_call, quantiles):
-    """The autotuner's timing of one config: median of ~25 ms of runs (Triton's default spends ~125 ms),
-    so the first call at a new shape costs well under a second a config."""
+    """The autotuner's timing of one config: ~25 ms of runs (Triton's default spends ~125 ms)."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
@@ -935,11 +801,8 @@ DW_PRUNE = {"early_config_prune": _interpreter_dw_config if INTERPRET else _prun
 
 @triton.jit
 def _gelu_tanh(x, FAST_TANH: tl.constexpr):
-    """tanh-GELU of fp32 x, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3). FAST_TANH (GPU,
-    16-bit output): the SFU's tanh.approx (relative error ~2^-11, under a bf16 or fp16 rounding), one
-    special-function op an element; the SFU does only 16 a clock an SM, which at fc's 25M elements (B*T =
-    8192) is ~7 us an op. Otherwise exact to fp32: 0.5 (1 + tanh(u)) = sigmoid(2u) = 1 / (1 + 2^(-2 log2(e)
-    u)), no NaN at either tail (an exp2 and a division: two SFU ops)."""
+    """tanh-GELU of fp32 x. FAST_TANH (GPU, 16-bit output): the SFU's tanh.approx (error ~2^-11, under a bf16
+    rounding); else exact to fp32 as x sigmoid(2u), no NaN at either tail."""
     u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
     if FAST_TANH:
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
@@ -952,8 +815,7 @@ def _gelu_tanh(x, FAST_TANH: tl.constexpr):
 
 @triton.jit
 def _activation(x, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
-    """The matmul epilogue's activation of fp32 x: tanh-GELU (ACT 1, GPT-2's MLP) or relu(x)^2 (ACT 2, the
-    speedrun model's)."""
+    """The matmul epilogue's activation of fp32 x: tanh-GELU (ACT 1) or relu(x)^2 (ACT 2)."""
     if ACT == 1:
         y = _gelu_tanh(x, FAST_TANH)
     else:
@@ -967,8 +829,7 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
                  stride_cm, stride_cn, scale, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                  FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """matmul_kernel's pointer path: this program's output tile, its operands loaded through pointers with
-    any strides (the forward reads w (out,in) as b = w.T, the input gradient reads w as it is)."""
+    """matmul_kernel's pointer path: this program's output tile, the operands read through any strides."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) output columns
@@ -1010,14 +871,10 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
 
 @triton.jit
 def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    """matmul_kernel's descriptor path, on Hopper's tensor memory accelerator: a (M,K) and b read as tiles
-    by descriptors (b_desc holds w (N,K) when B_TRANS, the forward's x @ w.T, else (K,N)), c (and pre)
-    written by descriptors, edges zero-filled on load and clipped on store by the hardware. Persistent:
-    each program walks the output tiles num_programs apart in grouped order, and the flattened loop lets
-    the pipeline load the next tile's first K blocks during this tile's epilogue."""
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """matmul_kernel's descriptor path (Hopper's TMA; b_desc holds w (N,K) when B_TRANS), persistent: each
+    program walks the tiles num_programs apart, loading the next tile's K blocks during this one's epilogue."""
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     k_steps = (K + BLOCK_K - 1) // BLOCK_K
@@ -1044,28 +901,21 @@ def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRA
                  key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "ACT", "SCALED"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K,
-                  stride_ab, stride_bb, stride_cb,
-                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok, scale,
+def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K, stride_ab,
+                  stride_bb, stride_cb, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok, scale,
                   SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
                   B_TRANS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
-    """c (M,N) = a (M,K) @ b (K,N) [x scale: FP8 operands, pointer path] [+ bias (N)] [then an activation
-    (ACT: 0 none, 1 tanh-GELU, 2 relu^2), the pre-activation stored to pre (M,N)]. Two data paths, which
-    the autotuner times against each other as configurations: pointer loads, one tile a program (any
-    strides and alignment), or tensor descriptors, persistent (TMA; where tma_ok: the descriptors
-    a_desc..pre_desc exist, else they are None); neither is fastest at every d12 shape (bench/NOTES.md).
-    A batch of products (Muon's Newton-Schulz over the
-    matrices of one shape) runs on the pointer path, grid axis 1 the batch, its strides stride_ab..cb."""
+    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias (N)] [then activation ACT, pre (M,N) kept], on the pointer
+    path or the TMA path (where tma_ok), timed against each other as configs; a batch on grid axis 1."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
                           FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         batch = tl.program_id(1).to(tl.int64)
-        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb,
-                     bias_ptr, pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk,
-                     stride_bn, stride_cm, stride_cn, scale, SCALED, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N,
-                     BLOCK_K, GROUP_M, EVEN_K)
+        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb, bias_ptr,
+                     pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                     stride_cn, scale, SCALED, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -1073,9 +923,7 @@ def _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stri
                 WITH_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr):
     """One program's share of dW: acc (BM,BN) = a[rows, k_lo:k_hi] @ b[k_lo:k_hi, cols] in fp32, and with
-    WITH_DB the row sums of that a block (BM,), taken by the tensor cores as a @ e0 (e0 (BK,16): ones in
-    column 0, zeros elsewhere) from the tile already in shared memory: no extra loads, no reduction across
-    threads in the loop, and the zero columns add exactly nothing to the sum taken at the end."""
+    WITH_DB the row sums of a (BM,) by the tensor cores as a @ e0 (e0 (BK,16): ones in column 0)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output features
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) input features
     offs_k = k_lo + tl.arange(0, BLOCK_K)  # (BK,) rows of dy and x
@@ -1106,8 +954,7 @@ def _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stri
 @triton.jit
 def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dw[tile] += acc (x scale: FP8 operands), and db[rows] += db from the programs of tile column 0: the
-    fp32 gradients."""
+    """dw[tile] += acc (x scale), and db[rows] += db from the programs of tile column 0."""
     if SCALED:
         acc *= scale
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
@@ -1120,22 +967,16 @@ def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED: t
             tl.store(db_ptr + offs_m, db + tl.load(db_ptr + offs_m, mask=offs_m < M, other=0.0), mask=offs_m < M)
 
 
-@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS", "SCALED"],
-                 reset_to_zero=["count_ptr"], restore_value=["dw_ptr", "db_ptr"], prune_configs_by=DW_PRUNE,
-                 do_bench=_autotune_bench)
+@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS", "SCALED"], reset_to_zero=["count_ptr"],
+                 restore_value=["dw_ptr", "db_ptr"], prune_configs_by=DW_PRUNE, do_bench=_autotune_bench)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr, M, N, K,
                      stride_am, stride_ak, stride_bk, stride_bn, SPLIT_K, scale, SCALED: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight gradient dw (M,N) += dy.T (M,K) @ x (K,N) [x scale] over the K = B*T rows, and the bias gradient
-    db (M) += the column sums of dy, computed by the programs of tile column 0. Split-K: the SPLIT_K
-    programs of a tile each sum a chunk of rows into the fp32 workspace ws (tile, SPLIT_K, BM, BN); the
-    last to finish (an atomic counter a tile) adds the partial sums in chunk order into dw: which program
-    finishes last changes who adds, never the order of the additions. SPLIT_K == 1 accumulates directly."""
-    # the SPLIT_K programs of a tile have adjacent ids: they run in the same wave, and the partial sums are
-    # read back soon after they are written, from L2
+    """dw (M,N) += dy.T (M,K) @ x (K,N) [x scale], db (M) += dy's column sums. Split-K: a tile's programs sum
+    chunks of rows into ws; the last to arrive (an atomic counter) adds them into dw in chunk order."""
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -1164,8 +1005,7 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
         tl.store(ws_tile + split * BLOCK_M * BLOCK_N + part, acc)
         if HAS_BIAS:
             tl.store(ws_db_tile + split * BLOCK_M + tl.arange(0, BLOCK_M), db)
-        # every thread's stores precede the counter's release (acq_rel atomic at GPU scope); the last
-        # arriver's acquire then sees all partial sums, read past L1 (.cg) which may hold none of them
+        # every thread's stores precede the counter's release; the last arriver reads past L1 (.cg)
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + tile, 1) == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
@@ -1179,8 +1019,7 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
 
 
 def _tma_ready(*tensors):
-    """The descriptors' rules: on Hopper or later (or the interpreter), 2-D tensors whose base addresses and
-    row strides are multiples of 16 bytes and whose rows are contiguous."""
+    """The descriptors' rules: Hopper or later (or the interpreter), 2-D, 16-byte aligned rows, contiguous."""
     device = tensors[0].device
     if not INTERPRET and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
         return False
@@ -1189,9 +1028,8 @@ def _tma_ready(*tensors):
 
 
 def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
-    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias] [activation: "gelu" or "relu2"] in out_dtype (default
-    a's); returns (c, pre-activation or None). Or a batch of them: a (n,M,K) @ b (n,K,N) -> c (n,M,N), no
-    bias or activation. FP8 operands (with their scale) take the pointer path."""
+    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias] [activation "gelu" or "relu2"] in out_dtype (default
+    a's): (c, pre or None). Or a batch a (n,M,K) @ b (n,K,N), no bias or activation."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
@@ -1212,20 +1050,16 @@ def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
     batch_strides = (a.stride(0), b.stride(0), c.stride(0)) if a.dim() == 3 else (0, 0, 0)
     matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
                         *batch_strides, a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2),
-                        c.stride(-1),
-                        int(descs[0] is not None), scale or 1.0, SCALED=scale is not None,
+                        c.stride(-1), int(descs[0] is not None), scale or 1.0, SCALED=scale is not None,
                         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
-                        FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32,
-                        B_TRANS=b_trans)
+                        FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32, B_TRANS=b_trans)
     return c, pre
 
 
 @functools.lru_cache(maxsize=None)
 def _dw_workspace_sizes(M, N, K, dtype, device):
-    """Elements of the split-K buffers (partial dw, partial db, tile counters) that serve whichever config
-    the autotuner will run at this shape: the largest need among the configs its pruning keeps (a single
-    config is run as it is); () when none splits. Cached: the pruning costs 0.3-0.9 ms of Python, which at
-    ~50 dW products a micro-batch made the H100 wait on the host (bench/NOTES.md)."""
+    """Elements of the split-K buffers (partial dw, partial db, tile counters) for whichever config the
+    autotuner keeps at this shape; () when none splits. Cached: pruning costs ~0.5 ms of Python a call."""
     configs = matmul_dw_kernel.configs
     if len(configs) > 1:
         configs = DW_PRUNE["early_config_prune"](
@@ -1237,15 +1071,13 @@ def _dw_workspace_sizes(M, N, K, dtype, device):
 
 
 def _matmul_dw(dy, x, dw, db, scale=None):
-    """dw (M,N) += dy.T @ x [x scale: FP8 operands, then db None] and db (M) += dy.sum(0), fp32; dy (K,M),
-    x (K,N)."""
+    """dw (M,N) += dy.T @ x [x scale: FP8, db None] and db (M) += dy.sum(0), fp32; dy (K,M), x (K,N)."""
     K, M = dy.shape
     N = x.shape[1]
     grid = lambda meta: (  # noqa: E731
         triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * meta["SPLIT_K"],)
-    # a missing db, and the split-K buffers when no config splits, lend their pointer arguments to a
-    # 1-element stand-in that the kernel never touches (a None would not survive the autotuner's
-    # restore_value copies on older Triton)
+    # a missing db, and the split-K buffers when none splits, get a 1-element stand-in never touched (a None
+    # would not survive the autotuner's restore_value copies on older Triton)
     stand_in = dw.new_empty(1)  # (1,)
     ws = ws_db = count = stand_in
     sizes = _dw_workspace_sizes(M, N, K, dy.dtype, dy.device)
@@ -1279,19 +1111,12 @@ def matmul_backward(dy, x, w, dw, db):
 # -----------------------------------------------------------------------------
 # Triton kernels: causal flash attention
 
-# q, k and v come as three base pointers that share their strides over batch and position, head h being
-# the D-wide slice h*D of a row: the thirds of GPT-2's fused projection qkv (B,T,3C), or the speedrun's
-# separate (B,T,H,D) tensors, read in place either way; their gradients are written with the same
-# strides. Softmax runs in base 2 with the scale folded in (qk_scale = scale * log2(e), GPT-2's scale being
-# 1/sqrt(D)); lse is saved in natural log. No (T,T) tensor exists: scores live in registers.
+# q, k, v: three base pointers sharing strides, head h at h*D of a row (qkv's thirds (B,T,3C), or separate
+# (B,T,H,D) tensors). Softmax in base 2, qk_scale = scale * log2(e); lse saved in natural log.
 
 def _attention_configs(kernel, interpret=INTERPRET):
-    """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq". H100, D=64, 16-bit: the
-    forward and dQ own 64-128 queries and stream 32-128 keys past them, dK/dV the reverse; 128-row
-    owners amortise the loads of the streamed blocks, 4-8 warps hold the (BM,BN) scores in registers, 3
-    stages prefetch the next blocks. fp32 (FMA units, tiles in registers): smaller tiles without spills, 2
-    stages, which _prune_attention_configs tells apart. The owned block is a multiple of the streamed one,
-    so the diagonal splits into whole sub-blocks (static_assert in the kernels)."""
+    """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq": 16-bit 3-stage (tensor cores),
+    fp32 2-stage smaller tiles; the owned block a multiple of the streamed one."""
     if interpret:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
                               else {"BLOCK_M": 32, "BLOCK_N": 16})]
@@ -1318,8 +1143,7 @@ ATTENTION_PRUNE = {"early_config_prune": _prune_attention_configs}
 @triton.jit
 def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr,
                CHECK_T: tl.constexpr):
-    """The (len(offs_t), BLOCK_D) tile of rows offs_t of one head; rows >= T (when CHECK_T) and padded
-    head-dim columns read as 0, which makes every product they enter vanish."""
+    """Rows offs_t of one head (len(offs_t), BLOCK_D); rows >= T (when CHECK_T) and padded columns read 0."""
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
     if CHECK_T:
@@ -1339,12 +1163,10 @@ def _store_rows(base, x, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
-def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi): rescales the running output acc (BM,BD), sum l_i and
-    max m_i (BM,) by exp2(m_old - m_new) whenever the max grows. DIAGONAL blocks straddle the causal
-    boundary (and maybe T): they mask scores of keys after the query and load keys with a row check."""
+def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi), rescaling acc (BM,BD), l_i and m_i (BM,) as the max grows;
+    DIAGONAL blocks mask keys after the query and check rows against T."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
         k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
@@ -1365,11 +1187,8 @@ def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t
 @triton.autotune(configs=_attention_configs("fwd"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
 @triton.jit
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
-                    stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """One program: BLOCK_M queries of one (batch, head). Keys strictly before the block need no mask;
-    the BLOCK_M diagonal keys are masked; keys after the block are never visited (causal skip).
-    Program ids run the longest (last) query blocks first so the short ones fill the tail."""
+                    stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M queries of one (batch, head), the diagonal masked, later keys skipped; longest blocks first."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -1394,11 +1213,9 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, strid
 
 
 @triton.jit
-def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b,
-                          stride_dout_t, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
-    """delta (B,H,T) = rowsum(dout * out) per head: the softmax backward's sum_j p_j dp_j, computed once
-    here instead of in every key block of the backward kernels."""
+def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b, stride_dout_t,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta (B,H,T) = rowsum(dout * out) per head, the softmax backward's sum_j p_j dp_j, computed once."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -1415,9 +1232,8 @@ def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stri
 def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_t,
                       stride_do_t, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
-    """dK, dV of one key block (BN,BD) over the query blocks [lo, hi), in transposed form (keys x queries)
-    so the sums over queries are dots: P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T * (dP^T - delta),
-    dK += dS^T Q. Queries past T read q = dO = lse = delta = 0 and so add exactly 0."""
+    """dK, dV of one key block over the query blocks [lo, hi), transposed (keys x queries) so the sums over
+    queries are dots. Queries past T read 0 and add exactly 0."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
         q = _load_rows(q_base, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
@@ -1441,9 +1257,7 @@ def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n,
 def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, sm_scale,
                          qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_N keys of one (batch, head), their dK and dV written once (no atomics). Only
-    queries at or after the block see it: the BLOCK_N diagonal queries with the causal mask, the rest
-    without. Program ids already run the longest (first) key blocks first."""
+    """BLOCK_N keys of one (batch, head), dK and dV written once (no atomics), the diagonal queries masked."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     pid_bh = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N
@@ -1459,20 +1273,17 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_p
     lse_row = lse_ptr + pid_bh * T
     delta_row = delta_ptr + pid_bh * T
     diag_hi = tl.minimum(start_n + BLOCK_N, T)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n,
-                               diag_hi, T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M,
-                               BLOCK_N, True)
-    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T,
-                               T, stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N,
-                               False)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n, diag_hi, T,
+                               stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, True)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T, T, stride_t,
+                               stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, D, BLOCK_D)
     _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, D, BLOCK_D)
 
 
 @triton.jit
-def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
     """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
@@ -1494,8 +1305,7 @@ def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, st
 def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, T, H, sm_scale, qk_scale,
                        stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_M queries of one (batch, head), their dQ written once (recomputing P costs one
-    more dot than atomics in the dK/dV kernel, and keeps the result deterministic)."""
+    """BLOCK_M queries of one (batch, head), dQ written once (P recomputed, no atomics: deterministic)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -1512,8 +1322,7 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
                         stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
     dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, start_m,
-                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D, BLOCK_D,
-                        BLOCK_M, BLOCK_N, True)
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, True)
     _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, D, BLOCK_D)
 
 
@@ -1525,8 +1334,7 @@ def _head_block(D):
 
 
 def _flash_forward(q, k, v, B, T, H, D, scale):
-    """attn_fwd_kernel over q, k, v sharing their strides, head h at h*D of a row: out (B,T,H*D) in q's
-    dtype and the row logsumexp lse (B,H,T) fp32."""
+    """attn_fwd_kernel: out (B,T,H*D) in q's dtype and lse (B,H,T) fp32."""
     out = torch.empty((B, T, H * D), dtype=q.dtype, device=q.device)  # (B,T,H*D)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
     grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
@@ -1536,13 +1344,12 @@ def _flash_forward(q, k, v, B, T, H, D, scale):
 
 
 def _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale):
-    """The gradients dq, dk, dv, laid out like q, k, v, from dout and out (B,T,H*D) rows and lse (B,H,T):
-    three kernels (delta, dK/dV, dQ), each output element written exactly once."""
+    """dq, dk, dv (like q, k, v) from dout, out (B,T,H*D) and lse (B,H,T): delta, dK/dV, dQ kernels."""
     BD = _head_block(D)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
     attn_bwd_delta_kernel[(B * H, triton.cdiv(T, ATTN_DELTA_BLOCK))](
-        out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        D=D, BLOCK_D=BD, BLOCK_M=ATTN_DELTA_BLOCK)
+        out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), D=D, BLOCK_D=BD,
+        BLOCK_M=ATTN_DELTA_BLOCK)
     rest = (T, H, scale, math.log2(math.e) * scale, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1))
     attn_bwd_dkdv_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_N"]))](
         q, k, v, dout, lse, delta, dk, dv, *rest, D=D, BLOCK_D=BD)
@@ -1575,10 +1382,8 @@ def attention_backward(dout, qkv, out, lse, n_head):
 # -----------------------------------------------------------------------------
 # Triton kernels: the training step's own
 
-# The training step's own kernels: with them, torch only allocates memory and makes views in backend
-# triton's step (the gradients are views of one flat fp32 buffer, so one launch zeroes or clips them all).
-
-# elements per program: 16 per thread with 8 warps; the interpreter takes wide blocks (fewer programs)
+# With these, torch only allocates and makes views in backend triton's step (the gradients are views of one
+# flat fp32 buffer: one launch zeroes or clips them all). The interpreter takes wide blocks.
 STEP_BLOCK = 1 << 16 if INTERPRET else 4096
 STEP_WARPS = 8
 SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
@@ -1593,9 +1398,8 @@ def _zero_fill_kernel(x_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _clip_by_norm_kernel(g_ptr, norm_ptr, n, max_norm, BLOCK: tl.constexpr):
-    # torch.nn.utils.clip_grad_norm_'s rule, read from the norm on the device (no host round trip): scale by
-    # max_norm / (norm + 1e-6) when that is below 1 or NaN (a NaN norm makes every gradient NaN, as torch's
-    # clamp passes NaN on); otherwise every program returns at once
+    # torch.nn.utils.clip_grad_norm_'s rule, the norm read on the device: scale when max_norm / (norm + 1e-6)
+    # is below 1 or NaN (a NaN norm makes every gradient NaN, as torch's clamp does)
     coef = tl.div_rn(max_norm, tl.load(norm_ptr) + 1e-6)                            # scalar fp32
     if (coef < 1.0) | (coef != coef):
         start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -1640,8 +1444,7 @@ def zero_fill(x):
 
 
 def clip_by_norm(g, norm, max_norm):
-    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if that is below 1 (or NaN: a NaN norm
-    turns g into NaN, as torch_clip_by_norm does); norm () fp32."""
+    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if below 1 or NaN; norm () fp32."""
     _flat_check("clip_by_norm", g, norm)
     _clip_by_norm_kernel[(triton.cdiv(g.numel(), STEP_BLOCK),)](g, norm, g.numel(), max_norm, BLOCK=STEP_BLOCK,
                                                                 num_warps=STEP_WARPS)
@@ -1667,10 +1470,11 @@ def copy_into(dst, src):
 
 TRITON_OPS = op_table("triton", dict(
     encoder_forward=encoder_forward, encoder_backward=encoder_backward,
-    layernorm_forward=layernorm_forward, residual_layernorm_forward=residual_layernorm_forward,
+    layernorm_forward=layernorm_forward, residual_layernorm_forward=_layernorm_forward,  # (x + h, y, mean, rstd)
     layernorm_backward=layernorm_backward,
     matmul_forward=matmul_forward, matmul_gelu_forward=matmul_gelu_forward, matmul_backward=matmul_backward,
-    gelu_forward=gelu_forward, gelu_backward=gelu_backward,
+    gelu_forward=functools.partial(_activation_forward, activation="gelu"),
+    gelu_backward=functools.partial(_activation_backward, activation="gelu"),
     attention_forward=attention_forward, attention_backward=attention_backward,
     crossentropy_forward_backward=crossentropy_forward_backward,
     global_norm=global_norm, adamw_update=adamw_update,

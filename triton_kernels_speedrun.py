@@ -1,15 +1,12 @@
-"""triton_kernels_speedrun.py: backend `triton`'s ops of train_gpt2_triton.py's speedrun recipe
-(--recipe speedrun): the ops that triton_kernels.py's kernels serve through a flag (the embedding without
-positions, RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own scale), its own kernels
-(q's and k's RMSNorm and rotary, Muon's momentum, Newton-Schulz and update), its op table
-TRITON_SPEEDRUN_OPS, and its row of the tools' table (its --test and --bench-ops cases, the profiler's work
-of its ops). The trainer's speedrun section imports it for backend triton (speedrun_ops), triton_tools.py
-for the tools. Delete this file together with the trainer's `Recipe: speedrun` section and GPT-2 trains,
-tests and profiles as before (tests/test_recipe_cut.py does it).
+"""triton_kernels_speedrun.py: backend `triton`'s ops of train_gpt2_triton.py's speedrun recipe: those that
+triton_kernels.py's kernels serve through a flag, its own kernels (q/k RMSNorm and rotary, Muon, the FP8 head),
+TRITON_SPEEDRUN_OPS, and its row of the tools' table. Deleted with the trainer's `Recipe: speedrun` section.
 
-Map: the file's sections, in order.
-    Triton kernels: speedrun               the speedrun's ops on our kernels, q/k rotary, Muon, its cases
+Map:
+    Triton kernels: speedrun
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -19,26 +16,19 @@ from train_gpt2_triton import (HEAD_ROWS, INTERPRET, SPEEDRUN_OP_NAMES, TORCH_SP
                                op_table)
 from trainkit.speedrun import (ATTN_SCALE, FP8_FORMATS, FP8_MAX, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM,
                                MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS, SOFTCAP, fp8_reciprocal)
-from triton_kernels import (CE_BLOCK_V, CE_WARPS, ELEM_BLOCK, ELEM_WARPS, LN_REDUCE_BLOCK_C, LN_REDUCE_BLOCK_P,
-                            MT_BLOCK, MT_CHUNK, MT_WARPS, _activation_backward, _activation_forward,
-                            _check_tensors, _crossentropy_kernel, _flash_backward, _flash_forward, _flat_check,
-                            _layernorm_forward, _layernorm_param_grad_kernel, _matmul, _matmul_dw, _owner_row,
-                            _row_blocks, _tensor_table, embedding_backward, encoder_forward, layernorm_backward)
-from triton_tools import RecipeTools, _leaf, _nbytes
+from triton_kernels import (CE_BLOCK_V, ELEM_BLOCK, ELEM_WARPS, LN_REDUCE_BLOCK_C, LN_REDUCE_BLOCK_P, MT_BLOCK,
+                            MT_CHUNK, MT_WARPS, _activation_backward, _activation_forward, _check_tensors,
+                            _flash_backward, _flash_forward, _flat_check, _layernorm_forward,
+                            _layernorm_param_grad_kernel, _matmul, _matmul_dw, _owner_row, _row_blocks, _tensor_table,
+                            crossentropy_forward_backward, embedding_backward, encoder_forward, layernorm_backward)
+from triton_tools import TOOLS, RecipeTools, _leaf, _nbytes, op_case
 
 
 # -----------------------------------------------------------------------------
 # Triton kernels: speedrun
 #
-# Backend triton's ops of the speedrun recipe: first those that triton_kernels.py's kernels serve through a
-# flag (the embedding without positions, RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own
-# scale over separate q, k, v), then its own kernels: q's and k's RMSNorm and rotary, and Muon; then its
-# op table, TRITON_SPEEDRUN_OPS, and the cases of its tools.
-
-def embedding_forward(idx, table):
-    """idx (B,T) int64, table (Vp,C) dt -> x (B,T,C) dt: the speedrun model's rows, without positions."""
-    return encoder_forward(idx, table, None)
-
+# First the ops that triton_kernels.py's kernels serve through a flag (the embedding without positions,
+# RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own scale over separate q, k, v).
 
 def rmsnorm_forward(x, w, eps):
     """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
@@ -53,42 +43,23 @@ def residual_rmsnorm_forward(res, h, w, eps):
 
 
 def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
-    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, RMSNorm's
-    (dx includes dres, as layernorm_backward's)."""
+    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, dres included."""
     return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
 
 
-def relu2_forward(pre):
-    """pre (N,M) dt -> relu(pre)^2 (N,M) dt."""
-    return _activation_forward(pre, "relu2")
-
-
-def relu2_backward(dy, pre):
-    """dy (N,M), pre (N,M) dt -> dpre = dy * 2 relu(pre) (N,M) dt."""
-    return _activation_backward(dy, pre, "relu2")
-
-
 def matmul_relu2_forward(x, w, b):
-    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre for its
-    backward."""
+    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre."""
     return _matmul(x, w.t(), b, activation="relu2")
 
 
 def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
     """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
-    OVERWRITES z with dloss * (softmax(c) - onehot) dc/dz. block_v as in crossentropy_forward_backward."""
-    Vp = z.shape[-1]
-    N = z.numel() // Vp
-    losses = torch.empty(N, dtype=torch.float32, device=z.device)                   # (N,) fp32
-    _crossentropy_kernel[(N,)](z, targets, losses, Vp, Vp, dloss, CAP=SOFTCAP, BLOCK_V=block_v,
-                               num_warps=CE_WARPS)
-    return losses
+    OVERWRITES z with dloss * dlosses/dz."""
+    return crossentropy_forward_backward(z, targets, z.shape[-1], dloss, block_v, cap=SOFTCAP)
 
 
 def _check_heads(name, qkv, rows):
-    """The kernels address head h at h*D of a row, its elements one apart, and q, k, v through one set of
-    strides: q, k, v (B,T,H,D) strided alike, with strides (D, 1) over (H, D); `rows` (B,T,H*D) of unit
-    stride over the last axis."""
+    """The kernels' addressing: q, k, v (B,T,H,D) with one set of strides ending (D, 1); rows of unit stride."""
     D = qkv[0].shape[-1]
     if (len({t.stride() for t in qkv}) > 1 or qkv[0].stride()[2:] != (D, 1)
             or any(t.stride(2) != 1 for t in rows)):
@@ -104,8 +75,7 @@ def scaled_attention_forward(q, k, v, scale):
 
 
 def scaled_attention_backward(dout, q, k, v, out, lse, scale):
-    """(dq, dk, dv) (B,T,H,D) each, with q's strides, from dout and the forward's out, (B,T,H*D) or
-    (B,T,H,D), its q, k, v and lse (B,H,T)."""
+    """(dq, dk, dv) (B,T,H,D) with q's strides, from dout and out ((B,T,H*D) or (B,T,H,D)), q, k, v, lse."""
     B, T, H, D = q.shape
     dout, out = dout.view(B, T, H * D), out.view(B, T, H * D)  # (B,T,H*D) each
     _check_heads("scaled_attention_backward", (q, k, v), (dout, out))
@@ -117,32 +87,26 @@ def scaled_attention_backward(dout, q, k, v, out, lse, scale):
 
 
 # --- q and k: RMSNorm over each head, then the half-truncated rotary embedding ---------------------------
-# A row is one head of D values, x (B,T,H,D) contiguous: row r = (b*T + t)*H + h sits at position
-# t = (r // H) % T. The rotation pairs element j with element D/2 + j, so the kernels load a row as its
-# two halves, two (rows, D/2) tiles. The angles theta = t * freq_j are computed in the kernels, not read
-# from a (T, D/2) cos/sin table: torch would build that table inside the step (backend torch's
-# _rotary_cos_sin does, in every forward and backward), and backend triton's step runs no torch compute
-# op; an exp2, a cos and a sin per pair cost nothing in a memory-bound kernel.
+# A row is one head, x (B,T,H,D) contiguous: row r sits at position (r // H) % T; element j pairs with D/2 + j,
+# so a row loads as two (rows, D/2) halves. The angles are computed in the kernels: a cos/sin table would be
+# a torch op in the step.
 
-# whole heads per program: QK_TILE elements, 32 heads at D = 128 with 8 warps, 16 elements per thread (8
-# of each half); the interpreter takes wide tiles (fewer programs)
+# whole heads per program: 32 heads at D = 128 with 8 warps; the interpreter takes wide tiles
 QK_TILE = 1 << 16 if INTERPRET else 4096
 QK_WARPS = 8
 
 
 @triton.jit
 def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
-    """cos and sin (R, BH) fp32 of theta = t * freq_j at the positions of the flat head indices rows (R,),
-    pairs j = cols (BH,): freq_j = (1/1024)^(j / (D/4 - 1)) over the first D/4 pairs (at D = 4 torch's
-    linspace(0, 1, 1) is [0]: freq 1), 0 over the last D/4 (cos 1, sin 0: those pairs are not rotated)."""
+    """cos and sin (R, BH) fp32 at the positions of flat head indices rows (R,), pairs cols (BH,):
+    freq_j = (1/1024)^(j / (D/4 - 1)) over the first D/4 pairs (1 at D = 4, as torch's), 0 over the last D/4."""
     quarter = HEAD_DIM // 4
     t = ((rows // H) % T).to(tl.float32)                                           # (R,) positions
     freq = tl.exp2(cols.to(tl.float32) * (-10.0 / tl.maximum(quarter - 1, 1)))     # (BH,) fp32
     freq = tl.where(cols < quarter, freq, 0.0)                                      # (BH,)
     theta = t[:, None] * freq[None, :]                                              # (R, BH) fp32, as torch's
-    # tl.cos and tl.sin may compile to the GPU's approximate instructions, accurate near 0 only: reduce
-    # theta to [-pi, pi] first, 2 pi split in two: 6.28125 has 8 significant bits, so turns * 6.28125 is
-    # exact (for turns below 2^16, theta below 4e5) and only the small part's product rounds
+    # GPU cos and sin may be approximate far from 0: reduce to [-pi, pi], 2 pi split in two (6.28125 has
+    # 8 significant bits, so turns * 6.28125 is exact)
     turns = tl.floor(theta * 0.15915494309189535 + 0.5)                             # (R, BH) nearest 2 pi
     r = (theta - turns * 6.28125) - turns * 1.9353071795864769e-3                   # (R, BH) in [-pi, pi]
     return tl.cos(r), tl.sin(r)
@@ -150,8 +114,7 @@ def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _head_halves(N, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """This program's BLOCK_ROWS of the N heads: their flat indices (R,) int64, the pairs (BH,), the row
-    mask (R,), the mask of a half (R, BH) and the offsets (R, BH) int64 of the first half's elements."""
+    """This program's heads: flat indices (R,) int64, pairs (BH,), row mask, half mask and offsets (R, BH)."""
     heads = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # (R,)
     cols = tl.arange(0, BLOCK_H)                                                    # (BH,)
     row_mask = heads < N                                                            # (R,)
@@ -179,8 +142,7 @@ def _qk_norm_rotary_forward_kernel(x_ptr, y_ptr, rstd_ptr, N, T, H, eps, HEAD_DI
 @triton.jit
 def _qk_norm_rotary_backward_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, N, T, H, HEAD_DIM: tl.constexpr,
                                     BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    # the rotation is orthogonal: dxhat = R^T dy; then RMSNorm's backward without gain,
-    # dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), xhat recomputed from x and the saved rstd
+    # the rotation is orthogonal: dxhat = R^T dy; then RMSNorm's backward without gain, xhat recomputed
     heads, cols, row_mask, mask, offs = _head_halves(N, HEAD_DIM, BLOCK_ROWS, BLOCK_H)
     dy1 = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)               # (R, BH)
     dy2 = tl.load(dy_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
@@ -198,16 +160,14 @@ def _qk_norm_rotary_backward_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, N, T, H, HE
 
 
 def qk_norm_rotary_forward(x, eps):
-    """q or k (B,T,H,D) contiguous -> (y (B,T,H,D) in x's dtype, rstd (B,T,H) fp32): each head RMS-normed
-    without gain, then rotated by its position's angles, in fp32."""
+    """q or k (B,T,H,D) contiguous -> (y (B,T,H,D), rstd (B,T,H) fp32): each head RMS-normed, then rotated."""
     _flat_check("qk_norm_rotary_forward", x)
     B, T, H, D = x.shape
     y = torch.empty_like(x)                                                         # (B,T,H,D)
     rstd = torch.empty((B, T, H), dtype=torch.float32, device=x.device)             # (B,T,H) fp32
     block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
     _qk_norm_rotary_forward_kernel[(triton.cdiv(B * T * H, block_rows),)](
-        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-        num_warps=QK_WARPS)
+        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=QK_WARPS)
     return y, rstd
 
 
@@ -218,30 +178,23 @@ def qk_norm_rotary_backward(dy, x, rstd):
     dx = torch.empty_like(x)                                                        # (B,T,H,D)
     block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
     _qk_norm_rotary_backward_kernel[(triton.cdiv(B * T * H, block_rows),)](
-        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-        num_warps=QK_WARPS)
+        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=QK_WARPS)
     return dx
 
 
 # --- Muon: momentum, Newton-Schulz on the matmul kernels, the update ---------------------------------------
-# muon_update (torch_muon_update's semantics) over n matrices of one shape (r, c) in four steps: (1) one
-# multi-tensor launch updates the momentum buffers and writes Nesterov's u into a stacked (n, r, c) work
-# buffer in the Newton-Schulz dtype, with each chunk's sum of squares of u as stored, so that the Frobenius
-# norms cost no second pass over u; (2) one launch divides each matrix by its norm, each program summing
-# its matrix's chunk partials in order; (3) Newton-Schulz on _matmul, each product one launch batched over
-# the n matrices, the combinations by _axpby_kernel over the whole work buffer, in place; (4) one
-# multi-tensor launch applies the update to the fp32 masters and refreshes their compute-dtype copies.
+# torch_muon_update over n matrices of one shape (r, c): (1) one launch updates the momenta and writes u into a
+# stacked (n, r, c) buffer with each chunk's sum of squares; (2) one launch divides each matrix by its norm;
+# (3) Newton-Schulz on _matmul batched over the n matrices; (4) one launch updates the masters and copies.
 
-MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps ...
-MUON_WARPS = 8                               # ... the interpreter takes wide blocks (fewer programs)
+MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps
+MUON_WARPS = 8
 MUON_PARTIALS_BLOCK = 256  # the norm's chunk partials per loop step: a d12 (3072, 768) matrix has 144
 
 
 @triton.jit
 def _lerp(start, end, w):
-    # torch's lerp as its CPU (vectorized) and CUDA kernels compute it, one fused multiply-add each:
-    # start + w (end - start) for w < 0.5, else end - (1 - w) (end - start) (exact at w = 1), w in fp32
-    # as torch casts it, so that fp32 results agree bit for bit
+    # torch's lerp, one fused multiply-add, exact at w = 1 (so fp32 results agree bit for bit)
     small = w < 0.5
     return tl.fma(tl.where(small, w, w - 1.0), end - start, tl.where(small, start, end))
 
@@ -249,8 +202,7 @@ def _lerp(start, end, w):
 @triton.jit
 def _muon_momentum_kernel(table_ptr, n_tensors, u_ptr, sumsq_ptr, w_m, w_u, ALIGNED: tl.constexpr,
                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
-    # table row: numel, first chunk, grad, m pointers. Every matrix has one shape, so the matrix of first
-    # chunk f is f / (its chunk count), and its u is that matrix of the stacked buffer u (n, r, c)
+    # table row: numel, first chunk, grad, m pointers; the matrix of first chunk f is u's f / (its chunks)
     row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
     numel = tl.load(row)
     first = tl.load(row + 1)
@@ -279,9 +231,8 @@ def _muon_momentum_kernel(table_ptr, n_tensors, u_ptr, sumsq_ptr, w_m, w_u, ALIG
 
 @triton.jit
 def _muon_normalize_kernel(x_ptr, sumsq_ptr, numel, chunks, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-    # x (n, numel) /= ||x[i]||_F + 1e-7 over grid (n, blocks): every program of matrix i sums its `chunks`
-    # partials in the same order, so all of them divide by the same bits. The norm and the denominator are
-    # rounded to x's dtype as torch rounds them (a bf16 norm in bf16 Newton-Schulz)
+    # x (n, numel) /= ||x[i]||_F + 1e-7: every program of matrix i sums its partials in one order; the norm
+    # and the denominator rounded to x's dtype as torch rounds them
     i = tl.program_id(0).to(tl.int64)
     offs_p = tl.arange(0, BLOCK_P)                                                  # (BP,)
     acc = tl.zeros((BLOCK_P,), dtype=tl.float32)                                    # (BP,)
@@ -308,11 +259,9 @@ def _axpby_kernel(out_ptr, x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr,
-                        ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
-    # table row: numel, first chunk, param, copy pointers; the orthogonalized update of the matrix is x's,
-    # found as in _muon_momentum_kernel
+def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, param, copy pointers; the matrix's update is x's, as for the momentum
     row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
     numel = tl.load(row)
     first = tl.load(row + 1)
@@ -341,8 +290,7 @@ def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY:
 
 
 def axpby(out, a, x, b, y):
-    """out = a x + b y elementwise (out, x, y contiguous with as many elements; out may be x or y), in fp32
-    and rounded once to out's dtype."""
+    """out = a x + b y elementwise in fp32, rounded once (contiguous, as many elements; out may be x or y)."""
     _flat_check("axpby", out, x, y)
     if not out.numel() == x.numel() == y.numel():
         raise ValueError(f"axpby: {x.numel()} and {y.numel()} elements into {out.numel()}")
@@ -351,34 +299,15 @@ def axpby(out, a, x, b, y):
 
 
 def add_into(acc, x):
-    """acc += x (same shape and dtype, contiguous), rounded once: h feeds q, k and v, so their input
-    gradients add up."""
+    """acc += x (same shape and dtype, contiguous), rounded once: q's, k's and v's input gradients add up."""
     if acc.shape != x.shape or acc.dtype != x.dtype:
         raise ValueError(f"add_into: {x.dtype} {tuple(x.shape)} into {acc.dtype} {tuple(acc.shape)}")
     axpby(acc, 1.0, acc, 1.0, x)
 
 
-def _newton_schulz(x):
-    """newton_schulz's iterations in place on normalized matrices x (n, r, c), contiguous, in their dtype,
-    each step's products batched over the n matrices (one launch each). Tall matrices run them on their
-    transposes, as the reference does, without moving them: with X = x^T the reference's step
-    X <- 2X + B X (B = -1.5 A + 0.5 A^2, A = X X^T) is x <- 2x + x B^T = 2x + x B, since A = x^T x and so B
-    are symmetric (of which only a triangle would need computing: bench/NOTES.md)."""
-    tall = x.shape[1] > x.shape[2]
-    for _ in range(NEWTON_SCHULZ_STEPS):
-        xt = x.transpose(1, 2)                                                      # (n, c, r) a view
-        A, _ = _matmul(xt, x) if tall else _matmul(x, xt)                           # (n, k, k), k = min(r, c)
-        AA, _ = _matmul(A, A)                                                       # (n, k, k)
-        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
-        Bx, _ = _matmul(x, A) if tall else _matmul(A, x)                           # (n, r, c)
-        axpby(x, 2.0, x, 1.0, Bx)                                                   # (n, r, c)
-
-
 def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
-    """Muon in place, as torch_muon_update: lists of fp32 matrices of one shape (r, c), m = lerp(m, g,
-    1 - momentum), u = lerp(g, m, momentum) orthogonalized by Newton-Schulz in `dtype` (fp32 or bf16),
-    p = p (1 - lr wd) - lr max(1, r/c)^0.5 update; `copies` (bf16, or None) get the updated params rounded
-    to bf16. chunk and block as in global_norm."""
+    """Muon in place, as torch_muon_update, over fp32 matrices of one shape: Newton-Schulz in `dtype` (fp32 or
+    bf16); `copies` (bf16, or None) get the params rounded. chunk and block as in global_norm."""
     if dtype not in (torch.float32, torch.bfloat16) or params[0].dim() != 2:
         raise ValueError(f"muon_update: fp32 or bf16 Newton-Schulz on matrices, got {dtype} on "
                          f"{tuple(params[0].shape)}")
@@ -390,13 +319,20 @@ def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, ch
     u = torch.empty((n, r, c), dtype=dtype, device=params[0].device)  # (n, r, c) u, then its update
     table, chunks, aligned = _tensor_table([grads, ms], chunk=chunk)
     sumsq = torch.empty(chunks, dtype=torch.float32, device=u.device)  # (chunks,) fp32 partial sums of u^2
-    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned,
-                                     CHUNK=chunk, BLOCK=block, BLOCK_T=triton.next_power_of_2(n),
-                                     num_warps=MT_WARPS)
-    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n,
-                                                                BLOCK=MUON_BLOCK, BLOCK_P=MUON_PARTIALS_BLOCK,
-                                                                num_warps=MUON_WARPS)
-    _newton_schulz(u)
+    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned, CHUNK=chunk,
+                                     BLOCK=block, BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
+    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n, BLOCK=MUON_BLOCK,
+                                                                BLOCK_P=MUON_PARTIALS_BLOCK, num_warps=MUON_WARPS)
+    # newton_schulz in place, each product one batched launch; tall matrices without a transpose:
+    # X <- 2X + B X on X = u^T is u <- 2u + u B (A = u^T u and B symmetric)
+    tall = r > c
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        ut = u.transpose(1, 2)                                                      # (n, c, r) a view
+        A, _ = _matmul(ut, u) if tall else _matmul(u, ut)                           # (n, k, k), k = min(r, c)
+        AA, _ = _matmul(A, A)                                                       # (n, k, k)
+        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
+        Bu, _ = _matmul(u, A) if tall else _matmul(A, u)                           # (n, r, c)
+        axpby(u, 2.0, u, 1.0, Bu)                                                   # (n, r, c)
     table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
     _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
                                    HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
@@ -404,11 +340,8 @@ def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, ch
 
 
 # --- --fp8-head: the casts, and the head's matmuls on FP8 operands (docs/FORMATS.md, FP8 head) -----------
-# Triton's interpreter casts fp32 to float8 by truncating the mantissa and adding its next bit without
-# carrying it into the exponent (measured: 125.1 to e4m3fn gives 64, not 128), so the cast kernel rounds on
-# the float8 grid itself, in fp32: the value it then casts is on the grid, and that cast is exact on a GPU
-# and in the interpreter alike. The products are matmul_kernel's on float8 operands (tl.dot; the interpreter
-# widens them to fp16, exactly, and accumulates in fp32), their scales applied to the fp32 accumulator.
+# The interpreter's fp32-to-float8 cast rounds wrongly, so the kernel rounds on the float8 grid itself and
+# the cast is then exact; the products are matmul_kernel's on float8 operands, scaled in fp32.
 FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_BIAS = {"e4m3fn": 7, "e5m2": 15}        # the formats' exponent biases ...
 FP8_MANTISSA = {"e4m3fn": 3, "e5m2": 2}     # ... and mantissa bits
@@ -418,16 +351,14 @@ COLUMN_SUM_BLOCK = (16, 1 << 16) if INTERPRET else (LN_REDUCE_BLOCK_P, LN_REDUCE
 @triton.jit
 def _fp8_quantize_kernel(x_ptr, y_ptr, n, inverse, TOP: tl.constexpr, MANTISSA: tl.constexpr,
                          MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
-    """y = x * inverse in fp32, clamped to +-TOP, rounded to nearest even on the float8 grid of MANTISSA bits
-    whose smallest normal is 2^MIN_EXP, then cast to y's float8 type (exact)."""
+    """y = x * inverse clamped to +-TOP, rounded to nearest even on the float8 grid, cast to y's type."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offs < n
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inverse  # (BLOCK,)
     v = tl.minimum(tl.maximum(v, -TOP), TOP)
     bits = v.to(tl.uint32, bitcast=True)  # (BLOCK,) sign, exponent, 23 mantissa bits
     DROP: tl.constexpr = 23 - MANTISSA
-    # normal: add half an ulp of the float8 mantissa less one, plus the kept last bit (ties to even), and cut;
-    # a carry runs into the exponent as it should
+    # normal: add half an ulp less one plus the kept last bit (ties to even), and cut; carries are right
     normal = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) >> DROP << DROP  # (BLOCK,)
     # subnormal: fp32's own rounding of |v| + 1.5 * 2^23 ulp to the subnormals' fixed spacing, sign kept
     MAGIC: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXP - MANTISSA)
@@ -436,9 +367,9 @@ def _fp8_quantize_kernel(x_ptr, y_ptr, n, inverse, TOP: tl.constexpr, MANTISSA: 
     tl.store(y_ptr + offs, q.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def fp8_quantize(x, kind):
-    """--fp8-head's operand `kind` (trainkit.speedrun.FP8_SCALES) of x: x times its scale's fp32 reciprocal,
-    saturated and rounded to nearest even, in its float8 format (the same bits as the torch backend's)."""
+def triton_fp8_quantize(x, kind):
+    """--fp8-head's operand `kind` of x in its float8 format: x times its scale's reciprocal, saturated and
+    rounded to nearest even (the torch backend's bits)."""
     fmt = FP8_FORMATS[kind]
     y = torch.empty(x.shape, dtype=FP8_TYPES[fmt], device=x.device)
     _flat_check("fp8_quantize", x, y)
@@ -450,15 +381,13 @@ def fp8_quantize(x, kind):
 
 
 def fp8_matmul_forward(x_f8, w_f8, b):
-    """z (N,V) = (x_f8 (N,C) @ w_f8 (V,C).T) x_s w_s + b (V), in b's dtype: matmul_kernel on the float8
-    operands."""
+    """z (N,V) = (x_f8 (N,C) @ w_f8 (V,C).T) x_s w_s + b (V), in b's dtype."""
     return _matmul(x_f8, w_f8.t(), b, scale=FP8_SCALES["x"] * FP8_SCALES["w"], out_dtype=b.dtype)[0]
 
 
 def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
-    """g_f8 = dz cast to e5m2; dx (N,C) = g_f8 @ w_f8 g_s w_s in dz's dtype; dw (V,C) += g_f8.T @ x_f8 g_s
-    x_s and db (V) += dz's column sums (unquantized: the LayerNorm backward's reduce of row partials), fp32."""
-    g_f8 = fp8_quantize(dz, "grad")  # (N, V)
+    """dx (N,C) = g_f8 @ w_f8 (g_f8: dz in e5m2), dw (V,C) += g_f8.T @ x_f8, scaled; db (V) += dz's column sums."""
+    g_f8 = triton_fp8_quantize(dz, "grad")  # (N, V)
     dx = _matmul(g_f8, w_f8, scale=FP8_SCALES["grad"] * FP8_SCALES["w"], out_dtype=dz.dtype)[0]  # (N, C)
     _matmul_dw(g_f8, x_f8, dw, None, scale=FP8_SCALES["grad"] * FP8_SCALES["x"])
     rows, cols = COLUMN_SUM_BLOCK
@@ -469,22 +398,23 @@ def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
 
 
 TRITON_SPEEDRUN_OPS = op_table("triton", dict(
-    embedding_forward=embedding_forward, embedding_backward=embedding_backward,
+    embedding_forward=functools.partial(encoder_forward, wpe=None), embedding_backward=embedding_backward,
     rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
     rmsnorm_backward=rmsnorm_backward,
     qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
     scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
-    matmul_relu2_forward=matmul_relu2_forward, relu2_forward=relu2_forward, relu2_backward=relu2_backward,
+    matmul_relu2_forward=matmul_relu2_forward,
+    relu2_forward=functools.partial(_activation_forward, activation="relu2"),
+    relu2_backward=functools.partial(_activation_backward, activation="relu2"),
     softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
-    muon_update=muon_update, add_into=add_into, fp8_quantize=fp8_quantize,
+    muon_update=muon_update, add_into=add_into, fp8_quantize=triton_fp8_quantize,
     fp8_matmul_forward=fp8_matmul_forward, fp8_matmul_backward=fp8_matmul_backward,
 ), SPEEDRUN_OP_NAMES)
 
 
 # -- tools
 
-# The speedrun recipe's --test cases, its --bench-ops cases and the profiler's work of its ops: its row of
-# triton_tools.TOOLS (TOOLS, at the end), which triton_tools loads from here when asked for.
+# The speedrun recipe's --test and --bench-ops cases and the profiler's work of its ops: TOOLS["speedrun"].
 
 def case_embedding(ops, r, B, T, C, H):
     Vp = B * T + 3
@@ -496,22 +426,15 @@ def case_embedding(ops, r, B, T, C, H):
     return dict(x=x, dtable=dtable)
 
 
-def case_rmsnorm(ops, r, B, T, C, H):
+def case_rmsnorm(ops, r, B, T, C, H, residual=False):
     eps = torch.finfo(r.rdt).eps  # the model's: the tested dtype's, in the reference too
-    x, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0)  # (N, C), (C,)
-    y, rstd = ops.rmsnorm_forward(x, w, eps)  # (N, C), (N,)
+    x = r.rand(B * T, C, scale=2.0, shift=0.5)  # (N, C)
+    h = r.rand(B * T, C) if residual else None  # (N, C) added to x first
+    w = r.rand(C, shift=1.0)  # (C,)
+    x, y, rstd = ops.residual_rmsnorm_forward(x, h, w, eps) if residual else (x, *ops.rmsnorm_forward(x, w, eps))
     dw = r.rand(C, acc=True)  # (C,)
-    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw)  # (N, C)
-    return dict(y=y, rstd=rstd, dx=dx, dw=dw)
-
-
-def case_residual_rmsnorm(ops, r, B, T, C, H):
-    eps = torch.finfo(r.rdt).eps
-    res, h, w = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C), r.rand(C, shift=1.0)  # (N, C) x2
-    x, y, rstd = ops.residual_rmsnorm_forward(res, h, w, eps)  # (N, C) x2, (N,)
-    dw = r.rand(C, acc=True)  # (C,)
-    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw, dres=r.rand(B * T, C))  # (N, C)
-    return dict(x=x, y=y, rstd=rstd, dx=dx, dw=dw)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw, dres=r.rand(B * T, C) if residual else None)
+    return dict(y=y, rstd=rstd, dx=dx, dw=dw, **({"x": x} if residual else {}))
 
 
 def case_matmul_relu2(ops, r, B, T, C, H):
@@ -535,16 +458,10 @@ def case_softcap_crossentropy(ops, r, B, T, C, H):
     return dict(losses=losses, dz=z)
 
 
-MUON_TEST_WIDTH = 40  # case_muon's widest: two 32-wide tiles (one partial) in the interpreter
-
-
 def case_muon(ops, r, B, T, C, H):
-    """Muon on two matrices of a wide shape and two of a tall one (Newton-Schulz on the transpose), from
-    nonzero momentum (one step: the interpreter runs Newton-Schulz's 36 products a step slowly). The
-    masters are small (scale 0.02, the update's order), so that an error in the orthogonalized update
-    shows in them and is not lost below their own size."""
+    """Muon on two wide and two tall matrices, one step; small masters (0.02) show an error in the update."""
     out = {}
-    c = min(C, MUON_TEST_WIDTH)
+    c = min(C, 40)  # at most two 32-wide tiles (one partial) in the interpreter
     for name, shape in (("wide", (c, 3 * c + 1)), ("tall", (4 * c, c))):
         params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
         ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]
@@ -565,9 +482,7 @@ def case_add_into(ops, r, B, T, C, H):
 
 
 def case_scaled_attention(ops, r, B, T, C, H):
-    """The speedrun's attention: separate q, k, v of H heads of HEAD_DIM (C unused), scale ATTN_SCALE. At
-    T = 1 the softmax over a single key is constant: dq and dk are zero up to rounding, and an error
-    relative to rounding means nothing, so only dv is checked there."""
+    """Separate q, k, v of H heads of HEAD_DIM (C unused). At T = 1 dq and dk are zero up to rounding: only dv."""
     q, k, v = (r.rand(B, T, H, HEAD_DIM, scale=1.5) for _ in range(3))  # (B, T, H, D) each
     out, lse = ops.scaled_attention_forward(q, k, v, ATTN_SCALE)  # (B, T, H*D), (B, H, T)
     dq, dk, dv = ops.scaled_attention_backward(r.rand(B, T, H * HEAD_DIM), q, k, v, out, lse,
@@ -576,8 +491,7 @@ def case_scaled_attention(ops, r, B, T, C, H):
 
 
 def case_qk_norm_rotary(ops, r, B, T, C, H):
-    """q or k of H heads of HEAD_DIM (C unused): RMSNorm over each head and the rotary at positions
-    0..T-1, forward and backward, with the model's eps (the tested dtype's machine epsilon)."""
+    """q or k of H heads of HEAD_DIM (C unused), with the model's eps (the tested dtype's)."""
     x = r.rand(B, T, H, HEAD_DIM, scale=2.0, shift=0.5)  # (B, T, H, D)
     y, rstd = ops.qk_norm_rotary_forward(x, torch.finfo(r.rdt).eps)  # (B, T, H, D), (B, T, H)
     dx = ops.qk_norm_rotary_backward(r.rand(B, T, H, HEAD_DIM), x, rstd)  # (B, T, H, D)
@@ -596,7 +510,7 @@ def case_fp8_head(ops, r, B, T, C, H):
 
 # --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
 SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
-                     ("residual+rmsnorm fwd+bwd", case_residual_rmsnorm),
+                     ("residual+rmsnorm fwd+bwd", functools.partial(case_rmsnorm, residual=True)),
                      ("qk norm+rotary fwd+bwd", case_qk_norm_rotary),
                      ("scaled attention fwd+bwd", case_scaled_attention),
                      ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
@@ -606,14 +520,12 @@ SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", 
 
 
 def speedrun_bench_cases(cfg, ops, device):
-    """bench_cases of --recipe speedrun: its own ops at its shapes, each against backend torch's (PyTorch
-    ops; F.scaled_dot_product_attention for the attention)."""
+    """bench_cases of --recipe speedrun: its own ops at its shapes against backend torch's (and SDPA)."""
     dt = compute_dtype(cfg)
     B, T, C, Vp, L = cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
     H, D = C // HEAD_DIM, HEAD_DIM
     N, R = B * T, min(B * T, HEAD_ROWS)
     eps = torch.finfo(dt).eps
-    t = TORCH_SPEEDRUN_OPS
 
     def rand(*shape, dtype=dt):
         return torch.randn(shape, device=device, dtype=dtype)
@@ -640,62 +552,42 @@ def speedrun_bench_cases(cfg, ops, device):
             o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=ATTN_SCALE)  # (B, H, T, D)
             o.backward(dout.view(B, T, H, D).transpose(1, 2))
 
+    op = functools.partial(op_case, ops, TORCH_SPEEDRUN_OPS)
     cases = [
-        ("embedding_forward", f"{B}x{T}x{C}", lambda: ops.embedding_forward(idx, table),
-         "F.embedding", lambda: F.embedding(idx, table), (idx, table)),
-        ("embedding_backward", f"{B}x{T}x{C}", lambda: ops.embedding_backward(dy.view(B, T, C), idx, dtable),
-         "sort + cumsum + index_add_", lambda: t.embedding_backward(dy.view(B, T, C), idx, dtable),
-         (dy.view(B, T, C), idx, dtable)),
-        ("rmsnorm_forward", f"{N}x{C}", lambda: ops.rmsnorm_forward(x, w, eps),
-         "backend torch (fp32 rsqrt)", lambda: t.rmsnorm_forward(x, w, eps), (x, w, eps)),
-        ("residual_rmsnorm_forward", f"{N}x{C}", lambda: ops.residual_rmsnorm_forward(x, h, w, eps),
-         "add + backend torch's", lambda: t.residual_rmsnorm_forward(x, h, w, eps), (x, h, w, eps)),
-        ("rmsnorm_backward", f"{N}x{C}", lambda: ops.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
-         "backend torch (fp32)", lambda: t.rmsnorm_backward(dy, x, w, rstd, dw, dres=h),
-         (dy, x, w, rstd, dw, h)),
-        ("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_forward(q, eps),
-         "backend torch (fp32)", lambda: t.qk_norm_rotary_forward(q, eps), (q, eps)),
-        ("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", lambda: ops.qk_norm_rotary_backward(dq, q, qrstd),
-         "backend torch (fp32)", lambda: t.qk_norm_rotary_backward(dq, q, qrstd), (dq, q, qrstd)),
-        ("scaled_attention_forward", f"{B}x{H}x{T}x{D}",
-         lambda: ops.scaled_attention_forward(q, k, v, ATTN_SCALE), "SDPA causal",
-         lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE), (q, k, v)),
+        op("embedding_forward", f"{B}x{T}x{C}", (idx, table), "F.embedding", lambda: F.embedding(idx, table)),
+        op("embedding_backward", f"{B}x{T}x{C}", (dy.view(B, T, C), idx, dtable), "sort + cumsum + index_add_"),
+        op("rmsnorm_forward", f"{N}x{C}", (x, w, eps), "backend torch (fp32 rsqrt)"),
+        op("residual_rmsnorm_forward", f"{N}x{C}", (x, h, w, eps), "add + backend torch's"),
+        op("rmsnorm_backward", f"{N}x{C}", (dy, x, w, rstd, dw, h), "backend torch (fp32)"),
+        op("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", (q, eps), "backend torch (fp32)"),
+        op("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", (dq, q, qrstd), "backend torch (fp32)"),
+        op("scaled_attention_forward", f"{B}x{H}x{T}x{D}", (q, k, v, ATTN_SCALE), "SDPA causal",
+           lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE)),
         ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
          lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(
              q, k, v, ATTN_SCALE), ATTN_SCALE),
          "SDPA causal fwd+bwd", sdpa_forward_backward, None),
-        ("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", lambda: ops.matmul_relu2_forward(xf, wf, bf),
-         "F.linear + relu + square", lambda: F.relu(F.linear(xf, wf, bf)).square(), (xf, wf, bf)),
-        ("relu2_forward", f"{N}x{4 * C}", lambda: ops.relu2_forward(pre), "relu + square",
-         lambda: F.relu(pre).square(), (pre,)),
-        ("relu2_backward", f"{N}x{4 * C}", lambda: ops.relu2_backward(dpre, pre), "backend torch",
-         lambda: t.relu2_backward(dpre, pre), (dpre, pre)),
-        ("softcap_crossentropy_forward_backward", f"{R}x{Vp}",
-         lambda: ops.softcap_crossentropy_forward_backward(z, targets, 1.0),
-         "backend torch (fp32 chunks)",
-         lambda: t.softcap_crossentropy_forward_backward(z, targets, 1.0), (z, targets, 1.0)),
-        ("add_into", f"{N}x{C}", lambda: ops.add_into(x, h), "Tensor.add_", lambda: x.add_(h), (x, h)),
-        ("fp8_quantize", f"{Vp}x{C}", lambda: ops.fp8_quantize(table, "w"), "mul + clamp + cast",
-         lambda: t.fp8_quantize(table, "w"), (table,)),
-        ("fp8_matmul_forward", f"lm head {R}x{C}x{Vp}", lambda: ops.fp8_matmul_forward(xq, wq, hb), scaled_mm,
-         lambda: t.fp8_matmul_forward(xq, wq, hb), (xq, wq, hb)),
-        ("fp8_matmul_backward", f"lm head {R}x{C}x{Vp}", lambda: ops.fp8_matmul_backward(z, xq, wq, dhw, dhb),
-         f"cast + 2 x {scaled_mm} + sum", lambda: t.fp8_matmul_backward(z, xq, wq, dhw, dhb),
-         (z, xq, wq, dhw, dhb)),
+        op("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", (xf, wf, bf), "F.linear + relu + square",
+           lambda: F.relu(F.linear(xf, wf, bf)).square()),
+        op("relu2_forward", f"{N}x{4 * C}", (pre,), "relu + square", lambda: F.relu(pre).square()),
+        op("relu2_backward", f"{N}x{4 * C}", (dpre, pre), "backend torch"),
+        op("softcap_crossentropy_forward_backward", f"{R}x{Vp}", (z, targets, 1.0), "backend torch (fp32 chunks)"),
+        op("add_into", f"{N}x{C}", (x, h), "Tensor.add_", lambda: x.add_(h)),
+        op("fp8_quantize", f"{Vp}x{C}", (table, "w"), "mul + clamp + cast"),
+        op("fp8_matmul_forward", f"lm head {R}x{C}x{Vp}", (xq, wq, hb), scaled_mm),
+        op("fp8_matmul_backward", f"lm head {R}x{C}x{Vp}", (z, xq, wq, dhw, dhb), f"cast + 2 x {scaled_mm} + sum"),
     ]
     for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
         ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
         gs, ms = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
         copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
         args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
-        cases.append(("muon_update", f"{n} x {r}x{c}", lambda args=args: ops.muon_update(*args),
-                      "backend torch (torch.bmm)", lambda args=args: t.muon_update(*args), args))
+        cases.append(op("muon_update", f"{n} x {r}x{c}", args, "backend torch (torch.bmm)"))
     return cases
 
 
 def speedrun_op_work(name, args, kwargs, out):
-    """op_work (the profiler's) of an op of SPEEDRUN_OP_NAMES: (flops, bytes) that one call cannot do
-    without; None for any other op."""
+    """op_work of an op of SPEEDRUN_OP_NAMES: (flops, bytes) one call cannot do without; else None."""
     if name == "matmul_relu2_forward":
         x, w = args[0], args[1]
         return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
@@ -724,7 +616,7 @@ def speedrun_op_work(name, args, kwargs, out):
     return None
 
 
-TOOLS = RecipeTools(
+TOOLS["speedrun"] = RecipeTools(
     test_config=Config(recipe="speedrun", n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
                        padded_vocab_size=64, seq_len=9, batch_size=2),  # one head
     test_cases=lambda: SPEEDRUN_OP_CASES, autograd_test="tests/test_speedrun_triton.py",

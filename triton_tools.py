@@ -1,6 +1,4 @@
-"""triton_tools.py: the code of train_gpt2_triton.py's --test, --profile and --bench-ops, which stay flags of
-the trainer: its main imports this file when one of them is given (this file imports the trainer's model,
-backend torch's ops and flags, so the trainer never imports it at its own import).
+"""triton_tools.py: train_gpt2_triton.py's --test, --profile and --bench-ops (its main imports this file for them).
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
     python train_gpt2_triton.py triton --test              # every kernel against backend torch
@@ -8,13 +6,13 @@ backend torch's ops and flags, so the trainer never imports it at its own import
         --profile                                          # tables of steps 2-4, per op and per kernel
     python train_gpt2_triton.py triton --bench-ops         # every op against the PyTorch op it replaces
 
-Map: the file's sections, in order.
-    Self-test (--test)                     each op and the whole model against a reference
-    Profiling (--profile, --bench-ops)     per op and per kernel: time, FLOP/s or GB/s, against PyTorch's
-    The tools of each recipe               RecipeTools, TOOLS: gpt2's row, the speedrun recipe's module
+Map:
+    Self-test (--test)
+    Profiling (--profile, --bench-ops)
+    The tools of each recipe
 """
 import contextlib
-import importlib
+import functools
 import math
 import os
 import sys
@@ -29,9 +27,8 @@ import torch.nn.functional as F
 import triton
 
 import triton_kernels
-from train_gpt2_triton import (BETA1, BETA2, EPS, HEAD_ROWS, INTERPRET, LN_EPS, RECIPES, Config, _acc, backend_ops,
-                               compute_dtype, forward, forward_backward, op_table, param_shapes,
-                               torch_clip_by_norm, torch_encoder_backward, torch_sum_into)
+from train_gpt2_triton import (BETA1, BETA2, EPS, HEAD_ROWS, INTERPRET, LN_EPS, RECIPES, TORCH_OPS, Config, _acc,
+                               backend_ops, compute_dtype, forward, forward_backward, op_table, param_shapes)
 from trainkit import die
 from trainkit.gpt2 import PARAM_NAMES
 from trainkit.torch_shared import peak_memory_gb
@@ -40,14 +37,11 @@ from trainkit.torch_shared import peak_memory_gb
 # -----------------------------------------------------------------------------
 # Self-test (--test)
 #
-# Each op's forward and backward on random inputs of several shapes (odd sizes, T = 1, T past a block),
-# then the whole model's loss, logits and every parameter gradient over two micro-batches, against a
-# reference: for backend torch, torch.autograd through PyTorch's own functional ops; for backend triton,
-# backend torch. References run in fp64 on the very values the tested run sees (its inputs rounded to the
-# dtype under test first), so the error measured is the tested run's alone.
+# Each op on random inputs of several shapes, then the whole model's loss, logits and gradients over two
+# micro-batches, against a reference (autograd for backend torch, backend torch for backend triton) run in
+# fp64 on the very values the tested run sees (its inputs rounded to the dtype under test first).
 
-# (B, T, C, H); the interpreter is slow: there a smaller batch, and T past its 32-row blocks twice instead
-# of 4 times
+# (B, T, C, H); the interpreter is slow: there a smaller batch, and T past its 32-row blocks twice, not 4 times
 TEST_SHAPES = ([(1, 1, 8, 1), (2, 7, 12, 3), (2, 33, 40, 5), (1, 67, 64, 1)] if INTERPRET else
                [(1, 1, 8, 1), (2, 7, 12, 3), (3, 33, 40, 5), (1, 130, 64, 1)])
 TEST_TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max relative error
@@ -59,15 +53,21 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
+def _vjp(fn, inputs, dy):
+    """The gradients of fn's output against dy with respect to inputs (each made a fresh leaf)."""
+    leaves = [_leaf(t) for t in inputs]
+    with torch.enable_grad():
+        y = fn(*leaves)
+    return torch.autograd.grad(y, leaves, dy)
+
+
 def autograd_encoder_forward(idx, wte, wpe):
     return F.embedding(idx, wte) + wpe[:idx.shape[1]]  # (B, T, C)
 
 
 def autograd_encoder_backward(dx, idx, dwte, dwpe):
-    wte, wpe = _leaf(torch.zeros_like(dwte)), _leaf(torch.zeros_like(dwpe))  # values do not matter: linear
-    with torch.enable_grad():
-        x = autograd_encoder_forward(idx, wte, wpe)  # (B, T, C)
-    gwte, gwpe = torch.autograd.grad(x, (wte, wpe), dx.to(x.dtype))
+    gwte, gwpe = _vjp(lambda wte, wpe: autograd_encoder_forward(idx, wte, wpe),  # linear: at zeros
+                      (torch.zeros_like(dwte), torch.zeros_like(dwpe)), dx.to(dwte.dtype))
     dwte += gwte
     dwpe += gwpe
 
@@ -83,17 +83,10 @@ def autograd_residual_layernorm_forward(res, h, w, b):
 
 
 def autograd_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
-    x, w, b = _leaf(x), _leaf(w), _leaf(torch.zeros_like(w))
-    with torch.enable_grad():
-        y = F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS)  # (N, C)
-    dx, gw, gb = torch.autograd.grad(y, (x, w, b), dy)
+    dx, gw, gb = _vjp(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS), (x, w, torch.zeros_like(w)), dy)
     dw += gw
     db += gb
     return dx if dres is None else dx + dres
-
-
-def autograd_matmul_forward(x, w, b):
-    return F.linear(x, w, b)  # (N, M)
 
 
 def autograd_matmul_gelu_forward(x, w, b):
@@ -102,26 +95,16 @@ def autograd_matmul_gelu_forward(x, w, b):
 
 
 def autograd_matmul_backward(dy, x, w, dw, db):
-    x, w = _leaf(x), _leaf(w)
-    b = _leaf(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)) if db is not None else None
-    with torch.enable_grad():
-        y = F.linear(x, w, b)  # (N, M)
-    grads = torch.autograd.grad(y, (x, w) if b is None else (x, w, b), dy)
+    b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)  # (M,)
+    grads = _vjp(F.linear, (x, w) if db is None else (x, w, b), dy)
     dw += grads[1]
     if db is not None:
         db += grads[2]
     return grads[0]
 
 
-def autograd_gelu_forward(pre):
-    return F.gelu(pre, approximate="tanh")  # (N, M)
-
-
 def autograd_gelu_backward(dy, pre):
-    pre = _leaf(pre)
-    with torch.enable_grad():
-        y = F.gelu(pre, approximate="tanh")  # (N, M)
-    return torch.autograd.grad(y, pre, dy)[0]
+    return _vjp(lambda pre: F.gelu(pre, approximate="tanh"), (pre,), dy)[0]
 
 
 def autograd_attention_forward(qkv, n_head):
@@ -136,10 +119,7 @@ def autograd_attention_forward(qkv, n_head):
 
 
 def autograd_attention_backward(dout, qkv, out, lse, n_head):
-    qkv = _leaf(qkv)
-    with torch.enable_grad():
-        out, _ = autograd_attention_forward(qkv, n_head)  # (B, T, C)
-    return torch.autograd.grad(out, qkv, dout)[0]
+    return _vjp(lambda qkv: autograd_attention_forward(qkv, n_head)[0], (qkv,), dout)[0]
 
 
 def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
@@ -150,14 +130,9 @@ def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
     return losses.detach()
 
 
-def autograd_global_norm(grads):
-    return torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))  # ()
-
-
 def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step,
                           grad_scale):
-    """torch.optim.AdamW, its state set to the given moments and step: the same update in another form
-    (decoupled decay p *= 1 - lr wd, then the Adam step)."""
+    """torch.optim.AdamW with its state set to the given moments and step (the same update in another form)."""
     opt = torch.optim.AdamW([{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decays)],
                             lr=lr, betas=(beta1, beta2), eps=eps, foreach=False)
     for p, g, m, v in zip(params, grads, ms, vs):
@@ -170,10 +145,6 @@ def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, 
             copies[i].copy_(p)
 
 
-def autograd_zero_fill(x):
-    x.copy_(torch.zeros_like(x))
-
-
 def autograd_clip_by_norm(g, norm, max_norm):
     """torch.nn.utils.clip_grads_with_norm_, on a parameter whose .grad is g."""
     p = _leaf(torch.zeros_like(g))
@@ -181,33 +152,27 @@ def autograd_clip_by_norm(g, norm, max_norm):
     torch.nn.utils.clip_grads_with_norm_([p], max_norm, norm, foreach=False)
 
 
-def autograd_sum_into(acc, x, scale):
-    acc.copy_(acc + torch.sum(x) * scale)
-
-
-def autograd_copy_into(dst, src):
-    dst.copy_(src.reshape(dst.shape))
-
-
 AUTOGRAD_OPS = op_table("autograd", dict(
     encoder_forward=autograd_encoder_forward, encoder_backward=autograd_encoder_backward,
     layernorm_forward=autograd_layernorm_forward,
     residual_layernorm_forward=autograd_residual_layernorm_forward,
     layernorm_backward=autograd_layernorm_backward,
-    matmul_forward=autograd_matmul_forward, matmul_gelu_forward=autograd_matmul_gelu_forward,
+    matmul_forward=F.linear, matmul_gelu_forward=autograd_matmul_gelu_forward,
     matmul_backward=autograd_matmul_backward,
-    gelu_forward=autograd_gelu_forward, gelu_backward=autograd_gelu_backward,
+    gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"), gelu_backward=autograd_gelu_backward,
     attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
     crossentropy_forward_backward=autograd_crossentropy_forward_backward,
-    global_norm=autograd_global_norm, adamw_update=autograd_adamw_update,
-    zero_fill=autograd_zero_fill, clip_by_norm=autograd_clip_by_norm, sum_into=autograd_sum_into,
-    copy_into=autograd_copy_into,
+    global_norm=lambda grads: torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])),
+    adamw_update=autograd_adamw_update,
+    zero_fill=lambda x: x.copy_(torch.zeros_like(x)), clip_by_norm=autograd_clip_by_norm,
+    sum_into=lambda acc, x, scale: acc.copy_(acc + torch.sum(x) * scale),
+    copy_into=lambda dst, src: dst.copy_(src.reshape(dst.shape)),
 ))
 
 
 def op_inputs(dt, rdt, device):
-    """A source of random test tensors of dtype dt, each first rounded to rdt (the dtype under test), so
-    that a reference run (dt fp64) draws exactly the values the tested run (dt = rdt) draws."""
+    """Random test tensors in dt, each first rounded to rdt (the dtype under test): an fp64 reference run
+    draws exactly the values the tested run (dt = rdt) draws."""
     gen = torch.Generator().manual_seed(TEST_SEED)
 
     def rand(*shape, scale=1.0, shift=0.0, acc=False, positive=False):
@@ -232,38 +197,26 @@ def case_encoder(ops, r, B, T, C, H):
     return dict(x=x, dwte=dwte, dwpe=dwpe)
 
 
-def case_layernorm(ops, r, B, T, C, H):
-    x, w, b = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(C, shift=1.0), r.rand(C)  # (N, C), (C,), (C,)
-    y, mean, rstd = ops.layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
-    dw, db = r.rand(C, acc=True), r.rand(C, acc=True)  # (C,) each
-    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db)  # (N, C)
-    return dict(y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
-
-
-def case_residual_layernorm(ops, r, B, T, C, H):
-    res, h = r.rand(B * T, C, scale=2.0, shift=0.5), r.rand(B * T, C)  # (N, C) each
+def case_layernorm(ops, r, B, T, C, H, residual=False):
+    x = r.rand(B * T, C, scale=2.0, shift=0.5)  # (N, C)
+    h = r.rand(B * T, C) if residual else None  # (N, C) added to x first
     w, b = r.rand(C, shift=1.0), r.rand(C)  # (C,) each
-    x, y, mean, rstd = ops.residual_layernorm_forward(res, h, w, b)  # (N, C) x2, (N,) x2
+    x, y, mean, rstd = (ops.residual_layernorm_forward(x, h, w, b) if residual else
+                        (x, *ops.layernorm_forward(x, w, b)))  # (N, C) x2, (N,) x2
     dw, db = r.rand(C, acc=True), r.rand(C, acc=True)  # (C,) each
-    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db, dres=r.rand(B * T, C))  # (N, C)
-    return dict(x=x, y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db)
+    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db,
+                                dres=r.rand(B * T, C) if residual else None)  # (N, C)
+    return dict(y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db, **({"x": x} if residual else {}))
 
 
-def case_matmul(ops, r, B, T, C, H):
-    x, w, b = r.rand(B * T, C), r.rand(3 * C, C, scale=C ** -0.5), r.rand(3 * C)  # (N, C), (3C, C), (3C,)
-    y = ops.matmul_forward(x, w, b)  # (N, 3C)
-    dw, db = r.rand(3 * C, C, acc=True), r.rand(3 * C, acc=True)  # (3C, C), (3C,)
-    dx = ops.matmul_backward(r.rand(B * T, 3 * C), x, w, dw, db)  # (N, C)
-    return dict(y=y, dx=dx, dw=dw, db=db)
-
-
-def case_matmul_no_bias(ops, r, B, T, C, H):
-    M = 5 * C + 3  # like the lm head: a wide output, no bias
+def case_matmul(ops, r, B, T, C, H, bias=True):
+    M = 3 * C if bias else 5 * C + 3  # without bias like the lm head: a wide output
     x, w = r.rand(B * T, C), r.rand(M, C, scale=C ** -0.5)  # (N, C), (M, C)
-    y = ops.matmul_forward(x, w, None)  # (N, M)
-    dw = r.rand(M, C, acc=True)  # (M, C)
-    dx = ops.matmul_backward(r.rand(B * T, M), x, w, dw, None)  # (N, C)
-    return dict(y=y, dx=dx, dw=dw)
+    b = r.rand(M) if bias else None  # (M,)
+    y = ops.matmul_forward(x, w, b)  # (N, M)
+    dw, db = r.rand(M, C, acc=True), r.rand(M, acc=True) if bias else None  # (M, C), (M,)
+    dx = ops.matmul_backward(r.rand(B * T, M), x, w, dw, db)  # (N, C)
+    return dict(y=y, dx=dx, dw=dw, **({"db": db} if bias else {}))
 
 
 def case_matmul_gelu(ops, r, B, T, C, H):
@@ -319,8 +272,7 @@ def case_adamw(ops, r, B, T, C, H):
 
 
 def case_step_ops(ops, r, B, T, C, H):
-    """The training step's own ops: zeroing, clipping (a norm above the limit, and one below it: no change),
-    the loss sum, and the copy of an lm-head chunk's rows into the middle of a buffer."""
+    """Zeroing, clipping (by a norm above the limit, and one below: no change), the loss sum, a row copy."""
     zeroed = r.rand(B, T, C)  # (B, T, C)
     ops.zero_fill(zeroed)
     clipped, kept = r.rand(B * T * C + 5, acc=True), r.rand(B * T * C + 5, acc=True)  # flat gradients
@@ -329,15 +281,16 @@ def case_step_ops(ops, r, B, T, C, H):
     acc = r.rand(acc=True)  # () a running loss
     ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 1.0 / (B * T))
     ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 0.5)
-    copied = r.rand(B * T + 2, C)  # (N+2, C)
+    copied = r.rand(B * T + 2, C)  # (N+2, C) an lm-head chunk's rows copied into its middle
     ops.copy_into(copied[1:B * T + 1], r.rand(B * T, C))
     return dict(zeroed=zeroed, clipped=clipped, kept=kept, acc=acc, copied=copied)
 
 
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
-            ("residual+layernorm fwd+bwd", case_residual_layernorm), ("matmul fwd+bwd", case_matmul),
-            ("matmul no bias fwd+bwd", case_matmul_no_bias), ("matmul+gelu fwd+bwd", case_matmul_gelu),
-            ("gelu fwd+bwd", case_gelu), ("attention fwd+bwd", case_attention),
+            ("residual+layernorm fwd+bwd", functools.partial(case_layernorm, residual=True)),
+            ("matmul fwd+bwd", case_matmul), ("matmul no bias fwd+bwd", functools.partial(case_matmul, bias=False)),
+            ("matmul+gelu fwd+bwd", case_matmul_gelu), ("gelu fwd+bwd", case_gelu),
+            ("attention fwd+bwd", case_attention),
             ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
 
@@ -359,8 +312,8 @@ def self_test_model_data(r, cfg):
 
 
 def case_model(backend, r, cfg):
-    """Logits of the first micro-batch, mean loss and all gradients over both, through the trainer's model
-    of cfg's recipe on `backend` (the lm head in chunks of 5 rows, so that chunks end inside a sequence)."""
+    """The first micro-batch's logits, the mean loss and all gradients over both, through the trainer's model
+    on `backend` (the lm head in chunks of 5 rows: chunks end inside a sequence)."""
     ops = backend_ops(backend, cfg.recipe)
     w, batches = self_test_model_data(r, cfg)
     grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
@@ -405,8 +358,7 @@ def reference_case_model(r, cfg):
 
 
 def compare(got, want):
-    """(max abs error, max relative error) of got against want; relative to want's largest magnitude, so
-    entries near zero do not blow it up; infinite for a wrong shape or a non-finite value."""
+    """(max abs error, max error relative to want's largest magnitude); inf for a wrong shape or non-finite."""
     g = got.detach().to("cpu", torch.float64)
     w = want.detach().to("cpu", torch.float64)
     if g.shape != w.shape or not torch.isfinite(g).all():
@@ -418,16 +370,12 @@ def compare(got, want):
 
 @contextlib.contextmanager
 def first_configs(active=True):
-    """Inside (when active), every autotuned kernel runs the first configuration its pruning keeps for the
-    arguments, without timing the others."""
+    """Inside (when active), every autotuned kernel runs the first config its pruning keeps, untimed."""
     tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
     prunes = [k.early_config_prune for k in tuners]
-
-    def first(prune):
-        return lambda configs, named_args, **kwargs: (
-            prune(configs, named_args, **kwargs) if prune else configs)[:1]
     for k, prune in zip(tuners, prunes):
-        k.early_config_prune = first(prune)
+        k.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: (
+            prune(configs, named_args, **kwargs) if prune else configs)[:1]
     try:
         yield
     finally:
@@ -436,27 +384,14 @@ def first_configs(active=True):
 
 
 def run_self_test(cfg):
-    """--test: prints a table row by row as the checks run (check, dtype, max abs error, max relative
-    error, tolerance, result, worst output) and exits non-zero if any check fails. TF32 is off while it
-    runs (fp32 references must be fp32) and the caller's settings are restored after it (the tests call it
-    in their own process). A recipe whose backend torch ops autograd checks elsewhere
-    (RecipeTools.autograd_test) refuses backend torch."""
+    """--test: a table row by row as the checks run; exits non-zero if any fails. TF32 is off meanwhile (fp32
+    references must be fp32), the caller's settings restored after."""
     tools = recipe_tools(cfg.recipe)
     if cfg.backend == "torch" and tools.autograd_test:
         die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
             f"torch's {cfg.recipe} ops are held to autograd by {tools.autograd_test})")
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        _run_self_test(cfg)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-
-
-def _run_self_test(cfg):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ops = backend_ops(cfg.backend, cfg.recipe)
-    cases = recipe_tools(cfg.recipe).test_cases()
     if cfg.backend == "torch":
         ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
     else:
@@ -483,22 +418,26 @@ def _run_self_test(cfg):
 
     f64 = torch.float64
     passed = []
-    with torch.no_grad(), first_configs(pinned):
-        for dt in dtypes:
-            for name, case in cases:
-                results = []
-                for shape in TEST_SHAPES:
-                    got = case(ops, op_inputs(dt, dt, device), *shape)
-                    want = case(ref_ops, op_inputs(f64, dt, device), *shape)
-                    results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
-                passed.append(report(name, dt, results))
-            tcfg = recipe_tools(cfg.recipe).test_config
-            got = case_model(cfg.backend, op_inputs(dt, dt, device), tcfg)
-            want = ref_model(op_inputs(f64, dt, device), tcfg)
-            passed.append(report("model loss and logits", dt,
-                                 [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
-            passed.append(report("model: every parameter gradient", dt,
-                                 [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad(), first_configs(pinned):
+            for dt in dtypes:
+                for name, case in tools.test_cases():
+                    results = []
+                    for shape in TEST_SHAPES:
+                        got = case(ops, op_inputs(dt, dt, device), *shape)
+                        want = case(ref_ops, op_inputs(f64, dt, device), *shape)
+                        results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
+                    passed.append(report(name, dt, results))
+                got = case_model(cfg.backend, op_inputs(dt, dt, device), tools.test_config)
+                want = ref_model(op_inputs(f64, dt, device), tools.test_config)
+                passed.append(report("model loss and logits", dt,
+                                     [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
+                passed.append(report("model: every parameter gradient", dt,
+                                     [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     if not all(passed):
         die(f"--test: {passed.count(False)} of {len(passed)} checks failed")
     print(f"--test: all {len(passed)} checks passed")
@@ -515,10 +454,8 @@ def _nbytes(*tensors):
 
 
 def op_work(name, args, kwargs, out):
-    """(flops, bytes) that one call of op `name` cannot do without: the matmul flops of the matmuls and
-    the attention (causal: half the score matrix; its backward recomputes the scores, 5 matmuls in all),
-    and for the others the bytes they must read and write. Achieved TFLOP/s and GB/s are measured
-    against these. A recipe's own ops: its RecipeTools.op_work."""
+    """(flops, bytes) that one call of op `name` cannot do without: the matmuls' and the causal attention's
+    flops, else the bytes read and written; a recipe's own ops: its RecipeTools.op_work."""
     for recipe in RECIPES:
         work = recipe_tools(recipe).op_work(name, args, kwargs, out)
         if work is not None:
@@ -572,9 +509,8 @@ def _elapsed_ms(t0, t1):
 
 
 def timed_ops(ops, device, calls, active=None):
-    """ops with every function timed and labelled for the profiler's trace: each call appends
-    [name, start, end, flops, bytes] to `calls`; while it runs, `active` (a list) ends with
-    (name, its index in calls)."""
+    """ops, each call timed, labelled in the profiler's trace and appended to `calls` as [name, start, end,
+    flops, bytes]; while it runs, `active` (a list) ends with (name, its index in calls)."""
     def wrap(name, fn):
         def call(*args, **kwargs):
             record = [name, None, None, 0, 0]
@@ -593,28 +529,17 @@ def timed_ops(ops, device, calls, active=None):
     return SimpleNamespace(**{name: wrap(name, fn) for name, fn in vars(ops).items()})
 
 
-def _dot_kernel_flops(name, a):
-    """Matmul FLOPs a launch of one of our tl.dot kernels performs, from its arguments (None for the
-    others): 2MNK for the matmuls; for the causal attention the (B, H, T, T) half-matrices it multiplies
-    (2 dots forward, 4 in the dK/dV kernel and 3 in the dQ kernel, which recompute the scores)."""
+def kernel_work(name, a):
+    """(flops, bytes) of one kernel launch with bound arguments `a`: our tl.dot kernels' FLOPs, else every
+    distinct tensor passed, once (the embedding backward: the dwte rows it updates)."""
     if name in ("matmul_kernel", "matmul_dw_kernel"):
         batch = a["a_ptr"].shape[0] if a["a_ptr"].dim() == 3 else 1  # Newton-Schulz's batched products
-        return 2 * a["M"] * a["N"] * a["K"] * batch
+        return 2 * a["M"] * a["N"] * a["K"] * batch, 0
+    # the causal attention's (B, H, T, T) half matrices: 2 dots forward, 4 in dK/dV and 3 in dQ (recomputing)
     dots = {"attn_fwd_kernel": 2, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}.get(name)
-    if dots is None:
-        return None
-    q = a["q_ptr"]  # (B, T, C) view of qkv, or (B, T, H, D)
-    return dots * q.shape[1] * q.numel()
-
-
-def kernel_work(name, a):
-    """(flops, bytes) of one kernel launch with bound arguments `a`: the FLOPs of our tl.dot kernels; for
-    the memory-bound ones every distinct tensor they are passed, once (a lower bound for a buffer read and
-    written; the embedding backward counts only the dwte rows it updates). kernel_table replaces the
-    bytes by its op's when the kernel is all of its op, or reads the op's tensors through a pointer table."""
-    flops = _dot_kernel_flops(name, a)
-    if flops is not None:
-        return flops, 0
+    if dots is not None:
+        q = a["q_ptr"]  # (B, T, C) view of qkv, or (B, T, H, D)
+        return dots * q.shape[1] * q.numel(), 0
     tensors = {t.data_ptr(): t for t in a.values() if isinstance(t, torch.Tensor)}
     if name == "_encoder_wte_backward_kernel":
         dwte = tensors.pop(a["dwte_ptr"].data_ptr())
@@ -622,25 +547,19 @@ def kernel_work(name, a):
     return 0, _nbytes(*tensors.values())
 
 
-def kernel_modules():
-    """The kernel files loaded: triton_kernels, and a recipe's own triton_kernels_<recipe> once its ops or
-    tools are (triton_kernels_speedrun)."""
-    return [triton_kernels] + [module for name, module in list(sys.modules.items())
-                               if name.startswith("triton_kernels_")]
-
-
 def launched_kernels():
-    """{name: kernel} of every Triton jit, autotune or heuristics object of the kernel files loaded (the jit
-    helpers that kernels call inside are among them, and are never launched themselves)."""
-    return {name: k for module in kernel_modules() for name, k in vars(module).items()
+    """{name: kernel} of every Triton jit, autotune or heuristics object of the kernel files loaded
+    (triton_kernels, and a recipe's triton_kernels_<recipe>), jit helpers included."""
+    modules = [triton_kernels] + [module for name, module in list(sys.modules.items())
+                                  if name.startswith("triton_kernels_")]
+    return {name: k for module in modules for name, k in vars(module).items()
             if isinstance(k, triton.runtime.KernelInterface)}
 
 
 @contextlib.contextmanager
 def timed_kernels(device, launches, active):
-    """Inside, every launch of one of our Triton kernels is timed on the device and labelled
-    `kernel <name>` in the profiler's trace: each appends [op index, kernel, start, end, flops, bytes] to
-    `launches`, op index being that of the innermost op running (see timed_ops), or None."""
+    """Inside, every launch of our kernels is timed and labelled `kernel <name>` in the trace, appended to
+    `launches` as [op index (the innermost op running, see timed_ops, or None), kernel, start, end, flops, bytes]."""
     kernels = launched_kernels()
 
     def wrap(name, kernel, run):
@@ -662,29 +581,6 @@ def timed_kernels(device, launches, active):
             del kernel.run
 
 
-def kernel_table(calls, launches):
-    """{(op, kernel): [launches, ms, flops, bytes]} over the profiled step: each kernel under the op that
-    launched it, so the forward's and the backward's uses of a kernel stay apart. A memory-bound kernel
-    that is all of its op, or the global norm's (which reads the gradients through a pointer table), is
-    credited with the op's bytes."""
-    per_call = {}
-    for launch in launches:
-        per_call.setdefault(launch[0], []).append(launch)
-    table = {}
-    for i, group in per_call.items():
-        op = calls[i][0] if i is not None else "(step)"
-        for _, name, t0, t1, flops, nbytes in group:
-            if i is not None and not flops and calls[i][4] and (
-                    len(group) == 1 or name == "_global_norm_partial_kernel"):
-                nbytes = calls[i][4]
-            row = table.setdefault((op, name), [0, 0.0, 0, 0])
-            row[0] += 1
-            row[1] += _elapsed_ms(t0, t1)
-            row[2] += flops
-            row[3] += nbytes
-    return table
-
-
 ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                   "aten::lift_fresh", "aten::detach_", "aten::detach"}
 VIEW_OPS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
@@ -694,28 +590,9 @@ VIEW_OPS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsaf
 HOST_READ_OPS = {"aten::item", "aten::_local_scalar_dense"}
 
 
-def torch_ops_census(events, op_names):
-    """{(aten op, the op of the interface it ran in, or "(step)"): count} over the profiled events, leaving
-    out those inside our kernels' launches (a launch runs no torch op on a GPU; Triton's CPU interpreter
-    copies the arguments to the host and back inside it). Nested aten ops count too: a wrapper such as
-    aten::reshape shows what it really did (aten::view, or a copy)."""
-    counts = {}
-    for e in events:
-        if not e.name.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        parent, op, inside = e.cpu_parent, "(step)", False
-        while parent is not None and not inside:
-            inside = parent.name.startswith("kernel ")
-            op = parent.name if op == "(step)" and parent.name in op_names else op
-            parent = parent.cpu_parent
-        if not inside:
-            counts[e.name, op] = counts.get((e.name, op), 0) + 1
-    return counts
-
-
 def kept_bytes(w, x, cfg, ops):
-    """{op name: bytes} that one micro-batch's forward keeps for its backward, each saved tensor traced back
-    to the op that made it by its storage address."""
+    """{op name: bytes} that one micro-batch's forward keeps for its backward, traced to the op that made each
+    saved tensor by its storage address."""
     maker = {}
 
     def wrap(name, fn):
@@ -742,9 +619,8 @@ def _rate(flops, nbytes, ms):
 
 
 def start_profile(ops, device):
-    """--profile, before its first step: torch.profiler records, and every op of `ops` and every launch of
-    our Triton kernels is timed and labelled in the trace (timed_ops, timed_kernels). The profiled steps
-    run the returned profile's "ops"; finish_profile ends it."""
+    """--profile, before its first step: torch.profiler records, and every op and kernel launch is timed and
+    labelled; the profiled steps run the returned profile's "ops"; finish_profile ends it."""
     calls, launches, active = [], [], []
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -758,12 +634,8 @@ def start_profile(ops, device):
 
 @torch.no_grad()
 def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
-    """--profile, after its last step (`steps` the profiled step numbers, `steps_ms` their times): stops
-    recording and writes this process's Chrome trace to OUT_DIR/profile. Rank 0 prints, over those steps,
-    per op and per kernel (under the op that launched it): calls, time, share of the steps, TFLOP/s or
-    GB/s, and per op the bytes its outputs keep for the backward (on micro-batch x (B, T)); the torch ops
-    the steps ran besides allocation and views; on a GPU, all device work that is not one of our kernels;
-    the peak memory since the first step."""
+    """--profile, after its last step: writes this process's Chrome trace to OUT_DIR/profile; rank 0 prints the
+    per-op and per-kernel tables, the other torch ops and GPU work, what the forward keeps, the peak memory."""
     profile["recording"].close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -778,23 +650,31 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
     step_ms = sum(steps_ms)
     table = {}
     for name, t0, t1, flops, nbytes in calls:
-        row = table.setdefault(name, [0, 0.0, 0, 0])
-        row[0] += 1
-        row[1] += _elapsed_ms(t0, t1)
-        row[2] += flops
-        row[3] += nbytes
+        row = table.setdefault(name, [0, 0.0, 0, 0])  # calls, ms, flops, bytes
+        row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
     print(f"profile of steps {steps[0]}-{steps[-1]}: backend {cfg.backend}, {cfg.dtype}, micro-batches of "
           f"{cfg.batch_size} x {cfg.seq_len}, {cfg.total_batch_size} tokens per step, L{cfg.n_layer} "
           f"H{cfg.n_head} C{cfg.n_embd}")
-    print(f"{'op':<37} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} "
-          f"{'kept MB':>8}")
+    print(f"{'op':<37} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} {'kept MB':>8}")
     for name, (n, ms, flops, nbytes) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         mb = f"{kept[name] / 1e6:8.2f}" if name in kept else f"{'':>8}"
         print(f"{name:<37} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)} {mb}")
     in_ops = sum(row[1] for row in table.values())
     print(f"{'(outside the ops)':<30} {'':>5} {step_ms - in_ops:9.3f} {100 * (1 - in_ops / step_ms):7.1f}")
     print(f"{'steps':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
-    kernels = kernel_table(calls, launches)
+    # each kernel under the op that launched it; a memory-bound kernel that is all of its op, or the global
+    # norm's (it reads through a pointer table), is credited with the op's bytes
+    per_call, kernels = {}, {}
+    for launch in launches:
+        per_call.setdefault(launch[0], []).append(launch)
+    for i, group in per_call.items():
+        op = calls[i][0] if i is not None else "(step)"
+        for _, name, t0, t1, flops, nbytes in group:
+            if i is not None and not flops and calls[i][4] and (
+                    len(group) == 1 or name == "_global_norm_partial_kernel"):
+                nbytes = calls[i][4]
+            row = kernels.setdefault((op, name), [0, 0.0, 0, 0])  # launches, ms, flops, bytes
+            row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
     if kernels:
         print(f"\nper kernel, under the op that launched it ({len(launches)} launches):")
         print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8}")
@@ -804,7 +684,19 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
         in_kernels = sum(row[1] for row in kernels.values())
         print(f"{'(outside the kernels: launches, Python, allocation)':<62} {'':>5} {step_ms - in_kernels:9.3f} "
               f"{100 * (1 - in_kernels / step_ms):7.1f}")
-    census = torch_ops_census(prof.events(), set(vars(ops)))
+    # {(aten op, the op it ran in, or "(step)"): count} outside our kernels' launches (the interpreter copies
+    # arguments inside them), nested aten ops included
+    census, op_names = {}, set(vars(ops))
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        parent, op, inside = e.cpu_parent, "(step)", False
+        while parent is not None and not inside:
+            inside = parent.name.startswith("kernel ")
+            op = parent.name if op == "(step)" and parent.name in op_names else op
+            parent = parent.cpu_parent
+        if not inside:
+            census[e.name, op] = census.get((e.name, op), 0) + 1
     count = lambda names: sum(n for (aten, _), n in census.items() if aten in names)  # noqa: E731
     others = sorted((op, aten, n) for (aten, op), n in census.items()
                     if aten not in ALLOCATION_OPS | VIEW_OPS | HOST_READ_OPS)
@@ -817,8 +709,7 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(ours):
                 row = foreign.setdefault(e.name, [0, 0.0])
-                row[0] += 1
-                row[1] += (e.time_range.end - e.time_range.start) / 1000
+                row[:] = row[0] + 1, row[1] + (e.time_range.end - e.time_range.start) / 1000
         print("GPU work in the steps besides our kernels: " + (", ".join(
             f"{name} x{n} {ms:.3f} ms" for name, (n, ms) in foreign.items()) if foreign else "none"))
     print(f"kept for the backward: {sum(kept.values()) / 1e6:.2f} MB per micro-batch of {cfg.batch_size} "
@@ -828,9 +719,7 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
 
 
 def time_ms(fn, device):
-    """Median milliseconds of fn(): on a GPU by triton.testing.do_bench (25 ms of warm-up, then 100 ms of
-    calls, each after the L2 cache is flushed, so no op reads its inputs from a warm cache); elsewhere over
-    BENCH_REPS calls after BENCH_WARMUP (which also compile)."""
+    """Median ms of fn(): on a GPU by triton.testing.do_bench, else over BENCH_REPS calls after BENCH_WARMUP."""
     if device.type == "cuda":
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     for _ in range(BENCH_WARMUP):
@@ -843,13 +732,21 @@ def time_ms(fn, device):
     return float(np.median(times))
 
 
+def op_case(ops, torch_ops, name, shape, args, torch_label, theirs=None):
+    """A --bench-ops case: (name, shape, op `name` of ops called on args, torch_label, theirs (by default
+    torch_ops' op `name` on args), args)."""
+    theirs = theirs or (lambda: getattr(torch_ops, name)(*args))
+    return name, shape, lambda: getattr(ops, name)(*args), torch_label, theirs, args
+
+
 def bench_cases(cfg, ops, device):
-    """(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work) at the model's
-    shapes: N = B*T rows, and HEAD_ROWS rows for the lm head and the loss, as the training step runs them."""
+    """[(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work)] at the model's
+    shapes (HEAD_ROWS rows for the lm head and the loss, as the step runs them)."""
     dt = compute_dtype(cfg)
     B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
                          cfg.padded_vocab_size)
     N, R = B * T, min(B * T, HEAD_ROWS)
+    op = functools.partial(op_case, ops, TORCH_OPS)
 
     def rand(*shape, dtype=dt):
         return torch.randn(shape, device=device, dtype=dtype)
@@ -861,35 +758,26 @@ def bench_cases(cfg, ops, device):
     dw, db = rand(C, dtype=torch.float32), rand(C, dtype=torch.float32)  # (C,) each
     y, mean, rstd = ops.layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
     cases = [
-        ("encoder_forward", f"{B}x{T}x{C}", lambda: ops.encoder_forward(idx, wte, wpe),
-         "F.embedding + add", lambda: F.embedding(idx, wte) + wpe[:T], (idx, wte, wpe)),
-        ("encoder_backward", f"{B}x{T}x{C}", lambda: ops.encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
-         "sort + cumsum + index_add_", lambda: torch_encoder_backward(dy.view(B, T, C), idx, dwte, dwpe),
-         (dy.view(B, T, C), idx, dwte, dwpe)),
-        ("layernorm_forward", f"{N}x{C}", lambda: ops.layernorm_forward(x, w, b),
-         "torch.native_layer_norm", lambda: torch.native_layer_norm(x, (C,), w, b, LN_EPS), (x, w, b)),
-        ("residual_layernorm_forward", f"{N}x{C}", lambda: ops.residual_layernorm_forward(x, h, w, b),
-         "add + native_layer_norm", lambda: torch.native_layer_norm(x + h, (C,), w, b, LN_EPS), (x, h, w, b)),
-        ("layernorm_backward", f"{N}x{C}",
-         lambda: ops.layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=h),
-         "native_layer_norm_backward", lambda: torch.ops.aten.native_layer_norm_backward(
-             dy, x, [C], mean[:, None], rstd[:, None], w, b, [True, True, True])[0] + h,
-         (dy, x, w, mean, rstd, dw, db, h)),
+        op("encoder_forward", f"{B}x{T}x{C}", (idx, wte, wpe), "F.embedding + add",
+           lambda: F.embedding(idx, wte) + wpe[:T]),
+        op("encoder_backward", f"{B}x{T}x{C}", (dy.view(B, T, C), idx, dwte, dwpe), "sort + cumsum + index_add_"),
+        op("layernorm_forward", f"{N}x{C}", (x, w, b), "torch.native_layer_norm",
+           lambda: torch.native_layer_norm(x, (C,), w, b, LN_EPS)),
+        op("residual_layernorm_forward", f"{N}x{C}", (x, h, w, b), "add + native_layer_norm",
+           lambda: torch.native_layer_norm(x + h, (C,), w, b, LN_EPS)),
+        op("layernorm_backward", f"{N}x{C}", (dy, x, w, mean, rstd, dw, db, h), "native_layer_norm_backward",
+           lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [C], mean[:, None], rstd[:, None], w, b,
+                                                             [True, True, True])[0] + h),
     ]
     for label, K, M, bias in (("c_attn", C, 3 * C, True), ("attn.c_proj", C, C, True),
                               ("mlp.c_proj", 4 * C, C, True), ("lm head", C, Vp, False)):
         rows = R if label == "lm head" else N
         xm, wm, bm, dym = rand(rows, K), rand(M, K), rand(M) if bias else None, rand(rows, M)
         dwm, dbm = rand(M, K, dtype=torch.float32), rand(M, dtype=torch.float32) if bias else None
-        cases += [
-            ("matmul_forward", f"{label} {rows}x{K}x{M}",
-             lambda xm=xm, wm=wm, bm=bm: ops.matmul_forward(xm, wm, bm),
-             "F.linear", lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm), (xm, wm, bm)),
-            ("matmul_backward", f"{label} {rows}x{K}x{M}",
-             lambda dym=dym, xm=xm, wm=wm, dwm=dwm, dbm=dbm: ops.matmul_backward(dym, xm, wm, dwm, dbm),
-             "2 x torch.mm (+ sum)", lambda dym=dym, xm=xm, wm=wm, bias=bias: (
-                 dym @ wm, dym.t() @ xm, dym.sum(0) if bias else None), (dym, xm, wm, dwm, dbm)),
-        ]
+        cases += [op("matmul_forward", f"{label} {rows}x{K}x{M}", (xm, wm, bm), "F.linear",
+                     lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm)),
+                  op("matmul_backward", f"{label} {rows}x{K}x{M}", (dym, xm, wm, dwm, dbm), "2 x torch.mm (+ sum)",
+                     lambda dym=dym, xm=xm, wm=wm, bias=bias: (dym @ wm, dym.t() @ xm, dym.sum(0) if bias else None))]
     xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
     pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
     qkv, dout = rand(B, T, 3 * C), rand(B, T, C)  # (B, T, 3C), (B, T, C)
@@ -920,39 +808,32 @@ def bench_cases(cfg, ops, device):
             F.cross_entropy(z[:, :V].float(), targets).backward()
 
     cases += [
-        ("matmul_gelu_forward", f"c_fc {N}x{C}x{4 * C}", lambda: ops.matmul_gelu_forward(xf, wf, bf),
-         "F.linear + F.gelu", lambda: F.gelu(F.linear(xf, wf, bf), approximate="tanh"), (xf, wf, bf)),
-        ("gelu_forward", f"{N}x{4 * C}", lambda: ops.gelu_forward(pre),
-         "F.gelu(tanh)", lambda: F.gelu(pre, approximate="tanh"), (pre,)),
-        ("gelu_backward", f"{N}x{4 * C}", lambda: ops.gelu_backward(dpre, pre),
-         "aten.gelu_backward", lambda: torch.ops.aten.gelu_backward(dpre, pre, approximate="tanh"),
-         (dpre, pre)),
-        ("attention_forward", f"{B}x{H}x{T}x{C // H}", lambda: ops.attention_forward(qkv, H),
-         "SDPA causal", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (qkv, H)),
+        op("matmul_gelu_forward", f"c_fc {N}x{C}x{4 * C}", (xf, wf, bf), "F.linear + F.gelu",
+           lambda: F.gelu(F.linear(xf, wf, bf), approximate="tanh")),
+        op("gelu_forward", f"{N}x{4 * C}", (pre,), "F.gelu(tanh)", lambda: F.gelu(pre, approximate="tanh")),
+        op("gelu_backward", f"{N}x{4 * C}", (dpre, pre), "aten.gelu_backward",
+           lambda: torch.ops.aten.gelu_backward(dpre, pre, approximate="tanh")),
+        op("attention_forward", f"{B}x{H}x{T}x{C // H}", (qkv, H), "SDPA causal",
+           lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         ("attention_forward+backward", f"{B}x{H}x{T}x{C // H}",
          lambda: ops.attention_backward(dout, qkv, *ops.attention_forward(qkv, H), H),
          "SDPA causal fwd+bwd", sdpa_forward_backward, None),
-        ("crossentropy_forward_backward", f"{R}x{Vp}",
-         lambda: ops.crossentropy_forward_backward(logits, targets, V, 1.0 / R),
-         "F.cross_entropy fwd+bwd", torch_cross_entropy, (logits, targets, V, 1.0 / R)),
-        ("global_norm", f"{len(params)} tensors", lambda: ops.global_norm(grads),
-         "torch._foreach_norm", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
-         (grads,)),
-        ("adamw_update", f"{len(params)} tensors", lambda: ops.adamw_update(*adamw_args),
-         f"torch AdamW ({'fused' if device.type == 'cuda' else 'for-loop'})", adamw.step, adamw_args),
+        op("crossentropy_forward_backward", f"{R}x{Vp}", (logits, targets, V, 1.0 / R), "F.cross_entropy fwd+bwd",
+           torch_cross_entropy),
+        op("global_norm", f"{len(params)} tensors", (grads,), "torch._foreach_norm",
+           lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))),
+        op("adamw_update", f"{len(params)} tensors", adamw_args,
+           f"torch AdamW ({'fused' if device.type == 'cuda' else 'for-loop'})", adamw.step),
     ]
     flat = rand(sum(p.numel() for p in params), dtype=torch.float32)  # (P,) all gradients
     norm = torch.full((), 1.001, device=device)  # () clips by 0.999: the values barely move over the reps
     losses, loss = rand(R, dtype=torch.float32), torch.zeros((), device=device)  # (R,), ()
     rows, chunk = rand(N, C), rand(R, C)  # (N, C), (R, C) an lm-head chunk's dh into its rows
     cases += [
-        ("zero_fill", f"{flat.numel()} grads", lambda: ops.zero_fill(flat), "Tensor.zero_", flat.zero_, (flat,)),
-        ("clip_by_norm", f"{flat.numel()} grads", lambda: ops.clip_by_norm(flat, norm, 1.0),
-         "mul_ by the clamped coefficient", lambda: torch_clip_by_norm(flat, norm, 1.0), (flat, norm, 1.0)),
-        ("sum_into", f"{R} losses", lambda: ops.sum_into(loss, losses, 1.0 / R), "Tensor.sum + add_",
-         lambda: torch_sum_into(loss, losses, 1.0 / R), (loss, losses, 1.0 / R)),
-        ("copy_into", f"{R}x{C} rows", lambda: ops.copy_into(rows[:R], chunk), "Tensor.copy_",
-         lambda: rows[:R].copy_(chunk), (rows[:R], chunk)),
+        op("zero_fill", f"{flat.numel()} grads", (flat,), "Tensor.zero_", flat.zero_),
+        op("clip_by_norm", f"{flat.numel()} grads", (flat, norm, 1.0), "mul_ by the clamped coefficient"),
+        op("sum_into", f"{R} losses", (loss, losses, 1.0 / R), "Tensor.sum + add_"),
+        op("copy_into", f"{R}x{C} rows", (rows[:R], chunk), "Tensor.copy_", lambda: rows[:R].copy_(chunk)),
     ]
     return cases
 
@@ -969,9 +850,8 @@ def copy_bandwidth_gbs(device):
 
 @torch.no_grad()
 def bench_ops(cfg, ops, device):
-    """--bench-ops: each op of the backend at the model's shapes against the PyTorch op it replaces:
-    milliseconds and achieved TFLOP/s or GB/s of both (GB/s also as a share of the device's measured copy
-    bandwidth, the ceiling of a memory-bound op), and the speed-up over the PyTorch op."""
+    """--bench-ops: each op against the PyTorch op it replaces, at the model's shapes: ms, TFLOP/s or GB/s (also
+    as a share of the copy bandwidth, a memory-bound op's ceiling) and the speed-up."""
     copy_gbs = copy_bandwidth_gbs(device)
     print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
@@ -996,9 +876,8 @@ def bench_ops(cfg, ops, device):
 # -----------------------------------------------------------------------------
 # The tools of each recipe
 #
-# What the tools ask of a recipe, beside its row of the trainer's RECIPES: gpt2's row here, the speedrun
-# recipe's with its kernels (the module named here, loaded on first use), so that deleting the speedrun
-# recipe's parts leaves gpt2's tools working.
+# What the tools ask of a recipe beside its RECIPES row: gpt2's row here; a recipe's own kernels file adds its
+# row (TOOLS["speedrun"] = ...), so that deleting the speedrun recipe's parts leaves gpt2's tools working.
 
 @dataclass(frozen=True)
 class RecipeTools:
@@ -1010,19 +889,17 @@ class RecipeTools:
     op_work: Callable     # (name, args, kwargs, out) -> (flops, bytes) of one of its own ops, else None
 
 
-TOOLS = {
-    "gpt2": RecipeTools(
-        test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
-                           seq_len=9, batch_size=2),
-        test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases,
-        op_work=lambda name, args, kwargs, out: None),
-    "speedrun": "triton_kernels_speedrun",  # its TOOLS
-}
+TOOLS = {"gpt2": RecipeTools(
+    test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
+                       seq_len=9, batch_size=2),
+    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases,
+    op_work=lambda name, args, kwargs, out: None)}
 
 
 def recipe_tools(recipe):
-    """TOOLS' row of `recipe`, loading it from its module on first use."""
-    row = TOOLS[recipe]
-    if isinstance(row, str):
-        row = TOOLS[recipe] = importlib.import_module(row).TOOLS
-    return row
+    """TOOLS' row of `recipe`; a recipe's own row comes with its kernels file, which its triton ops load."""
+    if recipe not in TOOLS:
+        RECIPES[recipe].ops("triton")
+    if recipe not in TOOLS:
+        die(f"--recipe {recipe} has no row in triton_tools.TOOLS: no --test, --profile or --bench-ops for it")
+    return TOOLS[recipe]
