@@ -109,17 +109,12 @@ def param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: model
 
-
-# The model is a pure function of a dict of weights. With --dtype bf16 those are bf16 copies of the fp32
-# masters (made once per step by the optimizer, as train_gpt2_jax.py and llm.c do), except the embedding
-# tables, which stay fp32 so that their scatter-add gradients are summed in fp32; the residual stream is
-# bf16, and autocast runs LayerNorm in fp32 and casts what enters a matmul or the attention to bf16. The
-# loss and its softmax are fp32. Autodiff is torch.func's; torch.compile fuses the rest.
+# A pure function of a dict of weights. With --dtype bf16 those are bf16 copies of the fp32 masters (made
+# by the optimizer) but for the embedding tables, gathered from in fp32; autocast runs LayerNorm in fp32.
 
 
 def attention(q, k, v, cfg):
-    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C); heads are D-wide slices of C. SDPA picks
-    cuDNN's or flash attention on a GPU in bf16."""
+    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C); heads are D-wide slices of C."""
     B, T, C = q.shape
     H, D = cfg.n_head, C // cfg.n_head
     q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))           # (B,H,T,D) each
@@ -127,17 +122,10 @@ def attention(q, k, v, cfg):
     return y.transpose(1, 2).reshape(B, T, C)                                      # (B,T,C)
 
 
-# --recompute. torch.utils.checkpoint (plain or selective) keeps its tensors through saved-tensor hooks,
-# which torch.func refuses ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks",
-# eager and compiled alike), and compiled, the gradient is one graph with no forward/backward split for
-# Inductor's activation_memory_budget to cut (it changes nothing). So the two autograd.Functions below
-# keep their inputs alone and rerun a piece of the forward in the backward: Recomputed a whole function
-# (torch.func.vjp of it: a block at --recompute block), LinearsAfter the pointwise function before matmuls
-# (a norm, the MLP's activation), keeping the matmuls' input and weights and differentiating the matmuls
-# by hand. Compiled, a recomputation that reads only forward tensors is fused into the forward's kernels
-# (Inductor merges it with the original; measured on the CPU at L4 C256 T512 B8 Vp 512, block's peak
-# stays none's 299 MB): after() makes it wait for the incoming gradient (124 MB), as jax.checkpoint's
-# optimization barrier does.
+# --recompute: torch.func refuses torch.utils.checkpoint's saved-tensor hooks, so two autograd.Functions
+# keep their inputs alone and rerun a piece of the forward in the backward: Recomputed a whole function,
+# LinearsAfter the pointwise function before matmuls. Compiled, Inductor would fuse a rerun into the
+# forward's kernels; after() makes it wait for the incoming gradient, as jax.checkpoint's barrier does.
 
 @torch.library.custom_op("llmc::after", mutates_args=())
 def after(xs: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor]:
@@ -149,8 +137,7 @@ after.register_fake(lambda xs, g: [torch.empty_like(x) for x in xs])
 
 
 class Recomputed(torch.autograd.Function):
-    """f(*args) -> one tensor, keeping only args (the first n are activations, the rest weights): the
-    backward reruns f under cfg's autocast and differentiates that run (torch.func.vjp)."""
+    """f(*args) -> one tensor, keeping only args (n activations, then weights); the backward reruns f."""
 
     @staticmethod
     def forward(f, cfg, n, *args):
@@ -170,9 +157,8 @@ class Recomputed(torch.autograd.Function):
 
 
 class LinearsAfter(torch.autograd.Function):
-    """[F.linear(pre(x, *pre_args), w, b) for each (w, b)] of n pre_args then the pairs, keeping x and the
-    weights, not pre's output: the backward recomputes pre(x) under cfg's autocast and differentiates the
-    matmuls as autograd does (so fp32 gives its bits), then pre (torch.func.vjp)."""
+    """[F.linear(pre(x, *pre_args), w, b) for each (w, b)], keeping x and the weights, not pre's output;
+    the backward reruns pre and differentiates the matmuls as autograd does (so fp32 gives its bits)."""
 
     @staticmethod
     def forward(pre, cfg, n, x, *args):
@@ -200,15 +186,12 @@ class LinearsAfter(torch.autograd.Function):
 
 
 def differentiated(tensors):
-    """Whether autograd records what is computed from tensors: grad mode on, and one of them requires grad.
-    Else no backward comes to rerun anything for (and Dynamo, tracing an autograd.Function whose inputs
-    need no gradient, would call its forward with a ctx first)."""
+    """Whether autograd records what is computed from tensors (else there is no backward to rerun for)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def linears(pre, x, pre_args, pairs, cfg):
-    """[F.linear(pre(x, *pre_args), w, b) for (w, b) in pairs]; at --recompute pointwise the backward
-    recomputes pre's output instead of keeping it (LinearsAfter)."""
+    """[F.linear(pre(x, *pre_args), w, b) for (w, b) in pairs]; at --recompute pointwise by LinearsAfter."""
     tensors = [x, *pre_args, *[t for pair in pairs for t in pair]]
     if cfg.recompute == "pointwise" and differentiated(tensors):
         return LinearsAfter.apply(pre, cfg, len(pre_args), *tensors)
@@ -217,8 +200,7 @@ def linears(pre, x, pre_args, pairs, cfg):
 
 
 def recomputed(f, cfg, level, acts, weights=()):
-    """f(*acts, *weights); at --recompute `level` it keeps only its arguments, and the backward reruns f
-    (Recomputed)."""
+    """f(*acts, *weights); at --recompute `level` by Recomputed."""
     if cfg.recompute == level and differentiated([*acts, *weights]):
         return Recomputed.apply(f, cfg, len(acts), *acts, *weights)
     return f(*acts, *weights)
@@ -235,9 +217,8 @@ def gelu_tanh(x):
 def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's slice of the stacked weights."""
     C = cfg.n_embd
-    # q, k, v from c_attn's three row blocks: three contiguous outputs whose gradients feed the
-    # matmuls as they are, where slicing one (B,T,3C) product would cost a copy of the attention's
-    # three gradients into one (B,T,3C) tensor in every layer's backward
+    # q, k, v from c_attn's three row blocks: their gradients feed the matmuls as they are, where slicing
+    # one (B,T,3C) product would copy the three into one (B,T,3C) tensor in every layer's backward
     q, k, v = linears(layer_norm, x, (lp["ln_1.w"], lp["ln_1.b"]),
                       [(lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
                        for i in range(3)], cfg)                                    # (B,T,C) each
@@ -257,13 +238,11 @@ def compute_dtype(cfg):
 
 
 def transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f (call under autocast(cfg): fp32 out of
-    its LayerNorm). The residual stream is in the compute dtype."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in fp32 (call under autocast(cfg))."""
     T = idx.shape[1]
     # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32
     x = (params["wte"][idx] + params["wpe"][:T]).to(compute_dtype(cfg))            # (B,T,C)
-    # per-layer views by unbind: the gradient of each stacked tensor is then one stack of its L layer
-    # gradients, where indexing it L times would sum L zero-padded copies of the whole (L, ...) tensor
+    # unbind: each stacked tensor's gradient is one stack, not a sum of L zero-padded (L, ...) copies
     layers = {k: params[k].unbind(0) for k in LAYER_NAMES}                        # L x (...) each
     for layer in range(cfg.n_layer):
         x = recomputed(lambda x, *ws: block(x, dict(zip(LAYER_NAMES, ws)), cfg), cfg, "block", [x],
@@ -285,10 +264,8 @@ def next_logits(params, tokens, t, cfg):
 
 
 class CrossEntropy(torch.autograd.Function):
-    """Per-token loss (...,) in fp32 of logits (..., Vp) over the first V columns only, and the
-    logsumexp it used. The backward is llm.c's fused classifier: dlogits = g * (softmax - onehot),
-    formed in one pass over the logits and written once in their dtype; autodiff of the forward would
-    instead scatter the target's gradient into a zero-filled (..., V) fp32 buffer."""
+    """(per-token loss (...,) in fp32, its logsumexp) of logits (..., Vp) over the first V columns; the
+    backward is llm.c's fused classifier, dlogits = g (softmax - onehot) in one pass, in the logits' dtype."""
 
     @staticmethod
     def forward(logits, targets):
@@ -315,8 +292,7 @@ class CrossEntropy(torch.autograd.Function):
 
 
 def token_losses(params, x, y, cfg, train=False):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
-    columns (train: the training step's, the same here)."""
+    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T) (train: the same)."""
     return CrossEntropy.apply(forward(params, x, cfg), y)[0]                      # (B,T)
 
 
@@ -328,8 +304,7 @@ ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 
 
 def adam_scalars(step, cfg, device):
-    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled update as a device tensor, so a new lr never recompiles it."""
+    """[lr, 1 - beta1^t, 1 - beta2^t] of 1-based step t as a device tensor: a new lr never recompiles."""
     return torch.tensor([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
                         dtype=torch.float32, device=device)
 
@@ -353,36 +328,22 @@ NORM_PIECE = 1 << 18  # elements per piece of global_norm: 2 MiB fp64 temporarie
 
 
 def global_norm(grads):
-    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, accumulated in
-    fp64: torch's fp32 norm kernels on the CPU are off by 1e-5 to 1e-4 relative at wte's 3M elements.
-    Called outside torch.compile: one multi-tensor kernel, the same in compiled and eager runs. grads:
-    {name: tensor}, all of them or (ZeRO-1) the pieces in this process's shard."""
-    # a piece at a time: fp64 norms cast their input, and on the CPU a cast of a whole gradient is a new
-    # tensor whose pages fault in, which takes longer than the sums
+    """The L2 norm (clip_grad_norm_'s) of {name: gradient}, all of them or a ZeRO-1 shard's, in fp64."""
+    # fp64: torch's fp32 CPU norms are 1e-5 off at wte's size; by pieces: a whole cast's pages fault in slowly
     pieces = [p for g in grads.values() for p in g.reshape(-1).split(NORM_PIECE)]
     norms = torch._foreach_norm(pieces, dtype=torch.float64)                       # n x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
 
-def clip_coefficient(norm, cfg):
-    """min(1, grad_clip / (norm + 1e-6)) as a device tensor (1 when clipping is off): no host sync."""
-    if cfg.grad_clip > 0:
-        return torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)                 # ()
-    return torch.ones_like(norm)                                                   # ()
-
-
 def clip_in_place(grads, coef, cfg):
-    """The gradients (a list) times coef, in place, where --grad-clip clips (a static test: the same graph
-    every step)."""
+    """The gradients (a list) times coef, in place, where --grad-clip clips (the same graph every step)."""
     if cfg.grad_clip > 0:
         torch._foreach_mul_(grads, coef)
 
 
 def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
-    """Adam's moments and step on lists of tensors, in place, as torch.optim.AdamW computes them: m =
-    lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p *= 1 - lr decay, p -= lr mhat / (sqrt(vhat) + eps) with
-    mhat = m / bias1, vhat = v / bias2. Every op but the one that starts the denominator runs in place: on
-    the CPU a new tensor costs a page fault per 4 KiB, which takes longer than the pass over it."""
+    """torch.optim.AdamW's step on lists of tensors, in place (bias1, bias2: 1 - beta^t)."""
+    # all in place but the denominator's first op: on the CPU a new tensor costs a page fault per 4 KiB
     torch._foreach_lerp_(m, g, 1.0 - betas[0])                                     # m = b1 m + (1-b1) g
     torch._foreach_mul_(v, betas[1])
     torch._foreach_addcmul_(v, g, g, value=1.0 - betas[1])                         # v = b2 v + (1-b2) g^2
@@ -397,18 +358,15 @@ def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
 
 
 def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
-    """llm.c's AdamW on every tensor, in place, with multi-tensor ops, on the gradients times coef (the
-    clipping, which scales the gradients in place); weight decay only on DECAY_NAMES. Refreshes the
-    compute-dtype copies from the new masters (compiled, in the same pass over the weights). The dicts
-    hold whole tensors, or (ZeRO-1) the 1-D pieces of them in this process's shard."""
+    """llm.c's AdamW, in place, on the gradients times coef (decay on DECAY_NAMES alone), then the copies
+    refreshed; the dicts hold whole tensors or (ZeRO-1) this process's 1-D pieces."""
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
     clip_in_place(list(grads.values()), coef, cfg)
-    betas = (ADAM_BETA1, ADAM_BETA2)
     for decays in (True, False):
         names = [k for k in grads if (k in DECAY_NAMES) == decays]
         if names:
-            adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), lr, bias1, bias2, betas,
-                      ADAM_EPS, cfg.weight_decay if decays else 0.0)
+            adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), lr, bias1, bias2,
+                      (ADAM_BETA1, ADAM_BETA2), ADAM_EPS, cfg.weight_decay if decays else 0.0)
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
@@ -428,15 +386,11 @@ def scaled_loss(weights, x, y, scale, cfg):
 
 
 def grads_and_loss(weights, x, y, scale, cfg):
-    """({name: gradient}, loss) of scale x the loss of one micro-batch (loss_fn's), by reverse mode through
-    torch.func: the weights stay plain tensors (no requires_grad, no .grad, no autograd graph kept
-    between calls), and each gradient comes back in its weight's dtype."""
+    """({name: gradient in its weight's dtype}, loss) of scale x loss_fn on one micro-batch, by torch.func."""
     if torch.compiler.is_compiling():  # one graph, whose tensors Inductor frees after their last use
         return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
-    # eager, vjp: grad's backward records a graph of itself (for nested transforms), which holds every
-    # tensor the forward saved and every backward temporary until it returns (measured, L4 C256 T512 B8
-    # Vp 512: a 527 MB peak against 313 MB); this backward frees each as it goes, with the same bits.
-    # (Compiled, Dynamo fails on a vjp inside this one's backward, as --recompute's are.)
+    # eager, vjp: grad's backward records a graph of itself that holds every saved tensor until it returns
+    # (a 527 MB peak against 313 MB at L4 C256 T512 B8); compiled, Dynamo fails on --recompute's inner vjp
     loss, loss_vjp = torch.func.vjp(lambda w: scaled_loss(w, x, y, scale, cfg), weights)
     return loss_vjp(torch.ones_like(loss), retain_graph=False, create_graph=False)[0], loss
 
@@ -445,46 +399,39 @@ GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 
 
 def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
-    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the micro-batch
-    losses (each micro-batch's gradient scaled by 1/(A*world) and summed in fp32, then summed over the
-    processes by collectives over the flat gradient buffer), or of the sum of every token's loss
-    (Recipe.summed), clipped, then the update; grad_fn / update_fn are grads_and_loss / the recipe's update,
-    compiled or not; `state` is make_state's, updated in place. Returns (mean token loss, grad norm before
-    clipping) as 0-d device tensors: nothing here waits for the device."""
+    """One optimizer step on A micro-batches x, y (A,B,T), updating make_state's `state` in place; returns
+    (mean token loss, grad norm before clipping) as 0-d device tensors, without waiting for the device."""
     weights, grads = state["weights"], state["grads"]
     names = list(grads)
     A = x.shape[0]
     summed = RECIPES[cfg.recipe].summed
     scale = 1.0 if summed else 1.0 / (A * world)
-    with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
-        micro_grads, loss = grad_fn(weights, x[0], y[0], scale, cfg)
-    # fp32 sums in the flat buffer: a copy of each compute-dtype gradient
-    torch._foreach_copy_([grads[k] for k in names], [micro_grads[k] for k in names])
-    for i in range(1, A):
-        with torch.profiler.record_function(GRADIENT):
+    for i in range(A):
+        with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
-        torch._foreach_add_([grads[k] for k in names], [micro_grads[k] for k in names])
-        loss = loss + micro_loss                                                   # ()
-    # ZeRO-1 over more than one process, group by group (compute_groups): this process's shard of the
-    # summed gradients, the norm from every shard's sum of squares, AdamW on its shard of the masters (and
-    # of the compute copies), then every process's updated shard of the weights to every process. Stage 0
-    # sums everything with one all-reduce, and a process's shard is the whole model.
+        # fp32 sums in the flat buffer: the first micro-batch's copied in, the rest added
+        accumulate = torch._foreach_add_ if i else torch._foreach_copy_
+        accumulate([grads[k] for k in names], [micro_grads[k] for k in names])
+        loss = loss + micro_loss if i else micro_loss                              # ()
+    # ZeRO-1: this process's shard of the summed gradients, the norm from every shard's, AdamW on its shard,
+    # then the updated shards to every process; stage 0: one all-reduce, and the shard is the whole model
     sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
-    if world > 1 and not sharded:
-        dist.all_reduce(state["grad_buffer"])  # one collective for all 16 gradients
     if sharded:
         for group in state["groups"]:
             first, end = group["span"]
             dist.reduce_scatter_single(group["grads"], state["grad_buffer"][first:end])
+    elif world > 1:
+        dist.all_reduce(state["grad_buffer"])
     norm = global_norm(state["shard_grads"])                                       # ()
     if sharded:
         squares = norm.double().square()                                           # ()
         dist.all_reduce(squares)
         norm = squares.sqrt().float()                                              # ()
-    update_fn(state["shard_params"], state["shard_grads"], state["m"], state["v"], scalars,
-              clip_coefficient(norm, cfg), state["shard_copies"], cfg)
+    coef = torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)  # (); applied only where --grad-clip clips
+    update_fn(state["shard_params"], state["shard_grads"], state["m"], state["v"], scalars, coef,
+              state["shard_copies"], cfg)
     if sharded:
         for group in state["groups"]:
             dist.all_gather_single(group["weights"], group["own_weights"])
@@ -554,13 +501,10 @@ from trainkit.torch_shared import fp8_matmul, fp8_quantize
 
 # -- config
 
-
-
 # -- model
 
-# The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names, RMSNorm
-# with the compute dtype's machine epsilon (F.rms_norm's default there, where the residual stream is bf16),
-# rotary positions computed in fp32.
+# As the reference's GPT computes it: weights by their state_dict names, RMSNorm with the compute dtype's
+# machine epsilon (F.rms_norm's default there), rotary positions in fp32.
 
 
 def rotary(x):
@@ -577,8 +521,7 @@ def rotary(x):
 
 
 def speedrun_attention(q, k, v, cfg):
-    """Causal attention (B,T,C) of the q, k, v linears' outputs (B,T,H,D), after q's and k's RMSNorm and
-    rotary."""
+    """Causal attention (B,T,C) of q, k, v (B,T,H,D), after q's and k's RMSNorm and rotary."""
     B, T, H, D = q.shape
     eps = torch.finfo(compute_dtype(cfg)).eps
     q, k = (rotary(F.rms_norm(t, (D,), eps=eps)) for t in (q, k))                 # (B,T,H,D) each
@@ -592,10 +535,7 @@ def relu_square(x):
 
 
 def speedrun_block(x, w, cfg):
-    """One pre-norm block of the speedrun model, with one layer's weights w (the names after blocks.<layer>.).
-    At --recompute pointwise the backward recomputes the norms, the MLP's ReLU^2 and the q/k norms and
-    rotary; the last sit between the kept q, k and the attention, whose backward torch offers only through
-    autograd, from a forward it saved: so the attention reruns in the backward too (Recomputed)."""
+    """One pre-norm block of the speedrun model, with one layer's weights w (the names after blocks.<layer>.)."""
     B, T, C = x.shape
     H, D = C // HEAD_DIM, HEAD_DIM
 
@@ -604,6 +544,8 @@ def speedrun_block(x, w, cfg):
     q, k, v = (t.view(B, T, H, D) for t in linears(
         rms_norm, x, (w["norm1.gains"],), [(w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]) for n in "qkv"],
         cfg))                                                                      # (B,T,H,D) each
+    # at --recompute pointwise the attention reruns too: its backward needs the forward it saved from the
+    # q/k norms and rotary, which are rerun
     y = recomputed(functools.partial(speedrun_attention, cfg=cfg), cfg, "pointwise", [q, k, v])  # (B,T,C)
     x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
     h, = linears(rms_norm, x, (w["norm2.gains"],), [(w["mlp.fc.weight"], w["mlp.fc.bias"])], cfg)  # (B,T,4C)
@@ -612,12 +554,10 @@ def speedrun_block(x, w, cfg):
 
 
 def speedrun_transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm (call under autocast(cfg)); no
-    position embedding: the blocks' rotary gives the positions."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm (call under autocast(cfg))."""
     C, dt = cfg.n_embd, compute_dtype(cfg)
     eps = torch.finfo(dt).eps
-    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32; by F.embedding,
-    # whose backward adds into one zeroed table (indexing's copies that table once more)
+    # rows of the fp32 table by F.embedding, whose backward adds into one zeroed table (indexing copies it)
     x = F.rms_norm(F.embedding(idx, params["embed.weight"]).to(dt), (C,), params["norm1.gains"],
                    eps).to(dt)                                                     # (B,T,C)
     parts = [k[len("blocks.0."):] for k in params if k.startswith("blocks.0.")]  # a layer's weights' names
@@ -628,9 +568,8 @@ def speedrun_transformer(params, idx, cfg):
 
 
 class FP8HeadMatmul(torch.autograd.Function):
-    """(z, h_f8, W_f8): z (N,V) = h (N,C) W^T (W (V,C)) on --fp8-head's FP8 operands, in h's dtype
-    (docs/FORMATS.md, FP8 head). The backward quantizes dz to e5m2: dh = dz_f8 W_f8 in h's dtype, dW =
-    dz_f8^T h_f8 in fp32 (which autograd hands back in W's dtype, as every gradient here)."""
+    """(z, h_f8, W_f8): z (N,V) = h (N,C) W^T on --fp8-head's FP8 operands, in h's dtype (docs/FORMATS.md);
+    the backward quantizes dz to e5m2: dh = dz_f8 W_f8 in h's dtype, dW = dz_f8^T h_f8 in fp32."""
 
     @staticmethod
     def forward(h, w):
@@ -654,30 +593,26 @@ class FP8HeadMatmul(torch.autograd.Function):
 
 
 def softcap(z):
-    """15 z / sqrt(z^2 + 15^2) in fp32 of the head's output z (..., V), in two new tensors, not five."""
+    """(15 z / sqrt(z^2 + 15^2), 1 / sqrt(z^2 + 15^2)) in fp32 of the head's output z (..., V)."""
     z = z.float()                                                                  # (..., V)
     r = z.square().add_(SOFTCAP**2).rsqrt_()                                       # (..., V)
     return torch.mul(z, SOFTCAP).mul_(r), r                                        # (..., V) each
 
 
 def speedrun_logits(h, weight, bias):
-    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W)."""
+    """The head's logits z = h W^T + b in fp32, soft-capped (softcap): (..., rows of W)."""
     return softcap(F.linear(h, weight, bias))[0]                                   # (..., V)
 
 
 class SoftcapCrossEntropy(torch.autograd.Function):
-    """Per-token loss (...,) in fp32 of the head's output z (..., Vp), soft-capped (softcap), over all Vp
-    columns, and the logsumexp it used. The backward is dz = g (softmax(c) - onehot) dc/dz with dc/dz =
-    15^3 / (z^2 + 15^2)^(3/2), formed in place in the two tensors of a softcap rerun; autodiff of the
-    forward would make a new (..., Vp) fp32 tensor in each of its dozen ops (on the CPU a page fault per 4
-    KiB of each). Keeps z alone."""
+    """(per-token loss (...,) in fp32, its logsumexp) of the head's output z (..., Vp), soft-capped, over
+    all Vp columns; the backward forms dz in place in a softcap rerun's two tensors, keeping z alone."""
 
     @staticmethod
     def forward(z, targets):
         c = softcap(z)[0]                                                          # (..., Vp)
-        # logsumexp, not F.cross_entropy: after the first step the ~50,000 unseen tokens' head rows are one
-        # vector, so a row's logits are mostly equal, and the CPU log_softmax adds them in long running sums
-        # whose rounding then piles up one way (up to 4e-5 off); torch.logsumexp's blocked sum does not
+        # not F.cross_entropy: the CPU log_softmax's long running sums over mostly equal logits (the unseen
+        # tokens' rows) round one way, up to 4e-5 off; torch.logsumexp's blocked sum does not
         lse = torch.logsumexp(c, -1)                                               # (...,)
         return lse - c.gather(-1, targets[..., None])[..., 0], lse
 
@@ -692,7 +627,7 @@ class SoftcapCrossEntropy(torch.autograd.Function):
         dz, r = softcap(z)                                                         # (..., Vp) each
         dz.sub_(lse[..., None]).exp_()                                             # softmax (..., Vp)
         dz.scatter_add_(-1, targets[..., None], torch.full_like(lse[..., None], -1.0))  # minus the one-hot
-        dz.mul_(g[..., None]).mul_(r.pow_(3).mul_(SOFTCAP**3))                     # (..., Vp)
+        dz.mul_(g[..., None]).mul_(r.pow_(3).mul_(SOFTCAP**3))                     # times dc/dz (..., Vp)
         return dz.to(z.dtype), None
 
 
@@ -704,8 +639,7 @@ def speedrun_next_logits(params, tokens, t, cfg):
 
 
 def speedrun_token_losses(params, x, y, cfg, train=False):
-    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns (train: the training
-    step's, whose head matmul is FP8HeadMatmul's with --fp8-head)."""
+    """Per-token cross-entropy (B,T) in fp32 over all Vp columns (train: with --fp8-head's matmul)."""
     with autocast(cfg, x.device):
         h = speedrun_transformer(params, x, cfg)                                   # (B,T,C)
         if train and cfg.fp8_head:
@@ -732,13 +666,11 @@ def speedrun_adamw(names, params, grads, m, v, lr, bias1, bias2, weight_decay):
 
 
 def speedrun_muon(names, params, grads, m, lr, dtype):
-    """Muon on the matrices `names`, all of one shape (r,c), in place: the momentum buffer m = lerp(m, g,
-    0.05), Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz in `dtype` (batched over the
-    matrices) and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update."""
+    """Muon on the matrices `names`, all of one shape (r,c), in place, newton_schulz batched over them."""
     g = [grads[k] for k in names]
     momentum = [m[k] for k in names]
     torch._foreach_lerp_(momentum, g, 1.0 - MUON_MOMENTUM)
-    u = torch.stack(torch._foreach_lerp(g, momentum, MUON_MOMENTUM))              # (n,r,c)
+    u = torch.stack(torch._foreach_lerp(g, momentum, MUON_MOMENTUM))              # (n,r,c) Nesterov
     r, c = u.shape[1:]
     update = newton_schulz(u, dtype).float() * max(1.0, r / c) ** 0.5             # (n,r,c)
     p = [params[k] for k in names]
@@ -747,11 +679,8 @@ def speedrun_muon(names, params, grads, m, lr, dtype):
 
 
 def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
-    """The speedrun recipe's step, in place, on the gradients times coef (the clipping): AdamW on the tensors
-    v holds (the embedding, the head weight, every vector), each group at its lr, and Muon on the rest, the
-    blocks' matrices, whose momentum buffers m holds; then the compute-dtype copies are refreshed. The dicts
-    hold whole tensors, or (ZeRO-1) 1-D pieces of the AdamW tensors and this process's Muon matrices whole;
-    a shard may hold none of a group."""
+    """The speedrun step, in place, on the gradients times coef: AdamW by group on the tensors v holds, Muon
+    on the rest (the blocks' matrices, whole), then the copies refreshed; a ZeRO-1 shard may lack a group."""
     lr = dict(zip(SPEEDRUN_LRS, scalars[:4]))
     clip_in_place(list(grads.values()), coef, cfg)
     adam = [k for k in grads if k in v]
@@ -827,10 +756,8 @@ RECIPES["speedrun"] = Recipe(
 # Torchfunc plumbing: state, evaluation and profiles
 
 def compute_groups(cfg):
-    """[(names, dtype)]: the tensors the model computes with in one dtype, each group a stretch of its own
-    in the flat buffers (so that at stage 1 one all-gather per group refreshes its weights): with --dtype
-    bf16 the fp32 embedding tables, then the bf16 copies of the rest; in fp32 all of them. The speedrun
-    recipe's Muon matrices, which a process updates whole, are a last group of their own."""
+    """[(names, dtype)] of the tensors the model computes with, by dtype, each a stretch of the flat buffers:
+    the fp32 embedding tables and the bf16 rest (or all fp32), then the speedrun recipe's Muon matrices."""
     recipe, shapes = RECIPES[cfg.recipe], param_shapes(cfg)
     muon = recipe.muon_names(shapes)
     names = [k for k in shapes if k not in muon]
@@ -843,11 +770,8 @@ def compute_groups(cfg):
 
 
 def make_state(params, m, v, cfg, device, rank, world):
-    """The training state on the device, from numpy dicts of the fp32 masters and the moments: every
-    process holds all of the fp32 gradients `grads` (views of one flat buffer, `grad_buffer`) and all of
-    the `weights` the model computes with; what else it holds is its ZeRO stage's (whole_state,
-    sharded_state). train_step updates `shard_params` from `shard_grads`, m and v, and refreshes
-    `shard_copies`."""
+    """The training state on the device from numpy dicts of the fp32 masters and moments: all `grads` (views
+    of `grad_buffer`) and `weights`, and the `shard_*` tensors that train_step updates at its ZeRO stage."""
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
@@ -858,8 +782,7 @@ def make_state(params, m, v, cfg, device, rank, world):
 
 
 def whole_state(state, params, m, v, cfg, device):
-    """Stage 0: a process's shard is the whole model. It holds all of the fp32 masters `params`, their
-    bf16 `copies` and the moments m, v; one all-reduce sums the gradients, and it updates every weight."""
+    """Stage 0: a process's shard is the whole model (masters, bf16 copies, moments)."""
     state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
     state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
     state["weights"] = model_weights(state["params"], state["copies"])
@@ -868,18 +791,15 @@ def whole_state(state, params, m, v, cfg, device):
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (make_state's tensors, not
-    the activations), by kind: state_bytes of this trainer's layout."""
+    """Bytes of make_state's tensors in one process, by kind (state_bytes of this trainer's layout)."""
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
     return state_bytes(cfg.zero_stage, shapes, layout, muon, world)
 
 
 def generate(params, generator, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int64 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant. Eager: 63 small forwards take less time
-    than compiling one."""
+    """SAMPLE_COUNT continuations of EOT, top-k TOP_K over the first V logits: token ids (S,T), column 0 EOT.
+    Eager, without a KV cache: 63 small forwards take less time than compiling one."""
     device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
@@ -893,10 +813,8 @@ def generate(params, generator, cfg):
 
 
 def phase_table(profiler, steps, on_gpu, compiled, rows=8):
-    """The profiled steps' op time by phase, as text: ops that the autograd engine runs are the backward,
-    the other ops inside a grad_fn call the forward (compiled, forward and backward are one graph: one
-    phase), all else (gradient accumulation, all-reduce, norm, AdamW) the optimizer step. Each op's self
-    time (on a GPU, of the kernels it launched), summed over its calls, per step; the top `rows` per phase."""
+    """The profiled steps' self time per op and step, as text, by phase (the autograd engine's ops are the
+    backward, the rest inside a grad_fn call the forward, all else the optimizer step), `rows` ops each."""
     forward = "forward+backward (compiled)" if compiled else "forward"
     phases = [forward, "backward", "optimizer step"]
     totals = {}  # (phase, op name) -> [calls, microseconds]
@@ -930,13 +848,8 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
     return "\n".join(lines)
 
 
-# Inductor options for every torch.compile here. Mix-order reduction (on by default on GPUs since torch
-# 2.10: a LayerNorm backward's row sums and its weight/bias column sums in one kernel, from 4096 rows up)
-# drops the write of a column sum whose output is a slice of a concatenated buffer: the generated code
-# rebinds the buffer's name to the reduced workspace instead of copying into the slice (pytorch/pytorch
-# issue 193061, pull request 193103; the torch 2.13 source still rebinds). Our per-layer LayerNorm and
-# bias gradients are such slices of their (L, ...) stacks: with it on, the fused ones are uninitialized
-# memory, as in the wrong, step-to-step drifting grad norms of the compiled d12 runs (H100, torch 2.11).
+# Inductor's mix-order reduction (on GPUs since torch 2.10) drops the write of a column sum into a slice of
+# a concatenated buffer, as our stacked LayerNorm and bias gradients are: uninitialized gradients with it on.
 INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 
 # -----------------------------------------------------------------------------
@@ -947,29 +860,27 @@ def main(argv, signals):
     cfg, explicit = parse_args(argv)
     dtype = default_dtype(cfg, gpu=torch.cuda.is_available())  # the device setup_device picks
     rank, world, device, store = setup_device(cfg)
+    on_gpu = device.type == "cuda"
     master = signals.master = rank == 0
     say = print if master else (lambda *args, **kwargs: None)
 
     # weights, optimizer state, data (each process reads B rows of a micro-batch) and the locked out dir
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
         cfg, explicit, RECIPES, cfg.batch_size, rank, world, master, say, any_process_failed(world, device))
-
-    # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
-    # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
     recipe = RECIPES[cfg.recipe]
-    model, table = recipe.model_name, recipe.table
-    n_params = sum(p.numel() for k, p in weights.items() if k != table)
-    device_kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"{table}) | {world} x {device_kind} | {dtype} | compile: {'on' if cfg.compile else 'off'}")
+    # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
+    n_params = sum(p.numel() for k, p in weights.items() if k != recipe.table)
+    device_kind = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    say(f"{recipe.model_name} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters "
+        f"(without {recipe.table}) | {world} x {device_kind} | {dtype} | compile: {'on' if cfg.compile else 'off'}")
     say(f"batch: {cfg.batch_size} x {cfg.seq_len} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    activations = RECIPES[cfg.recipe].activation_bytes(cfg)
-    say(format_memory(cfg, held, activations, world, RECIPES[cfg.recipe].optimizers))
-    warning = device.type == "cpu" and memory_warning(held, activations, world, host_memory_available())
+    activations = recipe.activation_bytes(cfg)
+    say(format_memory(cfg, held, activations, world, recipe.optimizers))
+    warning = not on_gpu and memory_warning(held, activations, world, host_memory_available())
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
     if master:
@@ -1005,15 +916,11 @@ def main(argv, signals):
         grad_fn = compile_(grads_and_loss, fullgraph=True)
         update_fn = compile_(recipe.update, fullgraph=True)
 
-        flops_per_token = model_flops_per_token(cfg, n_params)
-        peak = peak_flops(device_kind, cfg.dtype) if device.type == "cuda" else None
-        flops = (flops_per_token, peak * world if peak else None)  # per token; the devices' peak per s
+        peak = peak_flops(device_kind, cfg.dtype) if on_gpu else None
+        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
-        profile_dir = os.path.join(cfg.out_dir, "profile")
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * on_gpu
         profiler = torch.profiler.profile(activities=activities) if cfg.profile else None
         times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
         signals.training = True  # from here a signal stops the run at the end of a step
@@ -1040,20 +947,20 @@ def main(argv, signals):
                 say(f"compiled train step in {dt:.1f} s (compilation and step {step})")
             if cfg.profile and step == profile_steps[-1]:
                 profiler.stop()
-                os.makedirs(profile_dir, exist_ok=True)
-                trace = os.path.join(profile_dir, f"trace_rank{rank}.json")
+                os.makedirs(os.path.join(cfg.out_dir, "profile"), exist_ok=True)
+                trace = os.path.join(cfg.out_dir, "profile", f"trace_rank{rank}.json")
                 profiler.export_chrome_trace(trace)
                 ms = [1000 * times[s] for s in profile_steps]
-                sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+                sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
                 say(profiler.key_averages().table(sort_by=sort, row_limit=25))
-                say(phase_table(profiler, len(profile_steps), device.type == "cuda", cfg.compile))
+                say(phase_table(profiler, len(profile_steps), on_gpu, cfg.compile))
                 say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {trace} "
                     f"(Perfetto or chrome://tracing) | step time mean {np.mean(ms):.1f} ms, min "
                     f"{min(ms):.1f} ms, max {max(ms):.1f} ms")
-            report_step(step, cfg, loss, norm, RECIPES[cfg.recipe].lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
+            report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
                         FRAMEWORK, master, say)
             # the checkpoint before a signal's stop and the evaluations (--resume runs those log.jsonl lacks)
-            checkpoint_if_due(state, step, last, train_loader, cfg, RECIPES[cfg.recipe], world, master, say)
+            checkpoint_if_due(state, step, last, train_loader, cfg, recipe, world, master, say)
             stop_on_signal(signum, step, cfg, master)
             run_evals(step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
             say_samples(lambda g: generate(weights, g, cfg), cfg, step, last, device, encoder and encoder.decode,
