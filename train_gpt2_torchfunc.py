@@ -439,41 +439,28 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
 
 
 def gpt2_activation_bytes(cfg):
-    """Bytes one micro-batch's activations hold at the peak of its forward+backward at cfg.recompute, as
-    this trainer's eager backward keeps and frees them (tests/test_recompute_torchfunc.py measures it):
-    what the blocks keep for the backward, and the larger of what the head's backward and a block's add.
-    Compiled, Inductor fuses the cross-entropy's backward and a block's backward temporaries."""
+    """Bytes of one micro-batch's activations at the peak of its eager forward+backward at cfg.recompute:
+    what the blocks keep, and the larger of what the head's backward and a block's backward add."""
     N, C, V, H = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_head
     s = compute_dtype(cfg).itemsize  # the activations' bytes; the fp32 ones say 4
-    kept = {  # per block, from its forward to its backward
-        "none": (C           # x (B,T,C): the block's input, ln_1's
-                 + C         # ln_1's output (B,T,C): the q, k, v matmuls' input
-                 + 3 * C     # q, k, v (B,T,C) each: the attention's inputs
-                 + C         # the attention's output (B,T,C): c_proj's input
-                 + C         # x + attention (B,T,C): ln_2's input
-                 + C         # ln_2's output (B,T,C): c_fc's input
-                 + 4 * C     # c_fc's output (B,T,4C): GELU's input
-                 + 4 * C) * s  # GELU's output (B,T,4C): the MLP's c_proj's input
-        + (4 + H) * 4,       # fp32: mean and rstd (B,T) of both LayerNorms, the attention's logsumexp (B,H,T)
-        "pointwise": (C + 3 * C + C + C + 4 * C) * s  # x, q, k, v, the attention's output, x + attention,
-        + H * 4,             # c_fc's output (B,T,4C); the attention's logsumexp (B,H,T) fp32
-        "block": C * s,      # x (B,T,C) alone
+    kept = {  # per block, from its forward to its backward: (B,T,C) each unless said
+        # x, ln_1's output, q, k, v, the attention's output, x + attention, ln_2's output, c_fc's and GELU's
+        # outputs (B,T,4C); fp32: mean and rstd (B,T) of both LayerNorms, the attention's logsumexp (B,H,T)
+        "none": (C + C + 3 * C + C + C + C + 4 * C + 4 * C) * s + (4 + H) * 4,
+        # x, q, k, v, the attention's output, x + attention, c_fc's output (B,T,4C); the logsumexp
+        "pointwise": (C + 3 * C + C + C + 4 * C) * s + H * 4,
+        "block": C * s,  # x alone
     }[cfg.recompute]
-    head = (2 * C * s        # ln_f's input and output (B,T,C)
-            + V * s          # the logits (B,T,Vp)
-            + 3 * V * 4 + V)  # the cross-entropy's backward: softmax, softmax minus one-hot and the gradient
-    #                          (B,T,Vp) fp32, the target mask (B,T,Vp) bool
-    in_block = {  # a block's backward at its peak, in its MLP's: beyond what the blocks keep,
-        "none": (C           # the gradient at the block's output (B,T,C)
-                 + 4 * C) * s,  # the gradient at GELU's output (B,T,4C)
-        "pointwise": (C + 4 * C  # those two
-                      + 4 * C    # c_fc's output's copy (after(), B,T,4C)
-                      + 4 * C    # GELU's output recomputed (B,T,4C)
-                      + 4 * C) * s,  # the gradient at GELU's input (B,T,4C)
-        "block": (C + 4 * C + 4 * C  # those three gradients
-                  + C        # x's copy (after(), B,T,C)
-                  + 15 * C   # the block's rerun: what none keeps beyond x
-                  + C) * s,  # the rerun's output (B,T,C)
+    # ln_f's input and output (B,T,C), the logits (B,T,Vp); the cross-entropy's backward: softmax, softmax
+    # minus one-hot and the gradient (B,T,Vp) fp32, the target mask (B,T,Vp) bool
+    head = 2 * C * s + V * s + 3 * V * 4 + V
+    in_block = {  # a block's backward at its peak, in its MLP's, beyond what the blocks keep:
+        "none": (C + 4 * C) * s,  # the gradients at the block's output (B,T,C) and at GELU's output (B,T,4C)
+        # those two, c_fc's output's copy (after()), GELU's output rerun, the gradient at GELU's input (B,T,4C)
+        "pointwise": (C + 4 * C + 4 * C + 4 * C + 4 * C) * s,
+        # those two and GELU's input's gradient, x's copy (after()), the rerun (what none keeps beyond x) and
+        # its output (B,T,C)
+        "block": (C + 4 * C + 4 * C + C + 15 * C + C) * s,
     }[cfg.recompute]
     return N * (cfg.n_layer * kept + max(head, in_block))
 
@@ -699,58 +686,44 @@ def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
 # -- training step
 
 def speedrun_activation_bytes(cfg):
-    """gpt2_activation_bytes for the speedrun model: what its blocks keep for the backward, and the larger of
-    what the head's backward and a block's add (tests/test_recompute_torchfunc.py measures it)."""
+    """gpt2_activation_bytes for the speedrun model: what its blocks and embedding keep, and the larger of
+    what the head's backward and a block's backward add."""
     N, C, V, H = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_head
     s = compute_dtype(cfg).itemsize  # the activations' bytes; the fp32 ones say 4
-    kept = {  # per block, from its forward to its backward
-        "none": (C           # x (B,T,C): the block's input, norm1's
-                 + 2 * C     # norm1's normalized x and output (B,T,C): its gains' and q, k, v's input
-                 + 3 * C     # q, k, v (B,T,C) each: q's and k's norms' inputs, the attention's
-                 + 2 * C     # q and k after their norm and rotary (B,T,C) each: the attention's inputs
-                 + C         # the attention's output (B,T,C): proj's input
-                 + C         # x + attention (B,T,C): norm2's input
-                 + 2 * C     # norm2's normalized x and output (B,T,C): its gains' and fc's input
-                 + 4 * C     # ReLU's output (B,T,4C): square's input
-                 + 4 * C) * s  # ReLU^2 (B,T,4C): the MLP's proj's input
-        + (2 + 3 * H) * 4,   # fp32: rstd (B,T) of norm1 and norm2, (B,T,H) of q's and k's norms, the
-        #                      attention's logsumexp (B,H,T)
-        "pointwise": (C + 3 * C + C + C + 4 * C) * s,  # x, q, k, v, attention's output, x + attention, fc's
-        #                                                output (the attention reruns: no logsumexp kept)
-        "block": C * s,      # x (B,T,C) alone
+    kept = {  # per block, from its forward to its backward: (B,T,C) each unless said
+        # x, norm1's normalized x and output, q, k, v, q and k after their norm and rotary, the attention's
+        # output, x + attention, norm2's normalized x and output, ReLU's output and ReLU^2 (B,T,4C); fp32: rstd
+        # (B,T) of norm1 and norm2, (B,T,H) of q's and k's norms, the attention's logsumexp (B,H,T)
+        "none": (C + 2 * C + 3 * C + 2 * C + C + C + 2 * C + 4 * C + 4 * C) * s + (2 + 3 * H) * 4,
+        # x, q, k, v, the attention's output, x + attention, fc's output (B,T,4C); the attention reruns
+        "pointwise": (C + 3 * C + C + C + 4 * C) * s,
+        "block": C * s,  # x alone
     }[cfg.recompute]
-    embed = 2 * C * s        # the embedding's rows and their norm's normalized x (B,T,C)
-    head = (3 * C * s        # the last block's output, the final norm's normalized x and output (B,T,C)
-            + V * s          # the head's output z (B,T,Vp), which the loss keeps
-            + 2 * V * 4)     # the loss's two fp32 temporaries (B,T,Vp): the logits and logsumexp's, or in
-    #                          the backward 1/sqrt(z^2 + 15^2) and the logits turned into the gradient
-    in_block = {  # a block's backward at its peak, in square's: beyond what the blocks keep,
-        "none": (C           # the gradient at the block's output (B,T,C)
-                 + 4 * C     # the gradient at ReLU^2 (B,T,4C)
-                 + 3 * 4 * C  # square's backward's three temporaries (B,T,4C each)
-                 - 4 * C) * s,  # less ReLU^2, which proj's backward has freed
-        "pointwise": (C + 4 * C + 3 * 4 * C  # those gradients and temporaries
-                      + 4 * C    # fc's output's copy (after(), B,T,4C)
-                      + 2 * 4 * C) * s,  # ReLU's output and ReLU^2 recomputed (B,T,4C each)
-        "block": (C + 4 * C + 3 * 4 * C  # those gradients and temporaries
-                  + C        # x's copy (after(), B,T,C)
-                  + 19 * C   # the block's rerun: what none keeps beyond x
-                  + C) * s,  # the rerun's output (B,T,C)
+    embed = 2 * C * s  # the embedding's rows and their norm's normalized x (B,T,C)
+    # the last block's output, the final norm's normalized x and output (B,T,C), the head's output z (B,T,Vp)
+    # that the loss keeps, the loss's two fp32 (B,T,Vp) temporaries
+    head = 3 * C * s + V * s + 2 * V * 4
+    in_block = {  # a block's backward at its peak, in square's, beyond what the blocks keep: (B,T,4C) unless said
+        # the gradients at the block's output (B,T,C) and at ReLU^2, square's three temporaries, less ReLU^2
+        "none": (C + 4 * C + 3 * 4 * C - 4 * C) * s,
+        # those gradients and temporaries, fc's output's copy (after()), ReLU's output and ReLU^2 rerun
+        "pointwise": (C + 4 * C + 3 * 4 * C + 4 * C + 2 * 4 * C) * s,
+        # those, x's copy (after(), B,T,C), the rerun (what none keeps beyond x) and its output (B,T,C)
+        "block": (C + 4 * C + 3 * 4 * C + C + 19 * C + C) * s,
     }[cfg.recompute]
     return N * (cfg.n_layer * kept + embed + max(head, in_block))
 
 
 RECIPES["speedrun"] = Recipe(
-    help=SPEEDRUN_HELP,
-    defaults={**SPEEDRUN_DEFAULTS, "out_dir": f"out/speedrun_{FRAMEWORK}"}, configure=configure_speedrun,
-    shapes=speedrun_shapes, init=init_speedrun_numpy, lr_at=speedrun_lr, muon_names=muon_names,
-    model_file="model.safetensors",
-    file_kind="a safetensors file of the reference's state_dict (.safetensors)",
-    is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
-    model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
-    activation_bytes=speedrun_activation_bytes,
+    help=SPEEDRUN_HELP, defaults={**SPEEDRUN_DEFAULTS, "out_dir": f"out/speedrun_{FRAMEWORK}"},
+    configure=configure_speedrun, shapes=speedrun_shapes, init=init_speedrun_numpy, lr_at=speedrun_lr,
+    muon_names=muon_names, model_file="model.safetensors",
+    file_kind="a safetensors file of the reference's state_dict (.safetensors)", is_file=is_safetensors_file,
+    read_file=read_speedrun_file, write_file=write_speedrun_file, model_name="speedrun GPT",
+    table="embed.weight", optimizers="AdamW and Muon", activation_bytes=speedrun_activation_bytes,
     token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars, update=speedrun_update,
     embeddings=("embed.weight",), next_logits=speedrun_next_logits)
+
 
 # -----------------------------------------------------------------------------
 # Torchfunc plumbing: state, evaluation and profiles
