@@ -109,10 +109,6 @@ def param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: model
 
-# A pure function of a dict of weights. With --dtype bf16 those are bf16 copies of the fp32 masters (made
-# by the optimizer) but for the embedding tables, gathered from in fp32; autocast runs LayerNorm in fp32.
-
-
 def attention(q, k, v, cfg):
     """Causal self-attention of q, k, v (B,T,C) -> (B,T,C); heads are D-wide slices of C."""
     B, T, C = q.shape
@@ -126,7 +122,6 @@ def attention(q, k, v, cfg):
 # keep their inputs alone and rerun a piece of the forward in the backward: Recomputed a whole function,
 # LinearsAfter the pointwise function before matmuls. Compiled, Inductor would fuse a rerun into the
 # forward's kernels; after() makes it wait for the incoming gradient, as jax.checkpoint's barrier does.
-
 @torch.library.custom_op("llmc::after", mutates_args=())
 def after(xs: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor]:
     """Copies of xs that a compiled graph can only compute once g exists (an op opaque to Inductor)."""
@@ -137,7 +132,8 @@ after.register_fake(lambda xs, g: [torch.empty_like(x) for x in xs])
 
 
 class Recomputed(torch.autograd.Function):
-    """f(*args) -> one tensor, keeping only args (n activations, then weights); the backward reruns f."""
+    """f(*args) -> one tensor, keeping only args (n activations, then weights); the backward reruns f.
+    LinearsAfter keeps its inputs alike (setup_context)."""
 
     @staticmethod
     def forward(f, cfg, n, *args):
@@ -156,7 +152,7 @@ class Recomputed(torch.autograd.Function):
         return None, None, None, *f_vjp(g)
 
 
-class LinearsAfter(torch.autograd.Function):
+class LinearsAfter(Recomputed):
     """[F.linear(pre(x, *pre_args), w, b) for each (w, b)], keeping x and the weights, not pre's output;
     the backward reruns pre and differentiates the matmuls as autograd does (so fp32 gives its bits)."""
 
@@ -166,16 +162,11 @@ class LinearsAfter(torch.autograd.Function):
         return tuple(F.linear(h, w, b) for w, b in zip(args[n::2], args[n + 1::2]))  # (B,T,Cout) each
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.pre, ctx.cfg, ctx.n = inputs[:3]
-        ctx.save_for_backward(*inputs[3:])
-
-    @staticmethod
     def backward(ctx, *gs):
         x, *args = ctx.saved_tensors
         n, weights = ctx.n, args[ctx.n::2]
         with autocast(ctx.cfg, x.device):
-            h, pre_vjp = torch.func.vjp(ctx.pre, *after([x], gs[0]), *args[:n])   # (B,T,Cin)
+            h, pre_vjp = torch.func.vjp(ctx.f, *after([x], gs[0]), *args[:n])     # (B,T,Cin)
         h2 = h.flatten(0, -2).to(weights[0].dtype)                                 # (BT,Cin), autocast's cast
         gs2 = [g.flatten(0, -2) for g in gs]                                       # (BT,Cout) each
         grads = [d for g2 in gs2 for d in (g2.t().mm(h2), g2.sum(0))]             # (Cout,Cin), (Cout,) each
@@ -210,10 +201,6 @@ def layer_norm(x, w, b):
     return F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
 
 
-def gelu_tanh(x):
-    return F.gelu(x, approximate="tanh")
-
-
 def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's slice of the stacked weights."""
     C = cfg.n_embd
@@ -224,7 +211,8 @@ def block(x, lp, cfg):
                        for i in range(3)], cfg)                                    # (B,T,C) each
     x = x + F.linear(attention(q, k, v, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
     h, = linears(layer_norm, x, (lp["ln_2.w"], lp["ln_2.b"]), [(lp["c_fc.w"], lp["c_fc.b"])], cfg)  # (B,T,4C)
-    h, = linears(gelu_tanh, h, (), [(lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])], cfg)    # (B,T,C)
+    gelu = functools.partial(F.gelu, approximate="tanh")
+    h, = linears(gelu, h, (), [(lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])], cfg)         # (B,T,C)
     return x + h                                                                   # (B,T,C)
 
 
@@ -324,13 +312,11 @@ def model_weights(params, copies):
     return params if copies is None else {**params, **copies}
 
 
-NORM_PIECE = 1 << 18  # elements per piece of global_norm: 2 MiB fp64 temporaries, not a copy of wte
-
-
 def global_norm(grads):
     """The L2 norm (clip_grad_norm_'s) of {name: gradient}, all of them or a ZeRO-1 shard's, in fp64."""
-    # fp64: torch's fp32 CPU norms are 1e-5 off at wte's size; by pieces: a whole cast's pages fault in slowly
-    pieces = [p for g in grads.values() for p in g.reshape(-1).split(NORM_PIECE)]
+    # fp64: torch's fp32 CPU norms are 1e-5 off at wte's size; in pieces of 2 MiB in fp64, not a cast of
+    # wte whose new pages fault in slower than the sums run
+    pieces = [p for g in grads.values() for p in g.reshape(-1).split(1 << 18)]
     norms = torch._foreach_norm(pieces, dtype=torch.float64)                       # n x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
@@ -358,8 +344,7 @@ def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
 
 
 def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
-    """llm.c's AdamW, in place, on the gradients times coef (decay on DECAY_NAMES alone), then the copies
-    refreshed; the dicts hold whole tensors or (ZeRO-1) this process's 1-D pieces."""
+    """llm.c's AdamW in place on the gradients times coef, then the copies refreshed (ZeRO-1: 1-D pieces)."""
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
     clip_in_place(list(grads.values()), coef, cfg)
     for decays in (True, False):
@@ -372,7 +357,6 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
 
 # -----------------------------------------------------------------------------
 # GPT-2: training step
-
 
 def loss_fn(params, x, y, cfg):
     """The loss one batch contributes, fp32: the recipe's mean token loss, or its sum (Recipe.summed)."""
@@ -399,10 +383,8 @@ GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 
 
 def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
-    """One optimizer step on A micro-batches x, y (A,B,T), updating make_state's `state` in place; returns
-    (mean token loss, grad norm before clipping) as 0-d device tensors, without waiting for the device."""
+    """One step on micro-batches x, y (A,B,T), in place: (mean token loss, norm before clipping), 0-d, unsynced."""
     weights, grads = state["weights"], state["grads"]
-    names = list(grads)
     A = x.shape[0]
     summed = RECIPES[cfg.recipe].summed
     scale = 1.0 if summed else 1.0 / (A * world)
@@ -411,7 +393,7 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
         # fp32 sums in the flat buffer: the first micro-batch's copied in, the rest added
         accumulate = torch._foreach_add_ if i else torch._foreach_copy_
-        accumulate([grads[k] for k in names], [micro_grads[k] for k in names])
+        accumulate(list(grads.values()), [micro_grads[k] for k in grads])
         loss = loss + micro_loss if i else micro_loss                              # ()
     # ZeRO-1: this process's shard of the summed gradients, the norm from every shard's, AdamW on its shard,
     # then the updated shards to every process; stage 0: one all-reduce, and the shard is the whole model
@@ -490,13 +472,10 @@ from trainkit.torch_shared import fp8_matmul, fp8_quantize
 
 # -- model
 
-# As the reference's GPT computes it: weights by their state_dict names, RMSNorm with the compute dtype's
-# machine epsilon (F.rms_norm's default there), rotary positions in fp32.
 
-
+# As the reference's GPT computes it: RMSNorm with the compute dtype's machine epsilon, rotary in fp32.
 def rotary(x):
-    """The reference's half-truncated rotary embedding of q or k (B,T,H,D), in fp32: the first D/4 pairs
-    (x1[i], x2[i]) of the halves turn by the angle t * freq[i], the last D/4 stay as they are."""
+    """The reference's half-truncated rotary embedding of q or k (B,T,H,D): the halves' first D/4 pairs turn."""
     T, D = x.shape[1], x.shape[3]
     freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=x.device)  # (D/4,)
     freq = torch.cat([freq, freq.new_zeros(D // 4)])                                # (D/2,)
@@ -517,10 +496,6 @@ def speedrun_attention(q, k, v, cfg):
     return y.transpose(1, 2).reshape(B, T, H * D)                                  # (B,T,C)
 
 
-def relu_square(x):
-    return F.relu(x).square()
-
-
 def speedrun_block(x, w, cfg):
     """One pre-norm block of the speedrun model, with one layer's weights w (the names after blocks.<layer>.)."""
     B, T, C = x.shape
@@ -536,7 +511,8 @@ def speedrun_block(x, w, cfg):
     y = recomputed(functools.partial(speedrun_attention, cfg=cfg), cfg, "pointwise", [q, k, v])  # (B,T,C)
     x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
     h, = linears(rms_norm, x, (w["norm2.gains"],), [(w["mlp.fc.weight"], w["mlp.fc.bias"])], cfg)  # (B,T,4C)
-    h, = linears(relu_square, h, (), [(w["mlp.proj.weight"], w["mlp.proj.bias"])], cfg)  # (B,T,C)
+    h, = linears(lambda h: F.relu(h).square(), h, (), [(w["mlp.proj.weight"], w["mlp.proj.bias"])],
+                 cfg)                                                              # (B,T,C)
     return x + h                                                                   # (B,T,C)
 
 
@@ -591,9 +567,9 @@ def speedrun_logits(h, weight, bias):
     return softcap(F.linear(h, weight, bias))[0]                                   # (..., V)
 
 
-class SoftcapCrossEntropy(torch.autograd.Function):
-    """(per-token loss (...,) in fp32, its logsumexp) of the head's output z (..., Vp), soft-capped, over
-    all Vp columns; the backward forms dz in place in a softcap rerun's two tensors, keeping z alone."""
+class SoftcapCrossEntropy(CrossEntropy):
+    """CrossEntropy of the head's output z (..., Vp) soft-capped, over all Vp columns; the backward forms dz
+    in place in a softcap rerun's two tensors."""
 
     @staticmethod
     def forward(z, targets):
@@ -602,11 +578,6 @@ class SoftcapCrossEntropy(torch.autograd.Function):
         # tokens' rows) round one way, up to 4e-5 off; torch.logsumexp's blocked sum does not
         lse = torch.logsumexp(c, -1)                                               # (...,)
         return lse - c.gather(-1, targets[..., None])[..., 0], lse
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], inputs[1], output[1])
-        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, g, _):
@@ -638,7 +609,6 @@ def speedrun_token_losses(params, x, y, cfg, train=False):
 
 
 # -- optimizer
-
 
 def speedrun_scalars(step, cfg, device):
     """[lr of each SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t] for 1-based step t (adam_scalars')."""
@@ -771,8 +741,7 @@ def device_state_bytes(cfg, shapes, world):
 
 
 def generate(params, generator, cfg):
-    """SAMPLE_COUNT continuations of EOT, top-k TOP_K over the first V logits: token ids (S,T), column 0 EOT.
-    Eager, without a KV cache: 63 small forwards take less time than compiling one."""
+    """SAMPLE_COUNT top-k continuations of EOT: token ids (S,T); eager, no KV cache (faster than compiling)."""
     device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
@@ -786,8 +755,7 @@ def generate(params, generator, cfg):
 
 
 def phase_table(profiler, steps, on_gpu, compiled, rows=8):
-    """The profiled steps' self time per op and step, as text, by phase (the autograd engine's ops are the
-    backward, the rest inside a grad_fn call the forward, all else the optimizer step), `rows` ops each."""
+    """The profiled steps' self time per op and step by phase (forward, backward, optimizer), as text."""
     forward = "forward+backward (compiled)" if compiled else "forward"
     phases = [forward, "backward", "optimizer step"]
     totals = {}  # (phase, op name) -> [calls, microseconds]
@@ -795,13 +763,11 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue  # a kernel's time counts for the op that launched it
         phase, p = phases[2], e
-        while p is not None:  # the innermost mark above the op decides
+        while p is not None and phase == phases[2]:  # the innermost mark above the op decides
             if p.name.startswith("autograd::engine::evaluate_function"):
                 phase = phases[1]
-                break
-            if p.name == GRADIENT:
+            elif p.name == GRADIENT:
                 phase = forward
-                break
             p = p.cpu_parent
         t = totals.setdefault((phase, e.name), [0, 0.0])
         t[0] += 1
@@ -895,7 +861,7 @@ def main(argv, signals):
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * on_gpu
         profiler = torch.profiler.profile(activities=activities) if cfg.profile else None
-        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
+        times = {}  # step -> seconds
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
@@ -908,11 +874,10 @@ def main(argv, signals):
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             dt = time.perf_counter() - t0
             times[step] = dt
-            spent += dt
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # --time-budget and signals: all processes must stop at the same step
-            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
+            budget_spent, signum = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget, signals.received
             if world > 1:
                 budget_spent, signum = agree_to_stop(budget_spent, signum, rank, device)
             last = step if budget_spent or signum else cfg.steps
