@@ -118,10 +118,8 @@ def attention(q, k, v, cfg):
     return y.transpose(1, 2).reshape(B, T, C)                                      # (B,T,C)
 
 
-# --recompute: torch.func refuses torch.utils.checkpoint's saved-tensor hooks, so two autograd.Functions
-# keep their inputs alone and rerun a piece of the forward in the backward: Recomputed a whole function,
-# LinearsAfter the pointwise function before matmuls. Compiled, Inductor would fuse a rerun into the
-# forward's kernels; after() makes it wait for the incoming gradient, as jax.checkpoint's barrier does.
+# --recompute: torch.func refuses torch.utils.checkpoint's saved-tensor hooks, so autograd.Functions rerun
+# the forward in the backward; after() keeps Inductor from fusing a rerun into the forward's kernels.
 @torch.library.custom_op("llmc::after", mutates_args=())
 def after(xs: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor]:
     """Copies of xs that a compiled graph can only compute once g exists (an op opaque to Inductor)."""
@@ -314,8 +312,7 @@ def model_weights(params, copies):
 
 def global_norm(grads):
     """The L2 norm (clip_grad_norm_'s) of {name: gradient}, all of them or a ZeRO-1 shard's, in fp64."""
-    # fp64: torch's fp32 CPU norms are 1e-5 off at wte's size; in pieces of 2 MiB in fp64, not a cast of
-    # wte whose new pages fault in slower than the sums run
+    # fp64: torch's fp32 CPU norms are 1e-5 off at wte's size; in 2 MiB pieces: a cast of wte pages in slowly
     pieces = [p for g in grads.values() for p in g.reshape(-1).split(1 << 18)]
     norms = torch._foreach_norm(pieces, dtype=torch.float64)                       # n x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
@@ -371,10 +368,9 @@ def scaled_loss(weights, x, y, scale, cfg):
 
 def grads_and_loss(weights, x, y, scale, cfg):
     """({name: gradient in its weight's dtype}, loss) of scale x loss_fn on one micro-batch, by torch.func."""
-    if torch.compiler.is_compiling():  # one graph, whose tensors Inductor frees after their last use
+    if torch.compiler.is_compiling():  # not vjp: Dynamo fails on a vjp in its backward, as --recompute's are
         return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
-    # eager, vjp: grad's backward records a graph of itself that holds every saved tensor until it returns
-    # (a 527 MB peak against 313 MB at L4 C256 T512 B8); compiled, Dynamo fails on --recompute's inner vjp
+    # eager, vjp: grad's backward keeps a graph of itself, every saved tensor to the end (527 MB against 313)
     loss, loss_vjp = torch.func.vjp(lambda w: scaled_loss(w, x, y, scale, cfg), weights)
     return loss_vjp(torch.ones_like(loss), retain_graph=False, create_graph=False)[0], loss
 
@@ -395,8 +391,7 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
         accumulate = torch._foreach_add_ if i else torch._foreach_copy_
         accumulate(list(grads.values()), [micro_grads[k] for k in grads])
         loss = loss + micro_loss if i else micro_loss                              # ()
-    # ZeRO-1: this process's shard of the summed gradients, the norm from every shard's, AdamW on its shard,
-    # then the updated shards to every process; stage 0: one all-reduce, and the shard is the whole model
+    # ZeRO-1: reduce-scatter the gradients, update this process's shard, all-gather; else one all-reduce
     sharded = cfg.zero_stage == 1 and world > 1
     if world > 1:
         dist.all_reduce(loss)
@@ -440,8 +435,7 @@ def gpt2_activation_bytes(cfg):
         "none": (C + 4 * C) * s,  # the gradients at the block's output (B,T,C) and at GELU's output (B,T,4C)
         # those two, c_fc's output's copy (after()), GELU's output rerun, the gradient at GELU's input (B,T,4C)
         "pointwise": (C + 4 * C + 4 * C + 4 * C + 4 * C) * s,
-        # those two and GELU's input's gradient, x's copy (after()), the rerun (what none keeps beyond x) and
-        # its output (B,T,C)
+        # those two and GELU's input's gradient, x's copy (after()), the rerun (none's beyond x), its output
         "block": (C + 4 * C + 4 * C + C + 15 * C + C) * s,
     }[cfg.recompute]
     return N * (cfg.n_layer * kept + max(head, in_block))
@@ -506,8 +500,7 @@ def speedrun_block(x, w, cfg):
     q, k, v = (t.view(B, T, H, D) for t in linears(
         rms_norm, x, (w["norm1.gains"],), [(w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]) for n in "qkv"],
         cfg))                                                                      # (B,T,H,D) each
-    # at --recompute pointwise the attention reruns too: its backward needs the forward it saved from the
-    # q/k norms and rotary, which are rerun
+    # at --recompute pointwise the attention reruns too: its backward needs the q/k norms' rerun outputs
     y = recomputed(functools.partial(speedrun_attention, cfg=cfg), cfg, "pointwise", [q, k, v])  # (B,T,C)
     x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
     h, = linears(rms_norm, x, (w["norm2.gains"],), [(w["mlp.fc.weight"], w["mlp.fc.bias"])], cfg)  # (B,T,4C)
@@ -574,8 +567,7 @@ class SoftcapCrossEntropy(CrossEntropy):
     @staticmethod
     def forward(z, targets):
         c = softcap(z)[0]                                                          # (..., Vp)
-        # not F.cross_entropy: the CPU log_softmax's long running sums over mostly equal logits (the unseen
-        # tokens' rows) round one way, up to 4e-5 off; torch.logsumexp's blocked sum does not
+        # not F.cross_entropy: on the CPU its sums over mostly equal logits round one way, up to 4e-5 off
         lse = torch.logsumexp(c, -1)                                               # (...,)
         return lse - c.gather(-1, targets[..., None])[..., 0], lse
 
@@ -640,9 +632,8 @@ def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
     on the rest (the blocks' matrices, whole), then the copies refreshed; a ZeRO-1 shard may lack a group."""
     lr = dict(zip(SPEEDRUN_LRS, scalars[:4]))
     clip_in_place(list(grads.values()), coef, cfg)
-    adam = [k for k in grads if k in v]
     for group in ("embed", "head", "vector"):
-        names = [k for k in adam if adamw_group(k) == group]
+        names = [k for k in grads if k in v and adamw_group(k) == group]
         if names:
             speedrun_adamw(names, params, grads, m, v, lr[group], scalars[4], scalars[5], cfg.weight_decay)
     muon = [k for k in grads if k not in v]
@@ -775,11 +766,10 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
     grand = sum(t for _, t in totals.values()) or 1.0
 
     def line(phase, name, calls, us):
-        share = 100 * us / grand
-        return f"{phase:<28} {name[:50]:<50} {calls // steps:>6} {us / 1e3 / steps:>9.3f} {share:>5.1f}%"
+        return f"{phase:<28} {name[:50]:<50} {calls // steps:>6} {us / 1e3 / steps:>9.3f} {100 * us / grand:>5.1f}%"
 
-    clock = "device" if on_gpu else "CPU"
-    lines = [f"{'phase':<28} {'op (self ' + clock + ' time)':<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
+    op = f"op (self {'device' if on_gpu else 'CPU'} time)"
+    lines = [f"{'phase':<28} {op:<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
     for phase in phases:
         ops = sorted(((t, c, name) for (ph, name), (c, t) in totals.items() if ph == phase), reverse=True)
         lines.append(line(phase, "all", sum(c for _, c, _ in ops), sum(t for t, _, _ in ops)))
