@@ -130,8 +130,7 @@ after.register_fake(lambda xs, g: [torch.empty_like(x) for x in xs])
 
 
 class Recomputed(torch.autograd.Function):
-    """f(*args) -> one tensor, keeping only args (n activations, then weights); the backward reruns f.
-    LinearsAfter keeps its inputs alike (setup_context)."""
+    """f(*args) -> one tensor, keeping only args (n activations, then weights); the backward reruns f."""
 
     @staticmethod
     def forward(f, cfg, n, *args):
@@ -151,8 +150,7 @@ class Recomputed(torch.autograd.Function):
 
 
 class LinearsAfter(Recomputed):
-    """[F.linear(pre(x, *pre_args), w, b) for each (w, b)], keeping x and the weights, not pre's output;
-    the backward reruns pre and differentiates the matmuls as autograd does (so fp32 gives its bits)."""
+    """[F.linear(pre(x, *pre_args), w, b) for each (w, b)], keeping x and the weights; the backward reruns pre."""
 
     @staticmethod
     def forward(pre, cfg, n, x, *args):
@@ -167,8 +165,8 @@ class LinearsAfter(Recomputed):
             h, pre_vjp = torch.func.vjp(ctx.f, *after([x], gs[0]), *args[:n])     # (B,T,Cin)
         h2 = h.flatten(0, -2).to(weights[0].dtype)                                 # (BT,Cin), autocast's cast
         gs2 = [g.flatten(0, -2) for g in gs]                                       # (BT,Cout) each
+        # the matmuls' gradients as autograd forms them (fp32 gives its bits): dh summed last matmul first
         grads = [d for g2 in gs2 for d in (g2.t().mm(h2), g2.sum(0))]             # (Cout,Cin), (Cout,) each
-        # summed in autograd's order: the last matmul's gradient first
         dh = functools.reduce(torch.add, [g2.mm(w).view(h.shape).to(h.dtype)
                                           for g2, w in zip(gs2[::-1], weights[::-1])])  # (B,T,Cin)
         return None, None, None, *pre_vjp(dh), *grads
@@ -381,10 +379,9 @@ GRADIENT = "gradient"  # the profiler's name for one grad_fn call
 def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
     """One step on micro-batches x, y (A,B,T), in place: (mean token loss, norm before clipping), 0-d, unsynced."""
     weights, grads = state["weights"], state["grads"]
-    A = x.shape[0]
     summed = RECIPES[cfg.recipe].summed
-    scale = 1.0 if summed else 1.0 / (A * world)
-    for i in range(A):
+    scale = 1.0 if summed else 1.0 / (len(x) * world)
+    for i in range(len(x)):
         with torch.profiler.record_function(GRADIENT):  # for --profile's split into forward and backward
             micro_grads, micro_loss = grad_fn(weights, x[i], y[i], scale, cfg)
         # fp32 sums in the flat buffer: the first micro-batch's copied in, the rest added
@@ -416,8 +413,7 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
 
 
 def gpt2_activation_bytes(cfg):
-    """Bytes of one micro-batch's activations at the peak of its eager forward+backward at cfg.recompute:
-    what the blocks keep, and the larger of what the head's backward and a block's backward add."""
+    """Bytes of one micro-batch's activations at the peak of its eager forward+backward at cfg.recompute."""
     N, C, V, H = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_head
     s = compute_dtype(cfg).itemsize  # the activations' bytes; the fp32 ones say 4
     kept = {  # per block, from its forward to its backward: (B,T,C) each unless said
@@ -561,8 +557,7 @@ def speedrun_logits(h, weight, bias):
 
 
 class SoftcapCrossEntropy(CrossEntropy):
-    """CrossEntropy of the head's output z (..., Vp) soft-capped, over all Vp columns; the backward forms dz
-    in place in a softcap rerun's two tensors."""
+    """CrossEntropy of the head's output z (..., Vp) soft-capped, over all Vp columns; dz formed in place."""
 
     @staticmethod
     def forward(z, targets):
@@ -628,8 +623,7 @@ def speedrun_muon(names, params, grads, m, lr, dtype):
 
 
 def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
-    """The speedrun step, in place, on the gradients times coef: AdamW by group on the tensors v holds, Muon
-    on the rest (the blocks' matrices, whole), then the copies refreshed; a ZeRO-1 shard may lack a group."""
+    """The speedrun step in place on the gradients times coef: AdamW on v's tensors by group, Muon on the rest."""
     lr = dict(zip(SPEEDRUN_LRS, scalars[:4]))
     clip_in_place(list(grads.values()), coef, cfg)
     for group in ("embed", "head", "vector"):
@@ -647,8 +641,7 @@ def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
 # -- training step
 
 def speedrun_activation_bytes(cfg):
-    """gpt2_activation_bytes for the speedrun model: what its blocks and embedding keep, and the larger of
-    what the head's backward and a block's backward add."""
+    """gpt2_activation_bytes for the speedrun model."""
     N, C, V, H = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_head
     s = compute_dtype(cfg).itemsize  # the activations' bytes; the fp32 ones say 4
     kept = {  # per block, from its forward to its backward: (B,T,C) each unless said
@@ -690,8 +683,7 @@ RECIPES["speedrun"] = Recipe(
 # Torchfunc plumbing: state, evaluation and profiles
 
 def compute_groups(cfg):
-    """[(names, dtype)] of the tensors the model computes with, by dtype, each a stretch of the flat buffers:
-    the fp32 embedding tables and the bf16 rest (or all fp32), then the speedrun recipe's Muon matrices."""
+    """[(names, dtype)] of the tensors the model computes with, each group a stretch of the flat buffers."""
     recipe, shapes = RECIPES[cfg.recipe], param_shapes(cfg)
     muon = recipe.muon_names(shapes)
     names = [k for k in shapes if k not in muon]
@@ -704,8 +696,7 @@ def compute_groups(cfg):
 
 
 def make_state(params, m, v, cfg, device, rank, world):
-    """The training state on the device from numpy dicts of the fp32 masters and moments: all `grads` (views
-    of `grad_buffer`) and `weights`, and the `shard_*` tensors that train_step updates at its ZeRO stage."""
+    """The state on the device: `grads` (views of `grad_buffer`), `weights`, and the `shard_*` train_step updates."""
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
