@@ -632,8 +632,7 @@ def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
             speedrun_adamw(names, params, grads, m, v, lr[group], scalars[4], scalars[5], cfg.weight_decay)
     muon = [k for k in grads if k not in v]
     for shape in dict.fromkeys(params[k].shape for k in muon):
-        speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m, lr["muon"],
-                      compute_dtype(cfg))
+        speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m, lr["muon"], compute_dtype(cfg))
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
@@ -848,10 +847,9 @@ def main(argv, signals):
             if cfg.profile and step == profile_steps[0]:
                 profiler.start()
             t0 = time.perf_counter()
-            x, y = step_batches(train_loader, grad_accum)                          # (A,B,T) each
+            x, y = (put_batch(b, device) for b in step_batches(train_loader, grad_accum))  # (A,B,T) each
             scalars = recipe.scalars(step, cfg, device)                            # (3,) or (6,)
-            loss, norm = train_step(state, put_batch(x, device), put_batch(y, device), scalars, cfg,
-                                    grad_fn, update_fn, world)
+            loss, norm = train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             dt = time.perf_counter() - t0
             times[step] = dt
