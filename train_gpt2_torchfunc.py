@@ -463,7 +463,6 @@ from trainkit.torch_shared import fp8_matmul, fp8_quantize
 # -- model
 
 
-# As the reference's GPT computes it: RMSNorm with the compute dtype's machine epsilon, rotary in fp32.
 def rotary(x):
     """The reference's half-truncated rotary embedding of q or k (B,T,H,D): the halves' first D/4 pairs turn."""
     T, D = x.shape[1], x.shape[3]
@@ -487,7 +486,7 @@ def speedrun_attention(q, k, v, cfg):
 
 
 def speedrun_block(x, w, cfg):
-    """One pre-norm block of the speedrun model, with one layer's weights w (the names after blocks.<layer>.)."""
+    """The reference's pre-norm block, with one layer's weights w (the names after blocks.<layer>.)."""
     B, T, C = x.shape
     H, D = C // HEAD_DIM, HEAD_DIM
 
