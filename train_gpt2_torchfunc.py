@@ -360,16 +360,14 @@ def loss_fn(params, x, y, cfg):
     return losses.sum() if recipe.summed else losses.mean()
 
 
-def scaled_loss(weights, x, y, scale, cfg):
-    return loss_fn(weights, x, y, cfg) * scale
-
-
 def grads_and_loss(weights, x, y, scale, cfg):
     """({name: gradient in its weight's dtype}, loss) of scale x loss_fn on one micro-batch, by torch.func."""
+    def scaled_loss(weights):
+        return loss_fn(weights, x, y, cfg) * scale
     if torch.compiler.is_compiling():  # not vjp: Dynamo fails on a vjp in its backward, as --recompute's are
-        return torch.func.grad_and_value(scaled_loss)(weights, x, y, scale, cfg)
+        return torch.func.grad_and_value(scaled_loss)(weights)
     # eager, vjp: grad's backward keeps a graph of itself, every saved tensor to the end (527 MB against 313)
-    loss, loss_vjp = torch.func.vjp(lambda w: scaled_loss(w, x, y, scale, cfg), weights)
+    loss, loss_vjp = torch.func.vjp(scaled_loss, weights)
     return loss_vjp(torch.ones_like(loss), retain_graph=False, create_graph=False)[0], loss
 
 
