@@ -248,8 +248,7 @@ def next_logits(params, tokens, t, cfg):
 
 
 class CrossEntropy(torch.autograd.Function):
-    """(per-token loss (...,) in fp32, its logsumexp) of logits (..., Vp) over the first V columns; the
-    backward is llm.c's fused classifier, dlogits = g (softmax - onehot) in one pass, in the logits' dtype."""
+    """(per-token loss (...,) fp32, logsumexp) of logits (..., Vp) over the first V columns; llm.c's backward."""
 
     @staticmethod
     def forward(logits, targets):
@@ -517,8 +516,7 @@ def speedrun_transformer(params, idx, cfg):
 
 
 class FP8HeadMatmul(torch.autograd.Function):
-    """(z, h_f8, W_f8): z (N,V) = h (N,C) W^T on --fp8-head's FP8 operands, in h's dtype (docs/FORMATS.md);
-    the backward quantizes dz to e5m2: dh = dz_f8 W_f8 in h's dtype, dW = dz_f8^T h_f8 in fp32."""
+    """(z, h_f8, W_f8): z (N,V) = h (N,C) W^T on --fp8-head's FP8 operands (docs/FORMATS.md), dz in e5m2."""
 
     @staticmethod
     def forward(h, w):
