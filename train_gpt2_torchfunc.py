@@ -606,13 +606,11 @@ def speedrun_adamw(names, params, grads, m, v, lr, bias1, bias2, weight_decay):
 
 def speedrun_muon(names, params, grads, m, lr, dtype):
     """Muon on the matrices `names`, all of one shape (r,c), in place, newton_schulz batched over them."""
-    g = [grads[k] for k in names]
-    momentum = [m[k] for k in names]
+    g, momentum, p = ([d[k] for k in names] for d in (grads, m, params))
     torch._foreach_lerp_(momentum, g, 1.0 - MUON_MOMENTUM)
     u = torch.stack(torch._foreach_lerp(g, momentum, MUON_MOMENTUM))              # (n,r,c) Nesterov
     r, c = u.shape[1:]
     update = newton_schulz(u, dtype).float() * max(1.0, r / c) ** 0.5             # (n,r,c)
-    p = [params[k] for k in names]
     torch._foreach_mul_(p, 1.0 - lr * MUON_WEIGHT_DECAY)
     torch._foreach_sub_(p, list((update * lr).unbind(0)))
 
