@@ -131,9 +131,8 @@ def param_shapes(cfg):
 # GPT-2: model
 
 
-# The model is a pure function of the parameter dict. LayerNorm, GELU and the cross-entropy have
-# hand-written backward passes (custom_vjp) so that the backward keeps what llm.c keeps (the
-# compute-dtype inputs plus fp32 mean/rstd/logsumexp) rather than autodiff's fp32 temporaries.
+# LayerNorm, GELU and the cross-entropy have hand-written backwards (custom_vjp) that keep what llm.c
+# keeps (the compute-dtype inputs, fp32 mean/rstd/logsumexp), not autodiff's fp32 temporaries.
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 
@@ -150,13 +149,11 @@ def layernorm(x, w, b):
 
 def _layernorm_fwd(x, w, b):
     xf = x.astype(jnp.float32)                                                     # (..., C)
-    # both statistics from one read of x: sums of d and d^2 for d = x - (the row's first element), a
-    # shift that keeps E[d^2] - E[d]^2 free of cancellation however far the row sits from zero
+    # both statistics in one read of x; the shift by the row's first element keeps E[d^2] - E[d]^2 exact
     d = xf - xf[..., :1]                                                           # (..., C)
     d_mean = jnp.mean(d, axis=-1, keepdims=True)                                   # (..., 1)
     var = jnp.maximum(jnp.mean(jnp.square(d), axis=-1, keepdims=True) - jnp.square(d_mean), 0.0)  # (..., 1)
-    # the barrier makes XLA keep mean and rstd for the backward instead of recomputing them there,
-    # which would have it write dy * xhat out in fp32 for the dw reduction to read back
+    # the barrier keeps mean and rstd for the backward: recomputed there, dy * xhat goes out to memory in fp32
     mean, rstd = jax.lax.optimization_barrier(
         (xf[..., :1] + d_mean, jax.lax.rsqrt(var + 1e-5)))                         # (..., 1) each
     y = (xf - mean) * rstd * w.astype(jnp.float32) + b.astype(jnp.float32)         # (..., C)
@@ -179,17 +176,10 @@ def _layernorm_bwd(res, dy):
 layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
 
 
-def _gelu_tanh(hf):
-    return jnp.tanh(GELU_SCALE * (hf + 0.044715 * hf * hf * hf))
-
-
 @jax.custom_vjp
 def gelu(h):
-    """GPT-2's tanh-approximate GELU. Written in h's own dtype and in exactly the form XLA's GPU matmul
-    rewriter recognizes, so that on a GPU it runs inside the c_fc matmul as cuBLASLt's GELU epilogue
-    (computed in fp32 there, pre-activation kept as a second output for the backward) instead of as a
-    separate pass over the (N,4C) activations. Elsewhere XLA evaluates it in fp32 (excess precision);
-    in bf16 its constants are then bf16-rounded (sqrt(2/pi) 0.13% low)."""
+    """GPT-2's tanh-approximate GELU in h's dtype."""
+    # in the exact form XLA's GPU matmul rewriter fuses into c_fc's matmul as cuBLASLt's GELU epilogue
     return h * (0.5 * (1.0 + jnp.tanh(GELU_SCALE * (h + 0.044715 * (h * (h * h))))))  # (..., 4C)
 
 
@@ -198,10 +188,9 @@ def _gelu_fwd(h):
 
 
 def _gelu_bwd(h, dy):
-    # the barrier keeps XLA from sharing tanh with the forward, which it would do by writing that fp32
-    # (N,4C) tensor out in the forward and reading it back here: recomputing from bf16 h moves less
+    # the barrier stops XLA sharing the forward's tanh (an fp32 (N,4C) write and read): rerunning it moves less
     hf = jax.lax.optimization_barrier(h).astype(jnp.float32)                       # (..., 4C)
-    t = _gelu_tanh(hf)                                                             # (..., 4C)
+    t = jnp.tanh(GELU_SCALE * (hf + 0.044715 * hf * hf * hf))                      # (..., 4C)
     slope = 0.5 * (1.0 + t) + 0.5 * hf * (1.0 - t * t) * GELU_SCALE * (1.0 + 3 * 0.044715 * hf * hf)
     return ((dy.astype(jnp.float32) * slope).astype(h.dtype),)
 
@@ -210,15 +199,14 @@ gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def _lse_combine(a, b):
-    """Merges two partial logsumexps held as (running max, sum of exp(x - max)): one exp per merge."""
+    """Merges two partial logsumexps (running max, sum of exp(x - max)) with one exp."""
     (ma, sa), (mb, sb) = a, b
     e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
     return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
 
 
 def logsumexp_one_pass(x):
-    """fp32 logsumexp over the last axis in ONE read of x (an online softmax as a variadic reduction),
-    where max-then-sum would read the (N, V) logits twice."""
+    """fp32 logsumexp over the last axis in one read of x (an online softmax as a variadic reduction)."""
     xf = x.astype(jnp.float32)                                                     # (..., V)
     lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
     m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
@@ -228,8 +216,7 @@ def logsumexp_one_pass(x):
 
 @jax.custom_vjp
 def cross_entropy(logits, targets):
-    """Per-token loss (...,) in fp32 of logits (..., Vp) over the first V columns only. The backward is
-    llm.c's fused classifier: dlogits = g * (softmax - onehot), written once in the logits' dtype."""
+    """Per-token fp32 loss (...,) of logits (..., Vp) over the first V columns; llm.c's fused backward."""
     return _cross_entropy_fwd(logits, targets)[0]
 
 
@@ -244,7 +231,6 @@ def _cross_entropy_bwd(res, g):
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)      # (..., Vp)
     probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])                  # (..., Vp)
     dlogits = (probs - (col == targets[..., None])) * g[..., None]                 # (..., Vp)
-    # the padded columns get no gradient (their probability is zero: they are outside the softmax)
     return jnp.where(col < VOCAB_SIZE, dlogits, 0.0).astype(logits.dtype), None
 
 
@@ -252,14 +238,12 @@ cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def linear(x, w, b):
-    """x (..., in) @ w (out, in).T + b (out): llm.c's / torch's Linear layout; the output is named
-    "matmul" for --recompute pointwise (RECOMPUTE_POLICIES)."""
+    """x (..., in) @ w (out, in).T + b (out), named "matmul" for --recompute pointwise."""
     return checkpoint_name(x @ w.T + b, "matmul")                                  # (..., out)
 
 
 def attention(q, k, v, cfg):
-    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C); heads are D-wide slices of C. cuDNN's fused
-    flash attention on an NVIDIA GPU (--attn cudnn), else XLA's (fp32 softmax either way)."""
+    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C): cuDNN's flash attention (--attn cudnn) or XLA's."""
     B, T, C = q.shape
     H, D = cfg.n_head, C // cfg.n_head
     q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))                           # (B,T,H,D) each
@@ -272,11 +256,8 @@ def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's weights."""
     C = x.shape[-1]
     h = layernorm(x, lp["ln_1.w"], lp["ln_1.b"])                                  # (B,T,C)
-    # q, k, v from c_attn's three row blocks: three contiguous outputs for the attention kernel, where
-    # slicing one (B,T,3C) product would cost a copy of each (and a concatenation in the backward). The
-    # barrier hides that the three inputs are one tensor: XLA would otherwise merge two of the matmuls
-    # into one, then spend a pass over both outputs adding the biases and splitting them apart (and a
-    # concatenation of their gradients), where separate matmuls add the bias in cuBLAS's epilogue.
+    # three matmuls give three contiguous q, k, v (slicing one (B,T,3C) product copies); the barrier
+    # stops XLA merging them back, which would add the biases in a pass of its own, not in cuBLAS's epilogue
     hs = jax.lax.optimization_barrier((h, h, h))                                   # 3 x (B,T,C)
     q, k, v = (linear(hs[i], lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
                for i in range(3))                                                  # (B,T,C) each
@@ -286,20 +267,15 @@ def block(x, lp, cfg):
     return x + linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                  # (B,T,C)
 
 
-# --recompute as the jax.checkpoint policy around each block (both recipes): what the policy saves is
-# kept for the backward, the rest of the block's forward reruns there, one block at a time. none: no
-# checkpoint (autodiff keeps what its backward reads); pointwise: the values named "matmul" (linear's
-# outputs) and "attention" (the attention's output), so the norms, the rotary and the MLP's activation
-# rerun, and so does the attention's softmax (from the kept q and k) where XLA's kernel kept its scores
-# (cuDNN's forward reruns for its row logsumexp, which has no name); block: nothing, so only each block's
-# input stays (the argument of the checkpoint)
+# --recompute as the jax.checkpoint policy around each block: pointwise keeps the matmuls' and the
+# attention's outputs (the rest reruns in the backward), block keeps only each block's input
 RECOMPUTE_POLICIES = {"none": None,
                       "pointwise": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
                       "block": jax.checkpoint_policies.nothing_saveable}
 
 
 def recomputed(block_fn, cfg):
-    """block_fn(x, weights) -> x with its backward keeping what cfg.recompute keeps (RECOMPUTE_POLICIES)."""
+    """block_fn(x, weights) -> x, its backward keeping what cfg.recompute keeps."""
     policy = RECOMPUTE_POLICIES[cfg.recompute]
     if policy is None:
         return block_fn
@@ -313,12 +289,8 @@ def recomputed(block_fn, cfg):
         return jax.vjp(checkpointed, x, weights)  # the vjp's leaves: what the policy keeps
 
     def layer_bwd(vjp, dy):
-        # the rerun's inputs are made to depend on this block's dy, by adding -0.0 (times one element of
-        # dy), which leaves every value as it is: XLA's CPU pipeline drops optimization barriers and
-        # would run the rerun as soon as its inputs exist, in the forward, keeping all it makes (as none).
-        # The weights too: XLA's CPU backend writes broadcasts of the norms' gains out (B,T,C). With the
-        # batch split over devices that element costs one scalar all-reduce per block; a NaN or inf there
-        # makes every gradient NaN, where the step's grad norm is non-finite anyway.
+        # adding -0.0 * |dy[0]| makes the rerun wait for this block's dy: XLA's CPU pipeline drops
+        # barriers and would run it in the forward, keeping everything (as none)
         after_dy = -0.0 * jnp.abs(dy.ravel()[0])                                  # ()
         return jax.tree.map(lambda r: r + after_dy.astype(r.dtype), vjp)(dy)
 
@@ -327,14 +299,11 @@ def recomputed(block_fn, cfg):
 
 
 def transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype. Tensors that are
-    not in the compute dtype yet (fp32 masters) are cast here."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype (fp32 masters cast here)."""
     dt = compute_dtype(cfg)
     T = idx.shape[1]
-    # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32.
-    # wpe is gathered by position too, not broadcast over B: adding a broadcast (T,C) table leads XLA's
-    # GPU layout assignment to store the whole residual stream batch-minor, (T,C,B) in memory, which
-    # then costs a transpose before and after every LayerNorm and matmul.
+    # rows gathered from the fp32 tables (the scatter-add gradient sums in fp32); wpe by position too: a
+    # broadcast (T,C) table has XLA's GPU layout store the residual stream batch-minor, transposed at each op
     pos = jnp.broadcast_to(jnp.arange(T), idx.shape)                                # (B,T)
     x = (jnp.take(params["wte"], idx, axis=0) + jnp.take(params["wpe"], pos, axis=0)).astype(dt)  # (B,T,C)
     layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
@@ -360,8 +329,7 @@ def next_logits(params, tokens, t, cfg):
 
 
 def token_losses(params, x, y, cfg, train=False):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
-    columns (train: the training step's, the same here)."""
+    """Per-token fp32 cross-entropy (B,T) of targets y given inputs x (B,T) (train: the step's, the same)."""
     return cross_entropy(forward(params, x, cfg), y)                               # (B,T)
 
 
@@ -373,14 +341,13 @@ ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 
 
 def adam_scalars(step, cfg):
-    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled step as data, so a new lr never recompiles it."""
+    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t: host data to the compiled step (no recompiles)."""
     return np.array([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
                     dtype=np.float32)
 
 
 def global_norm(grads):
-    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
+    """torch's clip_grad_norm_ total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
     norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g))) for g in grads.values()])  # (n,)
     return jnp.sqrt(jnp.sum(jnp.square(norms)))
 
@@ -403,7 +370,7 @@ def adamw_update(params, grads, m, v, scalars, cfg):
 
 
 def loss_fn(params, x, y, cfg):
-    """The loss one batch contributes, fp32: the recipe's mean token loss, or its sum (Recipe.summed)."""
+    """One batch's fp32 loss: the recipe's mean token loss, or its sum (Recipe.summed)."""
     recipe = RECIPES[cfg.recipe]
     losses = recipe.token_losses(params, x, y, cfg, train=True)                    # (B,T)
     return jnp.sum(losses) if recipe.summed else jnp.mean(losses)
@@ -413,21 +380,14 @@ EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no comp
 
 
 def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
-    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A micro-batch
-    losses (each micro-batch's gradient scaled by 1/A and summed in fp32), or of the sum of every token's
-    loss (Recipe.summed), clipped to cfg.grad_clip, then the recipe's update. `layout`
-    (state_layout) places the state; at stage 0 every constraint below says "replicated" and changes
-    nothing. `copies` are stage 1's bf16 weights ({} otherwise). Returns (params, m, v, copies, mean token
-    loss, grad_norm before clipping)."""
-    A = x.shape[0]
+    """One optimizer step on A micro-batches x, y (A,B,T), state placed by `layout` (copies: stage 1's bf16
+    weights, else {}) -> (params, m, v, copies, mean token loss, grad norm before clipping)."""
     recipe = RECIPES[cfg.recipe]
     summed = recipe.summed
-    scale = 1.0 if summed else 1.0 / A
+    scale = 1.0 if summed else 1.0 / x.shape[0]  # the mean over the A micro-batches
     constrain = jax.lax.with_sharding_constraint
-    # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
-    # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch.
-    # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes. Stage 1
-    # has them already, from the last update.
+    # the compute-dtype weights, cast once per step (the embedding tables stay fp32); stage 3 gathers them
+    # after the cast (the all-gather moves compute-dtype bytes), stage 1 has them from the last update
     dt = compute_dtype(cfg)
     weights = constrain({k: copies[k] if k in copies else p if k in recipe.embeddings else p.astype(dt)
                          for k, p in params.items()}, layout["weights"])
@@ -443,9 +403,7 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     if cfg.grad_clip > 0:
         coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
         grads = {k: g * coef for k, g in grads.items()}
-    # each device updates the slice of the masters its moments cover (a local cut of the masters that
-    # are whole, no communication); out_shardings gathers those whole again, and stage 1's new bf16
-    # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
+    # each device updates the slice of the masters its moments cover; out_shardings gathers them again
     params = constrain(params, layout["moments"])
     params, m, v = recipe.update(params, grads, m, v, scalars, cfg, layout)
     loss = jnp.sum(losses) / cfg.total_batch_size if summed else jnp.sum(losses)
@@ -453,9 +411,8 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
 
 
 def attention_bytes(cfg, n_head):
-    """Bytes that one block's attention keeps for its backward beyond q, k, v and its output, with nothing
-    recomputed: XLA's kernel keeps its (B,H,T,T) scores, cuDNN's (--attn cudnn, or auto in bf16: a GPU's
-    choice) only its row logsumexp, which activation_bytes leaves out with the other row statistics."""
+    """Bytes one block's attention keeps for its backward beyond q, k, v and its output: XLA's (B,H,T,T)
+    scores; cuDNN's (--attn cudnn, or auto in bf16) only a row logsumexp, left out like other row stats."""
     if cfg.attn == "cudnn" or (cfg.attn == "auto" and cfg.dtype == "bf16"):
         return 0
     scores = cfg.batch_size * n_head * cfg.seq_len**2                               # B*H*T*T
@@ -464,29 +421,23 @@ def attention_bytes(cfg, n_head):
 
 
 def gpt2_activation_bytes(cfg):
-    """What one micro-batch's saved activations hold at the backward's start, per device: autodiff's
-    residuals (jax.ad_checkpoint.print_saved_residuals lists them) at cfg.recompute, in bytes. Row
-    statistics ((B,T) means and rstds, (B,H,T) row sums), under 1% of it, are left out."""
+    """Bytes of one micro-batch's saved activations per device at cfg.recompute (autodiff's residuals, as
+    jax.ad_checkpoint.print_saved_residuals lists them), the row statistics (under 1%) left out."""
     N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
     block = {  # per block
-        "none": (N * C * d                   # ln_1's input x (B,T,C)
-                 + N * C * d                 # ln_1's output (B,T,C), c_attn's input (the barrier's 3 are one)
+        "none": (2 * N * C * d               # ln_1's input x and output (B,T,C) (the barrier's 3 are one)
                  + 3 * N * C * d             # q, k, v (B,T,C)
                  + attention_bytes(cfg, cfg.n_head)
                  + N * C * d                 # the attention's output (B,T,C), attn.c_proj's input
-                 + N * C * d                 # ln_2's input (B,T,C)
-                 + N * C * d                 # ln_2's output (B,T,C), c_fc's input
-                 + N * 4 * C * d             # c_fc's output (B,T,4C), GELU's input
-                 + N * 4 * C * d),           # GELU's output (B,T,4C), mlp.c_proj's input
+                 + 2 * N * C * d             # ln_2's input and output (B,T,C)
+                 + 2 * N * 4 * C * d),       # c_fc's output and GELU's output (B,T,4C)
         "pointwise": (N * C * d              # the block's input x (B,T,C)
                       + 3 * N * C * d        # q, k, v (B,T,C)
-                      + N * C * d            # the attention's output (B,T,C)
-                      + N * C * d            # attn.c_proj's output (B,T,C): with x, ln_2's input
+                      + 2 * N * C * d        # the attention's and attn.c_proj's outputs (B,T,C)
                       + N * 4 * C * d),      # c_fc's output (B,T,4C)
         "block": N * C * d,                  # the block's input x (B,T,C)
     }[cfg.recompute]
-    head = (N * C * d                        # ln_f's input (B,T,C)
-            + N * C * d                      # ln_f's output (B,T,C), the lm head's input
+    head = (2 * N * C * d                    # ln_f's input and output (B,T,C)
             + N * cfg.padded_vocab_size * d)  # the logits (B,T,Vp), the cross-entropy's backward's input
     return cfg.n_layer * block + head
 
@@ -518,10 +469,8 @@ from trainkit.speedrun import (
 
 # -- model
 
-# The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names (cast
-# to the compute dtype here, so that evaluation can hand in the fp32 masters), RMSNorm with the compute
-# dtype's machine epsilon (what the reference's F.rms_norm uses where the residual stream is bf16), rotary
-# positions computed in fp32. Plain autodiff throughout.
+# The reference's GPT: weights by their state_dict names (cast here: evaluation hands in fp32 masters),
+# RMSNorm with the compute dtype's machine epsilon (as F.rms_norm), fp32 rotary; plain autodiff.
 
 
 def rms_norm(x, w, eps):
@@ -532,8 +481,7 @@ def rms_norm(x, w, eps):
 
 
 def rotary(x):
-    """The reference's half-truncated rotary embedding of q or k (B,T,H,D), in fp32: the first D/4 pairs
-    (x1[i], x2[i]) of the halves turn by the angle t * freq[i], the last D/4 stay as they are."""
+    """The reference's half-truncated rotary embedding of q or k (B,T,H,D) in fp32: D/4 pairs turn, D/4 stay."""
     T, D = x.shape[1], x.shape[3]
     freq = (1 / 1024) ** jnp.linspace(0, 1, D // 4, dtype=jnp.float32)           # (D/4,)
     freq = jnp.concatenate([freq, jnp.zeros(D // 4, jnp.float32)])                 # (D/2,)
@@ -566,11 +514,9 @@ def speedrun_block(x, params, layer, cfg):
 
 
 def speedrun_transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm, in the compute dtype; no
-    position embedding: the blocks' rotary gives the positions."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm, in the compute dtype."""
     dt = compute_dtype(cfg)
     eps = jnp.finfo(dt).eps
-    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
     x = jnp.take(params["embed.weight"], idx, axis=0).astype(dt)                  # (B,T,C)
     x = rms_norm(x, params["norm1.gains"], eps)                                    # (B,T,C)
     for layer in range(cfg.n_layer):  # each block sees its own weights: --recompute checkpoints it alone
@@ -579,32 +525,24 @@ def speedrun_transformer(params, idx, cfg):
     return rms_norm(x, params["norm2.gains"], eps)                                 # (B,T,C)
 
 
-JAX_FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-
-
 def fp8_quantize(x, kind):
-    """--fp8-head's operand `kind` (trainkit.speedrun.FP8_SCALES) of x: x times the scale's fp32 reciprocal,
-    in fp32, clamped to the format's largest finite value (ml_dtypes' casts give NaN in e4m3fn and inf in
-    e5m2 past it) and cast, rounding to nearest even."""
+    """--fp8-head's operand `kind` of x: x / scale in fp32, clamped to the format's largest finite value
+    (ml_dtypes' casts overflow to NaN or inf) and cast, rounding to nearest even."""
     fmt = FP8_FORMATS[kind]
     q = x.astype(jnp.float32) * np.float32(fp8_reciprocal(kind))
-    return jnp.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(JAX_FP8[fmt])
+    return jnp.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(f"float8_{fmt}")
 
 
 def fp8_dot(a, b, contract, scale, dtype):
-    """(a . b over the axes `contract` (of a, of b)) x scale in dtype, of float8 operands: lax.dot_general
-    on them with fp32 accumulation. XLA on a CPU widens them to fp32 and multiplies in fp32 (its compiled
-    HLO: converts, then an fp32 dot); on a Hopper GPU its GEMM rewriter should make this a cuBLASLt FP8
-    GEMM (a __cublas$lt$matmul$f8 custom call in the compiled HLO: not yet checked on a GPU)."""
+    """(a . b over the axes `contract`) x scale in dtype, of float8 operands with fp32 accumulation."""
+    # a CPU widens to fp32; on Hopper XLA should make it a cuBLASLt FP8 GEMM (not yet checked on a GPU)
     out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
     return (out * np.float32(scale)).astype(dtype)
 
 
 @jax.custom_vjp
 def fp8_head_matmul(h, w):
-    """z (N,V) = h (N,C) W^T (W (V,C)) on --fp8-head's FP8 operands, in h's dtype (docs/FORMATS.md, FP8
-    head); the backward quantizes dz to e5m2: dh = dz_f8 W_f8 in h's dtype, dW = dz_f8^T h_f8 in fp32,
-    returned in W's dtype."""
+    """z (N,V) = h (N,C) W^T in h's dtype, of FP8 operands; dz is e5m2 in the backward (docs/FORMATS.md)."""
     return fp8_head_forward(h, w)[0]
 
 
@@ -626,8 +564,7 @@ fp8_head_matmul.defvjp(fp8_head_forward, fp8_head_backward)
 
 
 def speedrun_logits(h, weight, bias, fp8=False):
-    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W);
-    fp8: h W^T on FP8 operands (fp8_head_matmul)."""
+    """The head's fp32 logits (..., rows of W) z = h W^T + b soft-capped to 15 z / sqrt(z^2 + 15^2); fp8: FP8 h W^T."""
     if fp8:
         z = fp8_head_matmul(h.reshape(-1, h.shape[-1]), weight.astype(h.dtype))   # (N,V)
         z = (z.reshape(*h.shape[:-1], -1) + bias.astype(h.dtype)).astype(jnp.float32)  # (..., V)
@@ -637,8 +574,7 @@ def speedrun_logits(h, weight, bias, fp8=False):
 
 
 def speedrun_forward(params, idx, cfg, train=False):
-    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32; train: the training
-    step's, whose head is FP8 with --fp8-head."""
+    """Soft-capped fp32 logits (B,T,Vp) of the speedrun model; train: the step's (FP8 head with --fp8-head)."""
     h = speedrun_transformer(params, idx, cfg)                                     # (B,T,C)
     return speedrun_logits(h, params["proj.weight"], params["proj.bias"],
                            fp8=train and cfg.fp8_head)                             # (B,T,Vp)
@@ -646,14 +582,12 @@ def speedrun_forward(params, idx, cfg, train=False):
 
 def speedrun_next_logits(params, tokens, t, cfg):
     """The logits (S,V) of the token after position t (traced) of tokens (S,T), for sampling."""
-    h = jax.lax.dynamic_index_in_dim(speedrun_transformer(params, tokens, cfg), t, axis=1,
-                                     keepdims=False)                              # (S,C)
+    h = jax.lax.dynamic_index_in_dim(speedrun_transformer(params, tokens, cfg), t, axis=1, keepdims=False)  # (S,C)
     return speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE], params["proj.bias"][:VOCAB_SIZE])  # (S,V)
 
 
 def speedrun_token_losses(params, x, y, cfg, train=False):
-    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns (train: the training
-    step's, speedrun_forward's)."""
+    """Per-token fp32 cross-entropy (B,T), as the reference's over all Vp columns (train: the step's)."""
     logits = speedrun_forward(params, x, cfg, train)                               # (B,T,Vp)
     target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]      # (B,T)
     return jax.nn.logsumexp(logits, axis=-1) - target_logit                        # (B,T)
@@ -669,9 +603,8 @@ def speedrun_scalars(step, cfg):
 
 
 def newton_schulz(G, dtype):
-    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F
-    (spectral norm at most 1), 12 iterations of X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, which drive
-    every singular value of X toward 1; on the transposes of tall matrices, so that A is the smaller."""
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F,
+    X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T (on tall matrices' transposes, so that A is the smaller)."""
     tall = G.shape[-2] > G.shape[-1]
     X = G.astype(dtype).mT if tall else G.astype(dtype)                            # (n,r',c')
     norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(-2, -1), keepdims=True))  # (n,1,1)
@@ -680,15 +613,12 @@ def newton_schulz(G, dtype):
     def iteration(_, X):
         A = X @ X.mT                                                               # (n,r',r')
         return 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                              # (n,r',c')
-    # a loop, not 12 unrolled copies: each shape's update compiles one body (CPU compile time)
-    X = jax.lax.fori_loop(0, NEWTON_SCHULZ_STEPS, iteration, X)                    # (n,r',c')
+    X = jax.lax.fori_loop(0, NEWTON_SCHULZ_STEPS, iteration, X)  # (n,r',c'); a loop compiles one body
     return X.mT if tall else X                                                     # (n,r,c)
 
 
 def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
-    """AdamW with the speedrun recipe's betas and eps on one tensor, as torch.optim.AdamW computes it: m =
-    lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p *= 1 - lr*wd, p -= lr mhat/(sqrt(vhat)+eps). Returns the new
-    (p, m, v)."""
+    """torch.optim.AdamW on one tensor with the speedrun recipe's betas and eps -> new (p, m, v)."""
     m = m + (1.0 - SPEEDRUN_BETA1) * (g - m)
     v = SPEEDRUN_BETA2 * v + (1.0 - SPEEDRUN_BETA2) * g * g
     update = (m / bias1) / (jnp.sqrt(v / bias2) + SPEEDRUN_EPS)
@@ -696,11 +626,8 @@ def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
 
 
 def speedrun_muon(names, params, grads, m, lr, dtype, deal):
-    """Muon on the matrices `names`, all of one shape (r,c): the momentum buffer m = lerp(m, g, 0.05),
-    Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz in `dtype` (batched over the
-    matrices, dealt over the devices by the sharding `deal` when their count divides, else whole on each)
-    and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update. Returns ({name: new p}, {name: new
-    m}) of `names`."""
+    """Muon on the matrices `names`, all of shape (r,c), orthogonalized in `dtype` and dealt over the
+    devices by the sharding `deal` when their count divides -> ({name: new p}, {name: new m})."""
     g = jnp.stack([grads[k] for k in names])                                       # (n,r,c)
     momentum = jnp.stack([m[k] for k in names])                                    # (n,r,c)
     momentum = momentum + (1.0 - MUON_MOMENTUM) * (g - momentum)                   # (n,r,c)
@@ -720,9 +647,7 @@ def speedrun_muon(names, params, grads, m, lr, dtype, deal):
 
 
 def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
-    """The speedrun recipe's step: AdamW on the tensors v holds (the embedding, the head weight, every
-    vector), each group at its lr, and Muon on the rest, the blocks' matrices, whose momentum buffers m
-    holds (dealt over the devices by `deal`: speedrun_muon). Returns new (params, m, v)."""
+    """AdamW on the tensors v holds, each group at its lr, Muon on the rest (dealt by `deal`) -> new (params, m, v)."""
     lr = {group: scalars[i] for i, group in enumerate(SPEEDRUN_LRS)}
     new_params, new_m, new_v = {}, {}, {}
     for k in v:
@@ -743,8 +668,7 @@ def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
 def speedrun_activation_bytes(cfg):
     """gpt2_activation_bytes' count for the speedrun model: autodiff's residuals at cfg.recompute."""
     N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
-    # an RMSNorm with gains keeps its input in fp32 (an fp32 copy where the compute dtype is bf16), 2x
-    # (x^2's derivative) and the normalized x, fp32 (B,T,C) each, and its output (B,T,C), a matmul's input
+    # an RMSNorm with gains keeps its input in fp32, 2x and the normalized x (fp32 each) and its output (B,T,C)
     norm = N * C * (3 * 4 + d)
     block = {  # per block
         "none": (norm                        # norm1 (its input: the block's input)
@@ -757,16 +681,13 @@ def speedrun_activation_bytes(cfg):
                  + N * 4 * C * (1 + 2 * d)),  # ReLU^2: ReLU's mask (bool), 2 ReLU(h) and the output (B,T,4C)
         "pointwise": (N * C * d              # the block's input x (B,T,C)
                       + 3 * N * C * d        # q, k, v (B,T,C)
-                      + N * C * d            # the attention's output (B,T,C)
-                      + N * C * d            # attn.proj's output (B,T,C): with x, norm2's input
+                      + 2 * N * C * d        # the attention's and attn.proj's outputs (B,T,C)
                       + N * 4 * C * d),      # mlp.fc's output (B,T,4C)
         "block": N * C * d,                  # the block's input x (B,T,C)
     }[cfg.recompute]
     head = (N * C * 3 * 4                    # the embedding's RMSNorm, less its output (block 0's input)
             + norm                           # the final RMSNorm
-            # the head's logits before the cap, the cap's rsqrt and the softmax's exp (B,T,Vp) fp32 each: what
-            # XLA keeps of autodiff's five (the cap's two products are recomputed inside their consumers)
-            + 3 * N * cfg.padded_vocab_size * 4)
+            + 3 * N * cfg.padded_vocab_size * 4)  # the logits before the cap, its rsqrt, the softmax's exp
     return cfg.n_layer * block + head
 
 
