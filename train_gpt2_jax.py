@@ -708,16 +708,11 @@ RECIPES["speedrun"] = Recipe(
 # -----------------------------------------------------------------------------
 # JAX plumbing: devices, processes, ZeRO state and evaluation
 
-# ZeRO over the mesh's "data" axis, written as shardings only: the state arrays carry a NamedSharding,
-# jit's in/out shardings and a few with_sharding_constraint calls say where each value lives, and XLA
-# inserts the collectives: the gradients' reduce-scatter (on the CPU an all-reduce and a slice; XLA's GPU
-# passes fuse the two) and the weights' all-gather.
+# ZeRO over the mesh's "data" axis as shardings only: XLA inserts the collectives (the gradients'
+# reduce-scatter, the weights' all-gather).
 
 def shard_axis(shape, world):
-    """The axis along which ZeRO splits a tensor of `shape` over `world` devices: the first whose size
-    `world` divides, so that any device count works (12 layers over 8 devices split the next axis
-    instead). None when no axis divides: that tensor stays whole on every device (device_state_bytes
-    counts it whole)."""
+    """The first axis of `shape` that `world` divides, along which ZeRO splits it; None: it stays whole."""
     return next((i for i, n in enumerate(shape) if n % world == 0), None)
 
 
@@ -728,31 +723,22 @@ def zero_spec(shape, world):
 
 
 def copied_names(cfg):
-    """The tensors that stage 1 keeps bf16 copies of across steps (llm.c's ZeRO-1: the masters split, the
-    copies the model computes with whole): all but the embedding tables, and none in fp32, where the
-    model computes with the masters themselves."""
+    """The tensors stage 1 keeps whole bf16 copies of across steps (all but the embeddings; none in fp32)."""
     if cfg.zero_stage != 1 or cfg.dtype == "fp32":
         return []
     return [k for k in param_shapes(cfg) if k not in RECIPES[cfg.recipe].embeddings]
 
 
 def cast_copies(params, names, cfg):
-    """{name: params[name] in the compute dtype} for `names`: stage 1's copies, cast at start and by
-    every update."""
+    """{name: params[name] in the compute dtype} for `names`: stage 1's copies."""
     return {k: params[k].astype(compute_dtype(cfg)) for k in names}
 
 
 def state_layout(cfg, mesh):
-    """Where each piece of training state lives at cfg.zero_stage: {piece: {name: NamedSharding}} for
-    "masters" (fp32 weights), "grads" (a step's fp32 gradient sums), "moments" (m and v), "copies" (stage
-    1's bf16 weights, whole) and "weights" (the compute copies inside a step, whole: the devices split the
-    batch, not the model); "matrices": how Muon deals each shape's stack of matrices (None at stage 0)."""
-    # Stage 1 splits the masters that have copies (fp32 ones are what the model computes with). From stage
-    # 1 the gradient sums are split like the moments: XLA sums each micro-batch's gradient over the devices
-    # inside the accumulation loop anyway, and a reduce-scatter into a slice moves half the bytes of an
-    # all-reduce into a whole copy, so stage 1 also gets ZeRO-2's saving. Muon's matrices are dealt whole,
-    # each device orthogonalizing its own, as torchfunc's ZeRO-1 deals them: a matrix split along rows
-    # would have XLA sum partial products across devices (in bf16 with --dtype bf16).
+    """{piece: {name: NamedSharding}} at cfg.zero_stage for "masters", "grads", "moments", "copies" and
+    "weights" (a step's compute copies, whole); "matrices": how Muon deals its stacks (None at stage 0)."""
+    # from stage 1 the gradient sums are split like the moments (a reduce-scatter moves half an all-reduce's
+    # bytes); Muon's matrices are dealt whole: split rows would have XLA sum partial products across devices
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
@@ -767,23 +753,19 @@ def state_layout(cfg, mesh):
 
 
 def gather_state(tree):
-    """Whole host (numpy) copies of device arrays, whichever way they are split and over however many
-    processes, so that a checkpoint never depends on the stage or device count it was saved at. A
-    collective: every process must call it, in the same order."""
+    """Whole host (numpy) copies of device arrays however they are split; a collective every process calls."""
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def counted_loss_sum(params, x, y, counted, cfg):
-    """The sum, over the first `counted` rows of a global batch x, y (B, T), of each row's mean token loss
-    (a scalar whole on every device, even when the batch's rows are split over processes)."""
+    """The sum of each row's mean token loss over the first `counted` rows of a global batch x, y (B,T)."""
     rows = RECIPES[cfg.recipe].token_losses(params, x, y, cfg).mean(-1)           # (B,)
     return jnp.where(jnp.arange(rows.shape[0]) < counted, rows, 0.0).sum()
 
 
 def evaluate_val(loss_sum_jit, params, loader, cfg, put):
-    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
-    each time): every process reads its own rows of each global batch; rows of the last batch past those
-    sequences count for nothing, so that the same weights give the same loss at any device count."""
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards, at any device count
+    the same: each process reads its own rows, and rows past those sequences count for nothing."""
     loader.reset()
     total = 0.0
     for counted in val_batches(cfg, loader):
@@ -793,8 +775,7 @@ def evaluate_val(loss_sum_jit, params, loader, cfg, put):
 
 
 def evaluate_hellaswag(losses_jit, params, cfg):
-    """(acc, acc_norm) through hellaswag.evaluate, rows fitted to the context by hellaswag.in_context;
-    every process runs it (its computations span all devices) and process 0 alone reports."""
+    """(acc, acc_norm) through hellaswag.evaluate; every process runs it, process 0 alone reports."""
     def padded_losses(x, y):                                                       # (4, width) int64 each
         return np.asarray(losses_jit(params, x.astype(np.int32), y.astype(np.int32)))  # (4, width)
     return hellaswag.evaluate(hellaswag.in_context(padded_losses, cfg.block_size), limit=cfg.hellaswag_limit,
@@ -802,9 +783,8 @@ def evaluate_hellaswag(losses_jit, params, cfg):
 
 
 def generate(params, key, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int32 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant, and one fixed shape compiles once."""
+    """SAMPLE_COUNT continuations of EOT with top-k TOP_K: token ids (S,T) int32, column 0 = EOT. No KV
+    cache: each token reruns the whole fixed-shape row (the causal mask hides the zeros to the right)."""
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
     rows = jnp.arange(SAMPLE_COUNT)                                                # (S,)
@@ -822,13 +802,8 @@ def generate(params, key, cfg):
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of training state that ONE device holds at cfg.zero_stage over `world` devices, for the
-    tensors of `shapes`: {"params": compute-dtype copies kept across steps, "grads": the fp32 gradient
-    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v, speedrun's Muon
-    momentum}. "params" counts
-    stage 1's bf16 copies only: at the other stages (and in fp32) the model's bf16 copies live only inside
-    a step. Split as state_layout splits them; a tensor without an axis the device count divides counts
-    whole."""
+    """Bytes of training state one of `world` devices holds for the tensors of `shapes`, split as
+    state_layout splits them: {"params" (stage 1's copies), "grads", "masters", "moments"}."""
     def held(shape, split, size=4):
         axis = shard_axis(shape, world) if split else None
         return size * math.prod(shape) // (world if axis is not None else 1)
@@ -840,8 +815,7 @@ def device_state_bytes(cfg, shapes, world):
 
 
 def peak_memory_gb(devices):
-    """The largest peak of allocated bytes over the devices, in GB; None where the backend keeps no
-    statistics (the CPU)."""
+    """The largest peak of allocated bytes over the devices, in GB; None without statistics (the CPU)."""
     stats = [d.memory_stats() for d in devices]
     if any(s is None or "peak_bytes_in_use" not in s for s in stats):
         return None
@@ -868,8 +842,7 @@ def resolve_attention(cfg, platform):
 
 @contextlib.contextmanager
 def fail_on_out_of_memory(cfg):
-    """Running out of device memory (at compile or run time) is a bad --batch-size or --recompute: one line,
-    no trace."""
+    """Running out of device memory (at compile or run time): one line, no trace."""
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
@@ -881,42 +854,31 @@ def fail_on_out_of_memory(cfg):
 CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
 
 
-def lost_processes(rank, world):
-    """After a collective failed: the processes that did not answer a roll call in the coordinator's
-    key-value store within CENSUS_SECONDS (each survivor writes its mark, then waits for the others'), or
-    None when the store is gone. The store is jax.distributed's client, which jax reaches only through
-    jax._src (multihost_utils does the same). Process 0 stays a second longer, so that the others read
-    the marks before its store closes."""
-    client = jax_distributed.global_state.client
-    try:
-        client.key_value_set(f"census/{rank}", "alive")
-        deadline = time.monotonic() + CENSUS_SECONDS
-        silent = list(range(world))
-        while silent and time.monotonic() < deadline:
-            marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
-            silent = [r for r in range(world) if str(r) not in marked]
-            time.sleep(0.1)
-        if rank == 0:
-            time.sleep(1)
-        return silent
-    except jax.errors.JaxRuntimeError:
-        return None
-
-
 @contextlib.contextmanager
 def fail_on_lost_peer():
-    """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
-    survivors' next collective: each survivor then names the lost process in one line, says how the run
-    goes on, and exits at once (jax.distributed's shutdown would wait ~90 s on the dead peer, then abort).
-    Other errors, or one after which every process answers, pass through. When process 0, which hosts
-    the coordinator, is the one lost, jax's own runtime ends the others at once, with its own message."""
+    """A collective failed by a lost process: each survivor names it in one line and exits at once
+    (jax.distributed's shutdown would wait ~90 s on it, then abort); other errors pass through."""
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
         rank, world = jax.process_index(), jax.process_count()
         if world == 1 or not any(s in str(e) for s in ("Gloo", "NCCL", "Connection", "UNAVAILABLE")):
             raise
-        silent = lost_processes(rank, world)
+        # a roll call in the coordinator's key-value store: who has not marked itself within CENSUS_SECONDS
+        # (None: the store is gone); process 0 stays a second longer, so the others read the marks
+        client = jax_distributed.global_state.client
+        try:
+            client.key_value_set(f"census/{rank}", "alive")
+            deadline = time.monotonic() + CENSUS_SECONDS
+            silent = list(range(world))
+            while silent and time.monotonic() < deadline:
+                marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
+                silent = [r for r in range(world) if str(r) not in marked]
+                time.sleep(0.1)
+            if rank == 0:
+                time.sleep(1)
+        except jax.errors.JaxRuntimeError:
+            silent = None
         if silent == []:
             raise
         who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
@@ -933,12 +895,8 @@ def any_process_failed(processes):
 
 
 def init_processes(cfg):
-    """Joins the other processes of a multi-host run through jax.distributed, before anything touches a
-    device. Coordinator, process count and rank come from the flags, else from JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax 0.10 reads only the first itself), else, in a run started by
-    srun or mpirun, from their environment, which jax.distributed.initialize() reads on its own. A
-    single process (the default) starts nothing. Each process says what it waits for; when they have not
-    all joined within --coordinator-timeout seconds, one line says what to check."""
+    """Joins the processes of a multi-host run (jax.distributed) before anything touches a device; the
+    coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment."""
     def env_int(name, default):
         text = os.environ.get(name, "")
         if not text:
@@ -949,8 +907,7 @@ def init_processes(cfg):
             die(f"${name} is {text!r}, not an integer")
 
     def port_of(address, source):
-        # checked here because jax takes a malformed address for a crash (IndexError, a segfault on a
-        # port that is no number) or a silent hang (a port above 65535)
+        # jax takes a malformed address for a crash or a silent hang
         host, _, port = address.rpartition(":")
         inner = host[1:-1] if host[:1] == "[" and host[-1:] == "]" else host
         if not inner or (inner == host and ":" in host) or "[" in inner or "]" in inner:
@@ -962,18 +919,14 @@ def init_processes(cfg):
     def join(coordinator, n, rank, waiting, check):
         print(waiting, flush=True)
 
-        # jax's own deadline ends in a C++ abort (XLA's default missed-heartbeat callback, which
-        # jax.distributed.initialize has no way to replace) while the main thread is blocked in C++, so
-        # nothing in Python can catch it. connect() releases the GIL, so a timer thread writes the line and
-        # ends the process first; jax's deadline, a minute later, only backstops it
+        # jax's own deadline ends in a C++ abort that Python cannot catch: a timer thread ends the process first
         def give_up():
             os.write(2, f"error: the processes did not all join within {cfg.coordinator_timeout} s "
                         f"(--coordinator-timeout): {check}\n".encode())
             os._exit(1)
         timer = threading.Timer(cfg.coordinator_timeout, give_up)
         timer.start()
-        # jax's preemption notifier would catch SIGTERM in C++ and let training run on: the trainer's own
-        # handler (trainkit.signals) stops every process at one checkpointed step instead
+        # jax's preemption notifier would swallow SIGTERM: trainkit.signals' handler stops every process instead
         jax.config.update("jax_enable_preemption_service", False)
         try:
             jax.distributed.initialize(coordinator, n, rank,
@@ -1017,8 +970,7 @@ def init_processes(cfg):
     if not 0 <= rank < n:
         die(f"--num-processes {n} needs --process-id (or $JAX_PROCESS_ID) in [0, {n}), got {rank}")
     if rank == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
-        # jax binds all addresses on the port, and on a port already taken it segfaults about every other
-        # time instead of raising; binding it here first (SO_REUSEADDR, as gRPC does) tells the two apart
+        # on a port already taken jax often segfaults instead of raising: bind it here first (as gRPC does)
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -1042,24 +994,20 @@ def init_processes(cfg):
 
 
 def place(tree, shardings):
-    """Host arrays that hold the same whole values on every process -> global device arrays laid out as
-    `shardings` (a matching tree); each process fills only its own devices' pieces."""
+    """Host arrays whole on every process -> global device arrays laid out as `shardings` (a matching tree)."""
     return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
                         tree, shardings)
 
 
 def put_rows(sharding, rows):
-    """This process's rows of a batch, (..., rows, T) -> the global batch (..., rows x processes, T)
-    split over the mesh: process p's rows are rows p*rows .. (p+1)*rows-1, on its own devices."""
+    """This process's rows (..., rows, T) -> the global batch (..., rows x processes, T) split over the mesh."""
     global_shape = rows.shape[:-2] + (rows.shape[-2] * jax.process_count(), rows.shape[-1])
     return jax.make_array_from_process_local_data(sharding, rows, global_shape)
 
 
 def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
-    """train_step jitted with the state's shardings from `layout` (donated: updated in place), batches
-    split by `step_batch`, and compiled ahead for `grad_accum` micro-batches of the global batch.
-    `state` is (params, m, v, copies), or arrays shaped and placed like them (speedrun: v of the AdamW
-    tensors only)."""
+    """train_step jitted with the donated state placed by `layout` and batches split by `step_batch`,
+    compiled ahead for `grad_accum` micro-batches; `state`: (params, m, v, copies) or their like."""
     v_shardings = {k: layout["moments"][k] for k in state[2]}
     state_shardings = (layout["masters"], layout["moments"], v_shardings, layout["copies"])
     step_jit = jax.jit(partial(train_step, cfg=cfg, layout=layout), donate_argnums=(0, 1, 2, 3),
