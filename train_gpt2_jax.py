@@ -1025,12 +1025,12 @@ def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
 @stops_on_signals
 def main(argv, signals):
     cfg, explicit = parse_args(argv)
-    if cfg.scan_layers and not RECIPES[cfg.recipe].scan_layers:
+    recipe = RECIPES[cfg.recipe]
+    if cfg.scan_layers and not recipe.scan_layers:
         die(f"--scan-layers: the {cfg.recipe} model's layers are separate tensors (no L axis) to scan over")
     init_processes(cfg)
-    # the mesh lists each process's devices together, processes in order: the data axis then gives each
-    # process one contiguous block of the global batch's rows, the block llm.c's rank `rank` of `ranks`
-    # reads, so P processes read exactly what one process with all the devices reads
+    # each process's devices together, processes in order: each process holds one contiguous block of the
+    # batch's rows, the block llm.c's rank `rank` of `ranks` reads
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     world, platform = len(devices), devices[0].platform
     dtype = default_dtype(cfg, gpu=platform != "cpu")
@@ -1038,16 +1038,17 @@ def main(argv, signals):
     master = signals.master = rank == 0  # the one process that prints, logs and writes checkpoints
     say = print if master else (lambda *args, **kwargs: None)
 
+    def log(**fields):
+        if master:
+            log_event(cfg.out_dir, FRAMEWORK, **fields)
+
     cfg.attn = resolve_attention(cfg, platform)
 
-    # the run: weights and optimizer state (a checkpoint, a model file, or the recipe's init from the seed),
-    # data, and the out dir, locked for the run's life (main's return frees it). Every micro-batch spans all
-    # devices (B x devices rows); each process's loader reads the rows of its own devices, as llm.c's loader
-    # of rank `rank` of `ranks` with B x local devices rows
+    # the weights and optimizer state, the loaders (each process reads its own devices' rows) and the out
+    # dir, locked for the run's life
     rows = cfg.batch_size * jax.local_device_count()
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
         cfg, explicit, RECIPES, rows, rank, ranks, master, say, any_process_failed(ranks))
-    T = cfg.seq_len
 
     # devices: batches split along their B axis; weights and optimizer state as --zero-stage says
     mesh = Mesh(np.array(devices), ("data",))
@@ -1057,54 +1058,45 @@ def main(argv, signals):
     eval_batch = NamedSharding(mesh, PartitionSpec("data"))                        # (B,T)
     params = place(params, layout["masters"])
     m, v = place(m, layout["moments"]), place(v, {k: layout["moments"][k] for k in v})
-    # stage 1's bf16 weights, cast on the devices as every update casts them
     copies = jax.jit(partial(cast_copies, names=list(layout["copies"]), cfg=cfg),
                      out_shardings=layout["copies"])(params)
     # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
-    recipe = RECIPES[cfg.recipe]
-    model, table = recipe.model_name, recipe.table
-    n_params = sum(p.size for k, p in params.items() if k != table)
-    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"{table}) | {world} x {devices[0].device_kind} in {ranks} process(es) | {dtype} | "
+    n_params = sum(p.size for k, p in params.items() if k != recipe.table)
+    say(f"{recipe.model_name} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters "
+        f"(without {recipe.table}) | {world} x {devices[0].device_kind} in {ranks} process(es) | {dtype} | "
         f"attention: {cfg.attn}")
-    say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
+    say(f"batch: {cfg.batch_size} x {cfg.seq_len} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    activations = RECIPES[cfg.recipe].activation_bytes(cfg)
-    say(format_memory(cfg, held, activations, world, RECIPES[cfg.recipe].optimizers))
+    activations = recipe.activation_bytes(cfg)
+    say(format_memory(cfg, held, activations, world, recipe.optimizers))
     warning = jax.default_backend() == "cpu" and memory_warning(held, activations, world, host_memory_available())
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
-    if master:
-        log_event(cfg.out_dir, FRAMEWORK, **start_event(cfg, step, world, held, activations))
+    log(**start_event(cfg, step, world, held, activations))
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
     with precision, fail_on_out_of_memory(cfg), fail_on_lost_peer():
         val_loss_sum = jax.jit(partial(counted_loss_sum, cfg=cfg))
         row_losses = jax.jit(partial(recipe.token_losses, cfg=cfg))
-        put_eval = partial(put_rows, eval_batch)
 
         # every process runs every evaluation (their computations span all devices); one logs it
         def run_evals(params, step, val, swag):
             if val and val_loader is not None:
-                val_loss = evaluate_val(val_loss_sum, params, val_loader, cfg, put_eval)
+                val_loss = evaluate_val(val_loss_sum, params, val_loader, cfg, partial(put_rows, eval_batch))
                 say(f"step {step:5d} | val loss {val_loss:.6f}")
-                if master:
-                    log_event(cfg.out_dir, FRAMEWORK, step=step, val_loss=val_loss)
+                log(step=step, val_loss=val_loss)
             if swag:
                 acc, acc_norm = evaluate_hellaswag(row_losses, params, cfg)
                 say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
-                if master:
-                    log_event(cfg.out_dir, FRAMEWORK, step=step, hellaswag_acc=acc,
-                              hellaswag_acc_norm=acc_norm)
+                log(step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
 
         if cfg.eval_only:
             run_evals(params, step, True, cfg.hellaswag_every > 0)
             return
-        # the checkpoint is written before the step's evaluations: a run killed between the two resumes
-        # by running the ones log.jsonl lacks (also where nothing is left to train). Process 0's log
-        # decides for all: the others may not see it, and all must run the same evaluations.
+        # a run killed between a checkpoint and its evaluations runs those log.jsonl lacks; process 0's
+        # log decides for all (all must run the same evaluations)
         if cfg.resume:
             logged = logged_evals(cfg.out_dir, step) if master else set()
             missing = multihost_utils.broadcast_one_to_all(
@@ -1116,15 +1108,13 @@ def main(argv, signals):
             return
 
         t0 = time.perf_counter()
-        compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies),
-                                      grad_accum)
+        compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies), grad_accum)
         compile_s = time.perf_counter() - t0
         say(f"compiled train step in {compile_s:.1f} s (counted in the first step's time)")
         generate_jit = jax.jit(partial(generate, cfg=cfg))
 
-        flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(devices[0].device_kind, cfg.dtype) if platform == "gpu" else None
-        flops = (flops_per_token, peak * world if peak else None)  # per token; the devices' peak per s
+        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile_dir = os.path.join(cfg.out_dir, "profile")
@@ -1135,23 +1125,20 @@ def main(argv, signals):
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
             with jax.profiler.StepTraceAnnotation("train_step", step_num=step):
                 t0 = time.perf_counter()
-                x, y = step_batches(train_loader, grad_accum)               # (A,rows,T) each
+                x, y = step_batches(train_loader, grad_accum)                      # (A,rows,T) each
                 scalars = place(recipe.scalars(step, cfg), replicated)
-                params, m, v, copies, loss, norm = compiled(params, m, v, copies,
-                                                            put_rows(step_batch, x),
+                params, m, v, copies, loss, norm = compiled(params, m, v, copies, put_rows(step_batch, x),
                                                             put_rows(step_batch, y), scalars)
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
-                # the ahead-of-time compile is the first step's, as torch.compile's is in the torch trainers:
-                # --time-budget and the wall time of plot_runs.py then count every trainer's alike
+                # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
                 dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
             times[step] = dt
             spent += dt
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
-            # --time-budget and signals: all processes must stop at the same step, process 0's clock
-            # deciding for all, and a signal to any process stopping all
+            # every process stops at the same step: process 0's clock decides, a signal to any stops all
             budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
-            if jax.process_count() > 1:
+            if ranks > 1:
                 flags = multihost_utils.process_allgather(np.array([budget_spent, signum], np.int32))
                 budget_spent, signum = bool(flags[0, 0]), int(flags[:, 1].max())
             last = step if budget_spent or signum else cfg.steps
@@ -1161,26 +1148,21 @@ def main(argv, signals):
                 say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {profile_dir} "
                     f"(Perfetto: the .trace.json.gz; TensorBoard: the .xplane.pb) | step time mean "
                     f"{np.mean(ms):.1f} ms, min {min(ms):.1f} ms, max {max(ms):.1f} ms")
-            report_step(step, cfg, loss, norm, RECIPES[cfg.recipe].lr_at(step - 1, cfg), dt, peak_memory_gb(jax.local_devices()), flops,
-                        FRAMEWORK, master, say)
-            # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses no training.
-            # Every process gathers the whole tensors, one writes, the others wait for it.
+            report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(jax.local_devices()),
+                        flops, FRAMEWORK, master, say)
+            # the checkpoint before the evaluations (one that fails loses no training): all gather, one writes
             if due(cfg.ckpt_every, step, last):
                 whole = gather_state((params, m, v))
                 if master:
-                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg,
-                                           RECIPES[cfg.recipe])
+                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg, recipe)
                     say(f"saved {path}")
                 multihost_utils.sync_global_devices(f"checkpoint {step}")
-            # a signal stops here: --resume runs the step's evaluations that log.jsonl lacks
-            stop_on_signal(signum, step, cfg, master)
-            run_evals(params, step, due(cfg.val_every, step, last),
-                      due(cfg.hellaswag_every, step, last))
+            stop_on_signal(signum, step, cfg, master)  # --resume runs the step's evaluations log.jsonl lacks
+            run_evals(params, step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
             if due(cfg.sample_every, step, last):
                 key = jax.random.fold_in(jax.random.key(cfg.seed), step)
                 for i, row in enumerate(np.asarray(generate_jit(params, key))):
-                    text = encoder.decode([int(t) for t in row[1:]])
-                    say(f"sample {i}: {text!r}")
+                    say(f"sample {i}: {encoder.decode([int(t) for t in row[1:]])!r}")
             if budget_spent:
                 say(f"--time-budget {cfg.time_budget:g} s reached: stopped after step {step} of {cfg.steps}")
                 break
@@ -1189,10 +1171,8 @@ def main(argv, signals):
 
 
 if __name__ == "__main__":
-    # cuBLAS for every GPU matmul (NVIDIA's JAX containers set this too). On the H100 every matmul
-    # here ran in cuBLAS anyway, yet with Triton matmuls enabled the biases were added in separate
-    # passes; with them disabled XLA folds bias and GELU into cuBLASLt epilogues (seen in the H100
-    # HLO compiled offline). Set before JAX starts its backend; an XLA_FLAGS naming it is left alone.
+    # cuBLAS for every GPU matmul, as NVIDIA's JAX containers set: with Triton matmuls enabled the H100 added
+    # the biases in passes of their own, not in cuBLASLt's epilogues. An XLA_FLAGS naming it is left alone.
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_enable_triton_gemm" not in xla_flags:
         os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_gpu_enable_triton_gemm=false".strip()
