@@ -198,19 +198,16 @@ def _gelu_bwd(h, dy):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def _lse_combine(a, b):
-    """Merges two partial logsumexps (running max, sum of exp(x - max)) with one exp."""
-    (ma, sa), (mb, sb) = a, b
-    e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
-    return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
-
-
 def logsumexp_one_pass(x):
     """fp32 logsumexp over the last axis in one read of x (an online softmax as a variadic reduction)."""
+    def combine(a, b):  # two partials (running max, sum of exp(x - max)) merged with one exp
+        (ma, sa), (mb, sb) = a, b
+        e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
+        return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
     xf = x.astype(jnp.float32)                                                     # (..., V)
     lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
     m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
-                          _lse_combine, (x.ndim - 1,))                             # (...,) each
+                          combine, (x.ndim - 1,))                             # (...,) each
     return m + jnp.log(s)                                                          # (...,)
 
 
@@ -301,10 +298,9 @@ def recomputed(block_fn, cfg):
 def transformer(params, idx, cfg):
     """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype (fp32 masters cast here)."""
     dt = compute_dtype(cfg)
-    T = idx.shape[1]
     # rows gathered from the fp32 tables (the scatter-add gradient sums in fp32); wpe by position too: a
     # broadcast (T,C) table has XLA's GPU layout store the residual stream batch-minor, transposed at each op
-    pos = jnp.broadcast_to(jnp.arange(T), idx.shape)                                # (B,T)
+    pos = jnp.broadcast_to(jnp.arange(idx.shape[1]), idx.shape)                                # (B,T)
     x = (jnp.take(params["wte"], idx, axis=0) + jnp.take(params["wpe"], pos, axis=0)).astype(dt)  # (B,T,C)
     layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
     layer = recomputed(lambda x, lp: block(x, lp, cfg), cfg)
@@ -416,8 +412,7 @@ def attention_bytes(cfg, n_head):
     if cfg.attn == "cudnn" or (cfg.attn == "auto" and cfg.dtype == "bf16"):
         return 0
     scores = cfg.batch_size * n_head * cfg.seq_len**2                               # B*H*T*T
-    # the causal mask (bool), the masked scores and their exp (fp32), the probabilities (compute dtype)
-    return scores * (1 + 4 + 4 + jnp.dtype(compute_dtype(cfg)).itemsize)
+    return scores * (1 + 4 + 4 + jnp.dtype(compute_dtype(cfg)).itemsize)  # mask, scores, exp, probabilities
 
 
 def gpt2_activation_bytes(cfg):
@@ -485,8 +480,7 @@ def rotary(x):
     T, D = x.shape[1], x.shape[3]
     freq = (1 / 1024) ** jnp.linspace(0, 1, D // 4, dtype=jnp.float32)           # (D/4,)
     freq = jnp.concatenate([freq, jnp.zeros(D // 4, jnp.float32)])                 # (D/2,)
-    t = jnp.arange(T, dtype=jnp.float32)                                           # (T,)
-    theta = jnp.outer(t, freq)[None, :, None]                                      # (1,T,1,D/2)
+    theta = jnp.outer(jnp.arange(T, dtype=jnp.float32), freq)[None, :, None]       # (1,T,1,D/2)
     cos, sin = jnp.cos(theta), jnp.sin(theta)                                      # (1,T,1,D/2) each
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)                          # (B,T,H,D/2) each
     return jnp.concatenate((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).astype(x.dtype)  # (B,T,H,D)
@@ -651,9 +645,8 @@ def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
     lr = {group: scalars[i] for i, group in enumerate(SPEEDRUN_LRS)}
     new_params, new_m, new_v = {}, {}, {}
     for k in v:
-        new_params[k], new_m[k], new_v[k] = speedrun_adamw(params[k], grads[k], m[k], v[k],
-                                                           lr[adamw_group(k)], scalars[4], scalars[5],
-                                                           cfg.weight_decay)
+        new_params[k], new_m[k], new_v[k] = speedrun_adamw(params[k], grads[k], m[k], v[k], lr[adamw_group(k)],
+                                                           scalars[4], scalars[5], cfg.weight_decay)
     muon = [k for k in grads if k not in v]
     for shape in dict.fromkeys(params[k].shape for k in muon):
         p, momentum = speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m,
@@ -742,13 +735,10 @@ def state_layout(cfg, mesh):
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
+    sharded = split if cfg.zero_stage >= 1 else whole
     copied = copied_names(cfg)
-    masters = {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split}
-    return {"masters": masters,
-            "grads": split if cfg.zero_stage >= 1 else whole,
-            "moments": split if cfg.zero_stage >= 1 else whole,
-            "copies": {k: replicated for k in copied},
-            "weights": whole,
+    return {"masters": {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split},
+            "grads": sharded, "moments": sharded, "copies": {k: replicated for k in copied}, "weights": whole,
             "matrices": NamedSharding(mesh, PartitionSpec("data")) if cfg.zero_stage >= 1 else None}
 
 
@@ -787,7 +777,6 @@ def generate(params, key, cfg):
     cache: each token reruns the whole fixed-shape row (the causal mask hides the zeros to the right)."""
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
-    rows = jnp.arange(SAMPLE_COUNT)                                                # (S,)
 
     def sample_next(t, carry):                                                     # token t+1 from 0..t
         tokens, key = carry
@@ -795,7 +784,7 @@ def generate(params, key, cfg):
         top_logits, top_ids = jax.lax.top_k(logits, TOP_K)                        # (S,K) each
         key, sub = jax.random.split(key)
         choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
-        return tokens.at[:, t + 1].set(top_ids[rows, choice]), key
+        return tokens.at[:, t + 1].set(top_ids[jnp.arange(SAMPLE_COUNT), choice]), key
 
     tokens, _ = jax.lax.fori_loop(0, T - 1, sample_next, (tokens, key))
     return tokens
@@ -851,9 +840,6 @@ def fail_on_out_of_memory(cfg):
         die_out_of_memory(cfg, e)
 
 
-CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
-
-
 @contextlib.contextmanager
 def fail_on_lost_peer():
     """A collective failed by a lost process: each survivor names it in one line and exits at once
@@ -864,12 +850,12 @@ def fail_on_lost_peer():
         rank, world = jax.process_index(), jax.process_count()
         if world == 1 or not any(s in str(e) for s in ("Gloo", "NCCL", "Connection", "UNAVAILABLE")):
             raise
-        # a roll call in the coordinator's key-value store: who has not marked itself within CENSUS_SECONDS
-        # (None: the store is gone); process 0 stays a second longer, so the others read the marks
+        # a roll call in the coordinator's key-value store: who has not marked itself within 5 s (None: the
+        # store is gone); process 0 stays a second longer, so the others read the marks
         client = jax_distributed.global_state.client
         try:
             client.key_value_set(f"census/{rank}", "alive")
-            deadline = time.monotonic() + CENSUS_SECONDS
+            deadline = time.monotonic() + 5
             silent = list(range(world))
             while silent and time.monotonic() < deadline:
                 marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
@@ -899,10 +885,8 @@ def init_processes(cfg):
     coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment."""
     def env_int(name, default):
         text = os.environ.get(name, "")
-        if not text:
-            return default
         try:
-            return int(text)
+            return int(text) if text else default
         except ValueError:
             die(f"${name} is {text!r}, not an integer")
 
@@ -918,7 +902,6 @@ def init_processes(cfg):
 
     def join(coordinator, n, rank, waiting, check):
         print(waiting, flush=True)
-
         # jax's own deadline ends in a C++ abort that Python cannot catch: a timer thread ends the process first
         def give_up():
             os.write(2, f"error: the processes did not all join within {cfg.coordinator_timeout} s "
@@ -945,8 +928,7 @@ def init_processes(cfg):
     if n < 0:
         die(f"$JAX_NUM_PROCESSES must be >= 1, got {n}")
     if cfg.process_id >= 0 and n == 0:
-        die(f"--process-id {cfg.process_id} needs --num-processes (or $JAX_NUM_PROCESSES), the count it "
-            "is a rank of")
+        die(f"--process-id {cfg.process_id} needs --num-processes (or $JAX_NUM_PROCESSES), the count it is a rank of")
     if cfg.process_id >= n:
         source = "--num-processes" if cfg.num_processes else "$JAX_NUM_PROCESSES"
         die(f"--process-id {cfg.process_id} is out of range: {source} {n} needs it in [0, {n})")
@@ -955,11 +937,10 @@ def init_processes(cfg):
     if n == 0:  # srun / mpirun: JAX finds the coordinator, count, rank and local devices itself
         if cfg.coordinator:
             port_of(cfg.coordinator, "--coordinator")
-        join(cfg.coordinator or None, None, None,
-             f"waiting up to {cfg.coordinator_timeout} s for the {launched} processes of this srun/mpirun "
-             "launch to join",
-             "check that all of them started, that their hosts reach process 0's (firewalls), and that none "
-             "got another --coordinator or --num-processes")
+        join(cfg.coordinator or None, None, None, f"waiting up to {cfg.coordinator_timeout} s for the {launched} "
+             "processes of this srun/mpirun launch to join",
+             "check that all of them started, that their hosts reach process 0's (firewalls), and that none got "
+             "another --coordinator or --num-processes")
         return
     coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
     rank = cfg.process_id if cfg.process_id >= 0 else env_int("JAX_PROCESS_ID", -1)
@@ -976,9 +957,8 @@ def init_processes(cfg):
             try:
                 probe.bind(("", int(port)))
             except OSError as e:
-                die(f"{source} {coordinator}: process 0 cannot listen on port {port} here ({e.strerror}): "
-                    "another run, or an earlier process 0 still running, may hold it; stop that or pick "
-                    "another port")
+                die(f"{source} {coordinator}: process 0 cannot listen on port {port} here ({e.strerror}): another "
+                    "run, or an earlier process 0 still running, may hold it; stop that or pick another port")
     if rank == 0:
         waiting = f"for processes 1 .. {n - 1} to join the coordinator it starts at {coordinator}"
         check = (f"check that processes 1 .. {n - 1} started with --coordinator {coordinator} and "
@@ -986,9 +966,8 @@ def init_processes(cfg):
                  f"{port} here (firewalls)")
     else:
         waiting = f"for the coordinator at {coordinator} (process 0 must start too)"
-        check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no "
-                 f"firewall blocks port {port} between the hosts, and that every process got --num-processes "
-                 f"{n}")
+        check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no firewall "
+                 f"blocks port {port} between the hosts, and that every process got --num-processes {n}")
     join(coordinator, n, rank, f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s {waiting}",
          check)
 
