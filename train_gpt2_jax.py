@@ -130,7 +130,6 @@ def param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: model
 
-
 # LayerNorm, GELU and the cross-entropy have hand-written backwards (custom_vjp) that keep what llm.c
 # keeps (the compute-dtype inputs, fp32 mean/rstd/logsumexp), not autodiff's fp32 temporaries.
 
@@ -183,10 +182,6 @@ def gelu(h):
     return h * (0.5 * (1.0 + jnp.tanh(GELU_SCALE * (h + 0.044715 * (h * (h * h))))))  # (..., 4C)
 
 
-def _gelu_fwd(h):
-    return gelu(h), h
-
-
 def _gelu_bwd(h, dy):
     # the barrier stops XLA sharing the forward's tanh (an fp32 (N,4C) write and read): rerunning it moves less
     hf = jax.lax.optimization_barrier(h).astype(jnp.float32)                       # (..., 4C)
@@ -195,7 +190,7 @@ def _gelu_bwd(h, dy):
     return ((dy.astype(jnp.float32) * slope).astype(h.dtype),)
 
 
-gelu.defvjp(_gelu_fwd, _gelu_bwd)
+gelu.defvjp(lambda h: (gelu(h), h), _gelu_bwd)  # the backward reruns from h
 
 
 def logsumexp_one_pass(x):
@@ -277,13 +272,7 @@ def recomputed(block_fn, cfg):
     if policy is None:
         return block_fn
     checkpointed = jax.checkpoint(block_fn, policy=policy)
-
-    @jax.custom_vjp
-    def layer(x, weights):
-        return checkpointed(x, weights)
-
-    def layer_fwd(x, weights):
-        return jax.vjp(checkpointed, x, weights)  # the vjp's leaves: what the policy keeps
+    layer = jax.custom_vjp(checkpointed)
 
     def layer_bwd(vjp, dy):
         # adding -0.0 * |dy[0]| makes the rerun wait for this block's dy: XLA's CPU pipeline drops
@@ -291,7 +280,7 @@ def recomputed(block_fn, cfg):
         after_dy = -0.0 * jnp.abs(dy.ravel()[0])                                  # ()
         return jax.tree.map(lambda r: r + after_dy.astype(r.dtype), vjp)(dy)
 
-    layer.defvjp(layer_fwd, layer_bwd)
+    layer.defvjp(lambda x, weights: jax.vjp(checkpointed, x, weights), layer_bwd)  # the vjp keeps what the policy keeps
     return layer
 
 
@@ -332,7 +321,6 @@ def token_losses(params, x, y, cfg, train=False):
 # -----------------------------------------------------------------------------
 # GPT-2: AdamW and the lr schedule
 
-
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 
 
@@ -363,7 +351,6 @@ def adamw_update(params, grads, m, v, scalars, cfg):
 
 # -----------------------------------------------------------------------------
 # GPT-2: training step
-
 
 def loss_fn(params, x, y, cfg):
     """One batch's fp32 loss: the recipe's mean token loss, or its sum (Recipe.summed)."""
@@ -873,13 +860,6 @@ def fail_on_lost_peer():
         os._exit(1)
 
 
-def any_process_failed(processes):
-    """open_run's `any_failed` for a run of `processes` processes (None for one): True when any passes True."""
-    if processes == 1:
-        return None
-    return lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max())
-
-
 def init_processes(cfg):
     """Joins the processes of a multi-host run (jax.distributed) before anything touches a device; the
     coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment."""
@@ -912,8 +892,7 @@ def init_processes(cfg):
         # jax's preemption notifier would swallow SIGTERM: trainkit.signals' handler stops every process instead
         jax.config.update("jax_enable_preemption_service", False)
         try:
-            jax.distributed.initialize(coordinator, n, rank,
-                                       initialization_timeout=cfg.coordinator_timeout + 60)
+            jax.distributed.initialize(coordinator, n, rank, initialization_timeout=cfg.coordinator_timeout + 60)
         except jax.errors.JaxRuntimeError as e:  # e.g. process 0's port taken after its check
             die(f"joining the processes failed ({str(e).splitlines()[0][:200]}): {check}")
         finally:
@@ -1026,8 +1005,10 @@ def main(argv, signals):
     # the weights and optimizer state, the loaders (each process reads its own devices' rows) and the out
     # dir, locked for the run's life
     rows = cfg.batch_size * jax.local_device_count()
+    any_failed = None if ranks == 1 else (  # True in every process when any passes True
+        lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max()))
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
-        cfg, explicit, RECIPES, rows, rank, ranks, master, say, any_process_failed(ranks))
+        cfg, explicit, RECIPES, rows, rank, ranks, master, say, any_failed)
 
     # devices: batches split along their B axis; weights and optimizer state as --zero-stage says
     mesh = Mesh(np.array(devices), ("data",))
