@@ -366,8 +366,7 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     """One optimizer step on A micro-batches x, y (A,B,T), state placed by `layout` (copies: stage 1's bf16
     weights, else {}) -> (params, m, v, copies, mean token loss, grad norm before clipping)."""
     recipe = RECIPES[cfg.recipe]
-    summed = recipe.summed
-    scale = 1.0 if summed else 1.0 / x.shape[0]  # the mean over the A micro-batches
+    scale = 1.0 if recipe.summed else 1.0 / x.shape[0]  # the mean over the A micro-batches
     constrain = jax.lax.with_sharding_constraint
     # the compute-dtype weights, cast once per step (the embedding tables stay fp32); stage 3 gathers them
     # after the cast (the all-gather moves compute-dtype bytes), stage 1 has them from the last update
@@ -389,7 +388,7 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     # each device updates the slice of the masters its moments cover; out_shardings gathers them again
     params = constrain(params, layout["moments"])
     params, m, v = recipe.update(params, grads, m, v, scalars, cfg, layout)
-    loss = jnp.sum(losses) / cfg.total_batch_size if summed else jnp.sum(losses)
+    loss = jnp.sum(losses) / cfg.total_batch_size if recipe.summed else jnp.sum(losses)
     return params, m, v, cast_copies(params, copies, cfg), loss, norm
 
 
@@ -474,13 +473,12 @@ def rotary(x):
 
 
 def speedrun_block(x, params, layer, cfg):
-    """One pre-norm block of the speedrun model, with the weights blocks.<layer>.* of params."""
+    """One pre-norm block of the speedrun model; params: its weights blocks.<layer>.*."""
     B, T, C = x.shape
     H, D = C // HEAD_DIM, HEAD_DIM
     dt = compute_dtype(cfg)
     eps = jnp.finfo(dt).eps
-    prefix = f"blocks.{layer}."
-    w = {k[len(prefix):]: p.astype(dt) for k, p in params.items() if k.startswith(prefix)}
+    w = {k.removeprefix(f"blocks.{layer}."): p.astype(dt) for k, p in params.items()}
     h = rms_norm(x, w["norm1.gains"], eps)                                         # (B,T,C)
     q, k, v = (linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).reshape(B, T, H, D)
                for n in "qkv")                                                     # (B,T,H,D) each
@@ -627,8 +625,8 @@ def speedrun_muon(names, params, grads, m, lr, dtype, deal):
     return {k: p[i] for i, k in enumerate(names)}, {k: momentum[i] for i, k in enumerate(names)}
 
 
-def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
-    """AdamW on the tensors v holds, each group at its lr, Muon on the rest (dealt by `deal`) -> new (params, m, v)."""
+def speedrun_update(params, grads, m, v, scalars, cfg, layout):
+    """AdamW on the tensors v holds, each group at its lr, Muon on the rest -> new (params, m, v)."""
     lr = {group: scalars[i] for i, group in enumerate(SPEEDRUN_LRS)}
     new_params, new_m, new_v = {}, {}, {}
     for k in v:
@@ -637,7 +635,7 @@ def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
     muon = [k for k in grads if k not in v]
     for shape in dict.fromkeys(params[k].shape for k in muon):
         p, momentum = speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m,
-                                    lr["muon"], compute_dtype(cfg), deal)
+                                    lr["muon"], compute_dtype(cfg), layout["matrices"])
         new_params.update(p)
         new_m.update(momentum)
     return {k: new_params[k] for k in params}, {k: new_m[k] for k in m}, new_v
@@ -675,14 +673,11 @@ RECIPES["speedrun"] = Recipe(
     help=SPEEDRUN_HELP,
     defaults={**SPEEDRUN_DEFAULTS, "out_dir": f"out/speedrun_{FRAMEWORK}"}, configure=configure_speedrun,
     shapes=speedrun_shapes, init=init_speedrun_numpy, lr_at=speedrun_lr, muon_names=muon_names,
-    model_file="model.safetensors",
-    file_kind="a safetensors file of the reference's state_dict (.safetensors)",
+    model_file="model.safetensors", file_kind="a safetensors file of the reference's state_dict (.safetensors)",
     is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
     model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
     activation_bytes=speedrun_activation_bytes,
-    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars,
-    update=lambda params, grads, m, v, scalars, cfg, layout: speedrun_update(params, grads, m, v, scalars,
-                                                                             cfg, layout["matrices"]),
+    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars, update=speedrun_update,
     embeddings=("embed.weight",), next_logits=speedrun_next_logits, scan_layers=False)
 
 # -----------------------------------------------------------------------------
@@ -717,12 +712,11 @@ def cast_copies(params, names, cfg):
 def state_layout(cfg, mesh):
     """{piece: {name: NamedSharding}} at cfg.zero_stage for "masters", "grads", "moments", "copies" and
     "weights" (a step's compute copies, whole); "matrices": how Muon deals its stacks (None at stage 0)."""
-    # from stage 1 the gradient sums are split like the moments (a reduce-scatter moves half an all-reduce's
-    # bytes); Muon's matrices are dealt whole: split rows would have XLA sum partial products across devices
+    # Muon's matrices are dealt whole: split rows would have XLA sum partial products across devices
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
-    sharded = split if cfg.zero_stage >= 1 else whole
+    sharded = split if cfg.zero_stage >= 1 else whole  # grads at stage 1 too: a reduce-scatter moves half the bytes
     copied = copied_names(cfg)
     return {"masters": {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split},
             "grads": sharded, "moments": sharded, "copies": {k: replicated for k in copied}, "weights": whole,
@@ -741,8 +735,7 @@ def counted_loss_sum(params, x, y, counted, cfg):
 
 
 def evaluate_val(loss_sum_jit, params, loader, cfg, put):
-    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards, at any device count
-    the same: each process reads its own rows, and rows past those sequences count for nothing."""
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards, at any device count."""
     loader.reset()
     total = 0.0
     for counted in val_batches(cfg, loader):
@@ -760,8 +753,7 @@ def evaluate_hellaswag(losses_jit, params, cfg):
 
 
 def generate(params, key, cfg):
-    """SAMPLE_COUNT continuations of EOT with top-k TOP_K: token ids (S,T) int32, column 0 = EOT. No KV
-    cache: each token reruns the whole fixed-shape row (the causal mask hides the zeros to the right)."""
+    """SAMPLE_COUNT continuations of EOT with top-k TOP_K: token ids (S,T) int32, column 0 = EOT (no KV cache)."""
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
 
@@ -1002,8 +994,7 @@ def main(argv, signals):
 
     cfg.attn = resolve_attention(cfg, platform)
 
-    # the weights and optimizer state, the loaders (each process reads its own devices' rows) and the out
-    # dir, locked for the run's life
+    # the weights and optimizer state, the loaders (of this process's devices' rows), the out dir (locked)
     rows = cfg.batch_size * jax.local_device_count()
     any_failed = None if ranks == 1 else (  # True in every process when any passes True
         lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max()))
