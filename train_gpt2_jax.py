@@ -326,8 +326,7 @@ ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 
 def adam_scalars(step, cfg):
     """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t: host data to the compiled step (no recompiles)."""
-    return np.array([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
-                    dtype=np.float32)
+    return np.array([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step], dtype=np.float32)
 
 
 def global_norm(grads):
@@ -574,7 +573,6 @@ def speedrun_token_losses(params, x, y, cfg, train=False):
 
 # -- optimizer
 
-
 def speedrun_scalars(step, cfg):
     """[lr of each SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t] for 1-based step t (adam_scalars')."""
     return np.array([*speedrun_lrs(step - 1, cfg).values(), 1.0 - SPEEDRUN_BETA1 ** step,
@@ -712,12 +710,12 @@ def cast_copies(params, names, cfg):
 def state_layout(cfg, mesh):
     """{piece: {name: NamedSharding}} at cfg.zero_stage for "masters", "grads", "moments", "copies" and
     "weights" (a step's compute copies, whole); "matrices": how Muon deals its stacks (None at stage 0)."""
-    # Muon's matrices are dealt whole: split rows would have XLA sum partial products across devices
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
     sharded = split if cfg.zero_stage >= 1 else whole  # grads at stage 1 too: a reduce-scatter moves half the bytes
     copied = copied_names(cfg)
+    # Muon's matrices are dealt whole: split rows would have XLA sum partial products across devices
     return {"masters": {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split},
             "grads": sharded, "moments": sharded, "copies": {k: replicated for k in copied}, "weights": whole,
             "matrices": NamedSharding(mesh, PartitionSpec("data")) if cfg.zero_stage >= 1 else None}
@@ -965,8 +963,7 @@ def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
                        out_shardings=state_shardings + (replicated, replicated))
     batch = (grad_accum, cfg.batch_size * step_batch.mesh.size, cfg.seq_len)
     batch_spec = jax.ShapeDtypeStruct(batch, jnp.int32, sharding=step_batch)      # (A,B,T)
-    scalar_spec = jax.ShapeDtypeStruct(RECIPES[cfg.recipe].scalars(1, cfg).shape, jnp.float32,
-                                       sharding=replicated)
+    scalar_spec = jax.ShapeDtypeStruct(RECIPES[cfg.recipe].scalars(1, cfg).shape, jnp.float32, sharding=replicated)
     return step_jit.lower(*state, batch_spec, batch_spec, scalar_spec).compile()
 
 # -----------------------------------------------------------------------------
