@@ -937,8 +937,7 @@ def init_processes(cfg):
         waiting = f"for the coordinator at {coordinator} (process 0 must start too)"
         check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no firewall "
                  f"blocks port {port} between the hosts, and that every process got --num-processes {n}")
-    join(coordinator, n, rank, f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s {waiting}",
-         check)
+    join(coordinator, n, rank, f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s {waiting}", check)
 
 
 def place(tree, shardings):
@@ -998,7 +997,6 @@ def main(argv, signals):
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
         cfg, explicit, RECIPES, rows, rank, ranks, master, say, any_failed)
 
-    # devices: batches split along their B axis; weights and optimizer state as --zero-stage says
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
     layout = state_layout(cfg, mesh)
