@@ -289,7 +289,7 @@ def transformer(params, idx, cfg):
     dt = compute_dtype(cfg)
     # rows gathered from the fp32 tables (the scatter-add gradient sums in fp32); wpe by position too: a
     # broadcast (T,C) table has XLA's GPU layout store the residual stream batch-minor, transposed at each op
-    pos = jnp.broadcast_to(jnp.arange(idx.shape[1]), idx.shape)                                # (B,T)
+    pos = jnp.broadcast_to(jnp.arange(idx.shape[1]), idx.shape)                    # (B,T)
     x = (jnp.take(params["wte"], idx, axis=0) + jnp.take(params["wpe"], pos, axis=0)).astype(dt)  # (B,T,C)
     layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
     layer = recomputed(lambda x, lp: block(x, lp, cfg), cfg)
