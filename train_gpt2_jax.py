@@ -452,7 +452,6 @@ from trainkit.speedrun import (
 # The reference's GPT: weights by their state_dict names (cast here: evaluation hands in fp32 masters),
 # RMSNorm with the compute dtype's machine epsilon (as F.rms_norm), fp32 rotary; plain autodiff.
 
-
 def rms_norm(x, w, eps):
     """RMSNorm over the last axis with gain w (None: no gain), statistics in fp32, out in x's dtype."""
     xf = x.astype(jnp.float32)                                                     # (..., C)
@@ -504,11 +503,10 @@ def speedrun_transformer(params, idx, cfg):
 
 
 def fp8_quantize(x, kind):
-    """--fp8-head's operand `kind` of x: x / scale in fp32, clamped to the format's largest finite value
-    (ml_dtypes' casts overflow to NaN or inf) and cast, rounding to nearest even."""
+    """--fp8-head's operand `kind` of x: x / scale in fp32, clamped to the format's finite range, cast (RNE)."""
     fmt = FP8_FORMATS[kind]
     q = x.astype(jnp.float32) * np.float32(fp8_reciprocal(kind))
-    return jnp.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(f"float8_{fmt}")
+    return jnp.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(f"float8_{fmt}")  # unclamped: NaN or inf past it
 
 
 def fp8_dot(a, b, contract, scale, dtype):
@@ -554,8 +552,7 @@ def speedrun_logits(h, weight, bias, fp8=False):
 def speedrun_forward(params, idx, cfg, train=False):
     """Soft-capped fp32 logits (B,T,Vp) of the speedrun model; train: the step's (FP8 head with --fp8-head)."""
     h = speedrun_transformer(params, idx, cfg)                                     # (B,T,C)
-    return speedrun_logits(h, params["proj.weight"], params["proj.bias"],
-                           fp8=train and cfg.fp8_head)                             # (B,T,Vp)
+    return speedrun_logits(h, params["proj.weight"], params["proj.bias"], fp8=train and cfg.fp8_head)  # (B,T,Vp)
 
 
 def speedrun_next_logits(params, tokens, t, cfg):
@@ -975,8 +972,7 @@ def main(argv, signals):
     if cfg.scan_layers and not recipe.scan_layers:
         die(f"--scan-layers: the {cfg.recipe} model's layers are separate tensors (no L axis) to scan over")
     init_processes(cfg)
-    # each process's devices together, processes in order: each process holds one contiguous block of the
-    # batch's rows, the block llm.c's rank `rank` of `ranks` reads
+    # devices in process order: each process holds the contiguous block of rows llm.c's rank `rank` reads
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     world, platform = len(devices), devices[0].platform
     dtype = default_dtype(cfg, gpu=platform != "cpu")
@@ -1041,8 +1037,7 @@ def main(argv, signals):
         if cfg.eval_only:
             run_evals(params, step, True, cfg.hellaswag_every > 0)
             return
-        # a run killed between a checkpoint and its evaluations runs those log.jsonl lacks; process 0's
-        # log decides for all (all must run the same evaluations)
+        # a run killed between a checkpoint and its evaluations runs those log.jsonl lacks (process 0's decides)
         if cfg.resume:
             logged = logged_evals(cfg.out_dir, step) if master else set()
             missing = multihost_utils.broadcast_one_to_all(
