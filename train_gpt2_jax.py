@@ -392,8 +392,7 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
 
 
 def attention_bytes(cfg, n_head):
-    """Bytes one block's attention keeps for its backward beyond q, k, v and its output: XLA's (B,H,T,T)
-    scores; cuDNN's (--attn cudnn, or auto in bf16) only a row logsumexp, left out like other row stats."""
+    """Bytes one block's attention keeps beyond q, k, v and its output: XLA's (B,H,T,T) scores; cuDNN's none."""
     if cfg.attn == "cudnn" or (cfg.attn == "auto" and cfg.dtype == "bf16"):
         return 0
     scores = cfg.batch_size * n_head * cfg.seq_len**2                               # B*H*T*T
@@ -401,8 +400,7 @@ def attention_bytes(cfg, n_head):
 
 
 def gpt2_activation_bytes(cfg):
-    """Bytes of one micro-batch's saved activations per device at cfg.recompute (autodiff's residuals, as
-    jax.ad_checkpoint.print_saved_residuals lists them), the row statistics (under 1%) left out."""
+    """Bytes of one micro-batch's saved activations per device at cfg.recompute, row statistics (<1%) left out."""
     N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
     block = {  # per block
         "none": (2 * N * C * d               # ln_1's input x and output (B,T,C) (the barrier's 3 are one)
@@ -950,8 +948,7 @@ def put_rows(sharding, rows):
 
 
 def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
-    """train_step jitted with the donated state placed by `layout` and batches split by `step_batch`,
-    compiled ahead for `grad_accum` micro-batches; `state`: (params, m, v, copies) or their like."""
+    """train_step jitted on `layout`'s shardings (the state donated), compiled ahead for `grad_accum` micro-batches."""
     v_shardings = {k: layout["moments"][k] for k in state[2]}
     state_shardings = (layout["masters"], layout["moments"], v_shardings, layout["copies"])
     step_jit = jax.jit(partial(train_step, cfg=cfg, layout=layout), donate_argnums=(0, 1, 2, 3),
