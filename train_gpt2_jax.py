@@ -392,7 +392,7 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
 
 
 def attention_bytes(cfg, n_head):
-    """Bytes one block's attention keeps beyond q, k, v and its output: XLA's (B,H,T,T) scores (cuDNN's: none counted)."""
+    """Bytes one block's attention keeps beyond q, k, v and its output: XLA's (B,H,T,T) scores (cuDNN: none)."""
     if cfg.attn == "cudnn" or (cfg.attn == "auto" and cfg.dtype == "bf16"):
         return 0
     scores = cfg.batch_size * n_head * cfg.seq_len**2                               # B*H*T*T
