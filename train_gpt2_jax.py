@@ -130,10 +130,8 @@ def param_shapes(cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: model
 
-
-# The model is a pure function of the parameter dict. LayerNorm, GELU and the cross-entropy have
-# hand-written backward passes (custom_vjp) so that the backward keeps what llm.c keeps (the
-# compute-dtype inputs plus fp32 mean/rstd/logsumexp) rather than autodiff's fp32 temporaries.
+# LayerNorm, GELU and the cross-entropy have hand-written backwards (custom_vjp) that keep what llm.c
+# keeps (the compute-dtype inputs, fp32 mean/rstd/logsumexp), not autodiff's fp32 temporaries.
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 
@@ -150,13 +148,11 @@ def layernorm(x, w, b):
 
 def _layernorm_fwd(x, w, b):
     xf = x.astype(jnp.float32)                                                     # (..., C)
-    # both statistics from one read of x: sums of d and d^2 for d = x - (the row's first element), a
-    # shift that keeps E[d^2] - E[d]^2 free of cancellation however far the row sits from zero
+    # both statistics in one read of x; the shift by the row's first element keeps E[d^2] - E[d]^2 exact
     d = xf - xf[..., :1]                                                           # (..., C)
     d_mean = jnp.mean(d, axis=-1, keepdims=True)                                   # (..., 1)
     var = jnp.maximum(jnp.mean(jnp.square(d), axis=-1, keepdims=True) - jnp.square(d_mean), 0.0)  # (..., 1)
-    # the barrier makes XLA keep mean and rstd for the backward instead of recomputing them there,
-    # which would have it write dy * xhat out in fp32 for the dw reduction to read back
+    # the barrier keeps mean and rstd for the backward: recomputed there, dy * xhat goes out to memory in fp32
     mean, rstd = jax.lax.optimization_barrier(
         (xf[..., :1] + d_mean, jax.lax.rsqrt(var + 1e-5)))                         # (..., 1) each
     y = (xf - mean) * rstd * w.astype(jnp.float32) + b.astype(jnp.float32)         # (..., C)
@@ -179,57 +175,40 @@ def _layernorm_bwd(res, dy):
 layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)
 
 
-def _gelu_tanh(hf):
-    return jnp.tanh(GELU_SCALE * (hf + 0.044715 * hf * hf * hf))
-
-
 @jax.custom_vjp
 def gelu(h):
-    """GPT-2's tanh-approximate GELU. Written in h's own dtype and in exactly the form XLA's GPU matmul
-    rewriter recognizes, so that on a GPU it runs inside the c_fc matmul as cuBLASLt's GELU epilogue
-    (computed in fp32 there, pre-activation kept as a second output for the backward) instead of as a
-    separate pass over the (N,4C) activations. Elsewhere XLA evaluates it in fp32 (excess precision);
-    in bf16 its constants are then bf16-rounded (sqrt(2/pi) 0.13% low)."""
+    """GPT-2's tanh-approximate GELU in h's dtype."""
+    # in the exact form XLA's GPU matmul rewriter fuses into c_fc's matmul as cuBLASLt's GELU epilogue
     return h * (0.5 * (1.0 + jnp.tanh(GELU_SCALE * (h + 0.044715 * (h * (h * h))))))  # (..., 4C)
 
 
-def _gelu_fwd(h):
-    return gelu(h), h
-
-
 def _gelu_bwd(h, dy):
-    # the barrier keeps XLA from sharing tanh with the forward, which it would do by writing that fp32
-    # (N,4C) tensor out in the forward and reading it back here: recomputing from bf16 h moves less
+    # the barrier stops XLA sharing the forward's tanh (an fp32 (N,4C) write and read): rerunning it moves less
     hf = jax.lax.optimization_barrier(h).astype(jnp.float32)                       # (..., 4C)
-    t = _gelu_tanh(hf)                                                             # (..., 4C)
+    t = jnp.tanh(GELU_SCALE * (hf + 0.044715 * hf * hf * hf))                      # (..., 4C)
     slope = 0.5 * (1.0 + t) + 0.5 * hf * (1.0 - t * t) * GELU_SCALE * (1.0 + 3 * 0.044715 * hf * hf)
     return ((dy.astype(jnp.float32) * slope).astype(h.dtype),)
 
 
-gelu.defvjp(_gelu_fwd, _gelu_bwd)
-
-
-def _lse_combine(a, b):
-    """Merges two partial logsumexps held as (running max, sum of exp(x - max)): one exp per merge."""
-    (ma, sa), (mb, sb) = a, b
-    e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
-    return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
+gelu.defvjp(lambda h: (gelu(h), h), _gelu_bwd)  # the backward reruns from h
 
 
 def logsumexp_one_pass(x):
-    """fp32 logsumexp over the last axis in ONE read of x (an online softmax as a variadic reduction),
-    where max-then-sum would read the (N, V) logits twice."""
+    """fp32 logsumexp over the last axis in one read of x (an online softmax as a variadic reduction)."""
+    def combine(a, b):  # two partials (running max, sum of exp(x - max)) merged with one exp
+        (ma, sa), (mb, sb) = a, b
+        e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
+        return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
     xf = x.astype(jnp.float32)                                                     # (..., V)
     lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
     m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
-                          _lse_combine, (x.ndim - 1,))                             # (...,) each
+                          combine, (x.ndim - 1,))                             # (...,) each
     return m + jnp.log(s)                                                          # (...,)
 
 
 @jax.custom_vjp
 def cross_entropy(logits, targets):
-    """Per-token loss (...,) in fp32 of logits (..., Vp) over the first V columns only. The backward is
-    llm.c's fused classifier: dlogits = g * (softmax - onehot), written once in the logits' dtype."""
+    """Per-token fp32 loss (...,) of logits (..., Vp) over the first V columns; llm.c's fused backward."""
     return _cross_entropy_fwd(logits, targets)[0]
 
 
@@ -244,7 +223,6 @@ def _cross_entropy_bwd(res, g):
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)      # (..., Vp)
     probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])                  # (..., Vp)
     dlogits = (probs - (col == targets[..., None])) * g[..., None]                 # (..., Vp)
-    # the padded columns get no gradient (their probability is zero: they are outside the softmax)
     return jnp.where(col < VOCAB_SIZE, dlogits, 0.0).astype(logits.dtype), None
 
 
@@ -252,14 +230,12 @@ cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def linear(x, w, b):
-    """x (..., in) @ w (out, in).T + b (out): llm.c's / torch's Linear layout; the output is named
-    "matmul" for --recompute pointwise (RECOMPUTE_POLICIES)."""
+    """x (..., in) @ w (out, in).T + b (out), named "matmul" for --recompute pointwise."""
     return checkpoint_name(x @ w.T + b, "matmul")                                  # (..., out)
 
 
 def attention(q, k, v, cfg):
-    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C); heads are D-wide slices of C. cuDNN's fused
-    flash attention on an NVIDIA GPU (--attn cudnn), else XLA's (fp32 softmax either way)."""
+    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C): cuDNN's flash attention (--attn cudnn) or XLA's."""
     B, T, C = q.shape
     H, D = cfg.n_head, C // cfg.n_head
     q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))                           # (B,T,H,D) each
@@ -272,11 +248,8 @@ def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's weights."""
     C = x.shape[-1]
     h = layernorm(x, lp["ln_1.w"], lp["ln_1.b"])                                  # (B,T,C)
-    # q, k, v from c_attn's three row blocks: three contiguous outputs for the attention kernel, where
-    # slicing one (B,T,3C) product would cost a copy of each (and a concatenation in the backward). The
-    # barrier hides that the three inputs are one tensor: XLA would otherwise merge two of the matmuls
-    # into one, then spend a pass over both outputs adding the biases and splitting them apart (and a
-    # concatenation of their gradients), where separate matmuls add the bias in cuBLAS's epilogue.
+    # three matmuls give three contiguous q, k, v (slicing one (B,T,3C) product copies); the barrier
+    # stops XLA merging them back, which would add the biases in a pass of its own, not in cuBLAS's epilogue
     hs = jax.lax.optimization_barrier((h, h, h))                                   # 3 x (B,T,C)
     q, k, v = (linear(hs[i], lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
                for i in range(3))                                                  # (B,T,C) each
@@ -286,56 +259,37 @@ def block(x, lp, cfg):
     return x + linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                  # (B,T,C)
 
 
-# --recompute as the jax.checkpoint policy around each block (both recipes): what the policy saves is
-# kept for the backward, the rest of the block's forward reruns there, one block at a time. none: no
-# checkpoint (autodiff keeps what its backward reads); pointwise: the values named "matmul" (linear's
-# outputs) and "attention" (the attention's output), so the norms, the rotary and the MLP's activation
-# rerun, and so does the attention's softmax (from the kept q and k) where XLA's kernel kept its scores
-# (cuDNN's forward reruns for its row logsumexp, which has no name); block: nothing, so only each block's
-# input stays (the argument of the checkpoint)
+# --recompute as the jax.checkpoint policy around each block: pointwise keeps the matmuls' and the
+# attention's outputs (the rest reruns in the backward), block keeps only each block's input
 RECOMPUTE_POLICIES = {"none": None,
                       "pointwise": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
                       "block": jax.checkpoint_policies.nothing_saveable}
 
 
 def recomputed(block_fn, cfg):
-    """block_fn(x, weights) -> x with its backward keeping what cfg.recompute keeps (RECOMPUTE_POLICIES)."""
+    """block_fn(x, weights) -> x, its backward keeping what cfg.recompute keeps."""
     policy = RECOMPUTE_POLICIES[cfg.recompute]
     if policy is None:
         return block_fn
     checkpointed = jax.checkpoint(block_fn, policy=policy)
-
-    @jax.custom_vjp
-    def layer(x, weights):
-        return checkpointed(x, weights)
-
-    def layer_fwd(x, weights):
-        return jax.vjp(checkpointed, x, weights)  # the vjp's leaves: what the policy keeps
+    layer = jax.custom_vjp(checkpointed)
 
     def layer_bwd(vjp, dy):
-        # the rerun's inputs are made to depend on this block's dy, by adding -0.0 (times one element of
-        # dy), which leaves every value as it is: XLA's CPU pipeline drops optimization barriers and
-        # would run the rerun as soon as its inputs exist, in the forward, keeping all it makes (as none).
-        # The weights too: XLA's CPU backend writes broadcasts of the norms' gains out (B,T,C). With the
-        # batch split over devices that element costs one scalar all-reduce per block; a NaN or inf there
-        # makes every gradient NaN, where the step's grad norm is non-finite anyway.
+        # adding -0.0 * |dy[0]| makes the rerun wait for this block's dy: XLA's CPU pipeline drops
+        # barriers and would run it in the forward, keeping everything (as none)
         after_dy = -0.0 * jnp.abs(dy.ravel()[0])                                  # ()
         return jax.tree.map(lambda r: r + after_dy.astype(r.dtype), vjp)(dy)
 
-    layer.defvjp(layer_fwd, layer_bwd)
+    layer.defvjp(lambda x, weights: jax.vjp(checkpointed, x, weights), layer_bwd)  # the vjp keeps what the policy keeps
     return layer
 
 
 def transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype. Tensors that are
-    not in the compute dtype yet (fp32 masters) are cast here."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in the compute dtype (fp32 masters cast here)."""
     dt = compute_dtype(cfg)
-    T = idx.shape[1]
-    # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32.
-    # wpe is gathered by position too, not broadcast over B: adding a broadcast (T,C) table leads XLA's
-    # GPU layout assignment to store the whole residual stream batch-minor, (T,C,B) in memory, which
-    # then costs a transpose before and after every LayerNorm and matmul.
-    pos = jnp.broadcast_to(jnp.arange(T), idx.shape)                                # (B,T)
+    # rows gathered from the fp32 tables (the scatter-add gradient sums in fp32); wpe by position too: a
+    # broadcast (T,C) table has XLA's GPU layout store the residual stream batch-minor, transposed at each op
+    pos = jnp.broadcast_to(jnp.arange(idx.shape[1]), idx.shape)                    # (B,T)
     x = (jnp.take(params["wte"], idx, axis=0) + jnp.take(params["wpe"], pos, axis=0)).astype(dt)  # (B,T,C)
     layers = {k: params[k].astype(dt) for k in LAYER_NAMES}                       # (L, ...) each
     layer = recomputed(lambda x, lp: block(x, lp, cfg), cfg)
@@ -360,27 +314,23 @@ def next_logits(params, tokens, t, cfg):
 
 
 def token_losses(params, x, y, cfg, train=False):
-    """Per-token cross-entropy (B,T) in fp32 of targets y (B,T) given inputs x (B,T), over the first V
-    columns (train: the training step's, the same here)."""
+    """Per-token fp32 cross-entropy (B,T) of targets y given inputs x (B,T) (train: the step's, the same)."""
     return cross_entropy(forward(params, x, cfg), y)                               # (B,T)
 
 
 # -----------------------------------------------------------------------------
 # GPT-2: AdamW and the lr schedule
 
-
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 
 
 def adam_scalars(step, cfg):
-    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t, computed on the host in float64 and passed to
-    the compiled step as data, so a new lr never recompiles it."""
-    return np.array([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step],
-                    dtype=np.float32)
+    """[lr, 1 - beta1^t, 1 - beta2^t] for 1-based step t: host data to the compiled step (no recompiles)."""
+    return np.array([cosine_lr(step - 1, cfg), 1.0 - ADAM_BETA1 ** step, 1.0 - ADAM_BETA2 ** step], dtype=np.float32)
 
 
 def global_norm(grads):
-    """torch.nn.utils.clip_grad_norm_'s total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
+    """torch's clip_grad_norm_ total norm: the L2 norm of the per-tensor L2 norms, in fp32."""
     norms = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g))) for g in grads.values()])  # (n,)
     return jnp.sqrt(jnp.sum(jnp.square(norms)))
 
@@ -401,9 +351,8 @@ def adamw_update(params, grads, m, v, scalars, cfg):
 # -----------------------------------------------------------------------------
 # GPT-2: training step
 
-
 def loss_fn(params, x, y, cfg):
-    """The loss one batch contributes, fp32: the recipe's mean token loss, or its sum (Recipe.summed)."""
+    """One batch's fp32 loss: the recipe's mean token loss, or its sum (Recipe.summed)."""
     recipe = RECIPES[cfg.recipe]
     losses = recipe.token_losses(params, x, y, cfg, train=True)                    # (B,T)
     return jnp.sum(losses) if recipe.summed else jnp.mean(losses)
@@ -413,21 +362,13 @@ EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no comp
 
 
 def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
-    """One optimizer step on x, y (A,B,T) = A micro-batches: the gradient of the mean of the A micro-batch
-    losses (each micro-batch's gradient scaled by 1/A and summed in fp32), or of the sum of every token's
-    loss (Recipe.summed), clipped to cfg.grad_clip, then the recipe's update. `layout`
-    (state_layout) places the state; at stage 0 every constraint below says "replicated" and changes
-    nothing. `copies` are stage 1's bf16 weights ({} otherwise). Returns (params, m, v, copies, mean token
-    loss, grad_norm before clipping)."""
-    A = x.shape[0]
+    """One optimizer step on A micro-batches x, y (A,B,T), state placed by `layout` (copies: stage 1's bf16
+    weights, else {}) -> (params, m, v, copies, mean token loss, grad norm before clipping)."""
     recipe = RECIPES[cfg.recipe]
-    summed = recipe.summed
-    scale = 1.0 if summed else 1.0 / A
+    scale = 1.0 if recipe.summed else 1.0 / x.shape[0]  # the mean over the A micro-batches
     constrain = jax.lax.with_sharding_constraint
-    # the compute-dtype weights are made once per step, not once per micro-batch; the embedding tables
-    # stay fp32 (transformer gathers from them), so only the lm head casts wte in each micro-batch.
-    # Stage 3 gathers them whole here, after the cast: the all-gather moves compute-dtype bytes. Stage 1
-    # has them already, from the last update.
+    # the compute-dtype weights, cast once per step (the embedding tables stay fp32); stage 3 gathers them
+    # after the cast (the all-gather moves compute-dtype bytes), stage 1 has them from the last update
     dt = compute_dtype(cfg)
     weights = constrain({k: copies[k] if k in copies else p if k in recipe.embeddings else p.astype(dt)
                          for k, p in params.items()}, layout["weights"])
@@ -443,50 +384,38 @@ def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
     if cfg.grad_clip > 0:
         coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
         grads = {k: g * coef for k, g in grads.items()}
-    # each device updates the slice of the masters its moments cover (a local cut of the masters that
-    # are whole, no communication); out_shardings gathers those whole again, and stage 1's new bf16
-    # copies too (the all-gather moves bf16 bytes), and keeps the split ones split
+    # each device updates the slice of the masters its moments cover; out_shardings gathers them again
     params = constrain(params, layout["moments"])
     params, m, v = recipe.update(params, grads, m, v, scalars, cfg, layout)
-    loss = jnp.sum(losses) / cfg.total_batch_size if summed else jnp.sum(losses)
+    loss = jnp.sum(losses) / cfg.total_batch_size if recipe.summed else jnp.sum(losses)
     return params, m, v, cast_copies(params, copies, cfg), loss, norm
 
 
 def attention_bytes(cfg, n_head):
-    """Bytes that one block's attention keeps for its backward beyond q, k, v and its output, with nothing
-    recomputed: XLA's kernel keeps its (B,H,T,T) scores, cuDNN's (--attn cudnn, or auto in bf16: a GPU's
-    choice) only its row logsumexp, which activation_bytes leaves out with the other row statistics."""
+    """Bytes one block's attention keeps beyond q, k, v and its output: XLA's (B,H,T,T) scores (cuDNN: none)."""
     if cfg.attn == "cudnn" or (cfg.attn == "auto" and cfg.dtype == "bf16"):
         return 0
     scores = cfg.batch_size * n_head * cfg.seq_len**2                               # B*H*T*T
-    # the causal mask (bool), the masked scores and their exp (fp32), the probabilities (compute dtype)
-    return scores * (1 + 4 + 4 + jnp.dtype(compute_dtype(cfg)).itemsize)
+    return scores * (1 + 4 + 4 + jnp.dtype(compute_dtype(cfg)).itemsize)  # mask, scores, exp, probabilities
 
 
 def gpt2_activation_bytes(cfg):
-    """What one micro-batch's saved activations hold at the backward's start, per device: autodiff's
-    residuals (jax.ad_checkpoint.print_saved_residuals lists them) at cfg.recompute, in bytes. Row
-    statistics ((B,T) means and rstds, (B,H,T) row sums), under 1% of it, are left out."""
+    """Bytes of one micro-batch's saved activations per device at cfg.recompute, row statistics (<1%) left out."""
     N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
     block = {  # per block
-        "none": (N * C * d                   # ln_1's input x (B,T,C)
-                 + N * C * d                 # ln_1's output (B,T,C), c_attn's input (the barrier's 3 are one)
+        "none": (2 * N * C * d               # ln_1's input x and output (B,T,C) (the barrier's 3 are one)
                  + 3 * N * C * d             # q, k, v (B,T,C)
                  + attention_bytes(cfg, cfg.n_head)
                  + N * C * d                 # the attention's output (B,T,C), attn.c_proj's input
-                 + N * C * d                 # ln_2's input (B,T,C)
-                 + N * C * d                 # ln_2's output (B,T,C), c_fc's input
-                 + N * 4 * C * d             # c_fc's output (B,T,4C), GELU's input
-                 + N * 4 * C * d),           # GELU's output (B,T,4C), mlp.c_proj's input
+                 + 2 * N * C * d             # ln_2's input and output (B,T,C)
+                 + 2 * N * 4 * C * d),       # c_fc's output and GELU's output (B,T,4C)
         "pointwise": (N * C * d              # the block's input x (B,T,C)
                       + 3 * N * C * d        # q, k, v (B,T,C)
-                      + N * C * d            # the attention's output (B,T,C)
-                      + N * C * d            # attn.c_proj's output (B,T,C): with x, ln_2's input
+                      + 2 * N * C * d        # the attention's and attn.c_proj's outputs (B,T,C)
                       + N * 4 * C * d),      # c_fc's output (B,T,4C)
         "block": N * C * d,                  # the block's input x (B,T,C)
     }[cfg.recompute]
-    head = (N * C * d                        # ln_f's input (B,T,C)
-            + N * C * d                      # ln_f's output (B,T,C), the lm head's input
+    head = (2 * N * C * d                    # ln_f's input and output (B,T,C)
             + N * cfg.padded_vocab_size * d)  # the logits (B,T,Vp), the cross-entropy's backward's input
     return cfg.n_layer * block + head
 
@@ -518,11 +447,8 @@ from trainkit.speedrun import (
 
 # -- model
 
-# The speedrun model, as the reference's GPT computes it: per-layer weights by their state_dict names (cast
-# to the compute dtype here, so that evaluation can hand in the fp32 masters), RMSNorm with the compute
-# dtype's machine epsilon (what the reference's F.rms_norm uses where the residual stream is bf16), rotary
-# positions computed in fp32. Plain autodiff throughout.
-
+# The reference's GPT: weights by their state_dict names (cast here: evaluation hands in fp32 masters),
+# RMSNorm with the compute dtype's machine epsilon (as F.rms_norm), fp32 rotary; plain autodiff.
 
 def rms_norm(x, w, eps):
     """RMSNorm over the last axis with gain w (None: no gain), statistics in fp32, out in x's dtype."""
@@ -532,26 +458,23 @@ def rms_norm(x, w, eps):
 
 
 def rotary(x):
-    """The reference's half-truncated rotary embedding of q or k (B,T,H,D), in fp32: the first D/4 pairs
-    (x1[i], x2[i]) of the halves turn by the angle t * freq[i], the last D/4 stay as they are."""
+    """The reference's half-truncated rotary embedding of q or k (B,T,H,D) in fp32: D/4 pairs turn, D/4 stay."""
     T, D = x.shape[1], x.shape[3]
     freq = (1 / 1024) ** jnp.linspace(0, 1, D // 4, dtype=jnp.float32)           # (D/4,)
     freq = jnp.concatenate([freq, jnp.zeros(D // 4, jnp.float32)])                 # (D/2,)
-    t = jnp.arange(T, dtype=jnp.float32)                                           # (T,)
-    theta = jnp.outer(t, freq)[None, :, None]                                      # (1,T,1,D/2)
+    theta = jnp.outer(jnp.arange(T, dtype=jnp.float32), freq)[None, :, None]       # (1,T,1,D/2)
     cos, sin = jnp.cos(theta), jnp.sin(theta)                                      # (1,T,1,D/2) each
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)                          # (B,T,H,D/2) each
     return jnp.concatenate((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).astype(x.dtype)  # (B,T,H,D)
 
 
 def speedrun_block(x, params, layer, cfg):
-    """One pre-norm block of the speedrun model, with the weights blocks.<layer>.* of params."""
+    """One pre-norm block of the speedrun model; params: its weights blocks.<layer>.*."""
     B, T, C = x.shape
     H, D = C // HEAD_DIM, HEAD_DIM
     dt = compute_dtype(cfg)
     eps = jnp.finfo(dt).eps
-    prefix = f"blocks.{layer}."
-    w = {k[len(prefix):]: p.astype(dt) for k, p in params.items() if k.startswith(prefix)}
+    w = {k.removeprefix(f"blocks.{layer}."): p.astype(dt) for k, p in params.items()}
     h = rms_norm(x, w["norm1.gains"], eps)                                         # (B,T,C)
     q, k, v = (linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).reshape(B, T, H, D)
                for n in "qkv")                                                     # (B,T,H,D) each
@@ -566,11 +489,9 @@ def speedrun_block(x, params, layer, cfg):
 
 
 def speedrun_transformer(params, idx, cfg):
-    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm, in the compute dtype; no
-    position embedding: the blocks' rotary gives the positions."""
+    """Token ids idx (B,T) -> hidden states (B,T,C) after the final RMSNorm, in the compute dtype."""
     dt = compute_dtype(cfg)
     eps = jnp.finfo(dt).eps
-    # rows gathered from the fp32 table, so that its scatter-add gradient is summed in fp32
     x = jnp.take(params["embed.weight"], idx, axis=0).astype(dt)                  # (B,T,C)
     x = rms_norm(x, params["norm1.gains"], eps)                                    # (B,T,C)
     for layer in range(cfg.n_layer):  # each block sees its own weights: --recompute checkpoints it alone
@@ -579,32 +500,23 @@ def speedrun_transformer(params, idx, cfg):
     return rms_norm(x, params["norm2.gains"], eps)                                 # (B,T,C)
 
 
-JAX_FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-
-
 def fp8_quantize(x, kind):
-    """--fp8-head's operand `kind` (trainkit.speedrun.FP8_SCALES) of x: x times the scale's fp32 reciprocal,
-    in fp32, clamped to the format's largest finite value (ml_dtypes' casts give NaN in e4m3fn and inf in
-    e5m2 past it) and cast, rounding to nearest even."""
+    """--fp8-head's operand `kind` of x: x / scale in fp32, clamped to the format's finite range, cast (RNE)."""
     fmt = FP8_FORMATS[kind]
     q = x.astype(jnp.float32) * np.float32(fp8_reciprocal(kind))
-    return jnp.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(JAX_FP8[fmt])
+    return jnp.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(f"float8_{fmt}")  # unclamped: NaN or inf past it
 
 
 def fp8_dot(a, b, contract, scale, dtype):
-    """(a . b over the axes `contract` (of a, of b)) x scale in dtype, of float8 operands: lax.dot_general
-    on them with fp32 accumulation. XLA on a CPU widens them to fp32 and multiplies in fp32 (its compiled
-    HLO: converts, then an fp32 dot); on a Hopper GPU its GEMM rewriter should make this a cuBLASLt FP8
-    GEMM (a __cublas$lt$matmul$f8 custom call in the compiled HLO: not yet checked on a GPU)."""
+    """(a . b over the axes `contract`) x scale in dtype, of float8 operands with fp32 accumulation."""
+    # a CPU widens to fp32; on Hopper XLA should make it a cuBLASLt FP8 GEMM (not yet checked on a GPU)
     out = jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
     return (out * np.float32(scale)).astype(dtype)
 
 
 @jax.custom_vjp
 def fp8_head_matmul(h, w):
-    """z (N,V) = h (N,C) W^T (W (V,C)) on --fp8-head's FP8 operands, in h's dtype (docs/FORMATS.md, FP8
-    head); the backward quantizes dz to e5m2: dh = dz_f8 W_f8 in h's dtype, dW = dz_f8^T h_f8 in fp32,
-    returned in W's dtype."""
+    """z (N,V) = h (N,C) W^T in h's dtype, of FP8 operands; dz is e5m2 in the backward (docs/FORMATS.md)."""
     return fp8_head_forward(h, w)[0]
 
 
@@ -626,8 +538,7 @@ fp8_head_matmul.defvjp(fp8_head_forward, fp8_head_backward)
 
 
 def speedrun_logits(h, weight, bias, fp8=False):
-    """The head's logits z = h W^T + b in fp32, soft-capped to 15 z / sqrt(z^2 + 15^2): (..., rows of W);
-    fp8: h W^T on FP8 operands (fp8_head_matmul)."""
+    """The head's fp32 logits (..., rows of W) z = h W^T + b soft-capped to 15 z / sqrt(z^2 + 15^2); fp8: FP8 h W^T."""
     if fp8:
         z = fp8_head_matmul(h.reshape(-1, h.shape[-1]), weight.astype(h.dtype))   # (N,V)
         z = (z.reshape(*h.shape[:-1], -1) + bias.astype(h.dtype)).astype(jnp.float32)  # (..., V)
@@ -637,30 +548,25 @@ def speedrun_logits(h, weight, bias, fp8=False):
 
 
 def speedrun_forward(params, idx, cfg, train=False):
-    """Logits (B,T,Vp) of the speedrun model: its own head's, soft-capped, in fp32; train: the training
-    step's, whose head is FP8 with --fp8-head."""
+    """Soft-capped fp32 logits (B,T,Vp) of the speedrun model; train: the step's (FP8 head with --fp8-head)."""
     h = speedrun_transformer(params, idx, cfg)                                     # (B,T,C)
-    return speedrun_logits(h, params["proj.weight"], params["proj.bias"],
-                           fp8=train and cfg.fp8_head)                             # (B,T,Vp)
+    return speedrun_logits(h, params["proj.weight"], params["proj.bias"], fp8=train and cfg.fp8_head)  # (B,T,Vp)
 
 
 def speedrun_next_logits(params, tokens, t, cfg):
     """The logits (S,V) of the token after position t (traced) of tokens (S,T), for sampling."""
-    h = jax.lax.dynamic_index_in_dim(speedrun_transformer(params, tokens, cfg), t, axis=1,
-                                     keepdims=False)                              # (S,C)
+    h = jax.lax.dynamic_index_in_dim(speedrun_transformer(params, tokens, cfg), t, axis=1, keepdims=False)  # (S,C)
     return speedrun_logits(h, params["proj.weight"][:VOCAB_SIZE], params["proj.bias"][:VOCAB_SIZE])  # (S,V)
 
 
 def speedrun_token_losses(params, x, y, cfg, train=False):
-    """Per-token cross-entropy (B,T) in fp32, as the reference's: over all Vp columns (train: the training
-    step's, speedrun_forward's)."""
+    """Per-token fp32 cross-entropy (B,T), as the reference's over all Vp columns (train: the step's)."""
     logits = speedrun_forward(params, x, cfg, train)                               # (B,T,Vp)
     target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]      # (B,T)
     return jax.nn.logsumexp(logits, axis=-1) - target_logit                        # (B,T)
 
 
 # -- optimizer
-
 
 def speedrun_scalars(step, cfg):
     """[lr of each SPEEDRUN_LRS group, 1 - beta1^t, 1 - beta2^t] for 1-based step t (adam_scalars')."""
@@ -669,9 +575,8 @@ def speedrun_scalars(step, cfg):
 
 
 def newton_schulz(G, dtype):
-    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F
-    (spectral norm at most 1), 12 iterations of X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, which drive
-    every singular value of X toward 1; on the transposes of tall matrices, so that A is the smaller."""
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F,
+    X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T (on tall matrices' transposes, so that A is the smaller)."""
     tall = G.shape[-2] > G.shape[-1]
     X = G.astype(dtype).mT if tall else G.astype(dtype)                            # (n,r',c')
     norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(-2, -1), keepdims=True))  # (n,1,1)
@@ -680,15 +585,12 @@ def newton_schulz(G, dtype):
     def iteration(_, X):
         A = X @ X.mT                                                               # (n,r',r')
         return 2 * X + (-1.5 * A + 0.5 * (A @ A)) @ X                              # (n,r',c')
-    # a loop, not 12 unrolled copies: each shape's update compiles one body (CPU compile time)
-    X = jax.lax.fori_loop(0, NEWTON_SCHULZ_STEPS, iteration, X)                    # (n,r',c')
+    X = jax.lax.fori_loop(0, NEWTON_SCHULZ_STEPS, iteration, X)  # (n,r',c'); a loop compiles one body
     return X.mT if tall else X                                                     # (n,r,c)
 
 
 def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
-    """AdamW with the speedrun recipe's betas and eps on one tensor, as torch.optim.AdamW computes it: m =
-    lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p *= 1 - lr*wd, p -= lr mhat/(sqrt(vhat)+eps). Returns the new
-    (p, m, v)."""
+    """torch.optim.AdamW on one tensor with the speedrun recipe's betas and eps -> new (p, m, v)."""
     m = m + (1.0 - SPEEDRUN_BETA1) * (g - m)
     v = SPEEDRUN_BETA2 * v + (1.0 - SPEEDRUN_BETA2) * g * g
     update = (m / bias1) / (jnp.sqrt(v / bias2) + SPEEDRUN_EPS)
@@ -696,11 +598,8 @@ def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
 
 
 def speedrun_muon(names, params, grads, m, lr, dtype, deal):
-    """Muon on the matrices `names`, all of one shape (r,c): the momentum buffer m = lerp(m, g, 0.05),
-    Nesterov's u = lerp(g, m, 0.95), orthogonalized by newton_schulz in `dtype` (batched over the
-    matrices, dealt over the devices by the sharding `deal` when their count divides, else whole on each)
-    and scaled by max(1, r/c)^0.5; p *= 1 - lr*wd, p -= lr*update. Returns ({name: new p}, {name: new
-    m}) of `names`."""
+    """Muon on the matrices `names`, all of shape (r,c), orthogonalized in `dtype` and dealt over the
+    devices by the sharding `deal` when their count divides -> ({name: new p}, {name: new m})."""
     g = jnp.stack([grads[k] for k in names])                                       # (n,r,c)
     momentum = jnp.stack([m[k] for k in names])                                    # (n,r,c)
     momentum = momentum + (1.0 - MUON_MOMENTUM) * (g - momentum)                   # (n,r,c)
@@ -719,20 +618,17 @@ def speedrun_muon(names, params, grads, m, lr, dtype, deal):
     return {k: p[i] for i, k in enumerate(names)}, {k: momentum[i] for i, k in enumerate(names)}
 
 
-def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
-    """The speedrun recipe's step: AdamW on the tensors v holds (the embedding, the head weight, every
-    vector), each group at its lr, and Muon on the rest, the blocks' matrices, whose momentum buffers m
-    holds (dealt over the devices by `deal`: speedrun_muon). Returns new (params, m, v)."""
+def speedrun_update(params, grads, m, v, scalars, cfg, layout):
+    """AdamW on the tensors v holds, each group at its lr, Muon on the rest -> new (params, m, v)."""
     lr = {group: scalars[i] for i, group in enumerate(SPEEDRUN_LRS)}
     new_params, new_m, new_v = {}, {}, {}
     for k in v:
-        new_params[k], new_m[k], new_v[k] = speedrun_adamw(params[k], grads[k], m[k], v[k],
-                                                           lr[adamw_group(k)], scalars[4], scalars[5],
-                                                           cfg.weight_decay)
+        new_params[k], new_m[k], new_v[k] = speedrun_adamw(params[k], grads[k], m[k], v[k], lr[adamw_group(k)],
+                                                           scalars[4], scalars[5], cfg.weight_decay)
     muon = [k for k in grads if k not in v]
     for shape in dict.fromkeys(params[k].shape for k in muon):
         p, momentum = speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m,
-                                    lr["muon"], compute_dtype(cfg), deal)
+                                    lr["muon"], compute_dtype(cfg), layout["matrices"])
         new_params.update(p)
         new_m.update(momentum)
     return {k: new_params[k] for k in params}, {k: new_m[k] for k in m}, new_v
@@ -743,8 +639,7 @@ def speedrun_update(params, grads, m, v, scalars, cfg, deal=None):
 def speedrun_activation_bytes(cfg):
     """gpt2_activation_bytes' count for the speedrun model: autodiff's residuals at cfg.recompute."""
     N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
-    # an RMSNorm with gains keeps its input in fp32 (an fp32 copy where the compute dtype is bf16), 2x
-    # (x^2's derivative) and the normalized x, fp32 (B,T,C) each, and its output (B,T,C), a matmul's input
+    # an RMSNorm with gains keeps its input in fp32, 2x and the normalized x (fp32 each) and its output (B,T,C)
     norm = N * C * (3 * 4 + d)
     block = {  # per block
         "none": (norm                        # norm1 (its input: the block's input)
@@ -757,16 +652,13 @@ def speedrun_activation_bytes(cfg):
                  + N * 4 * C * (1 + 2 * d)),  # ReLU^2: ReLU's mask (bool), 2 ReLU(h) and the output (B,T,4C)
         "pointwise": (N * C * d              # the block's input x (B,T,C)
                       + 3 * N * C * d        # q, k, v (B,T,C)
-                      + N * C * d            # the attention's output (B,T,C)
-                      + N * C * d            # attn.proj's output (B,T,C): with x, norm2's input
+                      + 2 * N * C * d        # the attention's and attn.proj's outputs (B,T,C)
                       + N * 4 * C * d),      # mlp.fc's output (B,T,4C)
         "block": N * C * d,                  # the block's input x (B,T,C)
     }[cfg.recompute]
     head = (N * C * 3 * 4                    # the embedding's RMSNorm, less its output (block 0's input)
             + norm                           # the final RMSNorm
-            # the head's logits before the cap, the cap's rsqrt and the softmax's exp (B,T,Vp) fp32 each: what
-            # XLA keeps of autodiff's five (the cap's two products are recomputed inside their consumers)
-            + 3 * N * cfg.padded_vocab_size * 4)
+            + 3 * N * cfg.padded_vocab_size * 4)  # the logits before the cap, its rsqrt, the softmax's exp
     return cfg.n_layer * block + head
 
 
@@ -774,29 +666,21 @@ RECIPES["speedrun"] = Recipe(
     help=SPEEDRUN_HELP,
     defaults={**SPEEDRUN_DEFAULTS, "out_dir": f"out/speedrun_{FRAMEWORK}"}, configure=configure_speedrun,
     shapes=speedrun_shapes, init=init_speedrun_numpy, lr_at=speedrun_lr, muon_names=muon_names,
-    model_file="model.safetensors",
-    file_kind="a safetensors file of the reference's state_dict (.safetensors)",
+    model_file="model.safetensors", file_kind="a safetensors file of the reference's state_dict (.safetensors)",
     is_file=is_safetensors_file, read_file=read_speedrun_file, write_file=write_speedrun_file,
     model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
     activation_bytes=speedrun_activation_bytes,
-    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars,
-    update=lambda params, grads, m, v, scalars, cfg, layout: speedrun_update(params, grads, m, v, scalars,
-                                                                             cfg, layout["matrices"]),
+    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars, update=speedrun_update,
     embeddings=("embed.weight",), next_logits=speedrun_next_logits, scan_layers=False)
 
 # -----------------------------------------------------------------------------
 # JAX plumbing: devices, processes, ZeRO state and evaluation
 
-# ZeRO over the mesh's "data" axis, written as shardings only: the state arrays carry a NamedSharding,
-# jit's in/out shardings and a few with_sharding_constraint calls say where each value lives, and XLA
-# inserts the collectives: the gradients' reduce-scatter (on the CPU an all-reduce and a slice; XLA's GPU
-# passes fuse the two) and the weights' all-gather.
+# ZeRO over the mesh's "data" axis as shardings only: XLA inserts the collectives (the gradients'
+# reduce-scatter, the weights' all-gather).
 
 def shard_axis(shape, world):
-    """The axis along which ZeRO splits a tensor of `shape` over `world` devices: the first whose size
-    `world` divides, so that any device count works (12 layers over 8 devices split the next axis
-    instead). None when no axis divides: that tensor stays whole on every device (device_state_bytes
-    counts it whole)."""
+    """The first axis of `shape` that `world` divides, along which ZeRO splits it; None: it stays whole."""
     return next((i for i, n in enumerate(shape) if n % world == 0), None)
 
 
@@ -807,62 +691,44 @@ def zero_spec(shape, world):
 
 
 def copied_names(cfg):
-    """The tensors that stage 1 keeps bf16 copies of across steps (llm.c's ZeRO-1: the masters split, the
-    copies the model computes with whole): all but the embedding tables, and none in fp32, where the
-    model computes with the masters themselves."""
+    """The tensors stage 1 keeps whole bf16 copies of across steps (all but the embeddings; none in fp32)."""
     if cfg.zero_stage != 1 or cfg.dtype == "fp32":
         return []
     return [k for k in param_shapes(cfg) if k not in RECIPES[cfg.recipe].embeddings]
 
 
 def cast_copies(params, names, cfg):
-    """{name: params[name] in the compute dtype} for `names`: stage 1's copies, cast at start and by
-    every update."""
+    """{name: params[name] in the compute dtype} for `names`: stage 1's copies."""
     return {k: params[k].astype(compute_dtype(cfg)) for k in names}
 
 
 def state_layout(cfg, mesh):
-    """Where each piece of training state lives at cfg.zero_stage: {piece: {name: NamedSharding}} for
-    "masters" (fp32 weights), "grads" (a step's fp32 gradient sums), "moments" (m and v), "copies" (stage
-    1's bf16 weights, whole) and "weights" (the compute copies inside a step, whole: the devices split the
-    batch, not the model); "matrices": how Muon deals each shape's stack of matrices (None at stage 0)."""
-    # Stage 1 splits the masters that have copies (fp32 ones are what the model computes with). From stage
-    # 1 the gradient sums are split like the moments: XLA sums each micro-batch's gradient over the devices
-    # inside the accumulation loop anyway, and a reduce-scatter into a slice moves half the bytes of an
-    # all-reduce into a whole copy, so stage 1 also gets ZeRO-2's saving. Muon's matrices are dealt whole,
-    # each device orthogonalizing its own, as torchfunc's ZeRO-1 deals them: a matrix split along rows
-    # would have XLA sum partial products across devices (in bf16 with --dtype bf16).
+    """{piece: {name: NamedSharding}} at cfg.zero_stage for "masters", "grads", "moments", "copies" and
+    "weights" (a step's compute copies, whole); "matrices": how Muon deals its stacks (None at stage 0)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
+    sharded = split if cfg.zero_stage >= 1 else whole  # grads at stage 1 too: a reduce-scatter moves half the bytes
     copied = copied_names(cfg)
-    masters = {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split}
-    return {"masters": masters,
-            "grads": split if cfg.zero_stage >= 1 else whole,
-            "moments": split if cfg.zero_stage >= 1 else whole,
-            "copies": {k: replicated for k in copied},
-            "weights": whole,
+    # Muon's matrices are dealt whole: split rows would have XLA sum partial products across devices
+    return {"masters": {k: split[k] if cfg.zero_stage == 3 or k in copied else replicated for k in split},
+            "grads": sharded, "moments": sharded, "copies": {k: replicated for k in copied}, "weights": whole,
             "matrices": NamedSharding(mesh, PartitionSpec("data")) if cfg.zero_stage >= 1 else None}
 
 
 def gather_state(tree):
-    """Whole host (numpy) copies of device arrays, whichever way they are split and over however many
-    processes, so that a checkpoint never depends on the stage or device count it was saved at. A
-    collective: every process must call it, in the same order."""
+    """Whole host (numpy) copies of device arrays however they are split; a collective every process calls."""
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def counted_loss_sum(params, x, y, counted, cfg):
-    """The sum, over the first `counted` rows of a global batch x, y (B, T), of each row's mean token loss
-    (a scalar whole on every device, even when the batch's rows are split over processes)."""
+    """The sum of each row's mean token loss over the first `counted` rows of a global batch x, y (B,T)."""
     rows = RECIPES[cfg.recipe].token_losses(params, x, y, cfg).mean(-1)           # (B,)
     return jnp.where(jnp.arange(rows.shape[0]) < counted, rows, 0.0).sum()
 
 
 def evaluate_val(loss_sum_jit, params, loader, cfg, put):
-    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
-    each time): every process reads its own rows of each global batch; rows of the last batch past those
-    sequences count for nothing, so that the same weights give the same loss at any device count."""
+    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards, at any device count."""
     loader.reset()
     total = 0.0
     for counted in val_batches(cfg, loader):
@@ -872,8 +738,7 @@ def evaluate_val(loss_sum_jit, params, loader, cfg, put):
 
 
 def evaluate_hellaswag(losses_jit, params, cfg):
-    """(acc, acc_norm) through hellaswag.evaluate, rows fitted to the context by hellaswag.in_context;
-    every process runs it (its computations span all devices) and process 0 alone reports."""
+    """(acc, acc_norm) through hellaswag.evaluate; every process runs it, process 0 alone reports."""
     def padded_losses(x, y):                                                       # (4, width) int64 each
         return np.asarray(losses_jit(params, x.astype(np.int32), y.astype(np.int32)))  # (4, width)
     return hellaswag.evaluate(hellaswag.in_context(padded_losses, cfg.block_size), limit=cfg.hellaswag_limit,
@@ -881,12 +746,9 @@ def evaluate_hellaswag(losses_jit, params, cfg):
 
 
 def generate(params, key, cfg):
-    """SAMPLE_COUNT continuations of EOT sampled with top-k TOP_K over the first V logits: token ids
-    (S, T) int32 with column 0 = EOT. Every position is recomputed each time (no KV cache): the causal
-    mask makes the not-yet-sampled zeros to the right irrelevant, and one fixed shape compiles once."""
+    """SAMPLE_COUNT continuations of EOT with top-k TOP_K: token ids (S,T) int32, column 0 = EOT (no KV cache)."""
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
     tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
-    rows = jnp.arange(SAMPLE_COUNT)                                                # (S,)
 
     def sample_next(t, carry):                                                     # token t+1 from 0..t
         tokens, key = carry
@@ -894,20 +756,15 @@ def generate(params, key, cfg):
         top_logits, top_ids = jax.lax.top_k(logits, TOP_K)                        # (S,K) each
         key, sub = jax.random.split(key)
         choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
-        return tokens.at[:, t + 1].set(top_ids[rows, choice]), key
+        return tokens.at[:, t + 1].set(top_ids[jnp.arange(SAMPLE_COUNT), choice]), key
 
     tokens, _ = jax.lax.fori_loop(0, T - 1, sample_next, (tokens, key))
     return tokens
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of training state that ONE device holds at cfg.zero_stage over `world` devices, for the
-    tensors of `shapes`: {"params": compute-dtype copies kept across steps, "grads": the fp32 gradient
-    accumulator of a step, "masters": the fp32 weights, "moments": AdamW's m and v, speedrun's Muon
-    momentum}. "params" counts
-    stage 1's bf16 copies only: at the other stages (and in fp32) the model's bf16 copies live only inside
-    a step. Split as state_layout splits them; a tensor without an axis the device count divides counts
-    whole."""
+    """Bytes of training state one of `world` devices holds for the tensors of `shapes`, split as
+    state_layout splits them: {"params" (stage 1's copies), "grads", "masters", "moments"}."""
     def held(shape, split, size=4):
         axis = shard_axis(shape, world) if split else None
         return size * math.prod(shape) // (world if axis is not None else 1)
@@ -919,8 +776,7 @@ def device_state_bytes(cfg, shapes, world):
 
 
 def peak_memory_gb(devices):
-    """The largest peak of allocated bytes over the devices, in GB; None where the backend keeps no
-    statistics (the CPU)."""
+    """The largest peak of allocated bytes over the devices, in GB; None without statistics (the CPU)."""
     stats = [d.memory_stats() for d in devices]
     if any(s is None or "peak_bytes_in_use" not in s for s in stats):
         return None
@@ -947,8 +803,7 @@ def resolve_attention(cfg, platform):
 
 @contextlib.contextmanager
 def fail_on_out_of_memory(cfg):
-    """Running out of device memory (at compile or run time) is a bad --batch-size or --recompute: one line,
-    no trace."""
+    """Running out of device memory (at compile or run time): one line, no trace."""
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
@@ -957,45 +812,31 @@ def fail_on_out_of_memory(cfg):
         die_out_of_memory(cfg, e)
 
 
-CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
-
-
-def lost_processes(rank, world):
-    """After a collective failed: the processes that did not answer a roll call in the coordinator's
-    key-value store within CENSUS_SECONDS (each survivor writes its mark, then waits for the others'), or
-    None when the store is gone. The store is jax.distributed's client, which jax reaches only through
-    jax._src (multihost_utils does the same). Process 0 stays a second longer, so that the others read
-    the marks before its store closes."""
-    client = jax_distributed.global_state.client
-    try:
-        client.key_value_set(f"census/{rank}", "alive")
-        deadline = time.monotonic() + CENSUS_SECONDS
-        silent = list(range(world))
-        while silent and time.monotonic() < deadline:
-            marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
-            silent = [r for r in range(world) if str(r) not in marked]
-            time.sleep(0.1)
-        if rank == 0:
-            time.sleep(1)
-        return silent
-    except jax.errors.JaxRuntimeError:
-        return None
-
-
 @contextlib.contextmanager
 def fail_on_lost_peer():
-    """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
-    survivors' next collective: each survivor then names the lost process in one line, says how the run
-    goes on, and exits at once (jax.distributed's shutdown would wait ~90 s on the dead peer, then abort).
-    Other errors, or one after which every process answers, pass through. When process 0, which hosts
-    the coordinator, is the one lost, jax's own runtime ends the others at once, with its own message."""
+    """A collective failed by a lost process: each survivor names it in one line and exits at once
+    (jax.distributed's shutdown would wait ~90 s on it, then abort); other errors pass through."""
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
         rank, world = jax.process_index(), jax.process_count()
         if world == 1 or not any(s in str(e) for s in ("Gloo", "NCCL", "Connection", "UNAVAILABLE")):
             raise
-        silent = lost_processes(rank, world)
+        # a roll call in the coordinator's key-value store: who has not marked itself within 5 s (None: the
+        # store is gone); process 0 stays a second longer, so the others read the marks
+        client = jax_distributed.global_state.client
+        try:
+            client.key_value_set(f"census/{rank}", "alive")
+            deadline = time.monotonic() + 5
+            silent = list(range(world))
+            while silent and time.monotonic() < deadline:
+                marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
+                silent = [r for r in range(world) if str(r) not in marked]
+                time.sleep(0.1)
+            if rank == 0:
+                time.sleep(1)
+        except jax.errors.JaxRuntimeError:
+            silent = None
         if silent == []:
             raise
         who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
@@ -1004,32 +845,18 @@ def fail_on_lost_peer():
         os._exit(1)
 
 
-def any_process_failed(processes):
-    """open_run's `any_failed` for a run of `processes` processes (None for one): True when any passes True."""
-    if processes == 1:
-        return None
-    return lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max())
-
-
 def init_processes(cfg):
-    """Joins the other processes of a multi-host run through jax.distributed, before anything touches a
-    device. Coordinator, process count and rank come from the flags, else from JAX_COORDINATOR_ADDRESS /
-    JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax 0.10 reads only the first itself), else, in a run started by
-    srun or mpirun, from their environment, which jax.distributed.initialize() reads on its own. A
-    single process (the default) starts nothing. Each process says what it waits for; when they have not
-    all joined within --coordinator-timeout seconds, one line says what to check."""
+    """Joins the processes of a multi-host run (jax.distributed) before anything touches a device; the
+    coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment."""
     def env_int(name, default):
         text = os.environ.get(name, "")
-        if not text:
-            return default
         try:
-            return int(text)
+            return int(text) if text else default
         except ValueError:
             die(f"${name} is {text!r}, not an integer")
 
     def port_of(address, source):
-        # checked here because jax takes a malformed address for a crash (IndexError, a segfault on a
-        # port that is no number) or a silent hang (a port above 65535)
+        # jax takes a malformed address for a crash or a silent hang
         host, _, port = address.rpartition(":")
         inner = host[1:-1] if host[:1] == "[" and host[-1:] == "]" else host
         if not inner or (inner == host and ":" in host) or "[" in inner or "]" in inner:
@@ -1040,23 +867,17 @@ def init_processes(cfg):
 
     def join(coordinator, n, rank, waiting, check):
         print(waiting, flush=True)
-
-        # jax's own deadline ends in a C++ abort (XLA's default missed-heartbeat callback, which
-        # jax.distributed.initialize has no way to replace) while the main thread is blocked in C++, so
-        # nothing in Python can catch it. connect() releases the GIL, so a timer thread writes the line and
-        # ends the process first; jax's deadline, a minute later, only backstops it
+        # jax's own deadline ends in a C++ abort that Python cannot catch: a timer thread ends the process first
         def give_up():
             os.write(2, f"error: the processes did not all join within {cfg.coordinator_timeout} s "
                         f"(--coordinator-timeout): {check}\n".encode())
             os._exit(1)
         timer = threading.Timer(cfg.coordinator_timeout, give_up)
         timer.start()
-        # jax's preemption notifier would catch SIGTERM in C++ and let training run on: the trainer's own
-        # handler (trainkit.signals) stops every process at one checkpointed step instead
+        # jax's preemption notifier would swallow SIGTERM: trainkit.signals' handler stops every process instead
         jax.config.update("jax_enable_preemption_service", False)
         try:
-            jax.distributed.initialize(coordinator, n, rank,
-                                       initialization_timeout=cfg.coordinator_timeout + 60)
+            jax.distributed.initialize(coordinator, n, rank, initialization_timeout=cfg.coordinator_timeout + 60)
         except jax.errors.JaxRuntimeError as e:  # e.g. process 0's port taken after its check
             die(f"joining the processes failed ({str(e).splitlines()[0][:200]}): {check}")
         finally:
@@ -1071,8 +892,7 @@ def init_processes(cfg):
     if n < 0:
         die(f"$JAX_NUM_PROCESSES must be >= 1, got {n}")
     if cfg.process_id >= 0 and n == 0:
-        die(f"--process-id {cfg.process_id} needs --num-processes (or $JAX_NUM_PROCESSES), the count it "
-            "is a rank of")
+        die(f"--process-id {cfg.process_id} needs --num-processes (or $JAX_NUM_PROCESSES), the count it is a rank of")
     if cfg.process_id >= n:
         source = "--num-processes" if cfg.num_processes else "$JAX_NUM_PROCESSES"
         die(f"--process-id {cfg.process_id} is out of range: {source} {n} needs it in [0, {n})")
@@ -1081,11 +901,10 @@ def init_processes(cfg):
     if n == 0:  # srun / mpirun: JAX finds the coordinator, count, rank and local devices itself
         if cfg.coordinator:
             port_of(cfg.coordinator, "--coordinator")
-        join(cfg.coordinator or None, None, None,
-             f"waiting up to {cfg.coordinator_timeout} s for the {launched} processes of this srun/mpirun "
-             "launch to join",
-             "check that all of them started, that their hosts reach process 0's (firewalls), and that none "
-             "got another --coordinator or --num-processes")
+        join(cfg.coordinator or None, None, None, f"waiting up to {cfg.coordinator_timeout} s for the {launched} "
+             "processes of this srun/mpirun launch to join",
+             "check that all of them started, that their hosts reach process 0's (firewalls), and that none got "
+             "another --coordinator or --num-processes")
         return
     coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
     rank = cfg.process_id if cfg.process_id >= 0 else env_int("JAX_PROCESS_ID", -1)
@@ -1096,16 +915,14 @@ def init_processes(cfg):
     if not 0 <= rank < n:
         die(f"--num-processes {n} needs --process-id (or $JAX_PROCESS_ID) in [0, {n}), got {rank}")
     if rank == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
-        # jax binds all addresses on the port, and on a port already taken it segfaults about every other
-        # time instead of raising; binding it here first (SO_REUSEADDR, as gRPC does) tells the two apart
+        # on a port already taken jax often segfaults instead of raising: bind it here first (as gRPC does)
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("", int(port)))
             except OSError as e:
-                die(f"{source} {coordinator}: process 0 cannot listen on port {port} here ({e.strerror}): "
-                    "another run, or an earlier process 0 still running, may hold it; stop that or pick "
-                    "another port")
+                die(f"{source} {coordinator}: process 0 cannot listen on port {port} here ({e.strerror}): another "
+                    "run, or an earlier process 0 still running, may hold it; stop that or pick another port")
     if rank == 0:
         waiting = f"for processes 1 .. {n - 1} to join the coordinator it starts at {coordinator}"
         check = (f"check that processes 1 .. {n - 1} started with --coordinator {coordinator} and "
@@ -1113,32 +930,25 @@ def init_processes(cfg):
                  f"{port} here (firewalls)")
     else:
         waiting = f"for the coordinator at {coordinator} (process 0 must start too)"
-        check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no "
-                 f"firewall blocks port {port} between the hosts, and that every process got --num-processes "
-                 f"{n}")
-    join(coordinator, n, rank, f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s {waiting}",
-         check)
+        check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no firewall "
+                 f"blocks port {port} between the hosts, and that every process got --num-processes {n}")
+    join(coordinator, n, rank, f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s {waiting}", check)
 
 
 def place(tree, shardings):
-    """Host arrays that hold the same whole values on every process -> global device arrays laid out as
-    `shardings` (a matching tree); each process fills only its own devices' pieces."""
+    """Host arrays whole on every process -> global device arrays laid out as `shardings` (a matching tree)."""
     return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
                         tree, shardings)
 
 
 def put_rows(sharding, rows):
-    """This process's rows of a batch, (..., rows, T) -> the global batch (..., rows x processes, T)
-    split over the mesh: process p's rows are rows p*rows .. (p+1)*rows-1, on its own devices."""
+    """This process's rows (..., rows, T) -> the global batch (..., rows x processes, T) split over the mesh."""
     global_shape = rows.shape[:-2] + (rows.shape[-2] * jax.process_count(), rows.shape[-1])
     return jax.make_array_from_process_local_data(sharding, rows, global_shape)
 
 
 def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
-    """train_step jitted with the state's shardings from `layout` (donated: updated in place), batches
-    split by `step_batch`, and compiled ahead for `grad_accum` micro-batches of the global batch.
-    `state` is (params, m, v, copies), or arrays shaped and placed like them (speedrun: v of the AdamW
-    tensors only)."""
+    """train_step jitted on `layout`'s shardings (the state donated), compiled ahead for `grad_accum` micro-batches."""
     v_shardings = {k: layout["moments"][k] for k in state[2]}
     state_shardings = (layout["masters"], layout["moments"], v_shardings, layout["copies"])
     step_jit = jax.jit(partial(train_step, cfg=cfg, layout=layout), donate_argnums=(0, 1, 2, 3),
@@ -1146,8 +956,7 @@ def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
                        out_shardings=state_shardings + (replicated, replicated))
     batch = (grad_accum, cfg.batch_size * step_batch.mesh.size, cfg.seq_len)
     batch_spec = jax.ShapeDtypeStruct(batch, jnp.int32, sharding=step_batch)      # (A,B,T)
-    scalar_spec = jax.ShapeDtypeStruct(RECIPES[cfg.recipe].scalars(1, cfg).shape, jnp.float32,
-                                       sharding=replicated)
+    scalar_spec = jax.ShapeDtypeStruct(RECIPES[cfg.recipe].scalars(1, cfg).shape, jnp.float32, sharding=replicated)
     return step_jit.lower(*state, batch_spec, batch_spec, scalar_spec).compile()
 
 # -----------------------------------------------------------------------------
@@ -1156,12 +965,11 @@ def compile_train_step(cfg, layout, step_batch, replicated, state, grad_accum):
 @stops_on_signals
 def main(argv, signals):
     cfg, explicit = parse_args(argv)
-    if cfg.scan_layers and not RECIPES[cfg.recipe].scan_layers:
+    recipe = RECIPES[cfg.recipe]
+    if cfg.scan_layers and not recipe.scan_layers:
         die(f"--scan-layers: the {cfg.recipe} model's layers are separate tensors (no L axis) to scan over")
     init_processes(cfg)
-    # the mesh lists each process's devices together, processes in order: the data axis then gives each
-    # process one contiguous block of the global batch's rows, the block llm.c's rank `rank` of `ranks`
-    # reads, so P processes read exactly what one process with all the devices reads
+    # devices in process order: each process holds the contiguous block of rows llm.c's rank `rank` reads
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     world, platform = len(devices), devices[0].platform
     dtype = default_dtype(cfg, gpu=platform != "cpu")
@@ -1169,18 +977,19 @@ def main(argv, signals):
     master = signals.master = rank == 0  # the one process that prints, logs and writes checkpoints
     say = print if master else (lambda *args, **kwargs: None)
 
+    def log(**fields):
+        if master:
+            log_event(cfg.out_dir, FRAMEWORK, **fields)
+
     cfg.attn = resolve_attention(cfg, platform)
 
-    # the run: weights and optimizer state (a checkpoint, a model file, or the recipe's init from the seed),
-    # data, and the out dir, locked for the run's life (main's return frees it). Every micro-batch spans all
-    # devices (B x devices rows); each process's loader reads the rows of its own devices, as llm.c's loader
-    # of rank `rank` of `ranks` with B x local devices rows
+    # the weights and optimizer state, the loaders (of this process's devices' rows), the out dir (locked)
     rows = cfg.batch_size * jax.local_device_count()
+    any_failed = None if ranks == 1 else (  # True in every process when any passes True
+        lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max()))
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
-        cfg, explicit, RECIPES, rows, rank, ranks, master, say, any_process_failed(ranks))
-    T = cfg.seq_len
+        cfg, explicit, RECIPES, rows, rank, ranks, master, say, any_failed)
 
-    # devices: batches split along their B axis; weights and optimizer state as --zero-stage says
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
     layout = state_layout(cfg, mesh)
@@ -1188,54 +997,44 @@ def main(argv, signals):
     eval_batch = NamedSharding(mesh, PartitionSpec("data"))                        # (B,T)
     params = place(params, layout["masters"])
     m, v = place(m, layout["moments"]), place(v, {k: layout["moments"][k] for k in v})
-    # stage 1's bf16 weights, cast on the devices as every update casts them
     copies = jax.jit(partial(cast_copies, names=list(layout["copies"]), cfg=cfg),
                      out_shardings=layout["copies"])(params)
     # the table that only gathers rows (GPT-2's wte is also its head) counts for no flops
-    recipe = RECIPES[cfg.recipe]
-    model, table = recipe.model_name, recipe.table
-    n_params = sum(p.size for k, p in params.items() if k != table)
-    say(f"{model} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters (without "
-        f"{table}) | {world} x {devices[0].device_kind} in {ranks} process(es) | {dtype} | "
+    n_params = sum(p.size for k, p in params.items() if k != recipe.table)
+    say(f"{recipe.model_name} L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd}, {n_params / 1e6:.2f}M parameters "
+        f"(without {recipe.table}) | {world} x {devices[0].device_kind} in {ranks} process(es) | {dtype} | "
         f"attention: {cfg.attn}")
-    say(f"batch: {cfg.batch_size} x {T} tokens x {world} devices x {grad_accum} micro-batches = "
+    say(f"batch: {cfg.batch_size} x {cfg.seq_len} tokens x {world} devices x {grad_accum} micro-batches = "
         f"{cfg.total_batch_size} tokens per step | data: {cfg.data}")
     held = device_state_bytes(cfg, param_shapes(cfg), world)
-    activations = RECIPES[cfg.recipe].activation_bytes(cfg)
-    say(format_memory(cfg, held, activations, world, RECIPES[cfg.recipe].optimizers))
+    activations = recipe.activation_bytes(cfg)
+    say(format_memory(cfg, held, activations, world, recipe.optimizers))
     warning = jax.default_backend() == "cpu" and memory_warning(held, activations, world, host_memory_available())
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
-    if master:
-        log_event(cfg.out_dir, FRAMEWORK, **start_event(cfg, step, world, held, activations))
+    log(**start_event(cfg, step, world, held, activations))
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
     with precision, fail_on_out_of_memory(cfg), fail_on_lost_peer():
         val_loss_sum = jax.jit(partial(counted_loss_sum, cfg=cfg))
         row_losses = jax.jit(partial(recipe.token_losses, cfg=cfg))
-        put_eval = partial(put_rows, eval_batch)
 
         # every process runs every evaluation (their computations span all devices); one logs it
         def run_evals(params, step, val, swag):
             if val and val_loader is not None:
-                val_loss = evaluate_val(val_loss_sum, params, val_loader, cfg, put_eval)
+                val_loss = evaluate_val(val_loss_sum, params, val_loader, cfg, partial(put_rows, eval_batch))
                 say(f"step {step:5d} | val loss {val_loss:.6f}")
-                if master:
-                    log_event(cfg.out_dir, FRAMEWORK, step=step, val_loss=val_loss)
+                log(step=step, val_loss=val_loss)
             if swag:
                 acc, acc_norm = evaluate_hellaswag(row_losses, params, cfg)
                 say(f"step {step:5d} | hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}")
-                if master:
-                    log_event(cfg.out_dir, FRAMEWORK, step=step, hellaswag_acc=acc,
-                              hellaswag_acc_norm=acc_norm)
+                log(step=step, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm)
 
         if cfg.eval_only:
             run_evals(params, step, True, cfg.hellaswag_every > 0)
             return
-        # the checkpoint is written before the step's evaluations: a run killed between the two resumes
-        # by running the ones log.jsonl lacks (also where nothing is left to train). Process 0's log
-        # decides for all: the others may not see it, and all must run the same evaluations.
+        # a run killed between a checkpoint and its evaluations runs those log.jsonl lacks (process 0's decides)
         if cfg.resume:
             logged = logged_evals(cfg.out_dir, step) if master else set()
             missing = multihost_utils.broadcast_one_to_all(
@@ -1247,15 +1046,13 @@ def main(argv, signals):
             return
 
         t0 = time.perf_counter()
-        compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies),
-                                      grad_accum)
+        compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies), grad_accum)
         compile_s = time.perf_counter() - t0
         say(f"compiled train step in {compile_s:.1f} s (counted in the first step's time)")
         generate_jit = jax.jit(partial(generate, cfg=cfg))
 
-        flops_per_token = model_flops_per_token(cfg, n_params)
         peak = peak_flops(devices[0].device_kind, cfg.dtype) if platform == "gpu" else None
-        flops = (flops_per_token, peak * world if peak else None)  # per token; the devices' peak per s
+        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile_dir = os.path.join(cfg.out_dir, "profile")
@@ -1266,23 +1063,20 @@ def main(argv, signals):
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
             with jax.profiler.StepTraceAnnotation("train_step", step_num=step):
                 t0 = time.perf_counter()
-                x, y = step_batches(train_loader, grad_accum)               # (A,rows,T) each
+                x, y = step_batches(train_loader, grad_accum)                      # (A,rows,T) each
                 scalars = place(recipe.scalars(step, cfg), replicated)
-                params, m, v, copies, loss, norm = compiled(params, m, v, copies,
-                                                            put_rows(step_batch, x),
+                params, m, v, copies, loss, norm = compiled(params, m, v, copies, put_rows(step_batch, x),
                                                             put_rows(step_batch, y), scalars)
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
-                # the ahead-of-time compile is the first step's, as torch.compile's is in the torch trainers:
-                # --time-budget and the wall time of plot_runs.py then count every trainer's alike
+                # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
                 dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
             times[step] = dt
             spent += dt
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
-            # --time-budget and signals: all processes must stop at the same step, process 0's clock
-            # deciding for all, and a signal to any process stopping all
+            # every process stops at the same step: process 0's clock decides, a signal to any stops all
             budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
-            if jax.process_count() > 1:
+            if ranks > 1:
                 flags = multihost_utils.process_allgather(np.array([budget_spent, signum], np.int32))
                 budget_spent, signum = bool(flags[0, 0]), int(flags[:, 1].max())
             last = step if budget_spent or signum else cfg.steps
@@ -1292,26 +1086,21 @@ def main(argv, signals):
                 say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {profile_dir} "
                     f"(Perfetto: the .trace.json.gz; TensorBoard: the .xplane.pb) | step time mean "
                     f"{np.mean(ms):.1f} ms, min {min(ms):.1f} ms, max {max(ms):.1f} ms")
-            report_step(step, cfg, loss, norm, RECIPES[cfg.recipe].lr_at(step - 1, cfg), dt, peak_memory_gb(jax.local_devices()), flops,
-                        FRAMEWORK, master, say)
-            # the checkpoint first: an evaluation that fails (a HellaSwag download, say) loses no training.
-            # Every process gathers the whole tensors, one writes, the others wait for it.
+            report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(jax.local_devices()),
+                        flops, FRAMEWORK, master, say)
+            # the checkpoint before the evaluations (one that fails loses no training): all gather, one writes
             if due(cfg.ckpt_every, step, last):
                 whole = gather_state((params, m, v))
                 if master:
-                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg,
-                                           RECIPES[cfg.recipe])
+                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg, recipe)
                     say(f"saved {path}")
                 multihost_utils.sync_global_devices(f"checkpoint {step}")
-            # a signal stops here: --resume runs the step's evaluations that log.jsonl lacks
-            stop_on_signal(signum, step, cfg, master)
-            run_evals(params, step, due(cfg.val_every, step, last),
-                      due(cfg.hellaswag_every, step, last))
+            stop_on_signal(signum, step, cfg, master)  # --resume runs the step's evaluations log.jsonl lacks
+            run_evals(params, step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
             if due(cfg.sample_every, step, last):
                 key = jax.random.fold_in(jax.random.key(cfg.seed), step)
                 for i, row in enumerate(np.asarray(generate_jit(params, key))):
-                    text = encoder.decode([int(t) for t in row[1:]])
-                    say(f"sample {i}: {text!r}")
+                    say(f"sample {i}: {encoder.decode([int(t) for t in row[1:]])!r}")
             if budget_spent:
                 say(f"--time-budget {cfg.time_budget:g} s reached: stopped after step {step} of {cfg.steps}")
                 break
@@ -1320,10 +1109,8 @@ def main(argv, signals):
 
 
 if __name__ == "__main__":
-    # cuBLAS for every GPU matmul (NVIDIA's JAX containers set this too). On the H100 every matmul
-    # here ran in cuBLAS anyway, yet with Triton matmuls enabled the biases were added in separate
-    # passes; with them disabled XLA folds bias and GELU into cuBLASLt epilogues (seen in the H100
-    # HLO compiled offline). Set before JAX starts its backend; an XLA_FLAGS naming it is left alone.
+    # cuBLAS for every GPU matmul, as NVIDIA's JAX containers set: with Triton matmuls enabled the H100 added
+    # the biases in passes of their own, not in cuBLASLt's epilogues. An XLA_FLAGS naming it is left alone.
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_enable_triton_gemm" not in xla_flags:
         os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_gpu_enable_triton_gemm=false".strip()
