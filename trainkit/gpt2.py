@@ -1,13 +1,12 @@
-"""llm.c's GPT-2 without a framework: the vocabulary, the model presets, the weights' names and shapes in
-llm.c's order, the init every trainer draws from --seed, llm.c's model files (docs/FORMATS.md) and its
-cosine lr schedule."""
+"""llm.c's GPT-2 without a framework: the vocabulary, the model presets, the weights' names and shapes, the init
+every trainer draws from --seed, llm.c's model files (docs/FORMATS.md) and its cosine lr schedule."""
 import math
 import os
 from types import SimpleNamespace
 
 import numpy as np
 
-from trainkit import die, require_file
+from trainkit import die
 
 VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
 PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
@@ -18,21 +17,17 @@ MODEL_PRESETS = {  # name: (n_layer, n_head, n_embd)
     "d36": (36, 20, 1280),
     "d48": (48, 25, 1600),
 }
-
-
 # llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
 PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
                "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
                "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
-
-
 LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along a leading L axis
 DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
+MODEL_MAGIC = 20240326
 
 
 def configure_gpt2(cfg, given, shape):
-    """GPT-2's flag checks: its lm head is wte, tied to the embedding, so --fp8-head has no head of its own to
-    quantize."""
+    """GPT-2's flag checks: its lm head is wte (tied), so --fp8-head has no head of its own to quantize."""
     if cfg.fp8_head:
         die("--fp8-head: the gpt2 recipe's lm head is its embedding wte (tied); FP8 is for the speedrun "
             "recipe's untied head (--recipe speedrun)")
@@ -54,8 +49,7 @@ def gpt2_shapes(cfg):
 
 
 def init_gpt2_numpy(cfg):
-    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same
-    weights."""
+    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same weights."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in gpt2_shapes(cfg).items():
@@ -70,9 +64,6 @@ def init_gpt2_numpy(cfg):
     return params
 
 
-MODEL_MAGIC = 20240326
-
-
 def model_file_header(cfg):
     """The 256-int32 header of an fp32 (version 3) llm.c model file of cfg's shape."""
     header = np.zeros(256, dtype="<i4")
@@ -82,8 +73,7 @@ def model_file_header(cfg):
 
 
 def write_model_file(path, params, cfg):
-    """An llm.c model file (docs/FORMATS.md) in fp32 (version 3): 256-int32 header, then the tensors in
-    PARAM_NAMES order."""
+    """An fp32 llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
     shapes = gpt2_shapes(cfg)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
@@ -96,9 +86,7 @@ def write_model_file(path, params, cfg):
 
 
 def read_model_header(path):
-    """(header dict, version: 3 = fp32, 5 = bf16) of an llm.c model file, once the header is checked and
-    the file's size is the one it implies; no weight is read."""
-    require_file(path, "model file")
+    """(header dict, version: 3 = fp32, 5 = bf16) of an llm.c model file, its header and size checked."""
     size = os.path.getsize(path)
     if size < 1024:
         die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")
@@ -112,8 +100,7 @@ def read_model_header(path):
     if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
         die(f"model file {path} has an invalid header {header}")
     shapes = gpt2_shapes(SimpleNamespace(**header))
-    itemsize = 4 if h[1] == 3 else 2
-    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
+    expected = 1024 + (4 if h[1] == 3 else 2) * sum(math.prod(s) for s in shapes.values())
     if size != expected:
         die(f"model file {path} has {size} bytes, its header implies {expected}"
             f"{' (truncated)' if size < expected else ''}")
@@ -127,8 +114,7 @@ def read_model_file(path):
     itemsize = 4 if version == 3 else 2
     raw, params, offset = np.fromfile(path, np.uint8), {}, 1024
     for name in PARAM_NAMES:
-        n = math.prod(shapes[name])
-        chunk = raw[offset: offset + n * itemsize]
+        chunk = raw[offset: offset + math.prod(shapes[name]) * itemsize]
         if itemsize == 4:
             t = chunk.view("<f4").astype(np.float32)
         else:
@@ -138,7 +124,7 @@ def read_model_file(path):
             die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights "
                 "of a diverged run?")
         params[name] = t.reshape(shapes[name])
-        offset += n * itemsize
+        offset += chunk.size
     return header, params
 
 
@@ -156,4 +142,3 @@ def cosine_lr(it, cfg):
         return min_lr
     ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
-
