@@ -33,6 +33,7 @@ def require_file(path, what):
     except OSError as e:  # absent, a link loop: convert_hf.py has no OSError boundary of its own
         die(f"{what} {path}: {e.strerror}")
     if not stat.S_ISREG(mode):
-        inside = [f for f in ("model.bin", "model.safetensors") if os.path.isfile(os.path.join(path, f))]
-        hint = f": a checkpoint directory; give its {os.path.join(path, inside[0])}, or --resume {path}"
-        die(f"{what} {path} is not a regular file{hint if inside else ''}")
+        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
+                      if os.path.isfile(os.path.join(path, f))), None)
+        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
+        die(f"{what} {path} is not a regular file{hint}")

@@ -43,8 +43,7 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
     """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
-    if os.path.isdir(tmp):  # left by a run that died while saving this step
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving this step
     names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
@@ -66,9 +65,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
 
 def rename_into_place(tmp, final):
     """Makes the complete checkpoint dir `tmp` the checkpoint `final`, replacing one of the same step whole."""
-    old = final + ".old"  # what a save that died between the renames leaves
-    if os.path.isdir(old):
-        shutil.rmtree(old)
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)  # left by a save that died between the renames
     # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
@@ -155,12 +153,9 @@ def load_checkpoint(path, cfg, recipes):
     check_checkpoint_step(path, state["step"])
     for k in params:
         moments = [m[k], v[k]] if k in v else [m[k]]
-        if any(t.shape != params[k].shape for t in moments):
-            die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
-                f"the model has {params[k].shape}")
-        if any(t.dtype != np.float32 for t in moments):
-            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(str(t.dtype) for t in moments)}, "
-                "not float32")
+        if any(t.shape != params[k].shape or t.dtype != np.float32 for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(f'{t.dtype} {t.shape}' for t in moments)}, "
+                f"the model's float32 {params[k].shape}")
         if not all(np.isfinite(t).all() for t in moments):
             die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf): resume "
                 "from an earlier checkpoint")
@@ -254,9 +249,8 @@ def abandon_newer(out, step):
 
 
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
-    """Makes --out-dir and returns process 0's RunLock on it (None elsewhere). A run held there (`extras`: its other
-    files) is continued (--resume at `step`: newer checkpoints abandon_newer'd) or set aside into replaced_<time>
-    (--force, or `restart`, resolve_resume's); else refused."""
+    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
+    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
     out = cfg.out_dir
 
     def held_run():
@@ -307,10 +301,8 @@ def drop_partial_log_line(out_dir):
 
 
 def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=None):
-    """A run's start, its weights and data checked before anything in the out dir moves: (step, params, m, v,
-    micro-batches per step, train loader, val loader, GPT-2's encoder for the samples or None, the out dir's lock).
-    The weights are a checkpoint's, a model file's or the recipe's init; `any_failed(failed)`, a collective of
-    several processes, makes them stop together."""
+    """A run's start, weights and data checked before the out dir changes: (step, params, m, v, micro-batches per
+    step, train loader, val loader, the samples' encoder or None, the out dir's lock)."""
     try:
         restart = resolve_resume(cfg, not cfg.eval_only)
         recipe, step, loader_state, m, v = recipes[cfg.recipe], 0, (0, 0), None, None
@@ -338,7 +330,7 @@ def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
         encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
         lock = prepare_out_dir(cfg, master, step, restart)
-    except (SystemExit, OSError):
+    except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
         if any_failed is not None:
             any_failed(True)
         raise

@@ -114,48 +114,18 @@ class DataLoader:
 
 # --shuffle: llm.c's own Mersenne Twister (llmc/rand.h) and shuffled order (llmc/dataloader.h)
 
-MT_N, MT_M = 624, 397  # MT19937's words of state, and how far on the word is that each twist mixes in
-MT_MATRIX_A = 0x9908B0DF
-# the spans of words one twist updates together: each reads only words updated by an earlier span, or
-# words that a sequential twist would still find unchanged (word j reads j+1 before j+1 changes)
-MT_SPANS = ((0, MT_N - MT_M), (MT_N - MT_M, 2 * (MT_N - MT_M)), (2 * (MT_N - MT_M), MT_N - 1),
-            (MT_N - 1, MT_N))
 SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
 
 
 class MersenneTwister:
-    """MT19937 as llm.c's rand.h runs it, seeded as init_genrand (as std::mt19937 and numpy's RandomState)."""
+    """MT19937 as llm.c's rand.h runs it, seeded as init_genrand: numpy's legacy RandomState(seed) is that one."""
 
     def __init__(self, seed):
-        words = [seed & 0xFFFFFFFF]
-        for j in range(1, MT_N):
-            words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + j) & 0xFFFFFFFF)
-        self.words = np.array(words, np.uint32)
-        self.ready = np.empty(0, np.uint32)  # outputs of the last twist not drawn yet
-
-    def _twist(self):
-        """The next 624 outputs: the state's words twisted, then tempered."""
-        w = self.words
-        for lo, hi in MT_SPANS:
-            j = np.arange(lo, hi)
-            y = (w[j] & 0x80000000) | (w[(j + 1) % MT_N] & 0x7FFFFFFF)
-            w[j] = w[(j + MT_M) % MT_N] ^ (y >> 1) ^ ((y & 1) * np.uint32(MT_MATRIX_A))
-        y = w ^ (w >> 11)
-        y ^= (y << 7) & 0x9D2C5680
-        y ^= (y << 15) & 0xEFC60000
-        return y ^ (y >> 18)
+        self.rng = np.random.RandomState(seed)
 
     def draws(self, n):
-        """The next n outputs."""
-        out = np.empty(n, np.uint32)
-        done = min(n, len(self.ready))
-        out[:done], self.ready = self.ready[:done], self.ready[done:]
-        while done < n:
-            block = self._twist()
-            take = min(n - done, MT_N)
-            out[done: done + take], self.ready = block[:take], block[take:]
-            done += take
-        return out
+        """The next n 32-bit outputs (a full-range randint is the raw output)."""
+        return self.rng.randint(0, 2**32, n, dtype=np.uint32)
 
 
 def permutation_picks(n, rng):
