@@ -27,8 +27,7 @@ def read_shard(path):
         die(f"shard {path} has version {header[1]}, expected 1")
     ntok = int(header[2])
     if size != 256 * 4 + 2 * ntok:
-        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds "
-            f"{(size - 1024) // 2}")
+        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds {(size - 1024) // 2}")
     return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
 
 

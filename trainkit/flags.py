@@ -108,15 +108,12 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the default batch)")
     p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time reaches "
                    "this many seconds, as if it were the last; the lr schedule still spans --steps (default 0: never)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; a recipe "
-                   "with several groups scales them all with it: see --recipe)")
-    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] (default "
-                   f"{d.lr_decay_frac})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate after --warmup (default {d.lr}; see --recipe)")
+    p.add_argument("--lr-decay-frac", type=float, help=f"the decay ends at lr x this (default {d.lr_decay_frac})")
     p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay}; see --recipe)")
-    p.add_argument("--grad-clip", type=float, help=f"clip gradients to this global norm, 0 = never (default "
-                   f"{d.grad_clip})")
+    p.add_argument("--weight-decay", type=float, help=f"AdamW's decoupled weight decay (default {d.weight_decay}; "
+                   "on the matrices and embeddings: see --recipe)")
+    p.add_argument("--grad-clip", type=float, help=f"clip gradients to this norm, 0 = never (default {d.grad_clip})")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; masters and AdamW state stay fp32 "
                    "(default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
     p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="activation memory against compute: none keeps "
@@ -131,24 +128,20 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
     p.add_argument("--init-from", help="a model file of the recipe to start from, giving the model shape: "
                    + ", ".join(f"{r.file_kind} ({name})" for name, r in recipes.items()))
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
-    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run, moving its "
-                   "files into a replaced_<time> folder there first")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run (moved aside)")
     p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
-    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = never "
-                   f"(default {d.ckpt_every})")
-    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), 0 = "
-                   f"never (default {d.val_every})")
-    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the val shards' first val-tokens "
-                   f"// seq len sequences, the same at any device count (default {d.val_tokens})")
+    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints, 0 = never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help=f"steps between val losses, 0 = never (default {d.val_every})")
+    p.add_argument("--val-tokens", type=int, help="tokens per val loss: the val shards' first val-tokens // seq len "
+                   f"sequences (default {d.val_tokens})")
     p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
-    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last step's "
-                   f"too), 0 = never (default {d.hellaswag_every})")
+    p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evaluations, 0 = never (default "
+                   f"{d.hellaswag_every})")
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
-    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), 0 = "
-                   f"never (default {d.sample_every})")
+    p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
     p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
     p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first "
-                   "(a trace in OUT_DIR/profile, a summary printed), then train on")
+                   "(a trace in OUT_DIR/profile), then train on")
     given = vars(p.parse_args(argv))
     preset = given.pop("model", None)
     val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
@@ -173,8 +166,7 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
             die(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag
         if flag in given and not given[flag]:
-            die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the "
-                "flag out")
+            die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the flag out")
     if cfg.shuffle and cfg.data == "synthetic":
         die("--shuffle with --data synthetic: --shuffle permutes the samples of token shards, and "
             "synthetic tokens are random already")
@@ -215,12 +207,10 @@ def apply_model_header(cfg, header, explicit):
         if k in explicit and explicit[k] != header[k]:
             die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
-        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
-            f"expected {VOCAB_SIZE}")
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
     if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
         if cfg.seq_len > header["block_size"]:
-            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
-                f"{header['block_size']}")
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
         cfg.block_size = header["block_size"]
     cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
     cfg.padded_vocab_size = header["padded_vocab_size"]

@@ -11,13 +11,9 @@ from trainkit import die
 VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
 PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
 EOT = 50256
-MODEL_PRESETS = {  # name: (n_layer, n_head, n_embd)
-    "d12": (12, 12, 768),
-    "d24": (24, 16, 1024),
-    "d36": (36, 20, 1280),
-    "d48": (48, 25, 1600),
-}
-# llm.c's tensor order; per-layer tensors are stacked along a leading L axis, as in its model file
+# name: (n_layer, n_head, n_embd)
+MODEL_PRESETS = {"d12": (12, 12, 768), "d24": (24, 16, 1024), "d36": (36, 20, 1280), "d48": (48, 25, 1600)}
+# llm.c's tensor order, as in its model file
 PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
                "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
                "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
@@ -102,8 +98,8 @@ def read_model_header(path):
     shapes = gpt2_shapes(SimpleNamespace(**header))
     expected = 1024 + (4 if h[1] == 3 else 2) * sum(math.prod(s) for s in shapes.values())
     if size != expected:
-        die(f"model file {path} has {size} bytes, its header implies {expected}"
-            f"{' (truncated)' if size < expected else ''}")
+        cut = " (truncated)" if size < expected else ""
+        die(f"model file {path} has {size} bytes, its header implies {expected}{cut}")
     return header, int(h[1])
 
 

@@ -6,15 +6,10 @@ from trainkit import die, write_failure
 
 SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 PROFILE_STEPS = 3
-PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets
-    "H100 PCIe": (756e12, 378e12),
-    "H100 NVL": (835e12, 417.5e12),
-    "H100": (989e12, 494.5e12),   # SXM
-    "H200 NVL": (835e12, 417.5e12),
-    "H200": (989e12, 494.5e12),
-    "A100": (312e12, 156e12),
-    "L40S": (362e12, 183e12),
-    "4090": (165e12, 82.6e12),
+PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets; the first match counts
+    "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 417.5e12), "H100": (989e12, 494.5e12),  # SXM
+    "H200 NVL": (835e12, 417.5e12), "H200": (989e12, 494.5e12),
+    "A100": (312e12, 156e12), "L40S": (362e12, 183e12), "4090": (165e12, 82.6e12),
 }
 
 
@@ -70,8 +65,8 @@ def memory_warning(held, activations, world, available):
     if available is None or need <= available:
         return None
     return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
-            f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or "
-            f"a cheaper --recompute)")
+            f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or a "
+            "cheaper --recompute)")
 
 
 def start_event(cfg, step, world, held, activations):

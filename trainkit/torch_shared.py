@@ -1,6 +1,5 @@
 """torch only, shared by the two torch trainers: processes, ZeRO-1's flat buffers, host-device copies, the
-evaluations, the speedrun's Newton-Schulz and --fp8-head's products, and the one-line failures (a lost process,
-out of memory)."""
+evaluations, Newton-Schulz, --fp8-head's products, and the one-line failures (a lost process, out of memory)."""
 import atexit
 import contextlib
 import datetime
@@ -27,8 +26,8 @@ TORCH_FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def flat_layout(shapes, groups, world):
-    """({name: first element}, [(first, end) of each group]) of a flat buffer of the groups' tensors, each from a
-    FLAT_ALIGN boundary, each group padded to a multiple of FLAT_ALIGN x world (equal, aligned shards)."""
+    """({name: first element}, [(first, end) of each group]) of the groups' tensors in one flat buffer."""
+    # each tensor from a FLAT_ALIGN boundary, each group padded to a multiple of FLAT_ALIGN x world: equal shards
     starts, spans, size = {}, [], 0
     unit = FLAT_ALIGN * world
     for names, _ in groups:
@@ -48,8 +47,7 @@ def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
 
 
 def state_layout(groups, muon_names, shapes, world):
-    """(groups, {name: first element}, [(first, end) of each group]) of the flat buffers: the compute groups by
-    flat_layout, then Muon's matrices (the last group) dealt whole to the processes."""
+    """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
     muon = set(muon_names)
     split = [g for g in groups if not muon.intersection(g[0])]
     starts, spans = flat_layout(shapes, split, world)
@@ -68,8 +66,7 @@ def state_layout(groups, muon_names, shapes, world):
 
 
 def shard_ranges(starts, shapes, span, rank, world):
-    """ZeRO-1: {name: (lo, hi)}, the flat buffer's elements of each tensor of the group over `span` that lie in
-    rank's shard of it (a tensor may be split between shards; those outside are left out)."""
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
     n = (span[1] - span[0]) // world
     first, ranges = span[0] + rank * n, {}
     for k in starts:
@@ -93,8 +90,7 @@ def to_device(arrays, device):
 
 
 def evaluate_val(row_losses, weights, loader, cfg, device, world):
-    """Mean token loss over the val shards' first cfg.val_tokens // T sequences (val_batches), each process
-    reading its rank's rows: the same loss at any batch size and process count."""
+    """Mean token loss over the val shards' first val_tokens // T sequences, the same at any batch and world size."""
     loader.reset()
     total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
     rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
@@ -108,8 +104,7 @@ def evaluate_val(row_losses, weights, loader, cfg, device, world):
 
 
 def setup_device(cfg):
-    """(rank, world, device, store): under torchrun one process per GPU (nccl) or CPU share (gloo), else one;
-    store: the run's key-value store (None for one process). Sets the matmul precision cfg.dtype promises."""
+    """(rank, world, device, the run's key-value store or None): a process per GPU (nccl) or CPU share (gloo)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -135,7 +130,7 @@ def setup_device(cfg):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(hours=1))
         atexit.register(dist.destroy_process_group)
-    # fp32 means fp32: cuBLAS and cuDNN would otherwise run fp32 matmuls on a GPU as TF32
+    # the matmul precision cfg.dtype promises: cuBLAS and cuDNN would otherwise run fp32 matmuls as TF32
     tf32 = cfg.dtype == "bf16"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -174,8 +169,7 @@ def agree_to_stop(budget_spent, signum, rank, device):
 
 @contextlib.contextmanager
 def fail_on_lost_peer(store, rank, world):
-    """A collective that fails for a lost process: each survivor names it in one line and exits at once (a
-    teardown could wait on the dead peer); any other error passes through."""
+    """A collective failed by a lost process: each survivor names it in one line and exits at once (not waiting)."""
     try:
         yield
     except RuntimeError as e:
@@ -208,9 +202,8 @@ def fail_on_lost_peer(store, rank, world):
 
 
 def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank, world):
-    """Stage 1 (ZeRO-1): per group of the layout (state_layout's), a process keeps 1/world of the fp32 masters, m,
-    v and the summed gradients, updates that shard of the weights (`own_weights`), then all-gathers them.
-    `shard_params`, `shard_grads`, `shard_copies`, m, v: {name: 1-D piece} of the shard (Muon's matrices whole)."""
+    """Stage 1 (ZeRO-1): per group of state_layout's `layout`, a process keeps 1/world of the fp32 masters, m, v and
+    the summed gradients, and updates that shard of the weights (`own_weights`); shard_*, m, v: {name: its piece}."""
     groups, starts, spans = layout
     muon = set(muon_names)
     state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
@@ -265,8 +258,8 @@ def peak_memory_gb(device):
 
 
 def newton_schulz(G, dtype):
-    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: X = G/||G||_F, then
-    X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, on the transposes of tall matrices (A the smaller)."""
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`."""
+    # X = G/||G||_F, then X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, on tall matrices' transposes (A the smaller)
     tall = G.shape[-2] > G.shape[-1]
     X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
@@ -279,16 +272,15 @@ def newton_schulz(G, dtype):
 
 
 def fp8_quantize(x, kind):
-    """--fp8-head's operand `kind` of x: x times fp8_reciprocal(kind) in fp32, clamped to the format's range
-    (torch's e5m2 cast would overflow to inf) and cast, rounding to nearest even."""
+    """--fp8-head's operand `kind` of x: x times fp8_reciprocal(kind) in fp32, saturated, rounded to nearest even."""
+    # clamped: torch's e5m2 cast would overflow to inf
     fmt = FP8_FORMATS[kind]
     q = x.float() * fp8_reciprocal(kind)
     return q.clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
 
 
 def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
-    """(a (M,K) @ b (K,N)) x scale_a x scale_b in out_dtype of fp8 operands: torch._scaled_mm on a CUDA GPU,
-    elsewhere the same product of the operands' exact fp32 values."""
+    """(a (M,K) @ b (K,N)) x scale_a x scale_b in out_dtype of fp8 operands; off CUDA, of their exact fp32 values."""
     if a.is_cuda:  # a row-major, b column-major, as it requires; fast_accum: the reference forward's
         sa, sb = (torch.tensor(s, dtype=torch.float32, device=a.device) for s in (scale_a, scale_b))
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa, scale_b=sb,
@@ -305,8 +297,7 @@ def flat_gradients(shapes, layout, device):
 
 
 def state_bytes(zero_stage, shapes, layout, muon_names, world):
-    """Bytes of weights, gradients and optimizer state one process holds, by kind (docs/FORMATS.md): `params` bf16
-    copies, `grads` (at stage 1 with the shard), fp32 `masters` (at stage 1 shards of the bf16 ones), `moments`."""
+    """Bytes of bf16 `params`, `grads`, fp32 `masters` and `moments` that one process holds (docs/FORMATS.md)."""
     groups, _, spans = layout
     muon = set(muon_names)
     size = spans[-1][1]
@@ -334,8 +325,7 @@ def evals_left_to_run(cfg, step, master, world):
 
 
 def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say):
-    """Step's checkpoint where --ckpt-every (or the last step, `last`) asks for one: gathered by every process (a
-    collective at stage 1), written by process 0, the same at any stage and process count."""
+    """Step's checkpoint where --ckpt-every (or the last step, `last`) asks: gathered by all, written by process 0."""
     if not due(cfg.ckpt_every, step, last):
         return
     full = state["params"], state["m"], state["v"]
@@ -361,11 +351,10 @@ def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say
 
 
 def say_samples(sample, cfg, step, last, device, decode, master, say):
-    """Prints step's samples where --sample-every (or the last step) asks, on process 0: sample(generator) gives
-    token rows (S, T) after EOT, drawn with a generator seeded by (--seed, step), as an uninterrupted run's."""
+    """Prints step's samples where --sample-every (or the last step) asks: sample(generator)'s rows (S, T) after EOT."""
     if not (master and due(cfg.sample_every, step, last)):
         return
     seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)  # (--seed, step)'s: as an uninterrupted run's
     for i, row in enumerate(sample(generator).tolist()):
         say(f"sample {i}: {decode(row[1:])!r}")
