@@ -92,8 +92,8 @@ def latest_checkpoint(out_dir, needed=("state.npz",)):
 
 
 def resolve_resume(cfg, trains, needed=("state.npz",)):
-    """Makes cfg.resume the checkpoint dir to resume, holding the files `needed`; True where --resume auto found
-    none and a run that `trains` starts at step 0 (cfg.resume ""), for prepare_out_dir to set the old files aside."""
+    """Makes cfg.resume the checkpoint dir holding `needed` to resume; True where --resume auto found none to resume."""
+    # then a run that `trains` starts at step 0 (cfg.resume ""), and prepare_out_dir sets the old files aside
     if cfg.resume == "auto":
         found = latest_checkpoint(cfg.out_dir, needed)
         if found is None and not trains:
@@ -239,10 +239,9 @@ def abandon_newer(out, step):
                 except (ValueError, AttributeError, TypeError):
                     later = False
                 (cut if later else kept).append(line)
-        with open(os.path.join(aside, "log.jsonl"), "wb") as f:
-            f.writelines(cut)
-        with open(log + ".tmp", "wb") as f:
-            f.writelines(kept)
+        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+            with open(path, "wb") as f:
+                f.writelines(lines)
         os.replace(log + ".tmp", log)
     print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
           f"{step} moved to {aside}")

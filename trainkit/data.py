@@ -72,10 +72,9 @@ def read_vocab_shard(path):
 
 
 class DataLoader:
-    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at p + r*B*T, all advance p by W*B*T; files=None
-    reads random tokens drawn from `seed`."""
-    # llm.c moves each rank to the next shard by its own position; testing p keeps the ranks together, so that
-    # W ranks of B rows read what one rank of W*B rows reads
+    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at p + r*B*T; files=None: random tokens from `seed`."""
+    # llm.c moves each rank to the next shard by its own position; moving all by p keeps W ranks of B rows
+    # reading what one rank of W*B rows reads
 
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
@@ -188,8 +187,8 @@ class ShuffledOrder:
 
 
 class ShuffledLoader:
-    """llm.c's loader with should_shuffle, for its ranks first..first+k-1 of `world`: rank g's order seeded 42 + g
-    reads B*T+1 tokens at sample*W*B*T + g*B*T of its shard; next_batch stacks the k ranks' rows (k*B, T)."""
+    """llm.c's loader with should_shuffle, as its ranks first..first+k-1 of `world` read, their rows stacked."""
+    # rank g's order seeded 42 + g reads B*T+1 tokens at sample*W*B*T + g*B*T of its shard
 
     def __init__(self, files, B, T, first, k, world):
         self.files, self.B, self.T, self.first, self.k, self.world = files, B, T, first, k, world
@@ -250,8 +249,7 @@ def val_batches(cfg, loader):
 
 
 def make_loaders(cfg, rows, rank, ranks, loader_state, say):
-    """(micro-batches per step, train loader at `loader_state` or None with --eval-only, val loader or None) of rank
-    `rank` of `ranks`, reading `rows` rows of each global batch."""
+    """(micro-batches per step, train loader at `loader_state`, val loader) of rank `rank` of `ranks`, `rows` rows."""
     T = cfg.seq_len
     tokens = cfg.batch_size * T * (rows * ranks // cfg.batch_size)  # one micro-batch on every device
     if cfg.total_batch_size % tokens:

@@ -1,6 +1,5 @@
-"""The speedrun recipe without a framework: modded-nanogpt's records/track_3_optimization/train_gpt_simple.py
-(docs/FORMATS.md, The speedrun recipe): its defaults and flag checks, its weights' names, shapes and init, its
-lrs and optimizer constants, and its model files (the reference's state_dict as safetensors)."""
+"""The speedrun recipe without a framework (docs/FORMATS.md): modded-nanogpt's train_gpt_simple.py's defaults and
+flag checks, weights' names, shapes and init, lrs and optimizer constants, and model files (safetensors)."""
 import json
 import math
 import os
@@ -73,8 +72,7 @@ def muon_names(shapes):
 
 
 def init_speedrun_numpy(cfg):
-    """The reference's init, drawn in speedrun_shapes' order (as tests/speedrun_reference.py's init_state_dict):
-    every *proj* weight and bias zero, gains 1, the embedding N(0, 1), other matrices N(0, 0.33 / fan_in)."""
+    """The reference's init in speedrun_shapes' order: *proj* and biases 0, gains 1, embed N(0, 1), N(0, .33/fan_in)."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in speedrun_shapes(cfg).items():
@@ -89,15 +87,13 @@ def init_speedrun_numpy(cfg):
 
 
 def rotary_freq_numpy(head_dim):
-    """The reference's rotary frequencies (head_dim/2,) fp32, its state_dict's buffer: (1/1024)^linspace(0, 1)
-    over the first quarter of the head's dims, zeros (pairs not rotated) over the second."""
+    """The reference's rotary frequencies (head_dim/2,) fp32, its state_dict's buffer; the last half zeros."""
     freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
     return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
 def speedrun_lr(it, cfg):
-    """The reference's lr of 0-based iteration `it` (after a warmup, if given): lr until 30% of the steps, then a
-    linear fall toward lr*lr_decay_frac at step `steps`."""
+    """The reference's lr of 0-based iteration `it`: lr until 30% of the steps, then linear to lr*lr_decay_frac."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
@@ -123,8 +119,7 @@ def fp8_reciprocal(kind):
 
 
 def read_safetensors(path, check=None):
-    """{name: fp32 array} of a safetensors file of float tensors, every value finite; check({name: (type, shape)}),
-    if given, runs on the header (the library's checks passed) before any tensor is read."""
+    """{name: fp32 array} of a safetensors file of finite floats; check({name: (type, shape)}) before any is read."""
     try:
         with safetensors.safe_open(path, framework="numpy") as f:
             entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
@@ -170,11 +165,10 @@ def write_speedrun_file(path, params, cfg):
 
 
 def read_speedrun_file(path):
-    """(header, {name: fp32 array}) of a speedrun model file (any float type, converted to fp32 with a line); the
-    shape comes from embed.weight and the blocks' count, every tensor checked present in its shape, no other."""
+    """(header, {name: fp32 array}) of a speedrun model file of any float type, its names and shapes checked first."""
     found = {}
 
-    def check(entries):  # {name: (type, shape)}: the layer count from names alone, bounded by theirs
+    def check(entries):  # the shape from embed.weight and the blocks' count, bounded by their names
         embed = entries.get("embed.weight", (None, ()))[1]
         if len(embed) != 2:
             die(f"model file {path} has no 2-D embed.weight: not a speedrun model")

@@ -328,8 +328,9 @@ def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say
     """Step's checkpoint where --ckpt-every (or the last step, `last`) asks: gathered by all, written by process 0."""
     if not due(cfg.ckpt_every, step, last):
         return
-    full = state["params"], state["m"], state["v"]
-    if cfg.zero_stage != 0:  # the shards of the masters and moments, all-gathered group by group
+    if cfg.zero_stage == 0:
+        full = state["params"], state["m"], state["v"]
+    else:  # the shards of the masters and moments, all-gathered group by group
         shapes, full = recipe.shapes(cfg), []
         for name in ("params", "m", "v"):
             buffer, names = torch.empty_like(state["grad_buffer"]), []                # (P,)
