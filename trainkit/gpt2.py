@@ -32,16 +32,10 @@ def configure_gpt2(cfg, given, shape):
 def gpt2_shapes(cfg):
     """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
     L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
-    return {
-        "wte": (Vp, C), "wpe": (T, C),
-        "ln_1.w": (L, C), "ln_1.b": (L, C),
-        "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C),
-        "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
-        "ln_2.w": (L, C), "ln_2.b": (L, C),
-        "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
-        "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C),
-        "ln_f.w": (C,), "ln_f.b": (C,),
-    }
+    return {"wte": (Vp, C), "wpe": (T, C), "ln_1.w": (L, C), "ln_1.b": (L, C),
+            "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C), "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+            "ln_2.w": (L, C), "ln_2.b": (L, C), "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+            "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C), "ln_f.w": (C,), "ln_f.b": (C,)}
 
 
 def init_gpt2_numpy(cfg):

@@ -132,8 +132,7 @@ def setup_device(cfg):
         atexit.register(dist.destroy_process_group)
     # the matmul precision cfg.dtype promises: cuBLAS and cuDNN would otherwise run fp32 matmuls as TF32
     tf32 = cfg.dtype == "bf16"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     return rank, world, device, store
 
