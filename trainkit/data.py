@@ -274,7 +274,8 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
                 f"({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of {batch} "
                 "sequences: lower --val-tokens (or --val-steps)")
     if isinstance(train, DataLoader):
-        n_shards, (shard, position) = len(train_files) if train_files else 1, loader_state
+        n_shards = len(train_files) if train_files else 1
+        shard, position = loader_state
         if shard >= n_shards:
             die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
         train.set_state(shard, position)

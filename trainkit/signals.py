@@ -85,8 +85,9 @@ def stops_on_signals(main):
             with StopSignals() as signals:
                 return main(argv, signals)
         except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
-            die(write_failure(e.filename, e) if e.errno in DISK_FULL else
-                f"{e.filename}: {e.strerror}" if e.filename else str(e))
+            if e.errno in DISK_FULL:
+                die(write_failure(e.filename, e))
+            die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
         finally:
             sys.stdout.flush()  # what they still buffer, while a closed reader is caught
             sys.stderr.flush()
