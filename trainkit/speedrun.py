@@ -30,14 +30,12 @@ SPEEDRUN_HELP = (
     "the AdamW groups' in proportion (" + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items())
     + "), --weight-decay is on every AdamW tensor, and its defaults: "
     + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()))
-# --fp8-head (docs/FORMATS.md, FP8 head): the head's training matmuls on FP8 operands, each multiplied by its
-# scale's fp32 reciprocal, saturated and rounded to nearest even, with the static scales of modded-nanogpt's
-# train_gpt.py; its grad_s is also multiplied by a grad_scale that our unscaled gradient of the summed loss lacks
+# --fp8-head (docs/FORMATS.md, FP8 head): the static scales of modded-nanogpt's train_gpt.py (whose grad_s also
+# holds the grad_scale its gradient carries, and our gradient of the summed loss does not)
 FP8_SCALES = {"x": 100 / 448, "w": 1.6 / 448, "grad": 0.75 / 448}
 FP8_FORMATS = {"x": "e4m3fn", "w": "e4m3fn", "grad": "e5m2"}
 FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
-# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
-# bits of an fp32 one); they write F32
+# the safetensors types the trainers read, as numpy's (a bf16 value as an fp32's top 16 bits); they write F32
 SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
