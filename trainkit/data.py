@@ -73,8 +73,7 @@ def read_vocab_shard(path):
 
 class DataLoader:
     """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at p + r*B*T; files=None: random tokens from `seed`."""
-    # llm.c moves each rank to the next shard by its own position; moving all by p keeps W ranks of B rows
-    # reading what one rank of W*B rows reads
+    # all ranks change shards by p (llm.c: each by its own), so W ranks of B rows read what one of W*B rows reads
 
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed

@@ -14,8 +14,7 @@ from trainkit.gpt2 import VOCAB_SIZE
 
 # its lrs per parameter group; --lr sets Muon's and scales the others with it
 SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
-# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
-# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
+# its defaults over Config's (--weight-decay is AdamW's, Muon's MUON_WEIGHT_DECAY); the rest are llm.c's recipe's
 SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
                      "grad_clip": 0.0, "val_every": 125}
 HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count

@@ -52,8 +52,7 @@ def state_layout(groups, muon_names, shapes, world):
     split = [g for g in groups if not muon.intersection(g[0])]
     starts, spans = flat_layout(shapes, split, world)
     if len(split) < len(groups):
-        # as the reference's Muon deals them: round-robin, largest first, each process's matrices one after
-        # another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard holds them whole
+        # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
         names, first = groups[-1][0], spans[-1][1]
         ends, local = [0] * world, {}
         for i, k in enumerate(sorted(names, key=lambda k: shapes[k], reverse=True)):
@@ -121,8 +120,7 @@ def setup_device(cfg):
                 and 1 <= int(port) <= 65535):
             die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
                 "say where process 0 is (launch with torchrun, or set both)")
-        # the store env:// would make, made here so that it can be read after a failure; under torchrun
-        # its agent already serves it
+        # env://'s store, made here to be read after a failure (under torchrun, its agent serves it)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world,
                               is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                               timeout=datetime.timedelta(minutes=30))
@@ -178,10 +176,9 @@ def fail_on_lost_peer(store, rank, world):
         where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
         if world == 1 or not where.startswith("torch.distributed"):
             raise
-        # a roll call in the run's store: the ranks silent for CENSUS_SECONDS, or None when the store itself is
-        # gone (its host, process 0, stopped: a plain connection first, as writing a closed store prints a warning)
+        # a roll call in the run's store: the ranks silent for CENSUS_SECONDS; None once process 0's store is gone
         try:
-            socket.create_connection((store.host, store.port), timeout=2).close()
+            socket.create_connection((store.host, store.port), timeout=2).close()  # writing a closed store warns
             store.set(f"census/{rank}", "alive")
             deadline = time.monotonic() + CENSUS_SECONDS
             silent = list(range(world))
