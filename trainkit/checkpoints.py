@@ -261,8 +261,7 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
     if any(name not in extras for name in run):
         if not (cfg.resume or cfg.force or restart):
-            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
-                "over")
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts over")
         # a checkpoint from elsewhere, or of a branch set aside here, would splice two runs in one log.jsonl
         home = os.path.realpath(os.path.dirname(os.path.abspath(cfg.resume)))
         if cfg.resume and home != os.path.realpath(out):
@@ -334,6 +333,5 @@ def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=
             any_failed(True)
         raise
     if any_failed is not None and any_failed(False):
-        die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line "
-            "says why)")
+        die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
     return step, params, m, v, grad_accum, train, val, encoder, lock

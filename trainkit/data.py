@@ -203,8 +203,7 @@ class ShuffledLoader:
             first.skip(self.counts[first.shard()])
         if sample >= self.counts[first.shard()]:
             die(f"--resume: the checkpoint is at sample {sample} of train shard {self.files[first.shard()]}, "
-                f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run "
-                "had?)")
+                f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run had?)")
         self.orders = [ShuffledOrder(self.counts, SHUFFLE_SEED + g) for g in range(self.first, self.first + self.k)]
         for order in self.orders:
             order.skip(served + sample)

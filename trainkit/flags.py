@@ -149,8 +149,7 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
     d = replace(d, **recipes[given.get("recipe", d.recipe)].defaults)
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
-    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_tokens"):
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens"):
         if getattr(cfg, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive")
     if val_steps is not None:
