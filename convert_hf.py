@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from trainkit import die
+from trainkit import die, require_file
 from trainkit.gpt2 import (EOT, LAYER_NAMES, PADDED_VOCAB_SIZE, PARAM_NAMES, VOCAB_SIZE, gpt2_shapes,
                            model_file_header, read_model_header)
 
@@ -104,6 +104,7 @@ def map_model_file(path):
     checked by trainkit. Not trainkit's read_model_file, which copies every tensor into memory: here fp32
     tensors are read-only views of a memory map (a 1.5B model is not copied into memory at once), and bf16
     ones are widened to fp32."""
+    require_file(path, "model file")
     if is_speedrun_file(path):
         die(f"model file {path} is a speedrun model (the trainers' --recipe speedrun): transformers has no "
             "such model (RMSNorm, rotary, ReLU^2, an untied soft-capped head), so to-hf converts GPT-2 only")

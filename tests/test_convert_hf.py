@@ -398,7 +398,7 @@ def test_more_bad_input(hf_source, converted, tmp_path):
     variant = lambda name, *args, **kw: str(hf_variant(hf_source, tmp_path, name, *args, **kw))  # noqa: E731
     wte = load_file(hf_source[0] / "model.safetensors")["transformer.wte.weight"]
     cases = [
-        (["to-hf", str(tmp_path / "no_such_model.bin")], "does not exist"),
+        (["to-hf", str(tmp_path / "no_such_model.bin")], "no_such_model.bin: No such file or directory"),
         (["to-hf", str(header_cut)], "is truncated: 100 bytes, shorter than its 1024-byte header"),
         (["to-hf", str(speedrun_file)], "is a speedrun model"),
         (["to-hf", str(model_file_variant(converted, tmp_path, "v.bin", h3=50000))], "vocabulary of 50000"),

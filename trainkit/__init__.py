@@ -1,18 +1,10 @@
-"""trainkit: what every trainer of this repository needs alike, framework-free, as llm.c's trainers
-include llmc/. Each module opens with what it defines:
-
-    trainkit.flags        the shared flags: RunConfig, RunRecipe, parse_args, model-shape checks
-    trainkit.gpt2         llm.c's GPT-2 without a framework: vocabulary, shapes, init, model files, schedule
-    trainkit.speedrun     the speedrun recipe without a framework: config, shapes, init, lrs, model files
-    trainkit.data         llm.c's token shards, its loaders (in order, --shuffle's), the validation's batches
-    trainkit.checkpoints  checkpoints, and the out dir: its lock, replaced_ and abandoned_ folders
-    trainkit.logs         log.jsonl's start event, the step and memory lines, MFU
-    trainkit.signals      SIGINT/SIGTERM at step boundaries, and the divergence stop
-    trainkit.torch_shared   torch only: processes, ZeRO-1's flat layout, a lost process, out of memory
-"""
+"""trainkit: what every trainer of this repository needs alike, framework-free, as llm.c's trainers include llmc/;
+this module holds the one-line errors."""
 import errno
 import os
 import stat
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit reached
 
 
 def die(msg):
@@ -29,24 +21,19 @@ def die_out_of_memory(cfg, e):
 
 def write_failure(path, e):
     """The one line that says why writing `path` failed, a full disk said as such."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if e.errno in DISK_FULL:
         return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
     return f"cannot write {path}: {e.strerror}"
 
 
 def require_file(path, what):
-    """Stops in one line unless `path` is a regular file (symbolic links followed), saying what it is
-    instead: absent, a link loop, a folder (a checkpoint's, whose model file it names), a FIFO or device."""
+    """Stops in one line unless `path` is a regular file (reading a FIFO would wait forever)."""
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        die(f"{what} {path} does not exist")
-    except OSError as e:  # a link loop (ELOOP), a folder we may not enter, a name too long
-        die(f"{what} {path} cannot be read: {e.strerror}")
-    if stat.S_ISDIR(mode):
-        inside = [f for f in ("model.bin", "model.safetensors") if os.path.isfile(os.path.join(path, f))]
-        hint = (f": a checkpoint directory; give its {os.path.join(path, inside[0])}, or --resume {path}"
-                if inside else "")
-        die(f"{what} {path} is a directory, not a file{hint}")
+    except OSError as e:  # absent, a link loop: convert_hf.py has no OSError boundary of its own
+        die(f"{what} {path}: {e.strerror}")
     if not stat.S_ISREG(mode):
-        die(f"{what} {path} is not a regular file (a FIFO or a device)")
+        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
+                      if os.path.isfile(os.path.join(path, f))), None)
+        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
+        die(f"{what} {path} is not a regular file{hint}")

@@ -1,7 +1,5 @@
-"""Checkpoints (docs/FORMATS.md): save_checkpoint (rename_into_place), latest_checkpoint, load_checkpoint,
-read_weights; and the out dir that holds them: its lock (RunLock), the replaced_ and abandoned_ folders
-(move_aside, abandon_newer), which checkpoint --resume continues (resolve_resume, check_checkpoint_step,
-refuse_foreign_checkpoint), prepare_out_dir; a run's start (starting_state, open_run)."""
+"""Checkpoints (docs/FORMATS.md) and the out dir that holds them: its lock, the replaced_ and abandoned_ folders,
+which checkpoint --resume continues, and a run's start (open_run)."""
 import contextlib
 import datetime
 import fcntl
@@ -24,12 +22,12 @@ import numpy as np
 import hellaswag
 from trainkit import die, require_file, write_failure
 from trainkit.data import make_loaders
-from trainkit.flags import apply_model_header, check_resumed_seed, check_resumed_shuffle
+from trainkit.flags import apply_model_header
 from trainkit.signals import STOP_SIGNALS
 
+
 def read_weights(path, cfg, recipes):
-    """(header, params) of a model file of cfg.recipe, a row of `recipes`; a file of another recipe gets
-    one line that says which it is."""
+    """(header, params) of a model file of cfg.recipe, a row of `recipes`; another recipe's file is refused."""
     require_file(path, "model file")
     with open(path, "rb") as f:
         head = f.read(9)
@@ -42,20 +40,11 @@ def read_weights(path, cfg, recipes):
 
 
 def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
-    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz} (docs/FORMATS.md), written to a temporary
-    name, then renamed. m holds every tensor's first moment (AdamW's, or Muon's momentum), v the AdamW
-    tensors' second; `recipe` is cfg.recipe's row."""
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
-    if os.path.isdir(tmp):  # left by a run that died while saving this step
-        shutil.rmtree(tmp)
-    names = list(recipe.shapes(cfg))
-    # a diverged run must not leave non-finite values in the latest checkpoint: the earlier ones stay
-    for label, tensors in (("weight", params), ("first moment", m), ("second moment", v)):
-        bad = next((k for k in names if k in tensors and not np.isfinite(tensors[k]).all()), None)
-        if bad is not None:
-            die(f"not writing {final}: the {label} {bad} holds non-finite values (the run diverged; try a "
-                "lower --lr): the earlier checkpoints are kept")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving this step
+    names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
     state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
@@ -75,11 +64,9 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
 
 
 def rename_into_place(tmp, final):
-    """Makes the complete checkpoint directory `tmp` the checkpoint `final`, replacing a checkpoint of the
-    same step from an earlier run whole (through final.old, which a save that died here leaves)."""
+    """Makes the complete checkpoint dir `tmp` the checkpoint `final`, replacing one of the same step whole."""
     old = final + ".old"
-    if os.path.isdir(old):
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)  # left by a save that died between the renames
     # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
@@ -94,9 +81,7 @@ def rename_into_place(tmp, final):
 
 
 def latest_checkpoint(out_dir, needed=("state.npz",)):
-    """The newest complete checkpoint directory in out_dir (holding the files `needed`), or None; a newer
-    one without them (not written by a trainer: a save renames whole checkpoints into place) is skipped with
-    a line."""
+    """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
     while found and not all(os.path.isfile(os.path.join(found[-1], f)) for f in needed):
@@ -107,10 +92,8 @@ def latest_checkpoint(out_dir, needed=("state.npz",)):
 
 
 def resolve_resume(cfg, trains, needed=("state.npz",)):
-    """Makes cfg.resume the checkpoint directory to resume ('auto': the newest complete one in --out-dir),
-    each of the files `needed` checked present. Where --resume auto finds none (a run stopped before its
-    first checkpoint, or not started yet: what a requeued job meets) a run that `trains` starts at step 0:
-    cfg.resume becomes "" and True is returned, for prepare_out_dir to set that run's files aside."""
+    """Makes cfg.resume the checkpoint dir holding `needed` to resume; True where --resume auto found none to resume."""
+    # then a run that `trains` starts at step 0 (cfg.resume ""), and prepare_out_dir sets the old files aside
     if cfg.resume == "auto":
         found = latest_checkpoint(cfg.out_dir, needed)
         if found is None and not trains:
@@ -126,26 +109,15 @@ def resolve_resume(cfg, trains, needed=("state.npz",)):
 
 
 def check_checkpoint_step(path, step):
-    """A checkpoint directory named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by
-    the names, so a folder renamed or copied by hand over another step is refused in one line."""
+    """A checkpoint dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names."""
     name = os.path.basename(os.path.normpath(path))
     if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != step:
         die(f"checkpoint {path} holds step {step}, not the step {int(name[5:])} its name says (renamed or "
             f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
 
 
-# what reading a damaged .npz raises: not a zip at all (ValueError: numpy takes it for a pickle), cut short
-# (BadZipFile, EOFError), a member that fails its CRC (BadZipFile) or does not inflate (zlib.error), a
-# damaged .npy header in a member (ValueError, TokenError), damaged zip headers
-# (NotImplementedError, KeyError, OSError)
-DAMAGED_NPZ_ERRORS = (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile,
-                      zlib.error, TokenError)
-
-
 def load_checkpoint(path, cfg, recipes):
     """(header, params, m, v, state) from a checkpoint dir of cfg.recipe, a row of `recipes`."""
-    if not os.path.isfile(os.path.join(path, "state.npz")):
-        die(f"--resume {path}: not a checkpoint directory (no state.npz)")
     recipe = recipes[cfg.recipe]
     for name, other in recipes.items():
         if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
@@ -154,24 +126,25 @@ def load_checkpoint(path, cfg, recipes):
     header, params = read_weights(os.path.join(path, recipe.model_file), cfg, recipes)
     muon = recipe.muon_names({k: p.shape for k, p in params.items()})
     adam = [k for k in params if k not in muon]  # v: AdamW's second moments
-    state_file = os.path.join(path, "state.npz")
+    state_file, fields = os.path.join(path, "state.npz"), ("step", "shard", "position", "seed")
     try:
         with np.load(state_file) as z:
-            missing = [k for k in ("step", "shard", "position", "seed") if k not in z.files]
-            missing += [f"m.{k}" for k in params if f"m.{k}" not in z.files]
-            missing += [f"v.{k}" for k in adam if f"v.{k}" not in z.files]
+            missing = [k for k in (*fields, *(f"m.{k}" for k in params), *(f"v.{k}" for k in adam))
+                       if k not in z.files]
             if missing:
                 die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
             m = {k: z[f"m.{k}"] for k in params}
             v = {k: z[f"v.{k}"] for k in adam}
             state = {}
-            for k in ("step", "shard", "position", "seed"):
+            for k in fields:
                 if z[k].shape != () or z[k].dtype.kind not in "iu":
                     die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
                 state[k] = int(z[k])
             # the run's --shuffle, from its config (a checkpoint written before the flag read in order)
             state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
-    except DAMAGED_NPZ_ERRORS as e:
+    # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
+    except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
+            TokenError) as e:
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
     for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
@@ -180,12 +153,9 @@ def load_checkpoint(path, cfg, recipes):
     check_checkpoint_step(path, state["step"])
     for k in params:
         moments = [m[k], v[k]] if k in v else [m[k]]
-        if any(t.shape != params[k].shape for t in moments):
-            die(f"checkpoint {path}: optimizer state for {k} has shape {m[k].shape}, "
-                f"the model has {params[k].shape}")
-        if any(t.dtype != np.float32 for t in moments):
-            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(str(t.dtype) for t in moments)}, "
-                "not float32")
+        if any(t.shape != params[k].shape or t.dtype != np.float32 for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(f'{t.dtype} {t.shape}' for t in moments)}, "
+                f"the model's float32 {params[k].shape}")
         if not all(np.isfinite(t).all() for t in moments):
             die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf): resume "
                 "from an earlier checkpoint")
@@ -193,10 +163,7 @@ def load_checkpoint(path, cfg, recipes):
 
 
 class RunLock:
-    """<out_dir>/.lock, flock'ed by process 0 while this object lives (main holds it: one out dir, one live
-    run), and naming its holder; the kernel drops a dead process's flock, so a stale file blocks nothing.
-    The file goes when the lock is released, with the inode checked on taking it (a run that opened the
-    file just before it went would otherwise lock a deleted one)."""
+    """<out_dir>/.lock, flock'ed by process 0 while this object lives and naming its holder; removed on release."""
     held = None  # weakref.ref to the lock this process holds
 
     def __init__(self, out):
@@ -205,7 +172,11 @@ class RunLock:
             earlier.release()
         self.path, self.fd = os.path.join(out, ".lock"), None
         while True:
-            fd = self.open_lock_file()
+            # O_NOFOLLOW: a symbolic link is refused, not written through; a dead holder's flock is the kernel's to drop
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                die(f"{self.path} is not a regular file, not the run lock that a trainer writes: remove it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -226,22 +197,6 @@ class RunLock:
             die(f"--out-dir: {write_failure(self.path, e)}")
         RunLock.held = weakref.ref(self)
 
-    def open_lock_file(self):
-        """A descriptor of the lock file, created if absent; one that is anything but a regular file (a
-        directory, a FIFO, a symbolic link, which it would write through) or cannot be opened is one line,
-        and nothing is written."""
-        kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFLNK: "a symbolic link",
-                 stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
-        with contextlib.suppress(FileNotFoundError):
-            kind = stat.S_IFMT(os.lstat(self.path).st_mode)
-            if kind != stat.S_IFREG:
-                die(f"{self.path} is {kinds.get(kind, 'not a regular file')}, not the run lock that a "
-                    "trainer writes: remove it")
-        try:  # O_NOFOLLOW: a link put there after the check is refused too
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            die(f"--out-dir: {write_failure(self.path, e)}")
-
     def release(self):
         if self.fd is not None:
             with contextlib.suppress(OSError):
@@ -253,10 +208,9 @@ class RunLock:
 
 
 def move_aside(out, names, prefix):
-    """Moves <out>/<names> into a new <out>/<prefix><time>[_n] folder (unique however fast runs follow
-    each other); returns its path."""
+    """Moves <out>/<names> into a new folder <out>/<prefix><time>[_n], which it returns."""
     stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
-    for n in range(1, 1000):
+    for n in range(1, 1000):  # unique however fast runs follow each other
         aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
         try:
             os.mkdir(aside)
@@ -269,9 +223,7 @@ def move_aside(out, names, prefix):
 
 
 def abandon_newer(out, step):
-    """A resume from step `step`: the out dir's newer checkpoints are of an abandoned branch, and so are
-    log.jsonl's lines past that step. Both move into an abandoned_<time> folder, so that --resume auto
-    and the log follow the live branch."""
+    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
     newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
              if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
     if not newer:
@@ -287,37 +239,17 @@ def abandon_newer(out, step):
                 except (ValueError, AttributeError, TypeError):
                     later = False
                 (cut if later else kept).append(line)
-        with open(os.path.join(aside, "log.jsonl"), "wb") as f:
-            f.writelines(cut)
-        with open(log + ".tmp", "wb") as f:
-            f.writelines(kept)
+        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+            with open(path, "wb") as f:
+                f.writelines(lines)
         os.replace(log + ".tmp", log)
     print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
           f"{step} moved to {aside}")
 
 
-def refuse_foreign_checkpoint(path, out, listed):
-    """--resume of a checkpoint from outside --out-dir `out`, which holds a run (`listed`), is refused in one
-    line: that run's log.jsonl would splice the two. A folder set aside there (abandoned_, replaced_) is
-    outside too: its branch is not the live one."""
-    home = os.path.realpath(os.path.dirname(os.path.abspath(os.path.normpath(path))))
-    if home == os.path.realpath(out):
-        return
-    aside = os.path.dirname(home) == os.path.realpath(out) and os.path.basename(home).startswith(
-        ("abandoned_", "replaced_"))
-    whose = f"a branch set aside in {os.path.dirname(os.path.normpath(path))}" if aside else "another out dir"
-    die(f"--resume {path}: a checkpoint of {whose}, and --out-dir {out} holds another run ({listed}), whose "
-        "log.jsonl would then hold both: resume it into a new --out-dir")
-
-
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
-    """Makes --out-dir, checked writable, and returns process 0's RunLock on it (None elsewhere), which
-    the caller holds for the run's life. One that holds a run (log.jsonl, checkpoints; `extras` are its
-    other files, which move with it) is refused unless this run continues it (--resume of one of its own
-    checkpoints, at `step`: when the run trains on, newer checkpoints go to abandoned_<time>, abandon_newer)
-    or starts over (--force, or `restart`: --resume auto found no checkpoint, resolve_resume; that run's
-    files move into a replaced_<time> folder there, so that log.jsonl holds one run). A half line that a
-    kill left at the end of the log is cut off."""
+    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
+    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
     out = cfg.out_dir
 
     def held_run():
@@ -329,38 +261,34 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
     if any(name not in extras for name in run):
         if not (cfg.resume or cfg.force or restart):
-            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts "
-                "over")
-        if cfg.resume:
-            refuse_foreign_checkpoint(cfg.resume, out, listed)
-    try:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, ".writable.tmp"), "w"):
-            pass
-        os.remove(os.path.join(out, ".writable.tmp"))
-    except OSError as e:
-        die(f"--out-dir: {write_failure(out, e)}")
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts over")
+        # a checkpoint from elsewhere, or of a branch set aside here, would splice two runs in one log.jsonl
+        home = os.path.realpath(os.path.dirname(os.path.abspath(cfg.resume)))
+        if cfg.resume and home != os.path.realpath(out):
+            aside = os.path.dirname(home) == os.path.realpath(out) and os.path.basename(home).startswith(
+                ("abandoned_", "replaced_"))
+            whose = (f"a branch set aside in {os.path.dirname(os.path.normpath(cfg.resume))}" if aside else
+                     "another out dir")
+            die(f"--resume {cfg.resume}: a checkpoint of {whose}, and --out-dir {out} holds another run ({listed}), "
+                "whose log.jsonl would then hold both: resume it into a new --out-dir")
+    os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
-    try:
-        if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
-            abandon_newer(out, step)
-        run = held_run()
-        moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
-        aside = move_aside(out, run, "replaced_") if moved else None
-        if restart:
-            moved_to = f"; the run there, stopped before its first checkpoint, moved to {aside}" if moved else ""
-            print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
-        elif moved:
-            print(f"--force: the run in {out} moved to {aside}")
-    except OSError as e:
-        die(f"--out-dir: {write_failure(getattr(e, 'filename', None) or out, e)}")
+    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
+        abandon_newer(out, step)
+    run = held_run()
+    moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
+    aside = move_aside(out, run, "replaced_") if moved else None
+    if restart:
+        moved_to = f"; the run there, stopped before its first checkpoint, moved to {aside}" if moved else ""
+        print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
+    elif moved:
+        print(f"--force: the run in {out} moved to {aside}")
     drop_partial_log_line(out)
     return lock
 
 
 def drop_partial_log_line(out_dir):
-    """Cuts <out_dir>/log.jsonl back to its last complete line. A process killed while it appended an event
-    leaves half a line, which the next event would otherwise be glued to and lost with."""
+    """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
     path = os.path.join(out_dir, "log.jsonl")
     if not os.path.isfile(path):
         return
@@ -370,52 +298,40 @@ def drop_partial_log_line(out_dir):
             f.truncate(data.rfind(b"\n") + 1)
 
 
-
-def starting_state(cfg, explicit, recipes):
-    """(step, loader_state, params, m, v) of a run: a checkpoint's (--resume, resolved by resolve_resume), a
-    model file's weights (--init-from) or the recipe's init from cfg.seed, with zero moments where no
-    checkpoint gives them. The model shape and seed come from the file read (checked against the `explicit`
-    flags)."""
-    recipe = recipes[cfg.recipe]
-    step, loader_state, m, v = 0, (0, 0), None, None
-    if cfg.resume:
-        header, params, m, v, saved = load_checkpoint(cfg.resume, cfg, recipes)
-        apply_model_header(cfg, header, explicit)
-        check_resumed_seed(explicit, saved["seed"])
-        check_resumed_shuffle(cfg, saved["shuffle"])
-        cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
-    elif cfg.init_from:
-        header, params = read_weights(cfg.init_from, cfg, recipes)
-        apply_model_header(cfg, header, explicit)
-    else:
-        params = recipe.init(cfg)
-    if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
-        muon = recipe.muon_names(recipe.shapes(cfg))
-        m = {k: np.zeros_like(p) for k, p in params.items()}
-        v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
-    if cfg.eval_only and not (cfg.resume or cfg.init_from):
-        die("--eval-only needs weights: give --init-from or --resume")
-    return step, loader_state, params, m, v
-
-
 def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=None):
-    """A run's start, before any device holds anything: (step, params, m, v) of starting_state, (micro-
-    batches per step, train loader, val loader) of make_loaders for `rows` rows of rank `rank` of `ranks`,
-    GPT-2's encoder for the samples (None without them), and the out dir's lock (prepare_out_dir), which the
-    caller holds for the run's life. Nothing in the out dir moves before the weights and data are checked.
-    With several processes, `any_failed(failed)` (a collective: True when any process passed True) makes
-    them stop together: a process whose checks passed says in one line that another's did not."""
+    """A run's start, weights and data checked before the out dir changes: (step, params, m, v, micro-batches per
+    step, train loader, val loader, the samples' encoder or None, the out dir's lock)."""
     try:
         restart = resolve_resume(cfg, not cfg.eval_only)
-        step, loader_state, params, m, v = starting_state(cfg, explicit, recipes)
+        recipe, step, loader_state, m, v = recipes[cfg.recipe], 0, (0, 0), None, None
+        if cfg.resume:
+            header, params, m, v, saved = load_checkpoint(cfg.resume, cfg, recipes)
+            apply_model_header(cfg, header, explicit)
+            if explicit.get("seed", saved["seed"]) != saved["seed"]:  # its synthetic data, its samples
+                die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {saved['seed']}, which a "
+                    f"resumed run keeps; leave --seed out, or give {saved['seed']}")
+            if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
+                said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
+                die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
+            cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
+        elif cfg.init_from:
+            header, params = read_weights(cfg.init_from, cfg, recipes)
+            apply_model_header(cfg, header, explicit)
+        else:
+            params = recipe.init(cfg)
+        if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+            muon = recipe.muon_names(recipe.shapes(cfg))
+            m = {k: np.zeros_like(p) for k, p in params.items()}
+            v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
+        if cfg.eval_only and not (cfg.resume or cfg.init_from):
+            die("--eval-only needs weights: give --init-from or --resume")
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
         encoder = hellaswag.gpt2_encoding() if cfg.sample_every > 0 and not cfg.eval_only else None
         lock = prepare_out_dir(cfg, master, step, restart)
-    except SystemExit:
+    except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
         if any_failed is not None:
             any_failed(True)
         raise
     if any_failed is not None and any_failed(False):
-        die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line "
-            "says why)")
+        die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
     return step, params, m, v, grad_accum, train, val, encoder, lock

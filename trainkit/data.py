@@ -1,6 +1,5 @@
-"""llm.c's token shards (docs/FORMATS.md) and its data loaders: read_shard, find_shards, DataLoader (in
-order), ShuffledLoader (--shuffle: llm.c's MersenneTwister and ShuffledOrder), step_batches; and which rows
-of the val shards a validation counts (val_batches, check_val_tokens)."""
+"""llm.c's token shards (docs/FORMATS.md) and its data loaders, in order and shuffled (--shuffle), and which
+rows of the val shards a validation counts."""
 import glob
 import os
 
@@ -11,20 +10,13 @@ from trainkit import die
 from trainkit.gpt2 import VOCAB_SIZE
 
 SHARD_MAGIC = 20240520
-
-
 SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
-
-
 GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
             "synthetic for a benchmark")
 
 
 def read_shard(path):
-    """An llm.c token shard (docs/FORMATS.md) as a read-only uint16 memmap, after checking its header and
-    size."""
-    if not os.path.isfile(path):
-        die(f"shard {path} does not exist")
+    """An llm.c token shard as a read-only uint16 memmap, its header and size checked."""
     size = os.path.getsize(path)
     if size < 256 * 4:
         die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
@@ -35,14 +27,12 @@ def read_shard(path):
         die(f"shard {path} has version {header[1]}, expected 1")
     ntok = int(header[2])
     if size != 256 * 4 + 2 * ntok:
-        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds "
-            f"{(size - 1024) // 2}")
+        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds {(size - 1024) // 2}")
     return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
 
 
 def find_shards(cfg):
-    """(train files, val files) for --data DIR | GLOB, and --val-data GLOB (which also overrides a DIR's val
-    shards); (None, None) if synthetic. --eval-only needs no train shards."""
+    """(train files, val files) of --data DIR | GLOB and --val-data GLOB; (None, None) for synthetic."""
     if cfg.data == "synthetic":
         return None, None
     if os.path.isdir(cfg.data):
@@ -63,8 +53,7 @@ def find_shards(cfg):
 
 
 def shard_lengths(files, batch):
-    """Tokens in each shard of `files`, each checked to hold one global batch of `batch` tokens and its
-    last target: fail now, not hours into the run."""
+    """Tokens in each shard of `files`, each checked to hold a global batch of `batch` tokens and its last target."""
     lengths = [len(read_shard(f)) for f in files]
     for f, n in zip(files, lengths):
         if n < batch + 1:
@@ -73,8 +62,7 @@ def shard_lengths(files, batch):
 
 
 def read_vocab_shard(path):
-    """read_shard's tokens, checked to be GPT-2's: done where a loader opens a shard and not in read_shard,
-    as the max reads the whole shard, so only a shard put to use pays."""
+    """read_shard's tokens checked to be GPT-2's: as a loader opens the shard, since the max reads all of it."""
     tokens = read_shard(path)
     top = int(tokens.max())
     if top >= VOCAB_SIZE:
@@ -84,11 +72,8 @@ def read_vocab_shard(path):
 
 
 class DataLoader:
-    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at position p + r*B*T of the current shard,
-    all ranks advance p by W*B*T, and all move to the next shard (wrapping around) when fewer than W*B*T+1
-    tokens remain after p. (llm.c tests each rank's own position p + r*B*T, so near a shard's end its ranks
-    part ways; testing p keeps them together: W ranks of B rows read what one rank of W*B rows reads.)
-    files=None reads one in-memory shard of random tokens drawn from `seed`."""
+    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at p + r*B*T; files=None: random tokens from `seed`."""
+    # all ranks change shards by p (llm.c: each by its own), so W ranks of B rows read what one of W*B rows reads
 
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
@@ -96,22 +81,18 @@ class DataLoader:
         shard_lengths(files or [], world * B * T)
         self.reset()
 
-    def _load(self, shard):
+    def reset(self):
+        self.set_state(0, 0)
+
+    def set_state(self, shard, position):
+        """Puts the loader at p = `position` in `shard`, as state() returned them."""
         if self.shard != shard or self.tokens is None:
             if self.files is None:
                 n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
                 self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
             else:
                 self.tokens = read_vocab_shard(self.files[shard])
-        self.shard = shard
-
-    def reset(self):
-        self.set_state(0, 0)
-
-    def set_state(self, shard, position):
-        """Puts the loader at p = `position` in `shard` (what state() returned)."""
-        self._load(shard)
-        self.position = position
+        self.shard, self.position = shard, position
 
     def state(self):
         """(shard, p): where the next step's rank 0 batch starts, for checkpoints."""
@@ -123,74 +104,41 @@ class DataLoader:
         buf = np.asarray(self.tokens[start: start + B * T + 1], dtype=np.int32)
         x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
         self.position += self.world * B * T
-        if self.position + self.world * B * T + 1 > len(self.tokens):
-            n_shards = len(self.files) if self.files else 1
-            self.set_state((self.shard + 1) % n_shards, 0)
+        if self.position + self.world * B * T + 1 > len(self.tokens):  # the next shard, wrapping around
+            self.set_state((self.shard + 1) % (len(self.files) if self.files else 1), 0)
         return x, y
 
 
 # --shuffle: llm.c's own Mersenne Twister (llmc/rand.h) and shuffled order (llmc/dataloader.h)
 
-MT_N, MT_M = 624, 397  # MT19937's words of state, and how far on the word is that each twist mixes in
-MT_MATRIX_A = 0x9908B0DF
-# the spans of words one twist updates together: each reads only words updated by an earlier span, or
-# words that a sequential twist would still find unchanged (word j reads j+1 before j+1 changes)
-MT_SPANS = ((0, MT_N - MT_M), (MT_N - MT_M, 2 * (MT_N - MT_M)), (2 * (MT_N - MT_M), MT_N - 1),
-            (MT_N - 1, MT_N))
 SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
 
 
 class MersenneTwister:
-    """The 32-bit Mersenne Twister (MT19937) as llm.c's rand.h runs it: seeded as init_genrand (so C++'s
-    std::mt19937 and numpy's RandomState(seed) give the same outputs); draws(n) are its next n outputs."""
+    """MT19937 as llm.c's rand.h runs it, seeded as init_genrand: numpy's legacy RandomState(seed) is that one."""
 
     def __init__(self, seed):
-        words = [seed & 0xFFFFFFFF]
-        for j in range(1, MT_N):
-            words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + j) & 0xFFFFFFFF)
-        self.words = np.array(words, np.uint32)
-        self.ready = np.empty(0, np.uint32)  # outputs of the last twist not drawn yet
-
-    def _twist(self):
-        """The next 624 outputs: the state's words twisted, then tempered."""
-        w = self.words
-        for lo, hi in MT_SPANS:
-            j = np.arange(lo, hi)
-            y = (w[j] & 0x80000000) | (w[(j + 1) % MT_N] & 0x7FFFFFFF)
-            w[j] = w[(j + MT_M) % MT_N] ^ (y >> 1) ^ ((y & 1) * np.uint32(MT_MATRIX_A))
-        y = w ^ (w >> 11)
-        y ^= (y << 7) & 0x9D2C5680
-        y ^= (y << 15) & 0xEFC60000
-        return y ^ (y >> 18)
+        self.rng = np.random.RandomState(seed)
 
     def draws(self, n):
-        out = np.empty(n, np.uint32)
-        done = min(n, len(self.ready))
-        out[:done], self.ready = self.ready[:done], self.ready[done:]
-        while done < n:
-            block = self._twist()
-            take = min(n - done, MT_N)
-            out[done: done + take], self.ready = block[:take], block[take:]
-            done += take
-        return out
+        """The next n 32-bit outputs (a full-range randint is the raw output)."""
+        return self.rng.randint(0, 2**32, n, dtype=np.uint32)
 
 
 def permutation_picks(n, rng):
-    """The swaps of llm.c's random_permutation of n items: for i = n-1 down to 1, item i swaps with item
-    j = (the next draw) mod (i + 1); the j's in that order."""
+    """llm.c's random_permutation of n items: for i = n-1 down to 1, the j (a draw mod i+1) that item i swaps with."""
     return rng.draws(max(n - 1, 0)) % np.arange(n, 1, -1, dtype=np.uint32)
 
 
 def permute(items, picks):
-    """`items`, a list, shuffled in place by permutation_picks' swaps."""
+    """Shuffles the list `items` in place by permutation_picks' swaps."""
     for i, j in zip(range(len(items) - 1, 0, -1), picks.tolist()):
         items[i], items[j] = items[j], items[i]
 
 
 class ShuffledOrder:
-    """The (shard, sample) that llm.c's shuffling loader of one rank reads in turn (llmc/dataloader.h): an
-    epoch first shuffles the shard order (the last epoch's order, not 0..S-1), then each shard it opens
-    shuffles its samples 0..counts[shard]-1; one generator seeded `seed` draws for both, in that order."""
+    """The (shard, sample) that llm.c's shuffling loader of one rank reads in turn (llmc/dataloader.h)."""
+    # an epoch shuffles the last epoch's shard order, then each shard it opens its samples; one generator draws both
 
     def __init__(self, counts, seed):
         self.counts, self.rng = counts, MersenneTwister(seed)
@@ -215,7 +163,7 @@ class ShuffledOrder:
         return self.order[self.k]
 
     def next(self):
-        """(shard, sample) to read now; then moves on, to the next shard where this one is done."""
+        """(shard, sample) to read now; then moves on."""
         if self.samples is None:
             self.samples = list(range(self.counts[self.shard()]))
             permute(self.samples, self.picks)
@@ -238,10 +186,8 @@ class ShuffledOrder:
 
 
 class ShuffledLoader:
-    """llm.c's loader with should_shuffle, as train_gpt2.c and train_gpt2.cu read their train shards: llm.c
-    ranks first..first+k-1 of `world`, rank g with its ShuffledOrder seeded 42 + g; a sample is a global
-    batch of W*B*T tokens, and rank g reads B*T+1 tokens at sample*W*B*T + g*B*T of its shard. next_batch
-    stacks the k ranks' rows (k*B, T), as a process of k devices reads them."""
+    """llm.c's loader with should_shuffle, as its ranks first..first+k-1 of `world` read, their rows stacked."""
+    # rank g's order seeded 42 + g reads B*T+1 tokens at sample*W*B*T + g*B*T of its shard
 
     def __init__(self, files, B, T, first, k, world):
         self.files, self.B, self.T, self.first, self.k, self.world = files, B, T, first, k, world
@@ -250,25 +196,21 @@ class ShuffledLoader:
         self.set_state(0, 0)
 
     def set_state(self, opened, sample):
-        """Puts every rank where rank 0's state() was `(opened, sample)`: all ranks have read as many
-        samples, which rank 0's order gives; a rank's own order replays that many."""
+        """Puts every rank where rank 0's state() was `(opened, sample)`: each replays as many samples."""
         first, served = ShuffledOrder(self.counts, SHUFFLE_SEED), 0
         while first.opened < opened:  # a whole shard at a time
             served += self.counts[first.shard()]
             first.skip(self.counts[first.shard()])
         if sample >= self.counts[first.shard()]:
             die(f"--resume: the checkpoint is at sample {sample} of train shard {self.files[first.shard()]}, "
-                f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run "
-                "had?)")
-        ranks = range(self.first, self.first + self.k)
-        self.orders = [ShuffledOrder(self.counts, SHUFFLE_SEED + g) for g in ranks]
+                f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run had?)")
+        self.orders = [ShuffledOrder(self.counts, SHUFFLE_SEED + g) for g in range(self.first, self.first + self.k)]
         for order in self.orders:
             order.skip(served + sample)
         self.tokens = {}  # the shards the ranks read now: file index -> tokens
 
     def state(self):
-        """The first rank's (shards opened before its current one since the run began, samples read of
-        it): in process 0, llm.c rank 0's, which checkpoints keep."""
+        """The first rank's ShuffledOrder.state(): in process 0, llm.c rank 0's, which checkpoints keep."""
         return self.orders[0].state()
 
     def next_batch(self):
@@ -296,9 +238,7 @@ VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progres
 
 
 def val_batches(cfg, loader):
-    """How many rows of each global batch of the validation count: the first cfg.val_tokens // T sequences
-    of the val shards, the same ones at any batch size and device count (all of every batch but the
-    last). Behind a progress bar on a terminal's stderr when there are many batches (rank 0 draws it)."""
+    """Rows counted of each global val batch: the first val_tokens // T sequences, the same at any batch size."""
     rows, batch = cfg.val_tokens // cfg.seq_len, loader.B * loader.world
     counted = [min(batch, rows - first) for first in range(0, rows, batch)]
     if len(counted) <= VAL_BAR_MIN_STEPS or loader.rank != 0:
@@ -306,29 +246,13 @@ def val_batches(cfg, loader):
     return hellaswag.terminal_progress(counted, len(counted), "val")
 
 
-def check_val_tokens(cfg, loader):
-    """A validation (--eval-only, or --val-every) must find its --val-tokens in the val shards as this run
-    reads them, none twice: whole global batches from each shard in turn, moving on where one no longer
-    fits. Else one line says what they hold."""
-    if loader is None or not (cfg.eval_only or cfg.val_every > 0):
-        return
-    batch, rows = loader.B * loader.world, cfg.val_tokens // cfg.seq_len
-    sizes = [len(read_shard(f)) for f in loader.files]
-    held = sum((n - 1) // (batch * cfg.seq_len) for n in sizes) * batch
-    if rows > held:
-        die(f"--val-tokens {cfg.val_tokens} asks for {rows} sequences of {cfg.seq_len} tokens, but the val "
-            f"shards ({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of "
-            f"{batch} sequences: lower --val-tokens (or --val-steps)")
-
-
-
 def make_loaders(cfg, rows, rank, ranks, loader_state, say):
-    """(micro-batches per step, train loader, val loader) of this process: `rows` rows of each global
-    batch, as llm.c's loader of rank `rank` of `ranks` reads them; the train loader (None with --eval-only)
-    at `loader_state`, the val loader None without val shards (said with `say` where a validation was
-    asked for)."""
+    """(micro-batches per step, train loader at `loader_state`, val loader) of rank `rank` of `ranks`, `rows` rows."""
     T = cfg.seq_len
-    grad_accum = grad_accum_steps(cfg, rows * ranks // cfg.batch_size)
+    tokens = cfg.batch_size * T * (rows * ranks // cfg.batch_size)  # one micro-batch on every device
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
     train_files, val_files = find_shards(cfg)
     if cfg.eval_only:
         train = None
@@ -339,7 +263,14 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     else:
         train = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed)
     val = DataLoader(val_files, rows, T, rank, ranks) if val_files else None
-    check_val_tokens(cfg, val)
+    if val is not None and (cfg.eval_only or cfg.val_every > 0):  # its --val-tokens in whole batches, none twice
+        batch, wanted = val.B * val.world, cfg.val_tokens // T
+        sizes = [len(read_shard(f)) for f in val.files]
+        held = sum((n - 1) // (batch * T) for n in sizes) * batch
+        if wanted > held:
+            die(f"--val-tokens {cfg.val_tokens} asks for {wanted} sequences of {T} tokens, but the val shards "
+                f"({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of {batch} "
+                "sequences: lower --val-tokens (or --val-steps)")
     if isinstance(train, DataLoader):
         n_shards = len(train_files) if train_files else 1
         shard, position = loader_state
@@ -352,14 +283,4 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
                 f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
     if val is None and (cfg.eval_only or cfg.val_every > 0):
         say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
-    return grad_accum, train, val
-
-
-def grad_accum_steps(cfg, world):
-    """Micro-batches per optimizer step: --total-batch-size over the tokens that one micro-batch on every
-    device holds, which must divide it."""
-    tokens = cfg.batch_size * cfg.seq_len * world
-    if cfg.total_batch_size % tokens:
-        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
-            f"x devices = {tokens}")
-    return cfg.total_batch_size // tokens
+    return cfg.total_batch_size // tokens, train, val

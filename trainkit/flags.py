@@ -1,5 +1,5 @@
-"""The flags every trainer shares: RunConfig (their defaults), RunRecipe (what a trainer asks of a
-recipe), parse_args, and the checks of a model file's shape and a resumed seed against them."""
+"""The flags every trainer shares: RunConfig (their defaults), RunRecipe (what a trainer asks of a recipe),
+parse_args, and the check of a model file's shape against them."""
 import argparse
 import math
 from collections.abc import Callable
@@ -12,8 +12,7 @@ from trainkit.logs import PROFILE_STEPS
 
 @dataclass(frozen=True)
 class RunRecipe:
-    """What every trainer asks of a recipe: a trainer's Recipe extends it with its framework's own fields,
-    and its recipes table maps each --recipe NAME to a row."""
+    """What every trainer asks of a --recipe's row; a trainer's Recipe adds its framework's own fields."""
     help: str             # --recipe's help text for it
     defaults: dict        # its defaults over Config's
     configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
@@ -34,8 +33,7 @@ class RunRecipe:
 
 @dataclass
 class RunConfig:
-    """The flags every trainer shares, with their defaults (a flag is named in parse_args and here); a
-    trainer's Config adds its own fields after these and sets out_dir's default."""
+    """The flags every trainer shares, with their defaults; a trainer's Config adds its own and out_dir's default."""
     # gpt2: llm.c's model and AdamW; speedrun: modded-nanogpt's simplified baseline, its model and Muon
     recipe: str = "gpt2"
     # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
@@ -77,101 +75,73 @@ class RunConfig:
     sample_every: int = 1000
     eval_only: bool = False
     profile: bool = False
-    # data parallel: 0 = every device holds all optimizer state, 1 = ZeRO-1 (AdamW state, masters sharded),
-    # 3 = the weights and gradients sharded too
-    zero_stage: int = 0
+    zero_stage: int = 0  # 0: every device holds all optimizer state, 1: ZeRO-1, 3: weights and gradients too
 
-# --recompute: none keeps what the backward reads; pointwise recomputes the norms' outputs and the MLP's
-# activation from the kept matmul and attention outputs; block keeps each block's input alone and reruns
-# the block's forward in the backward (docs/FORMATS.md)
+# --recompute (docs/FORMATS.md): none keeps what the backward reads; pointwise recomputes the norms' outputs and
+# the MLP's activation; block keeps each block's input alone and reruns its forward in the backward
 RECOMPUTE_LEVELS = ("none", "pointwise", "block")
 
 
 def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
-    """(cfg, explicit): Config with the flags given on the command line over its defaults (a flag is
-    named only here and as Config's field), and the model-shape flags given, which a model file's header
-    must then match (--model gives all three), and --seed, which a checkpoint's must. A trainer passes its
-    Config class, its recipes, the ZeRO stages it takes, its help text and a function adding its own flags."""
+    """(cfg, explicit): `config` with the flags given over its defaults, and the model-shape flags and --seed given,
+    which a model file's header and a checkpoint's seed must match (--model gives all three shape flags)."""
     d = config()
     p = argparse.ArgumentParser(description=doc.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
     framework_flags(p)
     p.add_argument("--recipe", choices=list(recipes), help="; ".join(f"{name}: {r.help}" for name, r in
                    recipes.items()) + f" (default {d.recipe})")
-    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and "
-                   "*_val_*.bin), a shard glob, or 'synthetic' (random tokens from --seed) (default "
-                   f"{d.data})")
-    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin; none "
-                   "with a --data glob)")
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and *_val_*.bin), a "
+                   f"shard glob, or 'synthetic' (random tokens from --seed) (default {d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin)")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
-                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items())
-                   + " (default d12)")
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()) + " (default d12)")
     p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
-    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's, or "
-                   "what --recipe sets)")
-    p.add_argument("--n-embd", type=int, help="width of the embeddings and the residual stream (default: "
-                   "--model's)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence; from scratch also the positions wpe "
-                   f"holds (default {d.seq_len})")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch on each device (default "
-                   f"{d.batch_size})")
-    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all devices and "
-                   "micro-batches, a multiple of batch size x seq len x devices: gradients accumulate up to "
-                   f"it (default {d.total_batch_size})")
-    p.add_argument("--shuffle", action="store_true", help="read the train shards in llm.c's shuffled order, "
-                   "as train_gpt2.c and train_gpt2.cu do (shards and samples permuted by llm.c's mt19937, "
-                   "seeded 42 + rank); without it, in order, as train_gpt2.py (docs/FORMATS.md)")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the "
-                   "default batch)")
-    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time "
-                   "reaches this many seconds, with that step's checkpoint and evaluations as the last "
-                   "step's; the lr schedule still spans --steps (default 0: run every step)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate, reached after --warmup (default {d.lr}; "
-                   "a recipe with several groups scales them all with it: see --recipe)")
-    p.add_argument("--lr-decay-frac", type=float, help="the cosine decay ends at lr x this, in [0, 1] "
-                   f"(default {d.lr_decay_frac})")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's or --recipe's)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and residual stream (default: --model's)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence; from scratch wpe's rows (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per device (default {d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step, a multiple of batch size x seq "
+                   f"len x devices: gradients accumulate up to it (default {d.total_batch_size})")
+    p.add_argument("--shuffle", action="store_true", help="read the train shards in llm.c's shuffled order, as "
+                   "train_gpt2.c/.cu do (its mt19937, seeded 42 + rank); without it, in order (docs/FORMATS.md)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the default batch)")
+    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time reaches "
+                   "this many seconds, as if it were the last; the lr schedule still spans --steps (default 0: never)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate after --warmup (default {d.lr}; see --recipe)")
+    p.add_argument("--lr-decay-frac", type=float, help=f"the decay ends at lr x this (default {d.lr_decay_frac})")
     p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, help="AdamW's decoupled weight decay, on the matrices and "
-                   f"embeddings only (default {d.weight_decay}; see --recipe)")
-    p.add_argument("--grad-clip", type=float, help="clip the gradients to this global norm, 0 = never "
-                   f"(default {d.grad_clip})")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; the fp32 masters and AdamW "
-                   "state stay fp32 (default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
-    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="activation memory against compute: none "
-                   "keeps what the backward reads, pointwise recomputes the norms and the MLP activation, "
-                   f"block reruns each block's forward in the backward (default {d.recompute})")
-    p.add_argument("--seed", type=int, help="the weights' init, --data synthetic's tokens and the samples "
-                   f"(default {d.seed})")
-    p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's matmuls in training "
-                   "take FP8 operands with modded-nanogpt's static scales (x e4m3, weight e4m3, gradient e5m2); "
-                   "evaluation, the fp32 masters and the model files are unchanged (default off)")
-    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, zero_stages))} here: "
-                   "0 every device holds all of the optimizer state, 1 splits the AdamW moments and the fp32 "
-                   "masters of bf16 weights over the devices, 3 (JAX) the weights and gradients too "
-                   "(default 0)")
-    p.add_argument("--init-from", help="a model file of the recipe to start from, which gives the model "
-                   "shape: " + ", ".join(f"{r.file_kind} ({name})" for name, r in recipes.items()))
+    p.add_argument("--weight-decay", type=float, help=f"AdamW's decoupled weight decay (default {d.weight_decay}; "
+                   "on the matrices and embeddings: see --recipe)")
+    p.add_argument("--grad-clip", type=float, help=f"clip gradients to this norm, 0 = never (default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; masters and AdamW state stay fp32 "
+                   "(default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
+    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="activation memory against compute: none keeps "
+                   "what the backward reads, pointwise recomputes the norms and the MLP activation, block reruns "
+                   f"each block's forward in the backward (default {d.recompute})")
+    p.add_argument("--seed", type=int, help=f"the init, --data synthetic's tokens, the samples (default {d.seed})")
+    p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's training matmuls on FP8 "
+                   "operands with modded-nanogpt's static scales; evaluation and files unchanged (default off)")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, zero_stages))} here: 0 every "
+                   "device holds all optimizer state, 1 shards the AdamW moments and the bf16 weights' fp32 masters, "
+                   "3 (JAX) the weights and gradients too (default 0)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from, giving the model shape: "
+                   + ", ".join(f"{r.file_kind} ({name})" for name, r in recipes.items()))
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
-    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run: its "
-                   "log.jsonl and checkpoints are moved into a replaced_<time> folder there first")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run (moved aside)")
     p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
-    p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (the last step's too), 0 = "
-                   f"never (default {d.ckpt_every})")
-    p.add_argument("--val-every", type=int, help="steps between validation losses (the last step's too), "
-                   f"0 = never (default {d.val_every})")
-    p.add_argument("--val-tokens", type=int, help="tokens per validation loss: the first val-tokens // seq "
-                   "len sequences of the val shards, the same at any device count (default "
-                   f"{d.val_tokens})")
+    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints, 0 = never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help=f"steps between val losses, 0 = never (default {d.val_every})")
+    p.add_argument("--val-tokens", type=int, help="tokens per val loss: the val shards' first val-tokens // seq len "
+                   f"sequences (default {d.val_tokens})")
     p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
-    p.add_argument("--hellaswag-every", type=int, help="steps between HellaSwag evaluations (the last "
-                   f"step's too), 0 = never (default {d.hellaswag_every})")
+    p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evaluations, 0 = never (default "
+                   f"{d.hellaswag_every})")
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
-    p.add_argument("--sample-every", type=int, help="steps between printed samples (the last step's too), "
-                   f"0 = never (default {d.sample_every})")
-    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or "
-                   "--resume, then exit")
-    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the "
-                   "first (a trace in OUT_DIR/profile, a summary printed), then train on (docs/FORMATS.md)")
+    p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first "
+                   "(a trace in OUT_DIR/profile), then train on")
     given = vars(p.parse_args(argv))
     preset = given.pop("model", None)
     val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
@@ -179,8 +149,7 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
     d = replace(d, **recipes[given.get("recipe", d.recipe)].defaults)
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
-    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps",
-                 "val_tokens"):
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens"):
         if getattr(cfg, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive")
     if val_steps is not None:
@@ -196,8 +165,7 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
             die(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag
         if flag in given and not given[flag]:
-            die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the "
-                "flag out")
+            die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the flag out")
     if cfg.shuffle and cfg.data == "synthetic":
         die("--shuffle with --data synthetic: --shuffle permutes the samples of token shards, and "
             "synthetic tokens are random already")
@@ -222,26 +190,8 @@ def parse_args(argv, config, recipes, zero_stages, doc, framework_flags):
     return cfg, ({**shape, **explicit} if preset else explicit)
 
 
-def check_resumed_shuffle(cfg, shuffled):
-    """A resumed run keeps its checkpoint's data order: --shuffle, given or not, must be as the run's was
-    (`shuffled`); --eval-only reads no train shards."""
-    if cfg.shuffle != shuffled and not cfg.eval_only:
-        said = ("shuffled (--shuffle): give --shuffle" if shuffled else "in order: leave --shuffle out")
-        die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
-
-
-def check_resumed_seed(explicit, seed):
-    """A resumed run keeps its checkpoint's seed (its synthetic data, its samples): --seed, if given, must
-    be that one."""
-    if explicit.get("seed", seed) != seed:
-        die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {seed}, which a resumed run "
-            f"keeps; leave --seed out, or give {seed}")
-
-
 def default_dtype(cfg, gpu):
-    """Sets --dtype where it was not given, once the trainer knows its device: bf16 on a GPU, fp32 on a
-    CPU, which only emulates bf16 (2-4x slower; llm.c's train_gpt2.py defaults to fp32 too). Returns
-    what the start line says of it."""
+    """Sets an unset --dtype once the device is known, bf16 on a GPU, fp32 on a CPU; returns the start line's words."""
     if cfg.dtype:
         return cfg.dtype
     cfg.dtype = "bf16" if gpu else "fp32"
@@ -256,13 +206,10 @@ def apply_model_header(cfg, header, explicit):
         if k in explicit and explicit[k] != header[k]:
             die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
-        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, "
-            f"expected {VOCAB_SIZE}")
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
     if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
         if cfg.seq_len > header["block_size"]:
-            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length "
-                f"{header['block_size']}")
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
         cfg.block_size = header["block_size"]
     cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
     cfg.padded_vocab_size = header["padded_vocab_size"]
-

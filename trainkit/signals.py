@@ -1,6 +1,5 @@
-"""Stopping a run: SIGINT/SIGTERM at a step boundary with a checkpoint (StopSignals, stops_on_signals,
-stop_on_signal), the divergence stop (stop_diverged); and not stopping when stdout or stderr goes away
-(OutputThatMayClose)."""
+"""Stopping a run: SIGINT/SIGTERM at a step boundary with a checkpoint, the divergence stop, one line for an
+OSError, and no stop when stdout or stderr goes away."""
 import functools
 import glob
 import os
@@ -8,17 +7,14 @@ import signal
 import sys
 import threading
 
-from trainkit import die
+from trainkit import DISK_FULL, die, write_failure
 from trainkit.logs import due
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; what schedulers (SLURM, Kubernetes) send before a kill
 
 
 class StopSignals:
-    """SIGINT and SIGTERM: during training (`training` set) the first asks the run to stop at the end of the
-    step (`received` holds its number; main checks it at each step boundary, writes a checkpoint, exits
-    128 + the number as a shell reports it); outside training, or a second one, stops at once. Either way
-    one line (process 0's) and no traceback."""
+    """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
 
     def __init__(self):
         self.received, self.training, self.master, self.previous = 0, False, True, {}
@@ -52,9 +48,7 @@ class StopSignals:
 
 
 class OutputThatMayClose:
-    """sys.stdout or sys.stderr that outlives its reader: when the pipe or terminal behind it closes (`| head`,
-    a closed ssh session), writing it raises BrokenPipeError; from then on its file descriptor points at
-    /dev/null and the run trains on, its steps still in log.jsonl. Everything else is the stream's own."""
+    """sys.stdout or sys.stderr whose writes go to /dev/null once its reader is gone (`| head`, a closed ssh)."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -82,8 +76,7 @@ class OutputThatMayClose:
 
 
 def stops_on_signals(main):
-    """main(argv, signals) run under StopSignals, the handlers before restored when it ends, with stdout and
-    stderr that may close (OutputThatMayClose)."""
+    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
     @functools.wraps(main)
     def run(argv=None):
         streams = sys.stdout, sys.stderr
@@ -91,6 +84,10 @@ def stops_on_signals(main):
         try:
             with StopSignals() as signals:
                 return main(argv, signals)
+        except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
+            if e.errno in DISK_FULL:
+                die(write_failure(e.filename, e))
+            die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
         finally:
             sys.stdout.flush()  # what they still buffer, while a closed reader is caught
             sys.stderr.flush()
@@ -99,8 +96,7 @@ def stops_on_signals(main):
 
 
 def stop_on_signal(signum, step, cfg, master):
-    """Ends a run that a signal `signum` stopped after `step` (its checkpoint written): one line, exit 128 +
-    signum; nothing when signum is 0 (no signal came)."""
+    """Ends a run that signal `signum` stopped after `step` (its checkpoint written); nothing when signum is 0."""
     if not signum:
         return
     if master:
@@ -111,10 +107,8 @@ def stop_on_signal(signum, step, cfg, master):
 
 
 def stop_diverged(step, loss, norm, cfg):
-    """The one line that stops a run whose step `step` gave a non-finite loss or grad norm, before that
-    step is logged or checkpointed (llm.c and modded-nanogpt stop too)."""
+    """Stops a run whose step gave a non-finite loss or grad norm, before that step is logged or saved."""
     latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
     kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
     die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
         f"stopped before logging or saving this step, {kept}")
-

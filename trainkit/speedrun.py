@@ -1,7 +1,5 @@
-"""The speedrun recipe without a framework: modded-nanogpt's records/track_3_optimization/
-train_gpt_simple.py (docs/FORMATS.md, The speedrun recipe): its defaults and flag checks, its weights'
-names, shapes and init, its lrs and optimizer constants, and its model files (the reference's state_dict
-as safetensors). Each trainer's `Recipe: speedrun` section builds its model and row on these."""
+"""The speedrun recipe without a framework (docs/FORMATS.md): modded-nanogpt's train_gpt_simple.py's defaults and
+flag checks, weights' names, shapes and init, lrs and optimizer constants, and model files (safetensors)."""
 import json
 import math
 import os
@@ -11,30 +9,33 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from trainkit import die, require_file
+from trainkit import die
 from trainkit.gpt2 import VOCAB_SIZE
 
-# The speedrun recipe: records/track_3_optimization/train_gpt_simple.py of KellerJordan/modded-nanogpt
-# (docs/FORMATS.md, The speedrun recipe). Its lrs per parameter group; --lr sets Muon's and scales the
-# others with it.
+# its lrs per parameter group; --lr sets Muon's and scales the others with it
 SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
-
-
-# its defaults over Config's: --weight-decay is the AdamW groups' (Muon's is MUON_WEIGHT_DECAY), no warmup
-# and no clipping; what it does not name (batch, T, validation tokens) it shares with llm.c's recipe
+# its defaults over Config's (--weight-decay is AdamW's, Muon's MUON_WEIGHT_DECAY); the rest are llm.c's recipe's
 SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
                      "grad_clip": 0.0, "val_every": 125}
-
-
 HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
 ATTN_SCALE = 0.12  # the reference's attention scale, in place of 1/sqrt(128)
 SOFTCAP = 15.0  # the reference's soft cap of the head: logits = 15 z / sqrt(z^2 + 15^2)
+SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
+SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
+MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
 SPEEDRUN_HELP = (
     "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped head, "
     f"AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and scales "
     "the AdamW groups' in proportion (" + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items())
     + "), --weight-decay is on every AdamW tensor, and its defaults: "
     + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()))
+# --fp8-head (docs/FORMATS.md, FP8 head): the static scales of modded-nanogpt's train_gpt.py (whose grad_s also
+# holds the grad_scale its gradient carries, and our gradient of the summed loss does not)
+FP8_SCALES = {"x": 100 / 448, "w": 1.6 / 448, "grad": 0.75 / 448}
+FP8_FORMATS = {"x": "e4m3fn", "w": "e4m3fn", "grad": "e5m2"}
+FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
+# the safetensors types the trainers read, as numpy's (a bf16 value as an fp32's top 16 bits); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
 def configure_speedrun(cfg, given, shape):
@@ -49,8 +50,7 @@ def configure_speedrun(cfg, given, shape):
 
 
 def speedrun_shapes(cfg):
-    """{name: shape} of the speedrun model's parameters: the names of the reference's GPT.named_parameters(),
-    in its order; the blocks' tensors stay per layer (no L axis), so that Muon sees each matrix whole."""
+    """{name: shape} of the reference's GPT.named_parameters(), in its order; per layer, so Muon sees each matrix."""
     C, Vp = cfg.n_embd, cfg.padded_vocab_size
     shapes = {"embed.weight": (Vp, C)}
     for i in range(cfg.n_layer):
@@ -69,9 +69,7 @@ def muon_names(shapes):
 
 
 def init_speedrun_numpy(cfg):
-    """The reference's init: every weight named *proj* (the attention and MLP outputs, the head) zero, the
-    embedding N(0, 1), the other matrices N(0, 0.33 / fan_in), biases 0, gains 1; drawn in the order of
-    param_shapes, as tests/speedrun_reference.py's init_state_dict draws them."""
+    """The reference's init in speedrun_shapes' order: *proj* and biases 0, gains 1, embed N(0, 1), N(0, .33/fan_in)."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in speedrun_shapes(cfg).items():
@@ -86,19 +84,13 @@ def init_speedrun_numpy(cfg):
 
 
 def rotary_freq_numpy(head_dim):
-    """The reference's half-truncated rotary frequencies (head_dim/2,) fp32, its state_dict's buffer (the
-    model computes them in torch, as the reference does: within an ulp of these): (1/1024)^linspace(0, 1)
-    over the first quarter of the head's dims, zeros over the second (those pairs are not rotated)."""
+    """The reference's rotary frequencies (head_dim/2,) fp32, its state_dict's buffer; the last half zeros."""
     freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
     return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
 
 
-SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
-
-
 def speedrun_lr(it, cfg):
-    """The reference's lr of 0-based iteration `it` (after a warmup, if one is given): lr until 30% of the
-    steps, then a linear fall toward lr*lr_decay_frac at step `steps`: eta = (1 - it/steps) / 0.7."""
+    """The reference's lr of 0-based iteration `it`: lr until 30% of the steps, then linear to lr*lr_decay_frac."""
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
@@ -107,8 +99,7 @@ def speedrun_lr(it, cfg):
 
 
 def speedrun_lrs(it, cfg):
-    """{group: lr} of 0-based iteration `it` for the speedrun recipe's groups (SPEEDRUN_LRS): Muon's is
-    speedrun_lr's, the AdamW groups' keep their ratios to it."""
+    """{group: lr} of 0-based iteration `it`: Muon's is speedrun_lr's, the AdamW groups' keep their ratios to it."""
     scale = speedrun_lr(it, cfg) / SPEEDRUN_LRS["muon"]
     return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
 
@@ -118,63 +109,24 @@ def adamw_group(name):
     return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
 
 
-SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
-
-
-# --fp8-head: the head's training matmuls on FP8 operands with the static scales of modded-nanogpt's record
-# train_gpt.py (docs/FORMATS.md, FP8 head). Each operand is multiplied by its scale's fp32 reciprocal in fp32,
-# saturated at its format's largest finite value and rounded to nearest even: the head's input x and weight w
-# to e4m3fn, the logits' gradient to e5m2. The reference's grad_s is grad_scale x 0.75/448 against a
-# gradient it has already multiplied by grad_scale; ours is the gradient of the summed loss, unscaled, so
-# its scale is 0.75/448 and the quantized values are the reference's.
-FP8_SCALES = {"x": 100 / 448, "w": 1.6 / 448, "grad": 0.75 / 448}
-FP8_FORMATS = {"x": "e4m3fn", "w": "e4m3fn", "grad": "e5m2"}
-FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
-
-
 def fp8_reciprocal(kind):
-    """The fp32 value that --fp8-head multiplies operand `kind` (FP8_SCALES) by before its cast: 1/scale
-    rounded to fp32 once, the same in every framework (a division's rounding is not: CUDA torch divides by
-    a scalar as a multiplication by its reciprocal, Triton's fp32 division is approximate)."""
+    """The fp32 value that --fp8-head multiplies operand `kind` by before its cast: 1/scale rounded to fp32 once."""
+    # the same in every framework, as a division's rounding is not (CUDA torch, Triton's approximate division)
     return float(np.float32(1 / FP8_SCALES[kind]))
 
 
-MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
-
-
-# safetensors' element types that the trainers read, as numpy types (a bf16 value is read as the top 16
-# bits of an fp32 one); they write F32
-SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-
-
-def write_safetensors(path, tensors):
-    """A safetensors file of the fp32 arrays {name: array}, written to a temporary name, then renamed. The
-    library serializes; the file is written here, so that a full disk is an OSError with its errno."""
-    data = safetensors.numpy.save({k: np.ascontiguousarray(t, np.float32) for k, t in tensors.items()},
-                                  metadata={"format": "pt"})
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def read_safetensors(path, check=None):
-    """{name: fp32 array} of a safetensors file of float tensors (SAFETENSORS_TYPES). The safetensors
-    library checks the header (its length, JSON, and that the tensors' bytes tile the data) before any
-    tensor is read; then check({name: (type, shape)}) if given (the caller's names and shapes). Every
-    value must be finite."""
-    require_file(path, "model file")
+    """{name: fp32 array} of a safetensors file of finite floats; check({name: (type, shape)}) before any is read."""
     try:
         with safetensors.safe_open(path, framework="numpy") as f:
             entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
     except (safetensors.SafetensorError, OSError) as e:
         die(f"model file {path} is not a valid safetensors file ({str(e).splitlines()[0][:160]})")
     for k, (dtype, shape) in entries.items():
-        shown = json.dumps(k)[1:-1][:100]  # a name is printed in one line
         if not k.isprintable():
             die(f"model file {path} has a tensor name with unprintable characters: {json.dumps(k)[:100]}")
         if dtype not in SAFETENSORS_TYPES:
-            die(f"model file {path}: tensor {shown} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+            die(f"model file {path}: tensor {k[:100]} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
     if check is not None:
         check(entries)
     with open(path, "rb") as f:
@@ -185,8 +137,8 @@ def read_safetensors(path, check=None):
         t = (t.astype(np.uint32) << 16).view(np.float32) if e["dtype"] == "BF16" else t.astype(np.float32)
         bad = t.size - np.count_nonzero(np.isfinite(t))
         if bad:
-            die(f"model file {path}: tensor {json.dumps(k)[1:-1][:100]} holds {bad} non-finite values (NaN or "
-                "inf): the weights of a diverged run?")
+            die(f"model file {path}: tensor {k[:100]} holds {bad} non-finite values (NaN or inf): the weights of "
+                "a diverged run?")
         tensors[k] = t.reshape(e["shape"])
     return tensors
 
@@ -197,23 +149,23 @@ def is_safetensors_file(head):
 
 
 def write_speedrun_file(path, params, cfg):
-    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, the rotary buffers
-    included, so that the reference loads it as it is."""
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, rotary buffers included."""
     tensors = {}
     for k in speedrun_shapes(cfg):
-        tensors[k] = np.asarray(params[k], np.float32)
+        tensors[k] = np.ascontiguousarray(params[k], np.float32)
         if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
             tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
-    write_safetensors(path, tensors)
+    data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
+    with open(path + ".tmp", "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
+        f.write(data)
+    os.replace(path + ".tmp", path)
 
 
 def read_speedrun_file(path):
-    """(header, {name: fp32 array}) of a speedrun model file (the reference's state_dict as safetensors: fp32,
-    or any float type, converted to fp32 with a line); the shape comes from embed.weight and the blocks'
-    count, and every tensor of it must be there in its shape, with no other: checked before any is read."""
+    """(header, {name: fp32 array}) of a speedrun model file of any float type, its names and shapes checked first."""
     found = {}
 
-    def check(entries):  # {name: (type, shape)}: the layer count from names alone, bounded by theirs
+    def check(entries):  # the shape from embed.weight and the blocks' count, bounded by their names
         embed = entries.get("embed.weight", (None, ()))[1]
         if len(embed) != 2:
             die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
@@ -232,13 +184,12 @@ def read_speedrun_file(path):
                       n_head=n_embd // HEAD_DIM, n_embd=n_embd)
         shapes = speedrun_shapes(SimpleNamespace(**header))
         freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
-        expected = {**shapes, **freqs}
-        for k, shape in expected.items():
+        for k, shape in {**shapes, **freqs}.items():
             if k not in entries:
                 die(f"model file {path} lacks tensor {k} {list(shape)}")
             if entries[k][1] != shape:
                 die(f"model file {path}: tensor {k} has shape {list(entries[k][1])}, expected {list(shape)}")
-        extra = [k for k in entries if k not in expected]
+        extra = [k for k in entries if k not in shapes and k not in freqs]
         if extra:
             die(f"model file {path} holds tensor {extra[0][:100]}, which the speedrun model does not have")
         found.update(header=header, shapes=shapes, types={k: e[0] for k, e in entries.items()})
@@ -254,4 +205,3 @@ def read_speedrun_file(path):
         print(f"model file {path}: its {'/'.join(converted)} tensors are converted to fp32, the type the "
               "trainer keeps its weights in")
     return header, {k: tensors[k] for k in shapes}
-

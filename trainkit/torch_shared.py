@@ -1,9 +1,5 @@
-"""torch only, shared by the two torch trainers: processes (setup_device, agree_to_stop), ZeRO-1's flat
-buffers (flat_layout, whole_matrix_layout, state_layout, shard_ranges, flat_gradients, sharded_state,
-state_bytes, gather_state, checkpoint_if_due), host-device copies, the evaluations (evaluate_val,
-evaluate_hellaswag, evals_left_to_run), the speedrun's Newton-Schulz and --fp8-head's casts and products
-(fp8_quantize, fp8_matmul), and the one-line failures: a lost
-process (fail_on_lost_peer), out of memory (fail_on_out_of_memory)."""
+"""torch only, shared by the two torch trainers: processes, ZeRO-1's flat buffers, host-device copies, the
+evaluations, Newton-Schulz, --fp8-head's products, and the one-line failures (a lost process, out of memory)."""
 import atexit
 import contextlib
 import datetime
@@ -25,13 +21,13 @@ from trainkit.logs import due, logged_evals
 from trainkit.speedrun import FP8_FORMATS, FP8_MAX, NEWTON_SCHULZ_STEPS, fp8_reciprocal
 
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
+TORCH_FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def flat_layout(shapes, groups, world):
-    """({name: first element}, [(first, end) of each group]) of a flat buffer holding the tensors of
-    `shapes` group after group, each from a FLAT_ALIGN boundary; every group is padded to a multiple of
-    FLAT_ALIGN x world, so that any number of processes gets equal, aligned shards of it (the padding
-    stays zero)."""
+    """({name: first element}, [(first, end) of each group]) of the groups' tensors in one flat buffer."""
+    # each tensor from a FLAT_ALIGN boundary, each group padded to a multiple of FLAT_ALIGN x world: equal shards
     starts, spans, size = {}, [], 0
     unit = FLAT_ALIGN * world
     for names, _ in groups:
@@ -45,44 +41,31 @@ def flat_layout(shapes, groups, world):
 
 
 def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
-    """{name: its tensor, a view into the flat buffer}; `buffer` may hold only the group that starts at
-    element `first` of the layout."""
+    """{name: its tensor, a view into `buffer`}, which may hold only the group that starts at element `first`."""
     return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
             for k in names}
 
 
-def whole_matrix_layout(shapes, names, world, first):
-    """({name: first element}, (first, end)) of Muon's matrices in the flat buffers from element `first`:
-    dealt round-robin to the processes, largest first, as the reference's Muon deals them, each process's
-    matrices one after another in the rank-th of `world` equal stretches, so that its ZeRO-1 shard of the
-    group (shard_ranges) holds its matrices whole."""
-    order = sorted(names, key=lambda k: shapes[k], reverse=True)
-    ends, local = [0] * world, {}
-    for i, k in enumerate(order):
-        local[k] = (i % world, ends[i % world])
-        ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
-    stretch = max(ends)
-    return {k: first + local[k][0] * stretch + local[k][1] for k in names}, (first, first + world * stretch)
-
-
 def state_layout(groups, muon_names, shapes, world):
-    """(groups, {name: first element}, [(first, end) of each group]): the trainer's compute groups in the
-    flat buffers, laid out by flat_layout, and Muon's matrices (muon_names) by whole_matrix_layout after
-    them."""
+    """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
     muon = set(muon_names)
     split = [g for g in groups if not muon.intersection(g[0])]
     starts, spans = flat_layout(shapes, split, world)
     if len(split) < len(groups):
-        more, span = whole_matrix_layout(shapes, groups[-1][0], world, spans[-1][1])
-        starts.update(more)
-        spans.append(span)
+        # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
+        names, first = groups[-1][0], spans[-1][1]
+        ends, local = [0] * world, {}
+        for i, k in enumerate(sorted(names, key=lambda k: shapes[k], reverse=True)):
+            local[k] = (i % world, ends[i % world])
+            ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        stretch = max(ends)
+        starts.update({k: first + local[k][0] * stretch + local[k][1] for k in names})
+        spans.append((first, first + world * stretch))
     return groups, starts, spans
 
 
 def shard_ranges(starts, shapes, span, rank, world):
-    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group laid out over `span` that lie in
-    rank's shard of it (elements [rank S, (rank+1) S) of the group, S = its size / world), as offsets into
-    the flat buffer; tensors outside the shard are left out, and a tensor may be split between shards."""
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
     n = (span[1] - span[0]) // world
     first, ranges = span[0] + rank * n, {}
     for k in starts:
@@ -94,52 +77,19 @@ def shard_ranges(starts, shapes, span, rank, world):
     return ranges
 
 
-def gather_state(state, shapes, cfg, world):
-    """(params, m, v), each {name: whole fp32 tensor on the device}, for a checkpoint, which stays the same
-    at any stage and process count. At stage 1 the shards of the masters and moments are all-gathered,
-    group by group, into new buffers: collectives, so every process calls this (and rank 0 writes)."""
-    if cfg.zero_stage == 0:
-        return state["params"], state["m"], state["v"]
-    full = []
-    for name in ("params", "m", "v"):
-        buffer = torch.empty_like(state["grad_buffer"])                            # (P,)
-        names = []
-        for group in state["groups"]:
-            if name not in group:  # Muon's group has no v
-                continue
-            first, end = group["span"]
-            if world > 1:
-                dist.all_gather_single(buffer[first:end], group[name])
-            else:
-                buffer[first:end].copy_(group[name])
-            names += [k for k in shapes if first <= state["starts"][k] < end]
-        full.append(flat_views(buffer, state["starts"], shapes, names))
-    return tuple(full)
-
-
 def put_batch(x, device):
-    """A token batch as an int64 tensor on device, copied from pinned memory without blocking, so the
-    host can queue the step while the GPU is still busy."""
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking the host."""
     t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def to_numpy(tensors):
-    """{name: fp32 numpy array} from a dict of device tensors, for the framework-neutral files."""
-    return {k: t.detach().float().cpu().numpy() for k, t in tensors.items()}
-
-
 def to_device(arrays, device):
-    """{name: fp32 tensor on device} from a dict of numpy arrays: copies, never views, since the
-    optimizer updates them in place."""
+    """{name: fp32 tensor on device} of numpy arrays: copies, never views, since the optimizer updates them."""
     return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
 
 
 def evaluate_val(row_losses, weights, loader, cfg, device, world):
-    """Mean token loss over the first cfg.val_tokens // T sequences of the val shards (the loader restarts
-    each time). Each process reads its rank's rows of every global batch, as llm.c's loader does; rows of
-    the last batch past those sequences count for nothing, so that the same weights give the same loss at
-    any batch size and process count."""
+    """Mean token loss over the val shards' first val_tokens // T sequences, the same at any batch and world size."""
     loader.reset()
     total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
     rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
@@ -153,10 +103,7 @@ def evaluate_val(row_losses, weights, loader, cfg, device, world):
 
 
 def setup_device(cfg):
-    """(rank, world, device, store): under torchrun one process per GPU (nccl) or per share of the CPU
-    cores (gloo), else one process on the GPU if there is one; store: the run's key-value store at
-    $MASTER_ADDR:$MASTER_PORT (None for one process), which lost_processes reads. Sets the matmul
-    precision cfg.dtype promises."""
+    """(rank, world, device, the run's key-value store or None): a process per GPU (nccl) or CPU share (gloo)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -173,8 +120,7 @@ def setup_device(cfg):
                 and 1 <= int(port) <= 65535):
             die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
                 "say where process 0 is (launch with torchrun, or set both)")
-        # the store env:// would make, made here so that it can be read after a failure; under torchrun
-        # its agent already serves it
+        # env://'s store, made here to be read after a failure (under torchrun, its agent serves it)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world,
                               is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                               timeout=datetime.timedelta(minutes=30))
@@ -182,46 +128,20 @@ def setup_device(cfg):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(hours=1))
         atexit.register(dist.destroy_process_group)
-    # fp32 means fp32: cuBLAS and cuDNN would otherwise run fp32 matmuls on a GPU as TF32
+    # the matmul precision cfg.dtype promises: cuBLAS and cuDNN would otherwise run fp32 matmuls as TF32
     tf32 = cfg.dtype == "bf16"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     return rank, world, device, store
 
 
 @contextlib.contextmanager
 def fail_on_out_of_memory(cfg):
-    """Running out of device memory (at compile or run time) is a bad --batch-size or --recompute: one line,
-    no trace."""
+    """Running out of device memory (at compile or run time) is one line, no trace."""
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
         die_out_of_memory(cfg, e)
-
-
-CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
-
-
-def lost_processes(store, rank, world):
-    """After a collective failed: the ranks that did not answer a roll call in the run's store within
-    CENSUS_SECONDS (each survivor writes its mark, then waits for the others'), or None when the store
-    itself is gone (its host, process 0, stopped: checked with a plain connection first, since a write to a
-    closed store prints a C++ warning). Process 0 stays a second longer, so that the others read the
-    marks before its store closes."""
-    try:
-        socket.create_connection((store.host, store.port), timeout=2).close()
-        store.set(f"census/{rank}", "alive")
-        deadline = time.monotonic() + CENSUS_SECONDS
-        silent = list(range(world))
-        while silent and time.monotonic() < deadline:
-            silent = [r for r in range(world) if not store.check([f"census/{r}"])]
-            time.sleep(0.1)
-        if rank == 0:
-            time.sleep(1)
-        return silent
-    except (OSError, RuntimeError, dist.DistError):
-        return None
 
 
 def any_process_failed(world, device):
@@ -237,8 +157,7 @@ def any_process_failed(world, device):
 
 
 def agree_to_stop(budget_spent, signum, rank, device):
-    """(--time-budget reached, signal number or 0) as every process takes them at a step boundary, so that
-    all stop at the same step: process 0's clock decides, and a signal to any process stops all."""
+    """(--time-budget reached by process 0's clock, a signal to any process or 0), the same in every process."""
     flags = torch.tensor([int(budget_spent and rank == 0), signum], dtype=torch.int64, device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     budget_spent, signum = flags.tolist()
@@ -247,10 +166,7 @@ def agree_to_stop(budget_spent, signum, rank, device):
 
 @contextlib.contextmanager
 def fail_on_lost_peer(store, rank, world):
-    """A process of a multi-process run that dies (killed, out of memory, its machine lost) fails the
-    survivors' next collective: each survivor then names the lost process in one line, says how the run
-    goes on, and exits at once (a teardown of the process group could wait on the dead peer). An error
-    raised outside torch.distributed, or one after which every process answers, passes through."""
+    """A collective failed by a lost process: each survivor names it in one line and exits at once (not waiting)."""
     try:
         yield
     except RuntimeError as e:
@@ -260,7 +176,19 @@ def fail_on_lost_peer(store, rank, world):
         where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
         if world == 1 or not where.startswith("torch.distributed"):
             raise
-        silent = lost_processes(store, rank, world)
+        # a roll call in the run's store: the ranks silent for CENSUS_SECONDS; None once process 0's store is gone
+        try:
+            socket.create_connection((store.host, store.port), timeout=2).close()  # writing a closed store warns
+            store.set(f"census/{rank}", "alive")
+            deadline = time.monotonic() + CENSUS_SECONDS
+            silent = list(range(world))
+            while silent and time.monotonic() < deadline:
+                silent = [r for r in range(world) if not store.check([f"census/{r}"])]
+                time.sleep(0.1)
+            if rank == 0:  # the others read the marks before its store closes
+                time.sleep(1)
+        except (OSError, RuntimeError, dist.DistError):
+            silent = None
         if silent == []:
             raise
         who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
@@ -270,12 +198,8 @@ def fail_on_lost_peer(store, rank, world):
 
 
 def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank, world):
-    """Stage 1 (ZeRO-1): per compute group, a process keeps 1/world of the group's stretch of the flat
-    layout (state_layout; Muon's holds whole matrices) of the fp32 masters, of m and v, and of the summed
-    gradients (reduce-scattered into it). It updates that shard of the masters and of the weights
-    (`own_weights`); one all-gather of the group's weights brings every process every update.
-    `shard_params`, `shard_grads`, `shard_copies`, m and v are {name: 1-D piece} of the tensors in the
-    shard (Muon's matrices whole, in their shapes); `layout` is state_layout's."""
+    """Stage 1 (ZeRO-1): per group of state_layout's `layout`, a process keeps 1/world of the fp32 masters, m, v and
+    the summed gradients, and updates that shard of the weights (`own_weights`); shard_*, m, v: {name: its piece}."""
     groups, starts, spans = layout
     muon = set(muon_names)
     state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
@@ -317,7 +241,6 @@ def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank,
     return state
 
 
-
 def evaluate_hellaswag(row_losses_fn, params, cfg, device):
     """(acc, acc_norm) through hellaswag.evaluate, rows fitted to the context by hellaswag.in_context."""
     def padded_losses(x, y):                                                       # (4, width) int64 each
@@ -325,18 +248,14 @@ def evaluate_hellaswag(row_losses_fn, params, cfg, device):
     return hellaswag.evaluate(hellaswag.in_context(padded_losses, cfg.block_size), limit=cfg.hellaswag_limit)
 
 
-
 def peak_memory_gb(device):
-    """Peak bytes allocated on the GPU by torch's caching allocator, in GB; None on the CPU, where torch
-    keeps no statistics."""
+    """Peak GB allocated by torch's caching allocator on the GPU; None on the CPU, where torch keeps no count."""
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
-
 def newton_schulz(G, dtype):
-    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F
-    (spectral norm at most 1), 12 iterations of X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, which drive
-    every singular value of X toward 1; on the transposes of tall matrices, so that A is the smaller."""
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`."""
+    # X = G/||G||_F, then X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, on tall matrices' transposes (A the smaller)
     tall = G.shape[-2] > G.shape[-1]
     X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
@@ -348,23 +267,17 @@ def newton_schulz(G, dtype):
     return X.mT if tall else X                                                     # (n,r,c)
 
 
-TORCH_FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
 def fp8_quantize(x, kind):
-    """--fp8-head's operand `kind` (trainkit.speedrun.FP8_SCALES) of x: x times the scale's fp32 reciprocal,
-    in fp32, clamped to the format's largest finite value (torch's e4m3fn cast saturates by itself, its e5m2
-    cast overflows to inf) and cast, rounding to nearest even."""
+    """--fp8-head's operand `kind` of x: x times fp8_reciprocal(kind) in fp32, saturated, rounded to nearest even."""
+    # clamped: torch's e5m2 cast would overflow to inf
     fmt = FP8_FORMATS[kind]
     q = x.float() * fp8_reciprocal(kind)
     return q.clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
 
 
 def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
-    """(a (M,K) @ b (K,N)) x scale_a x scale_b in out_dtype, of fp8 operands: torch._scaled_mm on a CUDA GPU
-    (a row-major, b column-major, as it requires; fast_accum: the reference's forward's faster, coarser
-    accumulation); elsewhere the same product of the operands' exact fp32 values, accumulated in fp32."""
-    if a.is_cuda:
+    """(a (M,K) @ b (K,N)) x scale_a x scale_b in out_dtype of fp8 operands; off CUDA, of their exact fp32 values."""
+    if a.is_cuda:  # a row-major, b column-major, as it requires; fast_accum: the reference forward's
         sa, sb = (torch.tensor(s, dtype=torch.float32, device=a.device) for s in (scale_a, scale_b))
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa, scale_b=sb,
                                 out_dtype=out_dtype, use_fast_accum=fast_accum)
@@ -372,8 +285,7 @@ def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
 
 
 def flat_gradients(shapes, layout, device):
-    """The start of the training state: the fp32 gradients `grads` of every tensor, views of one flat
-    buffer `grad_buffer` laid out by state_layout (`layout`), and their `starts` in it."""
+    """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
     _, starts, spans = layout
     state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
     state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
@@ -381,11 +293,7 @@ def flat_gradients(shapes, layout, device):
 
 
 def state_bytes(zero_stage, shapes, layout, muon_names, world):
-    """Bytes of weights, gradients and optimizer state that one process holds (the trainers' make_state
-    tensors; not the activations), by kind: `params` the bf16 compute copies (none in fp32), all at either
-    stage; `grads` the fp32 flat buffer, plus at stage 1 the reduce-scattered shard; `masters` all of the
-    fp32 masters, or at stage 1 a shard of those with bf16 copies (fp32 ones are what the model computes
-    with: whole); `moments` AdamW's m and v and Muon's momentum, all or (stage 1) a shard."""
+    """Bytes of bf16 `params`, `grads`, fp32 `masters` and `moments` that one process holds (docs/FORMATS.md)."""
     groups, _, spans = layout
     muon = set(muon_names)
     size = spans[-1][1]
@@ -403,37 +311,47 @@ def state_bytes(zero_stage, shapes, layout, muon_names, world):
 
 
 def evals_left_to_run(cfg, step, master, world):
-    """[val due, HellaSwag due] at a resumed run's `step` that log.jsonl lacks: the checkpoint is written
-    before the step's evaluations, so a run killed between the two runs them on --resume. Process 0's log
-    decides for all: the others may not see it, and all must run the same evaluations."""
+    """[val due, HellaSwag due] at a resumed `step` that process 0's log.jsonl lacks (a kill after the checkpoint)."""
     logged = logged_evals(cfg.out_dir, step) if master else set()
     missing = [due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
                due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]
-    if world > 1:
+    if world > 1:  # all must run the same evaluations
         dist.broadcast_object_list(missing, src=0)
     return missing
 
 
 def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say):
-    """Step's checkpoint, with the train loader's position, where --ckpt-every (or the last step, `last`)
-    asks for one: every process gathers the state (a collective at stage 1), process 0 writes it, the
-    others wait."""
+    """Step's checkpoint where --ckpt-every (or the last step, `last`) asks: gathered by all, written by process 0."""
     if not due(cfg.ckpt_every, step, last):
         return
-    full = gather_state(state, recipe.shapes(cfg), cfg, world)
+    if cfg.zero_stage == 0:
+        full = state["params"], state["m"], state["v"]
+    else:  # the shards of the masters and moments, all-gathered group by group
+        shapes, full = recipe.shapes(cfg), []
+        for name in ("params", "m", "v"):
+            buffer, names = torch.empty_like(state["grad_buffer"]), []                # (P,)
+            for group in state["groups"]:
+                if name not in group:  # Muon's group has no v
+                    continue
+                first, end = group["span"]
+                if world > 1:
+                    dist.all_gather_single(buffer[first:end], group[name])
+                else:
+                    buffer[first:end].copy_(group[name])
+                names += [k for k in shapes if first <= state["starts"][k] < end]
+            full.append(flat_views(buffer, state["starts"], shapes, names))
     if master:
-        say(f"saved {save_checkpoint(cfg.out_dir, step, *map(to_numpy, full), loader.state(), cfg, recipe)}")
+        full = [{k: t.detach().float().cpu().numpy() for k, t in tensors.items()} for tensors in full]
+        say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg, recipe)}")
     if world > 1:
         dist.barrier()
 
 
 def say_samples(sample, cfg, step, last, device, decode, master, say):
-    """Prints step's samples where --sample-every (or the last step, `last`) asks for them, on process 0:
-    sample(generator) gives token rows (S, T) whose column 0 is EOT, drawn with a generator seeded by
-    (--seed, step), so that a resumed run samples as the uninterrupted one."""
+    """Prints step's samples where --sample-every (or the last step) asks: sample(generator)'s rows (S, T) after EOT."""
     if not (master and due(cfg.sample_every, step, last)):
         return
     seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)  # (--seed, step)'s: as an uninterrupted run's
     for i, row in enumerate(sample(generator).tolist()):
         say(f"sample {i}: {decode(row[1:])!r}")
