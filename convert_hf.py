@@ -23,19 +23,18 @@ file or directory, and a failed run (a full disk, say: one line that says so) le
 was. An existing output is replaced only with --force, and never one that holds or is a file the conversion
 reads.
 """
+
 import argparse
 import errno
 import json
+import math
 import os
 import shutil
+import stat
 from types import SimpleNamespace
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-
-from trainkit import die, require_file
-from trainkit.gpt2 import (EOT, LAYER_NAMES, PADDED_VOCAB_SIZE, PARAM_NAMES, VOCAB_SIZE, gpt2_shapes,
-                           model_file_header, read_model_header)
 
 # -----------------------------------------------------------------------------
 # Constants
@@ -83,6 +82,79 @@ def refuse_replacing_inputs(out, inputs, command):
     for path in inputs:
         if os.path.commonpath([os.path.realpath(path), target]) == target:
             die(f"-o {out} would replace {path}, which {command} reads: pick another -o")
+
+
+# -----------------------------------------------------------------------------
+# llm.c's GPT-2: names, shapes and model file header (the trainers' copies)
+#
+# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
+# carries an edit made in FILE to every copy).
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def require_file(path, what):
+    """Stops in one line unless `path` is a regular file (reading a FIFO would wait forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # absent, a link loop: convert_hf.py has no OSError boundary of its own
+        die(f"{what} {path}: {e.strerror}")
+    if not stat.S_ISREG(mode):
+        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
+                      if os.path.isfile(os.path.join(path, f))), None)
+        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
+        die(f"{what} {path} is not a regular file{hint}")
+
+VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
+PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
+EOT = 50256
+# llm.c's tensor order, as in its model file
+PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
+               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
+               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
+LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along a leading L axis
+MODEL_MAGIC = 20240326
+
+
+def gpt2_shapes(cfg):
+    """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {"wte": (Vp, C), "wpe": (T, C), "ln_1.w": (L, C), "ln_1.b": (L, C),
+            "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C), "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+            "ln_2.w": (L, C), "ln_2.b": (L, C), "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+            "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C), "ln_f.w": (C,), "ln_f.b": (C,)}
+
+
+def model_file_header(cfg):
+    """The 256-int32 header of an fp32 (version 3) llm.c model file of cfg's shape."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    return header
+
+
+def read_model_header(path):
+    """(header dict, version: 3 = fp32, 5 = bf16) of an llm.c model file, its header and size checked."""
+    size = os.path.getsize(path)
+    if size < 1024:
+        die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    h = np.fromfile(path, "<i4", count=256)
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = gpt2_shapes(SimpleNamespace(**header))
+    expected = 1024 + (4 if h[1] == 3 else 2) * sum(math.prod(s) for s in shapes.values())
+    if size != expected:
+        cut = " (truncated)" if size < expected else ""
+        die(f"model file {path} has {size} bytes, its header implies {expected}{cut}")
+    return header, int(h[1])
 
 
 # -----------------------------------------------------------------------------

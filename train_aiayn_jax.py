@@ -17,7 +17,14 @@ final score averages the last --average checkpoints and is sacrebleu's cased BLE
 A step (each micro-batch's forward and backward, then Adam) is one jitted function per bucket shape, compiled
 ahead of time. log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
 """
+
 import argparse
+import contextlib
+import datetime
+import errno
+import fcntl
+import functools
+import glob
 import gzip
 import hashlib
 import json
@@ -25,25 +32,25 @@ import math
 import os
 import re
 import shutil
+import signal
+import socket
+import stat
 import sys
+import threading
 import time
+import urllib3
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
+from tokenizer import BPETokenizer
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import requests
 import sacrebleu
 from tqdm import tqdm
-
-from hellaswag import download_file  # one copy of the resumable, checked download
-from tokenizer import BPETokenizer
-from trainkit import die, write_failure
-# the out dir as the GPT-2 trainers keep it: its lock, --force's replaced_ and a branch's abandoned_ folders
-from trainkit.checkpoints import check_checkpoint_step, prepare_out_dir, rename_into_place, resolve_resume
-from trainkit.logs import due, log_event
-from trainkit.signals import stop_on_signal, stops_on_signals
 
 FRAMEWORK = "jax"
 
@@ -952,6 +959,447 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
         die(write_failure(path, e))
     os.replace(path + ".tmp", path)
     return bleu, path
+
+
+# -----------------------------------------------------------------------------
+# Shared plumbing: flags, shards, checkpoints, out dir, logs, signals (a part)
+#
+# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
+# carries an edit made in FILE to every copy).
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit reached
+
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def write_failure(path, e):
+    """The one line that says why writing `path` failed, a full disk said as such."""
+    if e.errno in DISK_FULL:
+        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
+    return f"cannot write {path}: {e.strerror}"
+
+
+def rename_into_place(tmp, final):
+    """Makes the complete checkpoint dir `tmp` the checkpoint `final`, replacing one of the same step whole."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)  # left by a save that died between the renames
+    # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        if os.path.isdir(final):
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def latest_checkpoint(out_dir, needed=("state.npz",)):
+    """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
+    found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
+                   if os.path.basename(d)[5:].isdigit())
+    while found and not all(os.path.isfile(os.path.join(found[-1], f)) for f in needed):
+        missing = next(f for f in needed if not os.path.isfile(os.path.join(found[-1], f)))
+        print(f"--resume auto: skipping {found[-1]}, which has no {missing}")
+        found.pop()
+    return found[-1] if found else None
+
+
+def resolve_resume(cfg, trains, needed=("state.npz",)):
+    """Makes cfg.resume the checkpoint dir holding `needed` to resume; True where --resume auto found none to resume."""
+    # then a run that `trains` starts at step 0 (cfg.resume ""), and prepare_out_dir sets the old files aside
+    if cfg.resume == "auto":
+        found = latest_checkpoint(cfg.out_dir, needed)
+        if found is None and not trains:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+        cfg.resume = found or ""
+        return found is None
+    if cfg.resume:
+        cfg.resume = os.path.normpath(cfg.resume)  # its folder is os.path.dirname's, even given with a "/"
+        missing = [f for f in needed if not os.path.isfile(os.path.join(cfg.resume, f))]
+        if missing:
+            die(f"--resume {cfg.resume}: not a checkpoint directory (no {', '.join(missing)})")
+    return False
+
+
+def check_checkpoint_step(path, step):
+    """A checkpoint dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names."""
+    name = os.path.basename(os.path.normpath(path))
+    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != step:
+        die(f"checkpoint {path} holds step {step}, not the step {int(name[5:])} its name says (renamed or "
+            f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
+
+
+class RunLock:
+    """<out_dir>/.lock, flock'ed by process 0 while this object lives and naming its holder; removed on release."""
+    held = None  # weakref.ref to the lock this process holds
+
+    def __init__(self, out):
+        earlier = RunLock.held and RunLock.held()
+        if earlier is not None:  # an earlier main() of this process, ended (main runs one run at a time)
+            earlier.release()
+        self.path, self.fd = os.path.join(out, ".lock"), None
+        while True:
+            # O_NOFOLLOW: a symbolic link is refused, not written through; a dead holder's flock is the kernel's to drop
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                die(f"{self.path} is not a regular file, not the run lock that a trainer writes: remove it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+                os.close(fd)
+                die(f"--out-dir {out} is in use by another run ({holder}): wait for it to end, stop it, or "
+                    "give another --out-dir")
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            os.close(fd)  # its holder removed it as we opened it: take the new one
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        except OSError as e:
+            self.release()
+            die(f"--out-dir: {write_failure(self.path, e)}")
+        RunLock.held = weakref.ref(self)
+
+    def release(self):
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+def move_aside(out, names, prefix):
+    """Moves <out>/<names> into a new folder <out>/<prefix><time>[_n], which it returns."""
+    stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    for n in range(1, 1000):  # unique however fast runs follow each other
+        aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            os.mkdir(aside)
+            break
+        except FileExistsError:
+            continue
+    for name in names:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+    return aside
+
+
+def abandon_newer(out, step):
+    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
+    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
+             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
+    if not newer:
+        return
+    aside = move_aside(out, newer, "abandoned_")
+    log = os.path.join(out, "log.jsonl")
+    if os.path.isfile(log):
+        kept, cut = [], []
+        with open(log, "rb") as f:
+            for line in f:
+                try:
+                    later = json.loads(line).get("step", 0) > step
+                except (ValueError, AttributeError, TypeError):
+                    later = False
+                (cut if later else kept).append(line)
+        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+            with open(path, "wb") as f:
+                f.writelines(lines)
+        os.replace(log + ".tmp", log)
+    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+          f"{step} moved to {aside}")
+
+
+def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
+    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
+    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
+    out = cfg.out_dir
+
+    def held_run():
+        run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))]
+        return run + [name for name in ("log.jsonl", *extras) if os.path.exists(os.path.join(out, name))]
+    if not master:  # process 0 decides: its start event may already be in the log the others would see
+        return None
+    run = held_run()
+    listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+    if any(name not in extras for name in run):
+        if not (cfg.resume or cfg.force or restart):
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts over")
+        # a checkpoint from elsewhere, or of a branch set aside here, would splice two runs in one log.jsonl
+        home = os.path.realpath(os.path.dirname(os.path.abspath(cfg.resume)))
+        if cfg.resume and home != os.path.realpath(out):
+            aside = os.path.dirname(home) == os.path.realpath(out) and os.path.basename(home).startswith(
+                ("abandoned_", "replaced_"))
+            whose = (f"a branch set aside in {os.path.dirname(os.path.normpath(cfg.resume))}" if aside else
+                     "another out dir")
+            die(f"--resume {cfg.resume}: a checkpoint of {whose}, and --out-dir {out} holds another run ({listed}), "
+                "whose log.jsonl would then hold both: resume it into a new --out-dir")
+    os.makedirs(out, exist_ok=True)
+    lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
+        abandon_newer(out, step)
+    run = held_run()
+    moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
+    aside = move_aside(out, run, "replaced_") if moved else None
+    if restart:
+        moved_to = f"; the run there, stopped before its first checkpoint, moved to {aside}" if moved else ""
+        print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
+    elif moved:
+        print(f"--force: the run in {out} moved to {aside}")
+    drop_partial_log_line(out)
+    return lock
+
+
+def drop_partial_log_line(out_dir):
+    """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def log_event(out_dir, framework, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (docs/FORMATS.md), with the trainer's `framework` name."""
+    record["framework"] = framework
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a write's error names no file; a half line left is cut off on --resume
+        die(write_failure(path, e))
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; what schedulers (SLURM, Kubernetes) send before a kill
+
+
+class StopSignals:
+    """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
+
+    def __init__(self):
+        self.received, self.training, self.master, self.previous = 0, False, True, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.training and not self.received:
+            self.received = signum
+            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
+            return
+        # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
+        hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
+        self.tell(f"{name}: stopped at once{hint}")
+        raise SystemExit(128 + signum)
+
+    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
+        if self.master:
+            try:
+                os.write(2, f"{line}\n".encode())
+            except OSError:  # stderr's reader is gone: the stop goes on without its line
+                pass
+
+
+class OutputThatMayClose:
+    """sys.stdout or sys.stderr whose writes go to /dev/null once its reader is gone (`| head`, a closed ssh)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.discard()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.discard()
+
+    def discard(self):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
+        os.close(null)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def stops_on_signals(main):
+    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
+    @functools.wraps(main)
+    def run(argv=None):
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        try:
+            with StopSignals() as signals:
+                return main(argv, signals)
+        except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
+            if e.errno in DISK_FULL:
+                die(write_failure(e.filename, e))
+            die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+        finally:
+            sys.stdout.flush()  # what they still buffer, while a closed reader is caught
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+    return run
+
+
+def stop_on_signal(signum, step, cfg, master):
+    """Ends a run that signal `signum` stopped after `step` (its checkpoint written); nothing when signum is 0."""
+    if not signum:
+        return
+    if master:
+        saved = "its checkpoint saved" if due(cfg.ckpt_every, step, step) else "no checkpoint (--ckpt-every 0)"
+        print(f"{signal.Signals(signum).name}: stopped after step {step} of {cfg.steps}, {saved}; --resume auto "
+              "continues", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+DOWNLOAD_RETRIES = 5
+DOWNLOAD_BACKOFF_S = 1.0
+DOWNLOAD_TIMEOUT_S = 60
+CHUNK_BYTES = 1 << 20
+
+
+# hellaswag.py's download (the same code)
+
+class _Retryable(Exception):
+    """A failure worth another attempt: a dropped connection, a 5xx/429 answer, a short body."""
+
+
+def _announced_sha256(resp):
+    """The sha256 the server vouches for, or None. Hugging Face answers a request for an LFS file with
+    `X-Linked-Etag: "<sha256 of the file>"` (on the redirect, so look through the history too). A plain
+    ETag is not used: GitHub's and CDNs' ETags are opaque cache validators, not content hashes."""
+    for r in (*resp.history, resp):
+        value = r.headers.get("X-Linked-Etag", "")
+        value = value.removeprefix("W/").strip('"').lower()
+        if re.fullmatch(r"[0-9a-f]{64}", value):
+            return value
+    return None
+
+
+def _announced_total(resp):
+    """Full file size from Content-Range ("bytes a-b/total") or, for a 200, Content-Length."""
+    if resp.status_code == 206:
+        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
+        return (int(m.group(1)), int(m.group(3))) if m else (None, None)
+    length = resp.headers.get("Content-Length")
+    return 0, (int(length) if length is not None and length.isdigit() else None)
+
+
+def sha256_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_S, expected_size=None,
+                  expected_sha256=None):
+    """Downloads `url` to `path` (skipped when `path` exists: only complete files ever get that name).
+    expected_size / expected_sha256, when known in advance, are checked as well as what the server says."""
+    if os.path.exists(path):
+        return path
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        die(f"cannot create {folder} to download {url} into ({e.strerror})")
+    part = path + ".part"
+    total, sha = expected_size, expected_sha256
+    failures = 0
+    while True:
+        have = os.path.getsize(part) if os.path.exists(part) else 0
+        # identity: the bytes on disk must be the bytes the size, the range and the checksum refer to
+        headers = {"Accept-Encoding": "identity"}
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        try:
+            with requests.get(url, headers=headers, stream=True, timeout=DOWNLOAD_TIMEOUT_S) as resp:
+                if resp.status_code == 416 and have:  # asked past the end: the part may hold it all
+                    m = re.fullmatch(r"bytes \*/(\d+)", resp.headers.get("Content-Range", ""))
+                    if m and int(m.group(1)) == have:
+                        total = total or have
+                        break
+                    os.remove(part)
+                    raise _Retryable("server refused to resume; starting over")
+                if resp.status_code == 429 or resp.status_code >= 500:
+                    raise _Retryable(f"HTTP {resp.status_code}")
+                if resp.status_code not in (200, 206):
+                    die(f"download of {url} failed: HTTP {resp.status_code}")
+                if resp.headers.get("Content-Encoding", "identity") != "identity":
+                    die(f"download of {url}: server sent {resp.headers['Content-Encoding']}-encoded data")
+                sha = sha or _announced_sha256(resp)
+                start, announced = _announced_total(resp)
+                if start is None or start > have:  # a range we did not ask for: start over
+                    if os.path.exists(part):
+                        os.remove(part)
+                    raise _Retryable(f"unexpected Content-Range {resp.headers.get('Content-Range')!r}")
+                if announced is not None:
+                    if total is not None and announced != total:
+                        die(f"download of {url}: server announces {announced} bytes, expected {total}")
+                    total = announced
+                have = start  # a 200 answers a range request with the whole file
+                try:  # a folder we may not write to is no failure a retry could mend
+                    f = open(part, "r+b" if have else "wb")
+                except OSError as e:
+                    die(f"cannot write {part}: {e.strerror}")
+                with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=os.path.basename(path), leave=False) as bar:
+                    f.seek(have)
+                    f.truncate()
+                    for chunk in resp.raw.stream(CHUNK_BYTES, decode_content=False):
+                        f.write(chunk)
+                        bar.update(len(chunk))
+            got = os.path.getsize(part)
+            if total is not None and got < total:
+                raise _Retryable(f"connection closed after {got} of {total} bytes")
+            break
+        except (_Retryable, requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            failures += 1
+            if failures > retries:
+                die(f"download of {url} failed after {retries} retries: {e}")
+            print(f"download of {url}: {e}; retrying", file=sys.stderr)
+            time.sleep(backoff * 2 ** (failures - 1))
+    got = os.path.getsize(part)
+    if total is not None and got != total:
+        os.remove(part)
+        die(f"download of {url} is corrupt: {got} bytes, the server announced {total} (removed; run again)")
+    if sha is not None:
+        digest = sha256_of(part)
+        if digest != sha:
+            os.remove(part)
+            die(f"download of {url} is corrupt: sha256 {digest}, expected {sha} (removed; run again)")
+    os.replace(part, path)
+    return path
 
 
 # -----------------------------------------------------------------------------

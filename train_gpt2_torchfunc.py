@@ -12,71 +12,142 @@ data parallel, ZeRO-1 with --zero-stage 1. Formats, flags and logs: docs/FORMATS
     torchrun --standalone --nproc_per_node=8 train_gpt2_torchfunc.py --data data/fineweb_edu
     python train_gpt2_torchfunc.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
 
-Map: the file's sections, in order; the plumbing that every trainer shares (flags, llm.c's files, shards,
-checkpoints and the out dir, log.jsonl, signals) is imported from trainkit/ (its __init__ lists it).
-Delete `Recipe: speedrun` and GPT-2 trains as before.
-    GPT-2: config                          Config, the Recipe row type, this trainer's own flags, parse_args
+Map: the file's sections, in order. The shared plumbing is the same in every trainer, a copy held equal by
+tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to every copy). Delete
+`Recipe: speedrun` and GPT-2 trains as before.
+    GPT-2: config                          vocabulary, names, Config, Recipe, flags, shapes, init, model files
     GPT-2: model                           the forward, --recompute's reruns
-    GPT-2: AdamW and the lr schedule       AdamW, clipping (llm.c's cosine schedule: trainkit.gpt2)
+    GPT-2: AdamW and the lr schedule       AdamW, clipping, llm.c's cosine schedule
     GPT-2: training step                   micro-batch gradients, the step, activation bytes, RECIPES' row
-    Recipe: speedrun                       modded-nanogpt's baseline: model, Muon, its row (trainkit.speedrun)
+    Recipe: speedrun                       modded-nanogpt's baseline: config, model, Muon, model files, its row
     Torchfunc plumbing: state, evaluation and profiles   make_state, HellaSwag, samples, --profile
+    Shared plumbing: flags, shards, checkpoints, out dir, logs, signals   the same in every trainer
+    Shared torch plumbing: processes, ZeRO-1, evaluation   the same in both torch trainers
     Main                                   the run, top to bottom
 """
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import errno
+import fcntl
 import functools
+import glob
+import json
 import math
 import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import sys
+import threading
 import time
+import weakref
+import zipfile
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from tokenize import TokenError
+from types import SimpleNamespace
 
 import numpy as np
+import safetensors
+import safetensors.numpy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import trainkit.flags
-# the shared flags and what a recipe gives
-from trainkit.flags import default_dtype, RunConfig, RunRecipe
-# llm.c's GPT-2 without a framework: names, shapes, init, model files, schedule
-from trainkit.gpt2 import (
-    DECAY_NAMES, EOT, LAYER_NAMES, VOCAB_SIZE, configure_gpt2, cosine_lr, gpt2_shapes, init_gpt2_numpy,
-    is_model_file, read_model_file, write_model_file)
-# llm.c's token shards and loader
-from trainkit.data import step_batches
-# checkpoints and the out dir
-from trainkit.checkpoints import open_run
-# log.jsonl, the step and memory lines, MFU
-from trainkit.logs import (
-    PROFILE_STEPS, SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K, due, format_mean, format_memory,
-    host_memory_available, log_event, memory_warning, model_flops_per_token, peak_flops, report_step,
-    start_event)
-# signals and the divergence stop
-from trainkit.signals import stop_diverged, stop_on_signal, stops_on_signals
-# torch's processes, ZeRO-1's flat buffers, failures
-from trainkit.torch_shared import (
-    agree_to_stop, any_process_failed, checkpoint_if_due, evals_left_to_run, evaluate_hellaswag, evaluate_val,
-    fail_on_lost_peer, fail_on_out_of_memory, flat_gradients, newton_schulz, peak_memory_gb, put_batch,
-    say_samples, setup_device, sharded_state, state_bytes, state_layout, to_device)
+from tqdm import tqdm
 
 FRAMEWORK = "torchfunc"  # "jax" | "triton-<backend>" in the siblings
 
 # -----------------------------------------------------------------------------
 # GPT-2: config
+VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
+PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
+EOT = 50256
+# name: (n_layer, n_head, n_embd)
+MODEL_PRESETS = {"d12": (12, 12, 768), "d24": (24, 16, 1024), "d36": (36, 20, 1280), "d48": (48, 25, 1600)}
+# llm.c's tensor order, as in its model file
+PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
+               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
+               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
+LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along a leading L axis
+DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
+MODEL_MAGIC = 20240326
 
 
 @dataclass
-class Config(RunConfig):
-    """The shared flags (RunConfig) and this trainer's own."""
+class Config:
+    """The flags, with their defaults (a flag is named in parse_args and here): the shared ones, then this
+    trainer's own."""
+    # gpt2: llm.c's model and AdamW; speedrun: modded-nanogpt's simplified baseline, its model and Muon
+    recipe: str = "gpt2"
+    # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = VOCAB_SIZE
+    padded_vocab_size: int = PADDED_VOCAB_SIZE
+    # data
+    data: str = "data/fineweb_edu"
+    val_data: str = ""
+    seq_len: int = 1024
+    batch_size: int = 32
+    total_batch_size: int = 524288
+    shuffle: bool = False  # llm.c's shuffled order (train_gpt2.c/.cu), not train_gpt2.py's in-order one
+    # optimization
+    steps: int = 18865
+    time_budget: float = 0.0  # seconds of step time after which the run stops early; 0 = never
+    lr: float = 6e-4
+    lr_decay_frac: float = 0.0
+    warmup: int = 700
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dtype: str = ""  # "": the device's default (default_dtype): bf16 on a GPU, fp32 on a CPU
+    recompute: str = "none"  # what the backward recomputes instead of keeping: RECOMPUTE_LEVELS
+    seed: int = 1337
+    fp8_head: bool = False  # the speedrun head's training matmuls in FP8 (trainkit.speedrun, docs/FORMATS.md)
+    # checkpoints, evaluation, output
+    init_from: str = ""
+    resume: str = ""
+    force: bool = False
     out_dir: str = f"out/gpt2_{FRAMEWORK}"
+    ckpt_every: int = 2000
+    val_every: int = 250
+    val_tokens: int = 10485760  # llm.c's 20 x 64 x 1024 x 8 GPUs, modded-nanogpt's 20 x 524288
+    hellaswag_every: int = 1000
+    hellaswag_limit: int = 0
+    sample_every: int = 1000
+    eval_only: bool = False
+    profile: bool = False
+    zero_stage: int = 0  # 0: every device holds all optimizer state, 1: ZeRO-1, 3: weights and gradients too
     # torch only: 1 = torch.compile (--compile defaults to 1 with CUDA, 0 on the CPU)
     compile: int = 1
 
-
 @dataclass(frozen=True)
-class Recipe(RunRecipe):
-    """A row of RECIPES: what --recipe NAME trains (RunRecipe's fields, then this trainer's). The rest of
+class Recipe:
+    """A row of RECIPES: what --recipe NAME trains (the fields every trainer has, then this trainer's). The rest of
     the file looks a recipe up here, never by its name; each recipe's section ends by adding its row."""
+    help: str             # --recipe's help text for it
+    defaults: dict        # its defaults over Config's
+    configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
+    shapes: Callable      # cfg -> {name: shape}, in the order of its model files
+    init: Callable        # cfg -> {name: fp32 numpy array}, from cfg.seed
+    lr_at: Callable       # (it, cfg) -> the lr of 0-based iteration it
+    muon_names: Callable  # shapes -> the names Muon updates (whole matrices); [] without Muon
+    model_file: str       # its weights' file in a checkpoint dir
+    file_kind: str        # what a message calls its model files
+    is_file: Callable     # the first 9 bytes of a file -> whether it is one of its model files
+    read_file: Callable   # path -> (header, {name: fp32 array})
+    write_file: Callable  # (path, params, cfg)
+    model_name: str       # the start line's name of the model
+    table: str            # the embedding that only gathers rows: no flops counted for it
+    optimizers: str       # the start line's name of the optimizers
+    activation_bytes: Callable  # cfg -> bytes one micro-batch's activations hold per device at cfg.recompute
     # torchfunc's own
     token_losses: Callable  # (params, x, y, cfg, train) -> per-token losses (B,T) fp32; train: the step's
     summed: bool            # the step's gradient is of the summed token losses (else of their mean)
@@ -96,14 +167,110 @@ def framework_flags(p):
     p.set_defaults(compile=int(torch.cuda.is_available()))
 
 
-def parse_args(argv=None):
-    """(cfg, explicit): trainkit.flags.parse_args over this trainer's Config, RECIPES and flags."""
-    return trainkit.flags.parse_args(argv, Config, RECIPES, ZERO_STAGES, __doc__, framework_flags)
-
-
 def param_shapes(cfg):
     """{name: shape} of the recipe's weights, in the order of its model files."""
     return RECIPES[cfg.recipe].shapes(cfg)
+
+
+def configure_gpt2(cfg, given, shape):
+    """GPT-2's flag checks: its lm head is wte (tied), so --fp8-head has no head of its own to quantize."""
+    if cfg.fp8_head:
+        die("--fp8-head: the gpt2 recipe's lm head is its embedding wte (tied); FP8 is for the speedrun "
+            "recipe's untied head (--recipe speedrun)")
+
+
+def gpt2_shapes(cfg):
+    """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {"wte": (Vp, C), "wpe": (T, C), "ln_1.w": (L, C), "ln_1.b": (L, C),
+            "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C), "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+            "ln_2.w": (L, C), "ln_2.b": (L, C), "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+            "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C), "ln_f.w": (C,), "ln_f.b": (C,)}
+
+
+def init_gpt2_numpy(cfg):
+    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same weights."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in gpt2_shapes(cfg).items():
+        if name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif name.startswith("ln"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
+    return params
+
+
+def model_file_header(cfg):
+    """The 256-int32 header of an fp32 (version 3) llm.c model file of cfg's shape."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    return header
+
+
+def write_model_file(path, params, cfg):
+    """An fp32 llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
+    shapes = gpt2_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(model_file_header(cfg).tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_header(path):
+    """(header dict, version: 3 = fp32, 5 = bf16) of an llm.c model file, its header and size checked."""
+    size = os.path.getsize(path)
+    if size < 1024:
+        die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    h = np.fromfile(path, "<i4", count=256)
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = gpt2_shapes(SimpleNamespace(**header))
+    expected = 1024 + (4 if h[1] == 3 else 2) * sum(math.prod(s) for s in shapes.values())
+    if size != expected:
+        cut = " (truncated)" if size < expected else ""
+        die(f"model file {path} has {size} bytes, its header implies {expected}{cut}")
+    return header, int(h[1])
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    header, version = read_model_header(path)  # the header is checked before the weights are read
+    shapes = gpt2_shapes(SimpleNamespace(**header))
+    itemsize = 4 if version == 3 else 2
+    raw, params, offset = np.fromfile(path, np.uint8), {}, 1024
+    for name in PARAM_NAMES:
+        chunk = raw[offset: offset + math.prod(shapes[name]) * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        bad = t.size - np.count_nonzero(np.isfinite(t))
+        if bad:
+            die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights "
+                "of a diverged run?")
+        params[name] = t.reshape(shapes[name])
+        offset += chunk.size
+    return header, params
+
+
+def is_model_file(head):
+    """Whether a file's first bytes are those of an llm.c model file."""
+    return head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
 
 
 # -----------------------------------------------------------------------------
@@ -349,6 +516,18 @@ def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
 
+
+def cosine_lr(it, cfg):
+    """llm.c's lr of 0-based iteration `it`: a linear warmup, then a cosine down to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
 # -----------------------------------------------------------------------------
 # GPT-2: training step
 
@@ -443,17 +622,234 @@ RECIPES = {"gpt2": Recipe(
     token_losses=token_losses, summed=False, scalars=adam_scalars, update=adamw_update,
     embeddings=EMBEDDINGS, next_logits=next_logits)}
 
+
 # -----------------------------------------------------------------------------
 # Recipe: speedrun
+# its lrs per parameter group; --lr sets Muon's and scales the others with it
+SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+# its defaults over Config's (--weight-decay is AdamW's, Muon's MUON_WEIGHT_DECAY); the rest are llm.c's recipe's
+SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
+                     "grad_clip": 0.0, "val_every": 125}
+HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+ATTN_SCALE = 0.12  # the reference's attention scale, in place of 1/sqrt(128)
+SOFTCAP = 15.0  # the reference's soft cap of the head: logits = 15 z / sqrt(z^2 + 15^2)
+SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
+SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
+MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
+SPEEDRUN_HELP = (
+    "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped head, "
+    f"AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and scales "
+    "the AdamW groups' in proportion (" + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items())
+    + "), --weight-decay is on every AdamW tensor, and its defaults: "
+    + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()))
+# --fp8-head (docs/FORMATS.md, FP8 head): the static scales of modded-nanogpt's train_gpt.py (whose grad_s also
+# holds the grad_scale its gradient carries, and our gradient of the summed loss does not)
+FP8_SCALES = {"x": 100 / 448, "w": 1.6 / 448, "grad": 0.75 / 448}
+FP8_FORMATS = {"x": "e4m3fn", "w": "e4m3fn", "grad": "e5m2"}
+FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
+# the safetensors types the trainers read, as numpy's (a bf16 value as an fp32's top 16 bits); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
-# the speedrun recipe without a framework: its config, shapes, init, lrs and model files
-from trainkit.speedrun import (
-    ATTN_SCALE, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, SOFTCAP, SPEEDRUN_BETA1,
-    SPEEDRUN_BETA2, SPEEDRUN_DEFAULTS, SPEEDRUN_EPS, SPEEDRUN_HELP, SPEEDRUN_LRS, adamw_group,
-    configure_speedrun, init_speedrun_numpy, is_safetensors_file, muon_names, read_speedrun_file, speedrun_lr,
-    speedrun_lrs, speedrun_shapes, write_speedrun_file)
-# --fp8-head's casts and FP8 products in torch
-from trainkit.torch_shared import fp8_matmul, fp8_quantize
+
+def configure_speedrun(cfg, given, shape):
+    """The speedrun model's heads are HEAD_DIM wide: its width sets their count."""
+    if cfg.n_embd % HEAD_DIM:
+        die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+            f"be a multiple of {HEAD_DIM}")
+    if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+        die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+            f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+    cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
+
+
+def speedrun_shapes(cfg):
+    """{name: shape} of the reference's GPT.named_parameters(), in its order; per layer, so Muon sees each matrix."""
+    C, Vp = cfg.n_embd, cfg.padded_vocab_size
+    shapes = {"embed.weight": (Vp, C)}
+    for i in range(cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
+        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
+        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
+    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
+    return shapes
+
+
+def muon_names(shapes):
+    """The weights Muon updates: every matrix inside the blocks."""
+    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
+
+
+def init_speedrun_numpy(cfg):
+    """The reference's init in speedrun_shapes' order: *proj* and biases 0, gains 1, embed N(0, 1), N(0, .33/fan_in)."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in speedrun_shapes(cfg).items():
+        if name.endswith(".gains"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or "proj" in name:
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
+            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
+    return params
+
+
+def rotary_freq_numpy(head_dim):
+    """The reference's rotary frequencies (head_dim/2,) fp32, its state_dict's buffer; the last half zeros."""
+    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
+    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
+
+
+def speedrun_lr(it, cfg):
+    """The reference's lr of 0-based iteration `it`: lr until 30% of the steps, then linear to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+    return min_lr + eta * (cfg.lr - min_lr)
+
+
+def speedrun_lrs(it, cfg):
+    """{group: lr} of 0-based iteration `it`: Muon's is speedrun_lr's, the AdamW groups' keep their ratios to it."""
+    scale = speedrun_lr(it, cfg) / SPEEDRUN_LRS["muon"]
+    return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
+
+
+def adamw_group(name):
+    """The SPEEDRUN_LRS group of a tensor that AdamW updates in the speedrun recipe."""
+    return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
+
+
+def fp8_reciprocal(kind):
+    """The fp32 value that --fp8-head multiplies operand `kind` by before its cast: 1/scale rounded to fp32 once."""
+    # the same in every framework, as a division's rounding is not (CUDA torch, Triton's approximate division)
+    return float(np.float32(1 / FP8_SCALES[kind]))
+
+
+def read_safetensors(path, check=None):
+    """{name: fp32 array} of a safetensors file of finite floats; check({name: (type, shape)}) before any is read."""
+    try:
+        with safetensors.safe_open(path, framework="numpy") as f:
+            entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+    except (safetensors.SafetensorError, OSError) as e:
+        die(f"model file {path} is not a valid safetensors file ({str(e).splitlines()[0][:160]})")
+    for k, (dtype, shape) in entries.items():
+        if not k.isprintable():
+            die(f"model file {path} has a tensor name with unprintable characters: {json.dumps(k)[:100]}")
+        if dtype not in SAFETENSORS_TYPES:
+            die(f"model file {path}: tensor {k[:100]} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+    if check is not None:
+        check(entries)
+    with open(path, "rb") as f:
+        stored = safetensors.deserialize(f.read())
+    tensors = {}
+    for k, e in stored:
+        t = np.frombuffer(e["data"], SAFETENSORS_TYPES[e["dtype"]])
+        t = (t.astype(np.uint32) << 16).view(np.float32) if e["dtype"] == "BF16" else t.astype(np.float32)
+        bad = t.size - np.count_nonzero(np.isfinite(t))
+        if bad:
+            die(f"model file {path}: tensor {k[:100]} holds {bad} non-finite values (NaN or inf): the weights of "
+                "a diverged run?")
+        tensors[k] = t.reshape(e["shape"])
+    return tensors
+
+
+def is_safetensors_file(head):
+    """Whether a file's first 9 bytes are those of a safetensors file (a JSON header after its length)."""
+    return head[8:9] == b"{"
+
+
+def write_speedrun_file(path, params, cfg):
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, rotary buffers included."""
+    tensors = {}
+    for k in speedrun_shapes(cfg):
+        tensors[k] = np.ascontiguousarray(params[k], np.float32)
+        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
+            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
+    data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
+    with open(path + ".tmp", "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def read_speedrun_file(path):
+    """(header, {name: fp32 array}) of a speedrun model file of any float type, its names and shapes checked first."""
+    found = {}
+
+    def check(entries):  # the shape from embed.weight and the blocks' count, bounded by their names
+        embed = entries.get("embed.weight", (None, ()))[1]
+        if len(embed) != 2:
+            die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+        blocks = [k for k in entries if k.startswith("blocks.")]
+        n_layer = len({k.split(".")[1] for k in blocks})
+        indices = set(map(str, range(n_layer)))
+        for k in blocks:
+            if k.split(".")[1] not in indices:
+                die(f"model file {path} holds tensor {k[:100]}: the tensors of {n_layer} blocks must be "
+                    f"numbered 0..{n_layer - 1}")
+        padded, n_embd = embed
+        if n_embd % HEAD_DIM or n_embd == 0 or n_layer == 0:
+            die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+                f"{HEAD_DIM}, or it has no blocks")
+        header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                      n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+        shapes = speedrun_shapes(SimpleNamespace(**header))
+        freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+        for k, shape in {**shapes, **freqs}.items():
+            if k not in entries:
+                die(f"model file {path} lacks tensor {k} {list(shape)}")
+            if entries[k][1] != shape:
+                die(f"model file {path}: tensor {k} has shape {list(entries[k][1])}, expected {list(shape)}")
+        extra = [k for k in entries if k not in shapes and k not in freqs]
+        if extra:
+            die(f"model file {path} holds tensor {extra[0][:100]}, which the speedrun model does not have")
+        found.update(header=header, shapes=shapes, types={k: e[0] for k, e in entries.items()})
+    tensors = read_safetensors(path, check)
+    header, shapes, types = found["header"], found["shapes"], found["types"]
+    for i in range(header["n_layer"]):  # as the file's type rounds them (the reference's bf16 state_dict)
+        k = f"blocks.{i}.attn.rotary.angular_freq"
+        if not np.allclose(tensors[k], rotary_freq_numpy(HEAD_DIM), atol=0,
+                           rtol={"BF16": 2**-7, "F16": 2**-10}.get(types[k], 1e-6)):
+            die(f"model file {path}: {k} are not the recipe's frequencies")
+    converted = sorted({t for t in types.values() if t != "F32"})
+    if converted:
+        print(f"model file {path}: its {'/'.join(converted)} tensors are converted to fp32, the type the "
+              "trainer keeps its weights in")
+    return header, {k: tensors[k] for k in shapes}
+
+
+def newton_schulz(G, dtype):
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`."""
+    # X = G/||G||_F, then X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, on tall matrices' transposes (A the smaller)
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
+    # the sums inside the matmuls that form the products (baddbmm): three new tensors an iteration, not eight
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        A = X @ X.mT                                                               # (n,r',r')
+        B = torch.baddbmm(A, A, A, beta=-1.5, alpha=0.5)                           # (n,r',r')
+        X = torch.baddbmm(X, B, X, beta=2.0)                                       # (n,r',c')
+    return X.mT if tall else X                                                     # (n,r,c)
+
+
+def fp8_quantize(x, kind):
+    """--fp8-head's operand `kind` of x: x times fp8_reciprocal(kind) in fp32, saturated, rounded to nearest even."""
+    # clamped: torch's e5m2 cast would overflow to inf
+    fmt = FP8_FORMATS[kind]
+    q = x.float() * fp8_reciprocal(kind)
+    return q.clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
+
+
+def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
+    """(a (M,K) @ b (K,N)) x scale_a x scale_b in out_dtype of fp8 operands; off CUDA, of their exact fp32 values."""
+    if a.is_cuda:  # a row-major, b column-major, as it requires; fast_accum: the reference forward's
+        sa, sb = (torch.tensor(s, dtype=torch.float32, device=a.device) for s in (scale_a, scale_b))
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+
 
 # -- config
 
@@ -763,6 +1159,1326 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
 # Inductor's mix-order reduction (on GPUs since torch 2.10) drops the write of a column sum into a slice of
 # a concatenated buffer, as our stacked LayerNorm and bias gradients are: uninitialized gradients with it on.
 INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
+
+
+# -----------------------------------------------------------------------------
+# Shared plumbing: flags, shards, checkpoints, out dir, logs, signals
+#
+# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
+# carries an edit made in FILE to every copy).
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit reached
+
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def die_out_of_memory(cfg, e):
+    """The one line that ends a run out of device memory (exception `e`): a bad --batch-size or --recompute."""
+    cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+    die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
+        f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
+
+
+def write_failure(path, e):
+    """The one line that says why writing `path` failed, a full disk said as such."""
+    if e.errno in DISK_FULL:
+        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
+    return f"cannot write {path}: {e.strerror}"
+
+
+def require_file(path, what):
+    """Stops in one line unless `path` is a regular file (reading a FIFO would wait forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # absent, a link loop: convert_hf.py has no OSError boundary of its own
+        die(f"{what} {path}: {e.strerror}")
+    if not stat.S_ISREG(mode):
+        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
+                      if os.path.isfile(os.path.join(path, f))), None)
+        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
+        die(f"{what} {path} is not a regular file{hint}")
+
+# --recompute (docs/FORMATS.md): none keeps what the backward reads; pointwise recomputes the norms' outputs and
+# the MLP's activation; block keeps each block's input alone and reruns its forward in the backward
+RECOMPUTE_LEVELS = ("none", "pointwise", "block")
+
+
+def parse_args(argv=None):
+    """(cfg, explicit): `config` with the flags given over its defaults, and the model-shape flags and --seed given,
+    which a model file's header and a checkpoint's seed must match (--model gives all three shape flags)."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    framework_flags(p)
+    p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
+                   RECIPES.items()) + f" (default {d.recipe})")
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and *_val_*.bin), a "
+                   f"shard glob, or 'synthetic' (random tokens from --seed) (default {d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()) + " (default d12)")
+    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's or --recipe's)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and residual stream (default: --model's)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence; from scratch wpe's rows (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per device (default {d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step, a multiple of batch size x seq "
+                   f"len x devices: gradients accumulate up to it (default {d.total_batch_size})")
+    p.add_argument("--shuffle", action="store_true", help="read the train shards in llm.c's shuffled order, as "
+                   "train_gpt2.c/.cu do (its mt19937, seeded 42 + rank); without it, in order (docs/FORMATS.md)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the default batch)")
+    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time reaches "
+                   "this many seconds, as if it were the last; the lr schedule still spans --steps (default 0: never)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate after --warmup (default {d.lr}; see --recipe)")
+    p.add_argument("--lr-decay-frac", type=float, help=f"the decay ends at lr x this (default {d.lr_decay_frac})")
+    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help=f"AdamW's decoupled weight decay (default {d.weight_decay}; "
+                   "on the matrices and embeddings: see --recipe)")
+    p.add_argument("--grad-clip", type=float, help=f"clip gradients to this norm, 0 = never (default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; masters and AdamW state stay fp32 "
+                   "(default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
+    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="activation memory against compute: none keeps "
+                   "what the backward reads, pointwise recomputes the norms and the MLP activation, block reruns "
+                   f"each block's forward in the backward (default {d.recompute})")
+    p.add_argument("--seed", type=int, help=f"the init, --data synthetic's tokens, the samples (default {d.seed})")
+    p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's training matmuls on FP8 "
+                   "operands with modded-nanogpt's static scales; evaluation and files unchanged (default off)")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: 0 every "
+                   "device holds all optimizer state, 1 shards the AdamW moments and the bf16 weights' fp32 masters, "
+                   "3 (JAX) the weights and gradients too (default 0)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from, giving the model shape: "
+                   + ", ".join(f"{r.file_kind} ({name})" for name, r in RECIPES.items()))
+    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run (moved aside)")
+    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints, 0 = never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help=f"steps between val losses, 0 = never (default {d.val_every})")
+    p.add_argument("--val-tokens", type=int, help="tokens per val loss: the val shards' first val-tokens // seq len "
+                   f"sequences (default {d.val_tokens})")
+    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
+    p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evaluations, 0 = never (default "
+                   f"{d.hellaswag_every})")
+    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
+    p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first "
+                   "(a trace in OUT_DIR/profile), then train on")
+    given = vars(p.parse_args(argv))
+    preset = given.pop("model", None)
+    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
+    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
+    cfg = replace(d, **{**shape, **given})
+    cfg.block_size = cfg.seq_len
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens"):
+        if getattr(cfg, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive")
+    if val_steps is not None:
+        if "val_tokens" in given or val_steps <= 0:
+            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
+                "given without --val-tokens")
+        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
+    if cfg.val_tokens < cfg.seq_len:
+        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
+                 "time_budget"):
+        if not getattr(cfg, flag) >= 0:  # NaN fails this too
+            die(f"--{flag.replace('_', '-')} must be >= 0")
+    for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag
+        if flag in given and not given[flag]:
+            die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the flag out")
+    if cfg.shuffle and cfg.data == "synthetic":
+        die("--shuffle with --data synthetic: --shuffle permutes the samples of token shards, and "
+            "synthetic tokens are random already")
+    if cfg.resume and "init_from" in given:  # which --resume would otherwise ignore
+        die("--init-from with --resume: a resumed run continues its checkpoint's weights; leave one out")
+    if not 0 < cfg.lr < math.inf:
+        die("--lr must be positive and finite")
+    if not 0 <= cfg.lr_decay_frac <= 1:
+        die("--lr-decay-frac must be in [0, 1]")
+    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
+        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
+    if cfg.zero_stage not in ZERO_STAGES:
+        stages = " or ".join(map(str, ZERO_STAGES))
+        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+    RECIPES[cfg.recipe].configure(cfg, given, shape)
+    if cfg.n_embd % cfg.n_head:
+        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    explicit = {k: given[k] for k in (*shape, "seed") if k in given}
+    return cfg, ({**shape, **explicit} if preset else explicit)
+
+
+def default_dtype(cfg, gpu):
+    """Sets an unset --dtype once the device is known, bf16 on a GPU, fp32 on a CPU; returns the start line's words."""
+    if cfg.dtype:
+        return cfg.dtype
+    cfg.dtype = "bf16" if gpu else "fp32"
+    if gpu:
+        return "bf16 (the default on a GPU; --dtype fp32 for full precision)"
+    return "fp32 (the default on a CPU, which only emulates bf16; --dtype bf16 for it)"
+
+
+def apply_model_header(cfg, header, explicit):
+    """Takes the model shape from a model file's header; flags given explicitly must match it."""
+    for k in ("n_layer", "n_head", "n_embd"):
+        if k in explicit and explicit[k] != header[k]:
+            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
+    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
+        if cfg.seq_len > header["block_size"]:
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
+        cfg.block_size = header["block_size"]
+    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
+    cfg.padded_vocab_size = header["padded_vocab_size"]
+
+SHARD_MAGIC = 20240520
+SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
+GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
+            "synthetic for a benchmark")
+
+
+def read_shard(path):
+    """An llm.c token shard as a read-only uint16 memmap, its header and size checked."""
+    size = os.path.getsize(path)
+    if size < 256 * 4:
+        die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    header = np.fromfile(path, dtype="<i4", count=256)
+    if header[0] != SHARD_MAGIC:
+        die(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC} (not an llm.c token shard)")
+    if header[1] != 1:
+        die(f"shard {path} has version {header[1]}, expected 1")
+    ntok = int(header[2])
+    if size != 256 * 4 + 2 * ntok:
+        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds {(size - 1024) // 2}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
+
+
+def find_shards(cfg):
+    """(train files, val files) of --data DIR | GLOB and --val-data GLOB; (None, None) for synthetic."""
+    if cfg.data == "synthetic":
+        return None, None
+    if os.path.isdir(cfg.data):
+        folder = glob.escape(cfg.data)  # a directory's name is no pattern, brackets and all
+        train = sorted(glob.glob(os.path.join(folder, "*_train_*.bin")))
+        val = sorted(glob.glob(os.path.join(folder, "*_val_*.bin")))
+        if not train and not cfg.eval_only:
+            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
+    else:
+        train, val = sorted(glob.glob(cfg.data)), []
+        if not train and not cfg.eval_only:
+            die(f"--data {cfg.data}: no such directory and no file matches that glob ({GET_DATA})")
+    if cfg.val_data:
+        val = sorted(glob.glob(cfg.val_data))
+        if not val:
+            die(f"--val-data {cfg.val_data}: no file matches that glob")
+    return train, val
+
+
+def shard_lengths(files, batch):
+    """Tokens in each shard of `files`, each checked to hold a global batch of `batch` tokens and its last target."""
+    lengths = [len(read_shard(f)) for f in files]
+    for f, n in zip(files, lengths):
+        if n < batch + 1:
+            die(f"shard {f} holds fewer than {batch + 1} tokens, one batch needs that")
+    return lengths
+
+
+def read_vocab_shard(path):
+    """read_shard's tokens checked to be GPT-2's: as a loader opens the shard, since the max reads all of it."""
+    tokens = read_shard(path)
+    top = int(tokens.max())
+    if top >= VOCAB_SIZE:
+        die(f"shard {path} holds token ids up to {top}, outside GPT-2's vocabulary of {VOCAB_SIZE} tokens "
+            "(written with another tokenizer?)")
+    return tokens
+
+
+class DataLoader:
+    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at p + r*B*T; files=None: random tokens from `seed`."""
+    # all ranks change shards by p (llm.c: each by its own), so W ranks of B rows read what one of W*B rows reads
+
+    def __init__(self, files, B, T, rank=0, world=1, seed=0):
+        self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
+        self.shard, self.tokens = None, None
+        shard_lengths(files or [], world * B * T)
+        self.reset()
+
+    def reset(self):
+        self.set_state(0, 0)
+
+    def set_state(self, shard, position):
+        """Puts the loader at p = `position` in `shard`, as state() returned them."""
+        if self.shard != shard or self.tokens is None:
+            if self.files is None:
+                n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
+                self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
+            else:
+                self.tokens = read_vocab_shard(self.files[shard])
+        self.shard, self.position = shard, position
+
+    def state(self):
+        """(shard, p): where the next step's rank 0 batch starts, for checkpoints."""
+        return self.shard, self.position
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        start = self.position + self.rank * B * T
+        buf = np.asarray(self.tokens[start: start + B * T + 1], dtype=np.int32)
+        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
+        self.position += self.world * B * T
+        if self.position + self.world * B * T + 1 > len(self.tokens):  # the next shard, wrapping around
+            self.set_state((self.shard + 1) % (len(self.files) if self.files else 1), 0)
+        return x, y
+
+
+# --shuffle: llm.c's own Mersenne Twister (llmc/rand.h) and shuffled order (llmc/dataloader.h)
+
+SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
+
+
+class MersenneTwister:
+    """MT19937 as llm.c's rand.h runs it, seeded as init_genrand: numpy's legacy RandomState(seed) is that one."""
+
+    def __init__(self, seed):
+        self.rng = np.random.RandomState(seed)
+
+    def draws(self, n):
+        """The next n 32-bit outputs (a full-range randint is the raw output)."""
+        return self.rng.randint(0, 2**32, n, dtype=np.uint32)
+
+
+def permutation_picks(n, rng):
+    """llm.c's random_permutation of n items: for i = n-1 down to 1, the j (a draw mod i+1) that item i swaps with."""
+    return rng.draws(max(n - 1, 0)) % np.arange(n, 1, -1, dtype=np.uint32)
+
+
+def permute(items, picks):
+    """Shuffles the list `items` in place by permutation_picks' swaps."""
+    for i, j in zip(range(len(items) - 1, 0, -1), picks.tolist()):
+        items[i], items[j] = items[j], items[i]
+
+
+class ShuffledOrder:
+    """The (shard, sample) that llm.c's shuffling loader of one rank reads in turn (llmc/dataloader.h)."""
+    # an epoch shuffles the last epoch's shard order, then each shard it opens its samples; one generator draws both
+
+    def __init__(self, counts, seed):
+        self.counts, self.rng = counts, MersenneTwister(seed)
+        self.order = list(range(len(counts)))
+        self.opened = -1  # shards opened since the run began, before the current one
+        self._new_epoch()
+
+    def _new_epoch(self):
+        permute(self.order, permutation_picks(len(self.order), self.rng))
+        self._open(0)
+
+    def _open(self, k):
+        """Opens the epoch's k-th shard: its permutation is drawn now, and built once a sample is read."""
+        self.k, self.sample, self.opened = k, 0, self.opened + 1
+        self.picks, self.samples = permutation_picks(self.counts[self.order[k]], self.rng), None
+
+    def _move_on(self):
+        """To the next shard, or a new epoch after the last."""
+        self._new_epoch() if self.k == len(self.order) - 1 else self._open(self.k + 1)
+
+    def shard(self):
+        return self.order[self.k]
+
+    def next(self):
+        """(shard, sample) to read now; then moves on."""
+        if self.samples is None:
+            self.samples = list(range(self.counts[self.shard()]))
+            permute(self.samples, self.picks)
+        here = self.shard(), self.samples[self.sample]
+        self.sample += 1
+        if self.sample == len(self.samples):
+            self._move_on()
+        return here
+
+    def skip(self, n):
+        """Moves on n samples, as n next() calls do, building no permutation of the shards it passes."""
+        while n >= self.counts[self.shard()] - self.sample:
+            n -= self.counts[self.shard()] - self.sample
+            self._move_on()
+        self.sample += n
+
+    def state(self):
+        """(shards opened before the current one since the run began, samples read of it)."""
+        return self.opened, self.sample
+
+
+class ShuffledLoader:
+    """llm.c's loader with should_shuffle, as its ranks first..first+k-1 of `world` read, their rows stacked."""
+    # rank g's order seeded 42 + g reads B*T+1 tokens at sample*W*B*T + g*B*T of its shard
+
+    def __init__(self, files, B, T, first, k, world):
+        self.files, self.B, self.T, self.first, self.k, self.world = files, B, T, first, k, world
+        # samples per shard: llm.c's (tokens - 1) // (W*B*T), the last token only ever a target
+        self.counts = [(n - 1) // (world * B * T) for n in shard_lengths(files, world * B * T)]
+        self.set_state(0, 0)
+
+    def set_state(self, opened, sample):
+        """Puts every rank where rank 0's state() was `(opened, sample)`: each replays as many samples."""
+        first, served = ShuffledOrder(self.counts, SHUFFLE_SEED), 0
+        while first.opened < opened:  # a whole shard at a time
+            served += self.counts[first.shard()]
+            first.skip(self.counts[first.shard()])
+        if sample >= self.counts[first.shard()]:
+            die(f"--resume: the checkpoint is at sample {sample} of train shard {self.files[first.shard()]}, "
+                f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run had?)")
+        self.orders = [ShuffledOrder(self.counts, SHUFFLE_SEED + g) for g in range(self.first, self.first + self.k)]
+        for order in self.orders:
+            order.skip(served + sample)
+        self.tokens = {}  # the shards the ranks read now: file index -> tokens
+
+    def state(self):
+        """The first rank's ShuffledOrder.state(): in process 0, llm.c rank 0's, which checkpoints keep."""
+        return self.orders[0].state()
+
+    def next_batch(self):
+        B, T, rows = self.B, self.T, []
+        for g, order in enumerate(self.orders, self.first):
+            shard, sample = order.next()
+            if shard not in self.tokens:
+                self.tokens[shard] = read_vocab_shard(self.files[shard])
+            start = (sample * self.world + g) * B * T
+            rows.append(self.tokens[shard][start: start + B * T + 1])
+        self.tokens = {s: t for s, t in self.tokens.items() if s in {o.shard() for o in self.orders}}
+        buf = np.stack(rows).astype(np.int32)                                       # (k, B*T+1)
+        x = buf[:, :-1].reshape(self.k * B, T)                                      # (k*B, T) inputs
+        y = buf[:, 1:].reshape(self.k * B, T)                                       # (k*B, T) targets
+        return x, y
+
+
+def step_batches(loader, grad_accum):
+    """The next optimizer step's micro-batches, stacked: x, y (A,B,T) int32."""
+    xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
+    return np.stack(xs), np.stack(ys)
+
+
+VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
+
+
+def val_batches(cfg, loader):
+    """Rows counted of each global val batch: the first val_tokens // T sequences, the same at any batch size."""
+    rows, batch = cfg.val_tokens // cfg.seq_len, loader.B * loader.world
+    counted = [min(batch, rows - first) for first in range(0, rows, batch)]
+    if len(counted) <= VAL_BAR_MIN_STEPS or loader.rank != 0:
+        return counted
+    return tqdm(counted, desc="val", file=sys.stderr, leave=False, dynamic_ncols=True, disable=not sys.stderr.isatty())
+
+
+def make_loaders(cfg, rows, rank, ranks, loader_state, say):
+    """(micro-batches per step, train loader at `loader_state`, val loader) of rank `rank` of `ranks`, `rows` rows."""
+    T = cfg.seq_len
+    tokens = cfg.batch_size * T * (rows * ranks // cfg.batch_size)  # one micro-batch on every device
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
+    train_files, val_files = find_shards(cfg)
+    if cfg.eval_only:
+        train = None
+    elif cfg.shuffle:  # each device of this process is an llm.c rank of --batch-size rows
+        per = rows // cfg.batch_size
+        train = ShuffledLoader(train_files, cfg.batch_size, T, rank * per, per, ranks * per)
+        train.set_state(*loader_state)
+    else:
+        train = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed)
+    val = DataLoader(val_files, rows, T, rank, ranks) if val_files else None
+    if val is not None and (cfg.eval_only or cfg.val_every > 0):  # its --val-tokens in whole batches, none twice
+        batch, wanted = val.B * val.world, cfg.val_tokens // T
+        sizes = [len(read_shard(f)) for f in val.files]
+        held = sum((n - 1) // (batch * T) for n in sizes) * batch
+        if wanted > held:
+            die(f"--val-tokens {cfg.val_tokens} asks for {wanted} sequences of {T} tokens, but the val shards "
+                f"({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of {batch} "
+                "sequences: lower --val-tokens (or --val-steps)")
+    if isinstance(train, DataLoader):
+        n_shards = len(train_files) if train_files else 1
+        shard, position = loader_state
+        if shard >= n_shards:
+            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
+        train.set_state(shard, position)
+        batch = rows * ranks * T
+        if position + batch + 1 > len(train.tokens):
+            die(f"--resume: the checkpoint's position {position} leaves less than one batch of {batch} "
+                f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
+    if val is None and (cfg.eval_only or cfg.val_every > 0):
+        say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
+    return cfg.total_batch_size // tokens, train, val
+
+
+def read_weights(path, cfg, recipes):
+    """(header, params) of a model file of cfg.recipe, a row of `recipes`; another recipe's file is refused."""
+    require_file(path, "model file")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    recipe = recipes[cfg.recipe]
+    for name, other in recipes.items():
+        if other is not recipe and other.is_file(head) and not recipe.is_file(head):
+            die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
+                f"takes {recipe.file_kind}")
+    return recipe.read_file(path)
+
+
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
+    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving this step
+    names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
+                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
+                 config=np.array(json.dumps(asdict(cfg))))
+    try:
+        os.makedirs(tmp)
+        recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
+        with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+            np.savez(f, **state)
+    except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        die(write_failure(tmp, e))
+    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+    rename_into_place(tmp, final)
+    return final
+
+
+def rename_into_place(tmp, final):
+    """Makes the complete checkpoint dir `tmp` the checkpoint `final`, replacing one of the same step whole."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)  # left by a save that died between the renames
+    # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        if os.path.isdir(final):
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def latest_checkpoint(out_dir, needed=("state.npz",)):
+    """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
+    found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
+                   if os.path.basename(d)[5:].isdigit())
+    while found and not all(os.path.isfile(os.path.join(found[-1], f)) for f in needed):
+        missing = next(f for f in needed if not os.path.isfile(os.path.join(found[-1], f)))
+        print(f"--resume auto: skipping {found[-1]}, which has no {missing}")
+        found.pop()
+    return found[-1] if found else None
+
+
+def resolve_resume(cfg, trains, needed=("state.npz",)):
+    """Makes cfg.resume the checkpoint dir holding `needed` to resume; True where --resume auto found none to resume."""
+    # then a run that `trains` starts at step 0 (cfg.resume ""), and prepare_out_dir sets the old files aside
+    if cfg.resume == "auto":
+        found = latest_checkpoint(cfg.out_dir, needed)
+        if found is None and not trains:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+        cfg.resume = found or ""
+        return found is None
+    if cfg.resume:
+        cfg.resume = os.path.normpath(cfg.resume)  # its folder is os.path.dirname's, even given with a "/"
+        missing = [f for f in needed if not os.path.isfile(os.path.join(cfg.resume, f))]
+        if missing:
+            die(f"--resume {cfg.resume}: not a checkpoint directory (no {', '.join(missing)})")
+    return False
+
+
+def check_checkpoint_step(path, step):
+    """A checkpoint dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names."""
+    name = os.path.basename(os.path.normpath(path))
+    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != step:
+        die(f"checkpoint {path} holds step {step}, not the step {int(name[5:])} its name says (renamed or "
+            f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
+
+
+def load_checkpoint(path, cfg, recipes):
+    """(header, params, m, v, state) from a checkpoint dir of cfg.recipe, a row of `recipes`."""
+    recipe = recipes[cfg.recipe]
+    for name, other in recipes.items():
+        if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
+            die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
+                f"{cfg.recipe}")
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg, recipes)
+    muon = recipe.muon_names({k: p.shape for k, p in params.items()})
+    adam = [k for k in params if k not in muon]  # v: AdamW's second moments
+    state_file, fields = os.path.join(path, "state.npz"), ("step", "shard", "position", "seed")
+    try:
+        with np.load(state_file) as z:
+            missing = [k for k in (*fields, *(f"m.{k}" for k in params), *(f"v.{k}" for k in adam))
+                       if k not in z.files]
+            if missing:
+                die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
+            m = {k: z[f"m.{k}"] for k in params}
+            v = {k: z[f"v.{k}"] for k in adam}
+            state = {}
+            for k in fields:
+                if z[k].shape != () or z[k].dtype.kind not in "iu":
+                    die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
+                state[k] = int(z[k])
+            # the run's --shuffle, from its config (a checkpoint written before the flag read in order)
+            state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
+    # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
+    except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
+            TokenError) as e:
+        detail = (str(e).splitlines() or ["no detail"])[0][:120]
+        die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
+    for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
+        if not low <= state[k] < 2**63:  # int64, as saved; a seed as --seed takes it
+            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
+    check_checkpoint_step(path, state["step"])
+    for k in params:
+        moments = [m[k], v[k]] if k in v else [m[k]]
+        if any(t.shape != params[k].shape or t.dtype != np.float32 for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(f'{t.dtype} {t.shape}' for t in moments)}, "
+                f"the model's float32 {params[k].shape}")
+        if not all(np.isfinite(t).all() for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf): resume "
+                "from an earlier checkpoint")
+    return header, params, m, v, state
+
+
+class RunLock:
+    """<out_dir>/.lock, flock'ed by process 0 while this object lives and naming its holder; removed on release."""
+    held = None  # weakref.ref to the lock this process holds
+
+    def __init__(self, out):
+        earlier = RunLock.held and RunLock.held()
+        if earlier is not None:  # an earlier main() of this process, ended (main runs one run at a time)
+            earlier.release()
+        self.path, self.fd = os.path.join(out, ".lock"), None
+        while True:
+            # O_NOFOLLOW: a symbolic link is refused, not written through; a dead holder's flock is the kernel's to drop
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                die(f"{self.path} is not a regular file, not the run lock that a trainer writes: remove it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+                os.close(fd)
+                die(f"--out-dir {out} is in use by another run ({holder}): wait for it to end, stop it, or "
+                    "give another --out-dir")
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            os.close(fd)  # its holder removed it as we opened it: take the new one
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        except OSError as e:
+            self.release()
+            die(f"--out-dir: {write_failure(self.path, e)}")
+        RunLock.held = weakref.ref(self)
+
+    def release(self):
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+def move_aside(out, names, prefix):
+    """Moves <out>/<names> into a new folder <out>/<prefix><time>[_n], which it returns."""
+    stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    for n in range(1, 1000):  # unique however fast runs follow each other
+        aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            os.mkdir(aside)
+            break
+        except FileExistsError:
+            continue
+    for name in names:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+    return aside
+
+
+def abandon_newer(out, step):
+    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
+    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
+             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
+    if not newer:
+        return
+    aside = move_aside(out, newer, "abandoned_")
+    log = os.path.join(out, "log.jsonl")
+    if os.path.isfile(log):
+        kept, cut = [], []
+        with open(log, "rb") as f:
+            for line in f:
+                try:
+                    later = json.loads(line).get("step", 0) > step
+                except (ValueError, AttributeError, TypeError):
+                    later = False
+                (cut if later else kept).append(line)
+        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+            with open(path, "wb") as f:
+                f.writelines(lines)
+        os.replace(log + ".tmp", log)
+    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+          f"{step} moved to {aside}")
+
+
+def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
+    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
+    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
+    out = cfg.out_dir
+
+    def held_run():
+        run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))]
+        return run + [name for name in ("log.jsonl", *extras) if os.path.exists(os.path.join(out, name))]
+    if not master:  # process 0 decides: its start event may already be in the log the others would see
+        return None
+    run = held_run()
+    listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+    if any(name not in extras for name in run):
+        if not (cfg.resume or cfg.force or restart):
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts over")
+        # a checkpoint from elsewhere, or of a branch set aside here, would splice two runs in one log.jsonl
+        home = os.path.realpath(os.path.dirname(os.path.abspath(cfg.resume)))
+        if cfg.resume and home != os.path.realpath(out):
+            aside = os.path.dirname(home) == os.path.realpath(out) and os.path.basename(home).startswith(
+                ("abandoned_", "replaced_"))
+            whose = (f"a branch set aside in {os.path.dirname(os.path.normpath(cfg.resume))}" if aside else
+                     "another out dir")
+            die(f"--resume {cfg.resume}: a checkpoint of {whose}, and --out-dir {out} holds another run ({listed}), "
+                "whose log.jsonl would then hold both: resume it into a new --out-dir")
+    os.makedirs(out, exist_ok=True)
+    lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
+        abandon_newer(out, step)
+    run = held_run()
+    moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
+    aside = move_aside(out, run, "replaced_") if moved else None
+    if restart:
+        moved_to = f"; the run there, stopped before its first checkpoint, moved to {aside}" if moved else ""
+        print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
+    elif moved:
+        print(f"--force: the run in {out} moved to {aside}")
+    drop_partial_log_line(out)
+    return lock
+
+
+def drop_partial_log_line(out_dir):
+    """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def hellaswag_module():
+    """hellaswag.py (HellaSwag's data and scoring), which must lie beside the trainer: one line where it does not."""
+    try:
+        import hellaswag
+    except ModuleNotFoundError as e:
+        if e.name != "hellaswag":
+            raise
+        die("HellaSwag needs hellaswag.py beside the trainer (it is in the repository), or --hellaswag-every 0")
+    return hellaswag
+
+
+def sample_encoder(say):
+    """GPT-2's tokenizer for the samples: hellaswag.py's (tiktoken's, else the committed files), else tiktoken's
+    alone (a trainer copied by itself), else None, said once: the run trains on without samples."""
+    try:
+        import hellaswag
+    except ModuleNotFoundError:
+        hellaswag = None
+    import tiktoken
+    try:
+        return hellaswag.load_gpt2_encoding() if hellaswag else tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError, getattr(hellaswag, "EncodingUnavailable", OSError)) as e:
+        say(f"no samples: GPT-2's tokenizer did not load ({str(e).splitlines()[0][:200]})")
+        return None
+
+
+def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=None):
+    """A run's start, weights and data checked before the out dir changes: (step, params, m, v, micro-batches per
+    step, train loader, val loader, the samples' encoder or None, the out dir's lock)."""
+    try:
+        restart = resolve_resume(cfg, not cfg.eval_only)
+        recipe, step, loader_state, m, v = recipes[cfg.recipe], 0, (0, 0), None, None
+        if cfg.resume:
+            header, params, m, v, saved = load_checkpoint(cfg.resume, cfg, recipes)
+            apply_model_header(cfg, header, explicit)
+            if explicit.get("seed", saved["seed"]) != saved["seed"]:  # its synthetic data, its samples
+                die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {saved['seed']}, which a "
+                    f"resumed run keeps; leave --seed out, or give {saved['seed']}")
+            if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
+                said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
+                die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
+            cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
+        elif cfg.init_from:
+            header, params = read_weights(cfg.init_from, cfg, recipes)
+            apply_model_header(cfg, header, explicit)
+        else:
+            params = recipe.init(cfg)
+        if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+            muon = recipe.muon_names(recipe.shapes(cfg))
+            m = {k: np.zeros_like(p) for k, p in params.items()}
+            v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
+        if cfg.eval_only and not (cfg.resume or cfg.init_from):
+            die("--eval-only needs weights: give --init-from or --resume")
+        if cfg.hellaswag_every > 0:
+            hellaswag_module()
+        grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
+        encoder = sample_encoder(say) if cfg.sample_every > 0 and not cfg.eval_only else None
+        lock = prepare_out_dir(cfg, master, step, restart)
+    except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
+        if any_failed is not None:
+            any_failed(True)
+        raise
+    if any_failed is not None and any_failed(False):
+        die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
+    return step, params, m, v, grad_accum, train, val, encoder, lock
+
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
+PROFILE_STEPS = 3
+PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets; the first match counts
+    "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 417.5e12), "H100": (989e12, 494.5e12),  # SXM
+    "H200 NVL": (835e12, 417.5e12), "H200": (989e12, 494.5e12),
+    "A100": (312e12, 156e12), "L40S": (362e12, 183e12), "4090": (165e12, 82.6e12),
+}
+
+
+def model_flops_per_token(cfg, n_params):
+    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+
+def peak_flops(device_name, dtype):
+    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
+    for key, (bf16, tf32) in PEAK_FLOPS.items():
+        if key in device_name:
+            return bf16 if dtype == "bf16" else tf32
+    return None
+
+
+def logged_evals(out_dir, step):
+    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`."""
+    path, found = os.path.join(out_dir, "log.jsonl"), set()
+    if not os.path.isfile(path):
+        return found
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash while it was written
+                continue
+            if event.get("step") == step:
+                found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
+    return found
+
+
+def format_memory(cfg, held, activations, world, optimizers):
+    """The start line's bytes per device: the training state `held`, one micro-batch's activations."""
+    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
+            f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments "
+            f"{held['moments'] / 1e6:.1f} MB (ZeRO stage {cfg.zero_stage} over {world} devices) | "
+            f"activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
+
+
+def host_memory_available():
+    """Bytes this host can give a process without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def memory_warning(held, activations, world, available):
+    """A warning where `world` devices' state and activations exceed the host's `available` bytes, else None."""
+    need = (sum(held.values()) + activations) * world  # on the CPU the kernel's kill would say nothing
+    if available is None or need <= available:
+        return None
+    return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
+            f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or a "
+            "cheaper --recompute)")
+
+
+def start_event(cfg, step, world, held, activations):
+    """log.jsonl's first event of each launch (docs/FORMATS.md)."""
+    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
+                config=dict(vars(cfg)))
+
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def log_event(out_dir, framework, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (docs/FORMATS.md), with the trainer's `framework` name."""
+    record["framework"] = framework
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a write's error names no file; a half line left is cut off on --resume
+        die(write_failure(path, e))
+
+
+def format_mean(times, first, profiled, cfg, flops):
+    """The closing line: mean step time, tokens/s and MFU over the steps after the first that were not profiled."""
+    kept = [s for s in times if s > first and s not in profiled]
+    note = " after the first" + (", not profiled" if profiled else "")
+    if not kept:  # over all of them when no other step ran
+        kept, note = list(times), ""
+    dt = sum(times[s] for s in kept) / len(kept)
+    tokens_per_s = cfg.total_batch_size / dt
+    mfu = flops[0] * tokens_per_s / flops[1] if flops[1] else None
+    return (f"mean over {len(kept)} step(s){note}: {1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
+            f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+
+
+def report_step(step, cfg, loss, norm, lr, dt, mem, flops, framework, master, say):
+    """Prints step's line and (process 0) logs its event; `flops`: (model FLOPs per token, peak FLOP/s or None)."""
+    tokens_per_s = cfg.total_batch_size / dt
+    mfu = flops[0] * tokens_per_s / flops[1] if flops[1] else None
+    mem_s = "n/a" if mem is None else f"{mem:.1f} GB"
+    say(f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | {1000 * dt:.1f} ms | "
+        f"{tokens_per_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem {mem_s}")
+    if master:
+        log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
+                  tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; what schedulers (SLURM, Kubernetes) send before a kill
+
+
+class StopSignals:
+    """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
+
+    def __init__(self):
+        self.received, self.training, self.master, self.previous = 0, False, True, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.training and not self.received:
+            self.received = signum
+            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
+            return
+        # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
+        hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
+        self.tell(f"{name}: stopped at once{hint}")
+        raise SystemExit(128 + signum)
+
+    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
+        if self.master:
+            try:
+                os.write(2, f"{line}\n".encode())
+            except OSError:  # stderr's reader is gone: the stop goes on without its line
+                pass
+
+
+class OutputThatMayClose:
+    """sys.stdout or sys.stderr whose writes go to /dev/null once its reader is gone (`| head`, a closed ssh)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.discard()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.discard()
+
+    def discard(self):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
+        os.close(null)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def stops_on_signals(main):
+    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
+    @functools.wraps(main)
+    def run(argv=None):
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        try:
+            with StopSignals() as signals:
+                return main(argv, signals)
+        except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
+            if e.errno in DISK_FULL:
+                die(write_failure(e.filename, e))
+            die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+        finally:
+            sys.stdout.flush()  # what they still buffer, while a closed reader is caught
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+    return run
+
+
+def stop_on_signal(signum, step, cfg, master):
+    """Ends a run that signal `signum` stopped after `step` (its checkpoint written); nothing when signum is 0."""
+    if not signum:
+        return
+    if master:
+        saved = "its checkpoint saved" if due(cfg.ckpt_every, step, step) else "no checkpoint (--ckpt-every 0)"
+        print(f"{signal.Signals(signum).name}: stopped after step {step} of {cfg.steps}, {saved}; --resume auto "
+              "continues", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def stop_diverged(step, loss, norm, cfg):
+    """Stops a run whose step gave a non-finite loss or grad norm, before that step is logged or saved."""
+    latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
+    kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
+    die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
+        f"stopped before logging or saving this step, {kept}")
+
+
+# -----------------------------------------------------------------------------
+# Shared torch plumbing: processes, ZeRO-1, evaluation
+#
+# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
+# carries an edit made in FILE to every copy).
+
+FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
+TORCH_FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def flat_layout(shapes, groups, world):
+    """({name: first element}, [(first, end) of each group]) of the groups' tensors in one flat buffer."""
+    # each tensor from a FLAT_ALIGN boundary, each group padded to a multiple of FLAT_ALIGN x world: equal shards
+    starts, spans, size = {}, [], 0
+    unit = FLAT_ALIGN * world
+    for names, _ in groups:
+        first = size
+        for k in names:
+            starts[k] = size
+            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        size = first + -(-(size - first) // unit) * unit
+        spans.append((first, size))
+    return starts, spans
+
+
+def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
+    """{name: its tensor, a view into `buffer`}, which may hold only the group that starts at element `first`."""
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
+            for k in names}
+
+
+def state_layout(groups, muon_names, shapes, world):
+    """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
+    muon = set(muon_names)
+    split = [g for g in groups if not muon.intersection(g[0])]
+    starts, spans = flat_layout(shapes, split, world)
+    if len(split) < len(groups):
+        # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
+        names, first = groups[-1][0], spans[-1][1]
+        ends, local = [0] * world, {}
+        for i, k in enumerate(sorted(names, key=lambda k: shapes[k], reverse=True)):
+            local[k] = (i % world, ends[i % world])
+            ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        stretch = max(ends)
+        starts.update({k: first + local[k][0] * stretch + local[k][1] for k in names})
+        spans.append((first, first + world * stretch))
+    return groups, starts, spans
+
+
+def shard_ranges(starts, shapes, span, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
+    n = (span[1] - span[0]) // world
+    first, ranges = span[0] + rank * n, {}
+    for k in starts:
+        if not span[0] <= starts[k] < span[1]:
+            continue
+        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
+        if lo < hi:
+            ranges[k] = (lo, hi)
+    return ranges
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking the host."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def to_device(arrays, device):
+    """{name: fp32 tensor on device} of numpy arrays: copies, never views, since the optimizer updates them."""
+    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
+
+
+def evaluate_val(row_losses, weights, loader, cfg, device, world):
+    """Mean token loss over the val shards' first val_tokens // T sequences, the same at any batch and world size."""
+    loader.reset()
+    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
+    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
+    for counted in val_batches(cfg, loader):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
+        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (cfg.val_tokens // cfg.seq_len)
+
+
+def setup_device(cfg):
+    """(rank, world, device, the run's key-value store or None): a process per GPU (nccl) or CPU share (gloo)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if world > 1:  # processes on one machine split its cores instead of oversubscribing them
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    store = None
+    if world > 1:
+        port = os.environ.get("MASTER_PORT", "")
+        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
+                and 1 <= int(port) <= 65535):
+            die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
+                "say where process 0 is (launch with torchrun, or set both)")
+        # env://'s store, made here to be read after a failure (under torchrun, its agent serves it)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world,
+                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                              timeout=datetime.timedelta(minutes=30))
+        # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(hours=1))
+        atexit.register(dist.destroy_process_group)
+    # the matmul precision cfg.dtype promises: cuBLAS and cuDNN would otherwise run fp32 matmuls as TF32
+    tf32 = cfg.dtype == "bf16"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    return rank, world, device, store
+
+
+@contextlib.contextmanager
+def fail_on_out_of_memory(cfg):
+    """Running out of device memory (at compile or run time) is one line, no trace."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        die_out_of_memory(cfg, e)
+
+
+def any_process_failed(world, device):
+    """open_run's `any_failed` for a run of `world` processes (None for one): True when any passes True."""
+    if world == 1:
+        return None
+
+    def any_failed(failed):
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+    return any_failed
+
+
+def agree_to_stop(budget_spent, signum, rank, device):
+    """(--time-budget reached by process 0's clock, a signal to any process or 0), the same in every process."""
+    flags = torch.tensor([int(budget_spent and rank == 0), signum], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    budget_spent, signum = flags.tolist()
+    return bool(budget_spent), signum
+
+
+@contextlib.contextmanager
+def fail_on_lost_peer(store, rank, world):
+    """A collective failed by a lost process: each survivor names it in one line and exits at once (not waiting)."""
+    try:
+        yield
+    except RuntimeError as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+        if world == 1 or not where.startswith("torch.distributed"):
+            raise
+        # a roll call in the run's store: the ranks silent for CENSUS_SECONDS; None once process 0's store is gone
+        try:
+            socket.create_connection((store.host, store.port), timeout=2).close()  # writing a closed store warns
+            store.set(f"census/{rank}", "alive")
+            deadline = time.monotonic() + CENSUS_SECONDS
+            silent = list(range(world))
+            while silent and time.monotonic() < deadline:
+                silent = [r for r in range(world) if not store.check([f"census/{r}"])]
+                time.sleep(0.1)
+            if rank == 0:  # the others read the marks before its store closes
+                time.sleep(1)
+        except (OSError, RuntimeError, dist.DistError):
+            silent = None
+        if silent == []:
+            raise
+        who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
+        os.write(2, f"error: lost process {who} of {world}: it stopped or was killed, so process {rank} stops "
+                    "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
+        os._exit(1)
+
+
+def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank, world):
+    """Stage 1 (ZeRO-1): per group of state_layout's `layout`, a process keeps 1/world of the fp32 masters, m, v and
+    the summed gradients, and updates that shard of the weights (`own_weights`); shard_*, m, v: {name: its piece}."""
+    groups, starts, spans = layout
+    muon = set(muon_names)
+    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    for (names, dtype), (first, end) in zip(groups, spans):
+        n = (end - first) // world
+        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
+        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
+        views = flat_views(group["weights"], starts, shapes, names, first)
+        for k in names:
+            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        state["weights"].update(views)
+        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
+        # fp32 weights are their own masters; bf16 ones get an fp32 shard
+        group["params"] = (group["own_weights"] if dtype == torch.float32 else
+                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
+        # one process alone reduces into its gradient buffer itself
+        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
+                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
+        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
+        for name in sources:
+            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
+        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
+            sources["params"] = params
+        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
+        for name, source in sources.items():
+            for k, (lo, hi) in ranges.items():
+                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
+        if dtype != torch.float32:
+            pieces["own_weights"] = "shard_copies"
+        for k, (lo, hi) in ranges.items():
+            for name, into in pieces.items():
+                if name in group:
+                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
+                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
+        state["groups"].append(group)
+    state["shard_copies"] = state["shard_copies"] or None
+    return state
+
+
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate, rows fitted to the context by hellaswag.in_context."""
+    def padded_losses(x, y):                                                       # (4, width) int64 each
+        return row_losses_fn(params, put_batch(x, device), put_batch(y, device), cfg).cpu().numpy()
+    hellaswag = hellaswag_module()
+    return hellaswag.evaluate(hellaswag.in_context(padded_losses, cfg.block_size), limit=cfg.hellaswag_limit)
+
+
+def peak_memory_gb(device):
+    """Peak GB allocated by torch's caching allocator on the GPU; None on the CPU, where torch keeps no count."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def flat_gradients(shapes, layout, device):
+    """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
+    _, starts, spans = layout
+    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
+    return state
+
+
+def state_bytes(zero_stage, shapes, layout, muon_names, world):
+    """Bytes of bf16 `params`, `grads`, fp32 `masters` and `moments` that one process holds (docs/FORMATS.md)."""
+    groups, _, spans = layout
+    muon = set(muon_names)
+    size = spans[-1][1]
+    if zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
+    lengths = [(end - first, dtype, bool(muon.intersection(names)))
+               for (names, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
+            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
+
+
+def evals_left_to_run(cfg, step, master, world):
+    """[val due, HellaSwag due] at a resumed `step` that process 0's log.jsonl lacks (a kill after the checkpoint)."""
+    logged = logged_evals(cfg.out_dir, step) if master else set()
+    missing = [due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
+               due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]
+    if world > 1:  # all must run the same evaluations
+        dist.broadcast_object_list(missing, src=0)
+    return missing
+
+
+def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say):
+    """Step's checkpoint where --ckpt-every (or the last step, `last`) asks: gathered by all, written by process 0."""
+    if not due(cfg.ckpt_every, step, last):
+        return
+    if cfg.zero_stage == 0:
+        full = state["params"], state["m"], state["v"]
+    else:  # the shards of the masters and moments, all-gathered group by group
+        shapes, full = recipe.shapes(cfg), []
+        for name in ("params", "m", "v"):
+            buffer, names = torch.empty_like(state["grad_buffer"]), []                # (P,)
+            for group in state["groups"]:
+                if name not in group:  # Muon's group has no v
+                    continue
+                first, end = group["span"]
+                if world > 1:
+                    dist.all_gather_single(buffer[first:end], group[name])
+                else:
+                    buffer[first:end].copy_(group[name])
+                names += [k for k in shapes if first <= state["starts"][k] < end]
+            full.append(flat_views(buffer, state["starts"], shapes, names))
+    if master:
+        full = [{k: t.detach().float().cpu().numpy() for k, t in tensors.items()} for tensors in full]
+        say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg, recipe)}")
+    if world > 1:
+        dist.barrier()
+
+
+def say_samples(sample, cfg, step, last, device, decode, master, say):
+    """Prints step's samples where --sample-every (or the last step) asks: sample(generator)'s rows (S, T) after EOT."""
+    if decode is None or not (master and due(cfg.sample_every, step, last)):
+        return
+    seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
+    generator = torch.Generator(device=device).manual_seed(seed)  # (--seed, step)'s: as an uninterrupted run's
+    for i, row in enumerate(sample(generator).tolist()):
+        say(f"sample {i}: {decode(row[1:])!r}")
+
 
 # -----------------------------------------------------------------------------
 # Main

@@ -3,10 +3,9 @@
 Every op of the model is a forward that returns what its backward needs and a backward derived by hand;
 the model's backward chains them in reverse under torch.no_grad(): no autograd. BACKEND picks who
 implements the ops, behind one interface: `torch` (plain torch ops, the reference) or `triton` (our
-kernels; without a GPU, TRITON_INTERPRET=1 runs them in Triton's interpreter: slow, fp32 only). Data,
-checkpoints and logs are trainkit's, as in the sibling trainers. Formats, flags and logs: docs/FORMATS.md.
-Backend triton's kernels and the code of --test, --profile and --bench-ops live in files beside this one
-(the map's end), each imported when first needed: each imports this file.
+kernels; without a GPU, TRITON_INTERPRET=1 runs them in Triton's interpreter: slow, fp32 only). Backend
+triton's kernels and the code of --test, --profile and --bench-ops follow main. Formats, flags and logs:
+docs/FORMATS.md.
 
     python train_gpt2_triton.py torch --test               # every op and the whole model against autograd
     python train_gpt2_triton.py triton --test              # every kernel against backend torch
@@ -18,80 +17,159 @@ Backend triton's kernels and the code of --test, --profile and --bench-ops live 
         --profile                                          # tables of steps 2-4, per op and per kernel
     torchrun --standalone --nproc_per_node=8 train_gpt2_triton.py triton   # 8 GPUs, data parallel
 
-Map: the file's sections, in order; the plumbing that every trainer shares (flags, llm.c's files, shards,
-checkpoints and the out dir, log.jsonl, signals) is imported from trainkit/ (its __init__ lists it).
-Delete `Recipe: speedrun` (and the file triton_kernels_speedrun.py) and GPT-2 trains as before.
-    GPT-2: config                          Config, the Recipe row type, this trainer's own flags, parse_args
+Map: the file's sections, in order. The shared plumbing is the same in every trainer, a copy held equal by
+tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to every copy). Delete
+`Recipe: speedrun` and `Triton kernels: speedrun` and GPT-2 trains as before.
+    GPT-2: config                          vocabulary, names, Config, Recipe, flags, shapes, init, model files
     GPT-2: ops                             the op interface, backend torch's ops (the reference)
     GPT-2: model                           the forward on the ops
     GPT-2: backward                        the lm head and the loss, the forward in reverse
-    GPT-2: AdamW and the lr schedule       AdamW (llm.c's cosine schedule: trainkit.gpt2)
+    GPT-2: AdamW and the lr schedule       AdamW, llm.c's cosine schedule
     GPT-2: training step                   the step, GPT-2's row of RECIPES
-    Recipe: speedrun                       modded-nanogpt's baseline: its ops, model, Muon, files, its row
+    Recipe: speedrun                       modded-nanogpt's baseline: config, model, Muon, model files, its row
     Triton plumbing: devices, state and evaluation   make_state, HellaSwag, samples
+    Shared plumbing: flags, shards, checkpoints, out dir, logs, signals   the same in every trainer
+    Shared torch plumbing: processes, ZeRO-1, evaluation   the same in both torch trainers
     Main                                   the run, top to bottom
-Beside it: triton_kernels.py (backend triton's kernels: memory-bound ops, shared helpers, matmul, flash
-attention, the step's own; TRITON_OPS), triton_kernels_speedrun.py (the speedrun recipe's kernels,
-TRITON_SPEEDRUN_OPS, its tools' cases), triton_tools.py (--test, --profile, --bench-ops; each recipe's tools).
+    Triton kernels: memory-bound ops       embedding, LayerNorm, GELU, cross-entropy, global norm, AdamW
+    Triton kernels: matmul with fused epilogues, and dW   forward and dX, the weight and bias gradients
+    Triton kernels: causal flash attention   forward, dK/dV and dQ
+    Triton kernels: the training step's own   zeroing, clipping, the loss sum, copies
+    Backend triton: the op interface filled in by the kernels above   TRITON_OPS
+    Self-test (--test)                     each op and the whole model against a reference
+    Profiling (--profile, --bench-ops)     per op and per kernel: time, FLOP/s or GB/s, against PyTorch's
+    The tools of each recipe               RecipeTools, TOOLS: gpt2's row (the speedrun's: its kernels' section)
+    Triton kernels: speedrun               its ops on our kernels, q/k rotary, Muon, its tools' cases
 """
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import errno
+import fcntl
+import functools
+import glob
+import json
 import math
 import os
+import re
+import shutil
+import signal
+import socket
+import stat
 import sys
+import threading
 import time
+import weakref
+import zipfile
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from tokenize import TokenError
 from types import SimpleNamespace
 
+import numpy as np
+import safetensors
+import safetensors.numpy
 import torch
 import torch.distributed as dist
-
-import trainkit.flags
-# the one-line error
-from trainkit import die
-# the shared flags and what a recipe gives
-from trainkit.flags import default_dtype, RunConfig, RunRecipe
-# llm.c's GPT-2 without a framework: names, shapes, init, model files, schedule
-from trainkit.gpt2 import (
-    DECAY_NAMES, EOT, VOCAB_SIZE, configure_gpt2, cosine_lr, gpt2_shapes, init_gpt2_numpy, is_model_file,
-    read_model_file, write_model_file)
-# llm.c's token shards and loader
-from trainkit.data import step_batches
-# checkpoints and the out dir
-from trainkit.checkpoints import open_run
-# log.jsonl, the step and memory lines, MFU
-from trainkit.logs import (
-    PROFILE_STEPS, SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K, due, format_mean, format_memory,
-    host_memory_available, log_event, memory_warning, model_flops_per_token, peak_flops, report_step,
-    start_event)
-# signals and the divergence stop
-from trainkit.signals import stop_diverged, stop_on_signal, stops_on_signals
-# torch's processes, ZeRO-1's flat buffers, failures
-from trainkit.torch_shared import (
-    agree_to_stop, any_process_failed, checkpoint_if_due, evals_left_to_run, evaluate_hellaswag, evaluate_val,
-    fail_on_lost_peer, fail_on_out_of_memory, flat_gradients, newton_schulz, peak_memory_gb, put_batch,
-    say_samples, setup_device, sharded_state, state_bytes, state_layout, to_device)
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from tqdm import tqdm
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 FRAMEWORK = "triton"  # logged as f"triton-{backend}": "triton-torch" | "triton-triton"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels
 
 # -----------------------------------------------------------------------------
 # GPT-2: config
+VOCAB_SIZE = 50257         # GPT-2 BPE tokens; EOT is the last one
+PADDED_VOCAB_SIZE = 50304  # wte rows: a multiple of 128 for fast matmuls; the extra rows stay zero
+EOT = 50256
+# name: (n_layer, n_head, n_embd)
+MODEL_PRESETS = {"d12": (12, 12, 768), "d24": (24, 16, 1024), "d36": (36, 20, 1280), "d48": (48, 25, 1600)}
+# llm.c's tensor order, as in its model file
+PARAM_NAMES = ["wte", "wpe", "ln_1.w", "ln_1.b", "c_attn.w", "c_attn.b", "attn.c_proj.w",
+               "attn.c_proj.b", "ln_2.w", "ln_2.b", "c_fc.w", "c_fc.b", "mlp.c_proj.w",
+               "mlp.c_proj.b", "ln_f.w", "ln_f.b"]
+LAYER_NAMES = PARAM_NAMES[2:-2]  # the per-layer tensors, stacked along a leading L axis
+DECAY_NAMES = {"wte", "wpe", "c_attn.w", "attn.c_proj.w", "c_fc.w", "mlp.c_proj.w"}
+MODEL_MAGIC = 20240326
 
 
 @dataclass
-class Config(RunConfig):
-    """The shared flags (RunConfig) and this trainer's own."""
+class Config:
+    """The flags, with their defaults (a flag is named in parse_args and here): the shared ones, then this
+    trainer's own."""
+    # gpt2: llm.c's model and AdamW; speedrun: modded-nanogpt's simplified baseline, its model and Muon
+    recipe: str = "gpt2"
+    # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = VOCAB_SIZE
+    padded_vocab_size: int = PADDED_VOCAB_SIZE
+    # data
+    data: str = "data/fineweb_edu"
+    val_data: str = ""
+    seq_len: int = 1024
+    batch_size: int = 32
+    total_batch_size: int = 524288
+    shuffle: bool = False  # llm.c's shuffled order (train_gpt2.c/.cu), not train_gpt2.py's in-order one
+    # optimization
+    steps: int = 18865
+    time_budget: float = 0.0  # seconds of step time after which the run stops early; 0 = never
+    lr: float = 6e-4
+    lr_decay_frac: float = 0.0
+    warmup: int = 700
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dtype: str = ""  # "": the device's default (default_dtype): bf16 on a GPU, fp32 on a CPU
+    recompute: str = "none"  # what the backward recomputes instead of keeping: RECOMPUTE_LEVELS
+    seed: int = 1337
+    fp8_head: bool = False  # the speedrun head's training matmuls in FP8 (trainkit.speedrun, docs/FORMATS.md)
+    # checkpoints, evaluation, output
+    init_from: str = ""
+    resume: str = ""
+    force: bool = False
     out_dir: str = f"out/gpt2_{FRAMEWORK}"
+    ckpt_every: int = 2000
+    val_every: int = 250
+    val_tokens: int = 10485760  # llm.c's 20 x 64 x 1024 x 8 GPUs, modded-nanogpt's 20 x 524288
+    hellaswag_every: int = 1000
+    hellaswag_limit: int = 0
+    sample_every: int = 1000
+    eval_only: bool = False
+    profile: bool = False
+    zero_stage: int = 0  # 0: every device holds all optimizer state, 1: ZeRO-1, 3: weights and gradients too
     # this trainer only: which ops implement the model, and its self-test and op benchmark
     backend: str = "torch"
     test: bool = False
     bench_ops: bool = False
 
-
 @dataclass(frozen=True)
-class Recipe(RunRecipe):
-    """A row of RECIPES: what --recipe NAME trains (RunRecipe's fields, then this trainer's). The rest of
+class Recipe:
+    """A row of RECIPES: what --recipe NAME trains (the fields every trainer has, then this trainer's). The rest of
     the file looks a recipe up here, never by its name; each recipe's section ends by adding its row."""
+    help: str             # --recipe's help text for it
+    defaults: dict        # its defaults over Config's
+    configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
+    shapes: Callable      # cfg -> {name: shape}, in the order of its model files
+    init: Callable        # cfg -> {name: fp32 numpy array}, from cfg.seed
+    lr_at: Callable       # (it, cfg) -> the lr of 0-based iteration it
+    muon_names: Callable  # shapes -> the names Muon updates (whole matrices); [] without Muon
+    model_file: str       # its weights' file in a checkpoint dir
+    file_kind: str        # what a message calls its model files
+    is_file: Callable     # the first 9 bytes of a file -> whether it is one of its model files
+    read_file: Callable   # path -> (header, {name: fp32 array})
+    write_file: Callable  # (path, params, cfg)
+    model_name: str       # the start line's name of the model
+    table: str            # the embedding that only gathers rows: no flops counted for it
+    optimizers: str       # the start line's name of the optimizers
+    activation_bytes: Callable  # cfg -> bytes one micro-batch's activations hold per device at cfg.recompute
     # the Triton trainer's own
     ops: Callable         # backend name -> its op namespace: OP_NAMES' ops and the recipe's own
     forward: Callable     # (w, idx, cfg, ops, acts=None) -> the head's input (B*T, C), acts what backward needs
@@ -116,14 +194,110 @@ def framework_flags(p):
                    help="time every op against the PyTorch op it replaces at the model's shapes, then exit")
 
 
-def parse_args(argv=None):
-    """(cfg, explicit): trainkit.flags.parse_args over this trainer's Config, RECIPES and flags."""
-    return trainkit.flags.parse_args(argv, Config, RECIPES, ZERO_STAGES, __doc__, framework_flags)
-
-
 def param_shapes(cfg):
     """{name: shape} of the recipe's weights, in the order of its model files."""
     return RECIPES[cfg.recipe].shapes(cfg)
+
+
+def configure_gpt2(cfg, given, shape):
+    """GPT-2's flag checks: its lm head is wte (tied), so --fp8-head has no head of its own to quantize."""
+    if cfg.fp8_head:
+        die("--fp8-head: the gpt2 recipe's lm head is its embedding wte (tied); FP8 is for the speedrun "
+            "recipe's untied head (--recipe speedrun)")
+
+
+def gpt2_shapes(cfg):
+    """{name: shape} of GPT-2's weights, in the order of llm.c's model file."""
+    L, C, Vp, T = cfg.n_layer, cfg.n_embd, cfg.padded_vocab_size, cfg.block_size
+    return {"wte": (Vp, C), "wpe": (T, C), "ln_1.w": (L, C), "ln_1.b": (L, C),
+            "c_attn.w": (L, 3 * C, C), "c_attn.b": (L, 3 * C), "attn.c_proj.w": (L, C, C), "attn.c_proj.b": (L, C),
+            "ln_2.w": (L, C), "ln_2.b": (L, C), "c_fc.w": (L, 4 * C, C), "c_fc.b": (L, 4 * C),
+            "mlp.c_proj.w": (L, C, 4 * C), "mlp.c_proj.b": (L, C), "ln_f.w": (C,), "ln_f.b": (C,)}
+
+
+def init_gpt2_numpy(cfg):
+    """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same weights."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in gpt2_shapes(cfg).items():
+        if name.endswith(".b"):
+            params[name] = np.zeros(shape, np.float32)
+        elif name.startswith("ln"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.w") else 0.02
+            params[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    params["wte"][cfg.vocab_size:] = 0.0  # padded rows start at zero and never receive a gradient
+    return params
+
+
+def model_file_header(cfg):
+    """The 256-int32 header of an fp32 (version 3) llm.c model file of cfg's shape."""
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
+                  cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
+    return header
+
+
+def write_model_file(path, params, cfg):
+    """An fp32 llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
+    shapes = gpt2_shapes(cfg)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(model_file_header(cfg).tobytes())
+        for name in PARAM_NAMES:
+            t = np.asarray(params[name], dtype=np.float32)
+            assert t.shape == shapes[name], (name, t.shape, shapes[name])
+            f.write(t.astype("<f4").tobytes())
+    os.replace(tmp, path)
+
+
+def read_model_header(path):
+    """(header dict, version: 3 = fp32, 5 = bf16) of an llm.c model file, its header and size checked."""
+    size = os.path.getsize(path)
+    if size < 1024:
+        die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    h = np.fromfile(path, "<i4", count=256)
+    if h[0] != MODEL_MAGIC:
+        die(f"model file {path} has magic {h[0]}, expected {MODEL_MAGIC} (not an llm.c model file)")
+    if h[1] not in (3, 5):
+        die(f"model file {path} has version {h[1]}, expected 3 (fp32) or 5 (bf16)")
+    header = dict(block_size=int(h[2]), vocab_size=int(h[3]), n_layer=int(h[4]), n_head=int(h[5]),
+                  n_embd=int(h[6]), padded_vocab_size=int(h[7]))
+    if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
+        die(f"model file {path} has an invalid header {header}")
+    shapes = gpt2_shapes(SimpleNamespace(**header))
+    expected = 1024 + (4 if h[1] == 3 else 2) * sum(math.prod(s) for s in shapes.values())
+    if size != expected:
+        cut = " (truncated)" if size < expected else ""
+        die(f"model file {path} has {size} bytes, its header implies {expected}{cut}")
+    return header, int(h[1])
+
+
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
+    header, version = read_model_header(path)  # the header is checked before the weights are read
+    shapes = gpt2_shapes(SimpleNamespace(**header))
+    itemsize = 4 if version == 3 else 2
+    raw, params, offset = np.fromfile(path, np.uint8), {}, 1024
+    for name in PARAM_NAMES:
+        chunk = raw[offset: offset + math.prod(shapes[name]) * itemsize]
+        if itemsize == 4:
+            t = chunk.view("<f4").astype(np.float32)
+        else:
+            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        bad = t.size - np.count_nonzero(np.isfinite(t))
+        if bad:
+            die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights "
+                "of a diverged run?")
+        params[name] = t.reshape(shapes[name])
+        offset += chunk.size
+    return header, params
+
+
+def is_model_file(head):
+    """Whether a file's first bytes are those of an llm.c model file."""
+    return head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
 
 
 # -----------------------------------------------------------------------------
@@ -388,8 +562,7 @@ def gpt2_ops(backend):
     """GPT-2's op namespace of `backend`: TORCH_OPS, or TRITON_OPS (imported here: it imports this file)."""
     if backend == "torch":
         return TORCH_OPS
-    import triton_kernels
-    return triton_kernels.TRITON_OPS
+    return TRITON_OPS
 
 
 def backend_ops(name, recipe=Config.recipe):
@@ -476,6 +649,11 @@ def token_losses(params, x, y, cfg):
     h = RECIPES[cfg.recipe].forward(params, x, cfg, ops)  # (N, C)
     losses, _ = head_forward_backward(h, y.reshape(-1), params, None, cfg, ops, 0.0)  # (N,)
     return losses.view(x.shape)  # (B, T)
+
+
+def loss_fn(params, x, y, cfg):
+    """Mean token loss of one micro-batch (fp32 scalar)."""
+    return token_losses(params, x, y, cfg).mean()
 
 
 # -----------------------------------------------------------------------------
@@ -572,6 +750,17 @@ def gpt2_update(state, step, cfg, ops):
                      [cfg.weight_decay if k in DECAY_NAMES else 0.0 for k in names], step, 1.0)
 
 
+def cosine_lr(it, cfg):
+    """llm.c's lr of 0-based iteration `it`: a linear warmup, then a cosine down to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    if it > cfg.steps:
+        return min_lr
+    ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
+
+
 # -----------------------------------------------------------------------------
 # GPT-2: training step
 
@@ -644,18 +833,233 @@ RECIPES = {"gpt2": Recipe(
 
 # -----------------------------------------------------------------------------
 # Recipe: speedrun
+# its lrs per parameter group; --lr sets Muon's and scales the others with it
+SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+# its defaults over Config's (--weight-decay is AdamW's, Muon's MUON_WEIGHT_DECAY); the rest are llm.c's recipe's
+SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
+                     "grad_clip": 0.0, "val_every": 125}
+HEAD_DIM = 128  # the speedrun model's head size: its width sets the head count
+ATTN_SCALE = 0.12  # the reference's attention scale, in place of 1/sqrt(128)
+SOFTCAP = 15.0  # the reference's soft cap of the head: logits = 15 z / sqrt(z^2 + 15^2)
+SPEEDRUN_COOLDOWN = 0.7  # the fraction of the steps over which the speedrun recipe's lr falls
+SPEEDRUN_BETA1, SPEEDRUN_BETA2, SPEEDRUN_EPS = 0.8, 0.95, 1e-10
+MUON_MOMENTUM, MUON_WEIGHT_DECAY, NEWTON_SCHULZ_STEPS = 0.95, 0.05, 12
+SPEEDRUN_HELP = (
+    "modded-nanogpt's simplified speedrun baseline (RMSNorm, rotary, ReLU^2, an untied soft-capped head, "
+    f"AdamW and Muon), {HEAD_DIM}-wide heads (--n-head is --n-embd / {HEAD_DIM}), --lr is Muon's and scales "
+    "the AdamW groups' in proportion (" + ", ".join(f"{k} {v}" for k, v in SPEEDRUN_LRS.items())
+    + "), --weight-decay is on every AdamW tensor, and its defaults: "
+    + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SPEEDRUN_DEFAULTS.items()))
+# --fp8-head (docs/FORMATS.md, FP8 head): the static scales of modded-nanogpt's train_gpt.py (whose grad_s also
+# holds the grad_scale its gradient carries, and our gradient of the summed loss does not)
+FP8_SCALES = {"x": 100 / 448, "w": 1.6 / 448, "grad": 0.75 / 448}
+FP8_FORMATS = {"x": "e4m3fn", "w": "e4m3fn", "grad": "e5m2"}
+FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
+# the safetensors types the trainers read, as numpy's (a bf16 value as an fp32's top 16 bits); they write F32
+SAFETENSORS_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
-# the speedrun recipe without a framework: its config, shapes, init, lrs and model files
-from trainkit.speedrun import (
-    ATTN_SCALE, FP8_SCALES, HEAD_DIM, MUON_MOMENTUM, MUON_WEIGHT_DECAY, SOFTCAP, SPEEDRUN_BETA1,
-    SPEEDRUN_BETA2, SPEEDRUN_DEFAULTS, SPEEDRUN_EPS, SPEEDRUN_HELP, adamw_group, configure_speedrun,
-    init_speedrun_numpy, is_safetensors_file, muon_names, read_speedrun_file, speedrun_lr, speedrun_lrs,
-    speedrun_shapes, write_speedrun_file)
-# --fp8-head's casts and FP8 products in torch
-from trainkit.torch_shared import fp8_matmul, fp8_quantize
+
+def configure_speedrun(cfg, given, shape):
+    """The speedrun model's heads are HEAD_DIM wide: its width sets their count."""
+    if cfg.n_embd % HEAD_DIM:
+        die(f"--n-embd {cfg.n_embd}: the speedrun recipe's heads are {HEAD_DIM} wide, so its width must "
+            f"be a multiple of {HEAD_DIM}")
+    if given.get("n_head", cfg.n_embd // HEAD_DIM) != cfg.n_embd // HEAD_DIM:
+        die(f"--n-head {cfg.n_head}: the speedrun recipe's heads are {HEAD_DIM} wide, so --n-embd "
+            f"{cfg.n_embd} has {cfg.n_embd // HEAD_DIM} of them (leave --n-head out)")
+    cfg.n_head = shape["n_head"] = cfg.n_embd // HEAD_DIM
+
+
+def speedrun_shapes(cfg):
+    """{name: shape} of the reference's GPT.named_parameters(), in its order; per layer, so Muon sees each matrix."""
+    C, Vp = cfg.n_embd, cfg.padded_vocab_size
+    shapes = {"embed.weight": (Vp, C)}
+    for i in range(cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
+        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
+        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
+    shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
+    return shapes
+
+
+def muon_names(shapes):
+    """The weights Muon updates: every matrix inside the blocks."""
+    return [k for k, shape in shapes.items() if k.startswith("blocks.") and len(shape) == 2]
+
+
+def init_speedrun_numpy(cfg):
+    """The reference's init in speedrun_shapes' order: *proj* and biases 0, gains 1, embed N(0, 1), N(0, .33/fan_in)."""
+    rng = np.random.default_rng(cfg.seed)
+    params = {}
+    for name, shape in speedrun_shapes(cfg).items():
+        if name.endswith(".gains"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias") or "proj" in name:
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = 1.0 if name == "embed.weight" else 0.33**0.5 / math.sqrt(shape[-1])
+            params[name] = (rng.standard_normal(shape) * std).astype(np.float32)  # float64 draws, rounded
+    return params
+
+
+def rotary_freq_numpy(head_dim):
+    """The reference's rotary frequencies (head_dim/2,) fp32, its state_dict's buffer; the last half zeros."""
+    freq = np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)
+    return np.concatenate([freq, np.zeros(head_dim // 4, np.float32)])
+
+
+def speedrun_lr(it, cfg):
+    """The reference's lr of 0-based iteration `it`: lr until 30% of the steps, then linear to lr*lr_decay_frac."""
+    min_lr = cfg.lr * cfg.lr_decay_frac
+    if it < cfg.warmup:
+        return cfg.lr * (it + 1) / cfg.warmup
+    eta = min(1.0, max(0.0, 1.0 - it / cfg.steps) / SPEEDRUN_COOLDOWN)
+    return min_lr + eta * (cfg.lr - min_lr)
+
+
+def speedrun_lrs(it, cfg):
+    """{group: lr} of 0-based iteration `it`: Muon's is speedrun_lr's, the AdamW groups' keep their ratios to it."""
+    scale = speedrun_lr(it, cfg) / SPEEDRUN_LRS["muon"]
+    return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
+
+
+def adamw_group(name):
+    """The SPEEDRUN_LRS group of a tensor that AdamW updates in the speedrun recipe."""
+    return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
+
+
+def fp8_reciprocal(kind):
+    """The fp32 value that --fp8-head multiplies operand `kind` by before its cast: 1/scale rounded to fp32 once."""
+    # the same in every framework, as a division's rounding is not (CUDA torch, Triton's approximate division)
+    return float(np.float32(1 / FP8_SCALES[kind]))
+
+
+def read_safetensors(path, check=None):
+    """{name: fp32 array} of a safetensors file of finite floats; check({name: (type, shape)}) before any is read."""
+    try:
+        with safetensors.safe_open(path, framework="numpy") as f:
+            entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+    except (safetensors.SafetensorError, OSError) as e:
+        die(f"model file {path} is not a valid safetensors file ({str(e).splitlines()[0][:160]})")
+    for k, (dtype, shape) in entries.items():
+        if not k.isprintable():
+            die(f"model file {path} has a tensor name with unprintable characters: {json.dumps(k)[:100]}")
+        if dtype not in SAFETENSORS_TYPES:
+            die(f"model file {path}: tensor {k[:100]} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
+    if check is not None:
+        check(entries)
+    with open(path, "rb") as f:
+        stored = safetensors.deserialize(f.read())
+    tensors = {}
+    for k, e in stored:
+        t = np.frombuffer(e["data"], SAFETENSORS_TYPES[e["dtype"]])
+        t = (t.astype(np.uint32) << 16).view(np.float32) if e["dtype"] == "BF16" else t.astype(np.float32)
+        bad = t.size - np.count_nonzero(np.isfinite(t))
+        if bad:
+            die(f"model file {path}: tensor {k[:100]} holds {bad} non-finite values (NaN or inf): the weights of "
+                "a diverged run?")
+        tensors[k] = t.reshape(e["shape"])
+    return tensors
+
+
+def is_safetensors_file(head):
+    """Whether a file's first 9 bytes are those of a safetensors file (a JSON header after its length)."""
+    return head[8:9] == b"{"
+
+
+def write_speedrun_file(path, params, cfg):
+    """A speedrun model file: the reference's GPT.state_dict() in fp32 safetensors, rotary buffers included."""
+    tensors = {}
+    for k in speedrun_shapes(cfg):
+        tensors[k] = np.ascontiguousarray(params[k], np.float32)
+        if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
+            tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
+    data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
+    with open(path + ".tmp", "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def read_speedrun_file(path):
+    """(header, {name: fp32 array}) of a speedrun model file of any float type, its names and shapes checked first."""
+    found = {}
+
+    def check(entries):  # the shape from embed.weight and the blocks' count, bounded by their names
+        embed = entries.get("embed.weight", (None, ()))[1]
+        if len(embed) != 2:
+            die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
+        blocks = [k for k in entries if k.startswith("blocks.")]
+        n_layer = len({k.split(".")[1] for k in blocks})
+        indices = set(map(str, range(n_layer)))
+        for k in blocks:
+            if k.split(".")[1] not in indices:
+                die(f"model file {path} holds tensor {k[:100]}: the tensors of {n_layer} blocks must be "
+                    f"numbered 0..{n_layer - 1}")
+        padded, n_embd = embed
+        if n_embd % HEAD_DIM or n_embd == 0 or n_layer == 0:
+            die(f"model file {path}: width {n_embd} (embed.weight) is not a multiple of the head size "
+                f"{HEAD_DIM}, or it has no blocks")
+        header = dict(vocab_size=VOCAB_SIZE, padded_vocab_size=padded, n_layer=n_layer,
+                      n_head=n_embd // HEAD_DIM, n_embd=n_embd)
+        shapes = speedrun_shapes(SimpleNamespace(**header))
+        freqs = {f"blocks.{i}.attn.rotary.angular_freq": (HEAD_DIM // 2,) for i in range(n_layer)}
+        for k, shape in {**shapes, **freqs}.items():
+            if k not in entries:
+                die(f"model file {path} lacks tensor {k} {list(shape)}")
+            if entries[k][1] != shape:
+                die(f"model file {path}: tensor {k} has shape {list(entries[k][1])}, expected {list(shape)}")
+        extra = [k for k in entries if k not in shapes and k not in freqs]
+        if extra:
+            die(f"model file {path} holds tensor {extra[0][:100]}, which the speedrun model does not have")
+        found.update(header=header, shapes=shapes, types={k: e[0] for k, e in entries.items()})
+    tensors = read_safetensors(path, check)
+    header, shapes, types = found["header"], found["shapes"], found["types"]
+    for i in range(header["n_layer"]):  # as the file's type rounds them (the reference's bf16 state_dict)
+        k = f"blocks.{i}.attn.rotary.angular_freq"
+        if not np.allclose(tensors[k], rotary_freq_numpy(HEAD_DIM), atol=0,
+                           rtol={"BF16": 2**-7, "F16": 2**-10}.get(types[k], 1e-6)):
+            die(f"model file {path}: {k} are not the recipe's frequencies")
+    converted = sorted({t for t in types.values() if t != "F32"})
+    if converted:
+        print(f"model file {path}: its {'/'.join(converted)} tensors are converted to fp32, the type the "
+              "trainer keeps its weights in")
+    return header, {k: tensors[k] for k in shapes}
+
+
+def newton_schulz(G, dtype):
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`."""
+    # X = G/||G||_F, then X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, on tall matrices' transposes (A the smaller)
+    tall = G.shape[-2] > G.shape[-1]
+    X = G.to(dtype).mT if tall else G.to(dtype)                                    # (n,r',c')
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)                            # (n,r',c')
+    # the sums inside the matmuls that form the products (baddbmm): three new tensors an iteration, not eight
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        A = X @ X.mT                                                               # (n,r',r')
+        B = torch.baddbmm(A, A, A, beta=-1.5, alpha=0.5)                           # (n,r',r')
+        X = torch.baddbmm(X, B, X, beta=2.0)                                       # (n,r',c')
+    return X.mT if tall else X                                                     # (n,r,c)
+
+
+def fp8_quantize(x, kind):
+    """--fp8-head's operand `kind` of x: x times fp8_reciprocal(kind) in fp32, saturated, rounded to nearest even."""
+    # clamped: torch's e5m2 cast would overflow to inf
+    fmt = FP8_FORMATS[kind]
+    q = x.float() * fp8_reciprocal(kind)
+    return q.clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
+
+
+def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
+    """(a (M,K) @ b (K,N)) x scale_a x scale_b in out_dtype of fp8 operands; off CUDA, of their exact fp32 values."""
+    if a.is_cuda:  # a row-major, b column-major, as it requires; fast_accum: the reference forward's
+        sa, sb = (torch.tensor(s, dtype=torch.float32, device=a.device) for s in (scale_a, scale_b))
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+
 
 # -- config
-
 
 
 # -- ops
@@ -822,8 +1226,7 @@ def speedrun_ops(backend):
     if backend == "torch":
         own = TORCH_SPEEDRUN_OPS
     else:
-        import triton_kernels_speedrun
-        own = triton_kernels_speedrun.TRITON_SPEEDRUN_OPS
+        own = TRITON_SPEEDRUN_OPS
     return SimpleNamespace(**vars(gpt2_ops(backend)), **vars(own))
 
 
@@ -1055,6 +1458,1325 @@ def generate(params, generator, cfg):
 
 
 # -----------------------------------------------------------------------------
+# Shared plumbing: flags, shards, checkpoints, out dir, logs, signals
+#
+# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
+# carries an edit made in FILE to every copy).
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit reached
+
+
+def die(msg):
+    """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
+    raise SystemExit(f"error: {msg}")
+
+
+def die_out_of_memory(cfg, e):
+    """The one line that ends a run out of device memory (exception `e`): a bad --batch-size or --recompute."""
+    cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+    die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
+        f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
+
+
+def write_failure(path, e):
+    """The one line that says why writing `path` failed, a full disk said as such."""
+    if e.errno in DISK_FULL:
+        return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
+    return f"cannot write {path}: {e.strerror}"
+
+
+def require_file(path, what):
+    """Stops in one line unless `path` is a regular file (reading a FIFO would wait forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # absent, a link loop: convert_hf.py has no OSError boundary of its own
+        die(f"{what} {path}: {e.strerror}")
+    if not stat.S_ISREG(mode):
+        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
+                      if os.path.isfile(os.path.join(path, f))), None)
+        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
+        die(f"{what} {path} is not a regular file{hint}")
+
+# --recompute (docs/FORMATS.md): none keeps what the backward reads; pointwise recomputes the norms' outputs and
+# the MLP's activation; block keeps each block's input alone and reruns its forward in the backward
+RECOMPUTE_LEVELS = ("none", "pointwise", "block")
+
+
+def parse_args(argv=None):
+    """(cfg, explicit): `config` with the flags given over its defaults, and the model-shape flags and --seed given,
+    which a model file's header and a checkpoint's seed must match (--model gives all three shape flags)."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.error = die  # a bad flag gets one line naming it, not the whole usage text
+    framework_flags(p)
+    p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
+                   RECIPES.items()) + f" (default {d.recipe})")
+    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and *_val_*.bin), a "
+                   f"shard glob, or 'synthetic' (random tokens from --seed) (default {d.data})")
+    p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
+                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()) + " (default d12)")
+    p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
+    p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's or --recipe's)")
+    p.add_argument("--n-embd", type=int, help="width of the embeddings and residual stream (default: --model's)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence; from scratch wpe's rows (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per device (default {d.batch_size})")
+    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step, a multiple of batch size x seq "
+                   f"len x devices: gradients accumulate up to it (default {d.total_batch_size})")
+    p.add_argument("--shuffle", action="store_true", help="read the train shards in llm.c's shuffled order, as "
+                   "train_gpt2.c/.cu do (its mt19937, seeded 42 + rank); without it, in order (docs/FORMATS.md)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the default batch)")
+    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time reaches "
+                   "this many seconds, as if it were the last; the lr schedule still spans --steps (default 0: never)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate after --warmup (default {d.lr}; see --recipe)")
+    p.add_argument("--lr-decay-frac", type=float, help=f"the decay ends at lr x this (default {d.lr_decay_frac})")
+    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help=f"AdamW's decoupled weight decay (default {d.weight_decay}; "
+                   "on the matrices and embeddings: see --recipe)")
+    p.add_argument("--grad-clip", type=float, help=f"clip gradients to this norm, 0 = never (default {d.grad_clip})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; masters and AdamW state stay fp32 "
+                   "(default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
+    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="activation memory against compute: none keeps "
+                   "what the backward reads, pointwise recomputes the norms and the MLP activation, block reruns "
+                   f"each block's forward in the backward (default {d.recompute})")
+    p.add_argument("--seed", type=int, help=f"the init, --data synthetic's tokens, the samples (default {d.seed})")
+    p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's training matmuls on FP8 "
+                   "operands with modded-nanogpt's static scales; evaluation and files unchanged (default off)")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: 0 every "
+                   "device holds all optimizer state, 1 shards the AdamW moments and the bf16 weights' fp32 masters, "
+                   "3 (JAX) the weights and gradients too (default 0)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from, giving the model shape: "
+                   + ", ".join(f"{r.file_kind} ({name})" for name, r in RECIPES.items()))
+    p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
+    p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run (moved aside)")
+    p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
+    p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints, 0 = never (default {d.ckpt_every})")
+    p.add_argument("--val-every", type=int, help=f"steps between val losses, 0 = never (default {d.val_every})")
+    p.add_argument("--val-tokens", type=int, help="tokens per val loss: the val shards' first val-tokens // seq len "
+                   f"sequences (default {d.val_tokens})")
+    p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
+    p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evaluations, 0 = never (default "
+                   f"{d.hellaswag_every})")
+    p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
+    p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
+    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first "
+                   "(a trace in OUT_DIR/profile), then train on")
+    given = vars(p.parse_args(argv))
+    preset = given.pop("model", None)
+    val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
+    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[preset or "d12"]))
+    d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
+    cfg = replace(d, **{**shape, **given})
+    cfg.block_size = cfg.seq_len
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens"):
+        if getattr(cfg, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive")
+    if val_steps is not None:
+        if "val_tokens" in given or val_steps <= 0:
+            die("--val-steps N, a shorthand for --val-tokens N x batch size x seq len, must be positive and "
+                "given without --val-tokens")
+        cfg.val_tokens = val_steps * cfg.batch_size * cfg.seq_len
+    if cfg.val_tokens < cfg.seq_len:
+        die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
+    for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
+                 "time_budget"):
+        if not getattr(cfg, flag) >= 0:  # NaN fails this too
+            die(f"--{flag.replace('_', '-')} must be >= 0")
+    for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag
+        if flag in given and not given[flag]:
+            die(f"--{flag.replace('_', '-')} is empty (an unset shell variable?): give a path, or leave the flag out")
+    if cfg.shuffle and cfg.data == "synthetic":
+        die("--shuffle with --data synthetic: --shuffle permutes the samples of token shards, and "
+            "synthetic tokens are random already")
+    if cfg.resume and "init_from" in given:  # which --resume would otherwise ignore
+        die("--init-from with --resume: a resumed run continues its checkpoint's weights; leave one out")
+    if not 0 < cfg.lr < math.inf:
+        die("--lr must be positive and finite")
+    if not 0 <= cfg.lr_decay_frac <= 1:
+        die("--lr-decay-frac must be in [0, 1]")
+    if not (0 <= cfg.weight_decay < math.inf and cfg.grad_clip >= 0):  # NaN fails these too
+        die("--weight-decay must be finite and >= 0, --grad-clip >= 0")
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
+        die("--seed must be in [0, 2**63)")
+    if cfg.zero_stage not in ZERO_STAGES:
+        stages = " or ".join(map(str, ZERO_STAGES))
+        jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+    RECIPES[cfg.recipe].configure(cfg, given, shape)
+    if cfg.n_embd % cfg.n_head:
+        die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
+    explicit = {k: given[k] for k in (*shape, "seed") if k in given}
+    return cfg, ({**shape, **explicit} if preset else explicit)
+
+
+def default_dtype(cfg, gpu):
+    """Sets an unset --dtype once the device is known, bf16 on a GPU, fp32 on a CPU; returns the start line's words."""
+    if cfg.dtype:
+        return cfg.dtype
+    cfg.dtype = "bf16" if gpu else "fp32"
+    if gpu:
+        return "bf16 (the default on a GPU; --dtype fp32 for full precision)"
+    return "fp32 (the default on a CPU, which only emulates bf16; --dtype bf16 for it)"
+
+
+def apply_model_header(cfg, header, explicit):
+    """Takes the model shape from a model file's header; flags given explicitly must match it."""
+    for k in ("n_layer", "n_head", "n_embd"):
+        if k in explicit and explicit[k] != header[k]:
+            die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+    if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
+        die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
+    if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
+        if cfg.seq_len > header["block_size"]:
+            die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
+        cfg.block_size = header["block_size"]
+    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
+    cfg.padded_vocab_size = header["padded_vocab_size"]
+
+SHARD_MAGIC = 20240520
+SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
+GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
+            "synthetic for a benchmark")
+
+
+def read_shard(path):
+    """An llm.c token shard as a read-only uint16 memmap, its header and size checked."""
+    size = os.path.getsize(path)
+    if size < 256 * 4:
+        die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
+    header = np.fromfile(path, dtype="<i4", count=256)
+    if header[0] != SHARD_MAGIC:
+        die(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC} (not an llm.c token shard)")
+    if header[1] != 1:
+        die(f"shard {path} has version {header[1]}, expected 1")
+    ntok = int(header[2])
+    if size != 256 * 4 + 2 * ntok:
+        die(f"shard {path} is truncated or padded: header says {ntok} tokens, file holds {(size - 1024) // 2}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=256 * 4, shape=(ntok,))
+
+
+def find_shards(cfg):
+    """(train files, val files) of --data DIR | GLOB and --val-data GLOB; (None, None) for synthetic."""
+    if cfg.data == "synthetic":
+        return None, None
+    if os.path.isdir(cfg.data):
+        folder = glob.escape(cfg.data)  # a directory's name is no pattern, brackets and all
+        train = sorted(glob.glob(os.path.join(folder, "*_train_*.bin")))
+        val = sorted(glob.glob(os.path.join(folder, "*_val_*.bin")))
+        if not train and not cfg.eval_only:
+            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
+    else:
+        train, val = sorted(glob.glob(cfg.data)), []
+        if not train and not cfg.eval_only:
+            die(f"--data {cfg.data}: no such directory and no file matches that glob ({GET_DATA})")
+    if cfg.val_data:
+        val = sorted(glob.glob(cfg.val_data))
+        if not val:
+            die(f"--val-data {cfg.val_data}: no file matches that glob")
+    return train, val
+
+
+def shard_lengths(files, batch):
+    """Tokens in each shard of `files`, each checked to hold a global batch of `batch` tokens and its last target."""
+    lengths = [len(read_shard(f)) for f in files]
+    for f, n in zip(files, lengths):
+        if n < batch + 1:
+            die(f"shard {f} holds fewer than {batch + 1} tokens, one batch needs that")
+    return lengths
+
+
+def read_vocab_shard(path):
+    """read_shard's tokens checked to be GPT-2's: as a loader opens the shard, since the max reads all of it."""
+    tokens = read_shard(path)
+    top = int(tokens.max())
+    if top >= VOCAB_SIZE:
+        die(f"shard {path} holds token ids up to {top}, outside GPT-2's vocabulary of {VOCAB_SIZE} tokens "
+            "(written with another tokenizer?)")
+    return tokens
+
+
+class DataLoader:
+    """llm.c's DistributedDataLoader: rank r reads B*T+1 tokens at p + r*B*T; files=None: random tokens from `seed`."""
+    # all ranks change shards by p (llm.c: each by its own), so W ranks of B rows read what one of W*B rows reads
+
+    def __init__(self, files, B, T, rank=0, world=1, seed=0):
+        self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
+        self.shard, self.tokens = None, None
+        shard_lengths(files or [], world * B * T)
+        self.reset()
+
+    def reset(self):
+        self.set_state(0, 0)
+
+    def set_state(self, shard, position):
+        """Puts the loader at p = `position` in `shard`, as state() returned them."""
+        if self.shard != shard or self.tokens is None:
+            if self.files is None:
+                n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
+                self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
+            else:
+                self.tokens = read_vocab_shard(self.files[shard])
+        self.shard, self.position = shard, position
+
+    def state(self):
+        """(shard, p): where the next step's rank 0 batch starts, for checkpoints."""
+        return self.shard, self.position
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        start = self.position + self.rank * B * T
+        buf = np.asarray(self.tokens[start: start + B * T + 1], dtype=np.int32)
+        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)  # (B, T) inputs, (B, T) targets
+        self.position += self.world * B * T
+        if self.position + self.world * B * T + 1 > len(self.tokens):  # the next shard, wrapping around
+            self.set_state((self.shard + 1) % (len(self.files) if self.files else 1), 0)
+        return x, y
+
+
+# --shuffle: llm.c's own Mersenne Twister (llmc/rand.h) and shuffled order (llmc/dataloader.h)
+
+SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
+
+
+class MersenneTwister:
+    """MT19937 as llm.c's rand.h runs it, seeded as init_genrand: numpy's legacy RandomState(seed) is that one."""
+
+    def __init__(self, seed):
+        self.rng = np.random.RandomState(seed)
+
+    def draws(self, n):
+        """The next n 32-bit outputs (a full-range randint is the raw output)."""
+        return self.rng.randint(0, 2**32, n, dtype=np.uint32)
+
+
+def permutation_picks(n, rng):
+    """llm.c's random_permutation of n items: for i = n-1 down to 1, the j (a draw mod i+1) that item i swaps with."""
+    return rng.draws(max(n - 1, 0)) % np.arange(n, 1, -1, dtype=np.uint32)
+
+
+def permute(items, picks):
+    """Shuffles the list `items` in place by permutation_picks' swaps."""
+    for i, j in zip(range(len(items) - 1, 0, -1), picks.tolist()):
+        items[i], items[j] = items[j], items[i]
+
+
+class ShuffledOrder:
+    """The (shard, sample) that llm.c's shuffling loader of one rank reads in turn (llmc/dataloader.h)."""
+    # an epoch shuffles the last epoch's shard order, then each shard it opens its samples; one generator draws both
+
+    def __init__(self, counts, seed):
+        self.counts, self.rng = counts, MersenneTwister(seed)
+        self.order = list(range(len(counts)))
+        self.opened = -1  # shards opened since the run began, before the current one
+        self._new_epoch()
+
+    def _new_epoch(self):
+        permute(self.order, permutation_picks(len(self.order), self.rng))
+        self._open(0)
+
+    def _open(self, k):
+        """Opens the epoch's k-th shard: its permutation is drawn now, and built once a sample is read."""
+        self.k, self.sample, self.opened = k, 0, self.opened + 1
+        self.picks, self.samples = permutation_picks(self.counts[self.order[k]], self.rng), None
+
+    def _move_on(self):
+        """To the next shard, or a new epoch after the last."""
+        self._new_epoch() if self.k == len(self.order) - 1 else self._open(self.k + 1)
+
+    def shard(self):
+        return self.order[self.k]
+
+    def next(self):
+        """(shard, sample) to read now; then moves on."""
+        if self.samples is None:
+            self.samples = list(range(self.counts[self.shard()]))
+            permute(self.samples, self.picks)
+        here = self.shard(), self.samples[self.sample]
+        self.sample += 1
+        if self.sample == len(self.samples):
+            self._move_on()
+        return here
+
+    def skip(self, n):
+        """Moves on n samples, as n next() calls do, building no permutation of the shards it passes."""
+        while n >= self.counts[self.shard()] - self.sample:
+            n -= self.counts[self.shard()] - self.sample
+            self._move_on()
+        self.sample += n
+
+    def state(self):
+        """(shards opened before the current one since the run began, samples read of it)."""
+        return self.opened, self.sample
+
+
+class ShuffledLoader:
+    """llm.c's loader with should_shuffle, as its ranks first..first+k-1 of `world` read, their rows stacked."""
+    # rank g's order seeded 42 + g reads B*T+1 tokens at sample*W*B*T + g*B*T of its shard
+
+    def __init__(self, files, B, T, first, k, world):
+        self.files, self.B, self.T, self.first, self.k, self.world = files, B, T, first, k, world
+        # samples per shard: llm.c's (tokens - 1) // (W*B*T), the last token only ever a target
+        self.counts = [(n - 1) // (world * B * T) for n in shard_lengths(files, world * B * T)]
+        self.set_state(0, 0)
+
+    def set_state(self, opened, sample):
+        """Puts every rank where rank 0's state() was `(opened, sample)`: each replays as many samples."""
+        first, served = ShuffledOrder(self.counts, SHUFFLE_SEED), 0
+        while first.opened < opened:  # a whole shard at a time
+            served += self.counts[first.shard()]
+            first.skip(self.counts[first.shard()])
+        if sample >= self.counts[first.shard()]:
+            die(f"--resume: the checkpoint is at sample {sample} of train shard {self.files[first.shard()]}, "
+                f"which holds {self.counts[first.shard()]} (a different --batch-size or --data than the run had?)")
+        self.orders = [ShuffledOrder(self.counts, SHUFFLE_SEED + g) for g in range(self.first, self.first + self.k)]
+        for order in self.orders:
+            order.skip(served + sample)
+        self.tokens = {}  # the shards the ranks read now: file index -> tokens
+
+    def state(self):
+        """The first rank's ShuffledOrder.state(): in process 0, llm.c rank 0's, which checkpoints keep."""
+        return self.orders[0].state()
+
+    def next_batch(self):
+        B, T, rows = self.B, self.T, []
+        for g, order in enumerate(self.orders, self.first):
+            shard, sample = order.next()
+            if shard not in self.tokens:
+                self.tokens[shard] = read_vocab_shard(self.files[shard])
+            start = (sample * self.world + g) * B * T
+            rows.append(self.tokens[shard][start: start + B * T + 1])
+        self.tokens = {s: t for s, t in self.tokens.items() if s in {o.shard() for o in self.orders}}
+        buf = np.stack(rows).astype(np.int32)                                       # (k, B*T+1)
+        x = buf[:, :-1].reshape(self.k * B, T)                                      # (k*B, T) inputs
+        y = buf[:, 1:].reshape(self.k * B, T)                                       # (k*B, T) targets
+        return x, y
+
+
+def step_batches(loader, grad_accum):
+    """The next optimizer step's micro-batches, stacked: x, y (A,B,T) int32."""
+    xs, ys = zip(*(loader.next_batch() for _ in range(grad_accum)))
+    return np.stack(xs), np.stack(ys)
+
+
+VAL_BAR_MIN_STEPS = 20  # a validation of more batches than this shows a progress bar (on a terminal)
+
+
+def val_batches(cfg, loader):
+    """Rows counted of each global val batch: the first val_tokens // T sequences, the same at any batch size."""
+    rows, batch = cfg.val_tokens // cfg.seq_len, loader.B * loader.world
+    counted = [min(batch, rows - first) for first in range(0, rows, batch)]
+    if len(counted) <= VAL_BAR_MIN_STEPS or loader.rank != 0:
+        return counted
+    return tqdm(counted, desc="val", file=sys.stderr, leave=False, dynamic_ncols=True, disable=not sys.stderr.isatty())
+
+
+def make_loaders(cfg, rows, rank, ranks, loader_state, say):
+    """(micro-batches per step, train loader at `loader_state`, val loader) of rank `rank` of `ranks`, `rows` rows."""
+    T = cfg.seq_len
+    tokens = cfg.batch_size * T * (rows * ranks // cfg.batch_size)  # one micro-batch on every device
+    if cfg.total_batch_size % tokens:
+        die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
+            f"x devices = {tokens}")
+    train_files, val_files = find_shards(cfg)
+    if cfg.eval_only:
+        train = None
+    elif cfg.shuffle:  # each device of this process is an llm.c rank of --batch-size rows
+        per = rows // cfg.batch_size
+        train = ShuffledLoader(train_files, cfg.batch_size, T, rank * per, per, ranks * per)
+        train.set_state(*loader_state)
+    else:
+        train = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed)
+    val = DataLoader(val_files, rows, T, rank, ranks) if val_files else None
+    if val is not None and (cfg.eval_only or cfg.val_every > 0):  # its --val-tokens in whole batches, none twice
+        batch, wanted = val.B * val.world, cfg.val_tokens // T
+        sizes = [len(read_shard(f)) for f in val.files]
+        held = sum((n - 1) // (batch * T) for n in sizes) * batch
+        if wanted > held:
+            die(f"--val-tokens {cfg.val_tokens} asks for {wanted} sequences of {T} tokens, but the val shards "
+                f"({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of {batch} "
+                "sequences: lower --val-tokens (or --val-steps)")
+    if isinstance(train, DataLoader):
+        n_shards = len(train_files) if train_files else 1
+        shard, position = loader_state
+        if shard >= n_shards:
+            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
+        train.set_state(shard, position)
+        batch = rows * ranks * T
+        if position + batch + 1 > len(train.tokens):
+            die(f"--resume: the checkpoint's position {position} leaves less than one batch of {batch} "
+                f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
+    if val is None and (cfg.eval_only or cfg.val_every > 0):
+        say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
+    return cfg.total_batch_size // tokens, train, val
+
+
+def read_weights(path, cfg, recipes):
+    """(header, params) of a model file of cfg.recipe, a row of `recipes`; another recipe's file is refused."""
+    require_file(path, "model file")
+    with open(path, "rb") as f:
+        head = f.read(9)
+    recipe = recipes[cfg.recipe]
+    for name, other in recipes.items():
+        if other is not recipe and other.is_file(head) and not recipe.is_file(head):
+            die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
+                f"takes {recipe.file_kind}")
+    return recipe.read_file(path)
+
+
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
+    """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
+    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving this step
+    names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
+    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
+    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
+                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
+                 config=np.array(json.dumps(asdict(cfg))))
+    try:
+        os.makedirs(tmp)
+        recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
+        with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+            np.savez(f, **state)
+    except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        die(write_failure(tmp, e))
+    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
+    rename_into_place(tmp, final)
+    return final
+
+
+def rename_into_place(tmp, final):
+    """Makes the complete checkpoint dir `tmp` the checkpoint `final`, replacing one of the same step whole."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)  # left by a save that died between the renames
+    # a second Ctrl-C stops at once: not between the renames, which would leave the step's checkpoint .old
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        if os.path.isdir(final):
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def latest_checkpoint(out_dir, needed=("state.npz",)):
+    """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
+    found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
+                   if os.path.basename(d)[5:].isdigit())
+    while found and not all(os.path.isfile(os.path.join(found[-1], f)) for f in needed):
+        missing = next(f for f in needed if not os.path.isfile(os.path.join(found[-1], f)))
+        print(f"--resume auto: skipping {found[-1]}, which has no {missing}")
+        found.pop()
+    return found[-1] if found else None
+
+
+def resolve_resume(cfg, trains, needed=("state.npz",)):
+    """Makes cfg.resume the checkpoint dir holding `needed` to resume; True where --resume auto found none to resume."""
+    # then a run that `trains` starts at step 0 (cfg.resume ""), and prepare_out_dir sets the old files aside
+    if cfg.resume == "auto":
+        found = latest_checkpoint(cfg.out_dir, needed)
+        if found is None and not trains:
+            die(f"--resume auto: no checkpoint in {cfg.out_dir}")
+        cfg.resume = found or ""
+        return found is None
+    if cfg.resume:
+        cfg.resume = os.path.normpath(cfg.resume)  # its folder is os.path.dirname's, even given with a "/"
+        missing = [f for f in needed if not os.path.isfile(os.path.join(cfg.resume, f))]
+        if missing:
+            die(f"--resume {cfg.resume}: not a checkpoint directory (no {', '.join(missing)})")
+    return False
+
+
+def check_checkpoint_step(path, step):
+    """A checkpoint dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names."""
+    name = os.path.basename(os.path.normpath(path))
+    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != step:
+        die(f"checkpoint {path} holds step {step}, not the step {int(name[5:])} its name says (renamed or "
+            f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
+
+
+def load_checkpoint(path, cfg, recipes):
+    """(header, params, m, v, state) from a checkpoint dir of cfg.recipe, a row of `recipes`."""
+    recipe = recipes[cfg.recipe]
+    for name, other in recipes.items():
+        if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
+            die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
+                f"{cfg.recipe}")
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg, recipes)
+    muon = recipe.muon_names({k: p.shape for k, p in params.items()})
+    adam = [k for k in params if k not in muon]  # v: AdamW's second moments
+    state_file, fields = os.path.join(path, "state.npz"), ("step", "shard", "position", "seed")
+    try:
+        with np.load(state_file) as z:
+            missing = [k for k in (*fields, *(f"m.{k}" for k in params), *(f"v.{k}" for k in adam))
+                       if k not in z.files]
+            if missing:
+                die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
+            m = {k: z[f"m.{k}"] for k in params}
+            v = {k: z[f"v.{k}"] for k in adam}
+            state = {}
+            for k in fields:
+                if z[k].shape != () or z[k].dtype.kind not in "iu":
+                    die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
+                state[k] = int(z[k])
+            # the run's --shuffle, from its config (a checkpoint written before the flag read in order)
+            state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
+    # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
+    except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
+            TokenError) as e:
+        detail = (str(e).splitlines() or ["no detail"])[0][:120]
+        die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
+    for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
+        if not low <= state[k] < 2**63:  # int64, as saved; a seed as --seed takes it
+            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
+    check_checkpoint_step(path, state["step"])
+    for k in params:
+        moments = [m[k], v[k]] if k in v else [m[k]]
+        if any(t.shape != params[k].shape or t.dtype != np.float32 for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} is {'/'.join(f'{t.dtype} {t.shape}' for t in moments)}, "
+                f"the model's float32 {params[k].shape}")
+        if not all(np.isfinite(t).all() for t in moments):
+            die(f"checkpoint {path}: optimizer state for {k} holds non-finite values (NaN or inf): resume "
+                "from an earlier checkpoint")
+    return header, params, m, v, state
+
+
+class RunLock:
+    """<out_dir>/.lock, flock'ed by process 0 while this object lives and naming its holder; removed on release."""
+    held = None  # weakref.ref to the lock this process holds
+
+    def __init__(self, out):
+        earlier = RunLock.held and RunLock.held()
+        if earlier is not None:  # an earlier main() of this process, ended (main runs one run at a time)
+            earlier.release()
+        self.path, self.fd = os.path.join(out, ".lock"), None
+        while True:
+            # O_NOFOLLOW: a symbolic link is refused, not written through; a dead holder's flock is the kernel's to drop
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                die(f"{self.path} is not a regular file, not the run lock that a trainer writes: remove it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+                os.close(fd)
+                die(f"--out-dir {out} is in use by another run ({holder}): wait for it to end, stop it, or "
+                    "give another --out-dir")
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            os.close(fd)  # its holder removed it as we opened it: take the new one
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        except OSError as e:
+            self.release()
+            die(f"--out-dir: {write_failure(self.path, e)}")
+        RunLock.held = weakref.ref(self)
+
+    def release(self):
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+def move_aside(out, names, prefix):
+    """Moves <out>/<names> into a new folder <out>/<prefix><time>[_n], which it returns."""
+    stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    for n in range(1, 1000):  # unique however fast runs follow each other
+        aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            os.mkdir(aside)
+            break
+        except FileExistsError:
+            continue
+    for name in names:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+    return aside
+
+
+def abandon_newer(out, step):
+    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
+    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
+             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
+    if not newer:
+        return
+    aside = move_aside(out, newer, "abandoned_")
+    log = os.path.join(out, "log.jsonl")
+    if os.path.isfile(log):
+        kept, cut = [], []
+        with open(log, "rb") as f:
+            for line in f:
+                try:
+                    later = json.loads(line).get("step", 0) > step
+                except (ValueError, AttributeError, TypeError):
+                    later = False
+                (cut if later else kept).append(line)
+        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+            with open(path, "wb") as f:
+                f.writelines(lines)
+        os.replace(log + ".tmp", log)
+    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+          f"{step} moved to {aside}")
+
+
+def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
+    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
+    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
+    out = cfg.out_dir
+
+    def held_run():
+        run = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))]
+        return run + [name for name in ("log.jsonl", *extras) if os.path.exists(os.path.join(out, name))]
+    if not master:  # process 0 decides: its start event may already be in the log the others would see
+        return None
+    run = held_run()
+    listed = ", ".join(run[:3]) + (", ..." if len(run) > 3 else "")
+    if any(name not in extras for name in run):
+        if not (cfg.resume or cfg.force or restart):
+            die(f"--out-dir {out} already holds a run ({listed}): --resume auto continues it, --force starts over")
+        # a checkpoint from elsewhere, or of a branch set aside here, would splice two runs in one log.jsonl
+        home = os.path.realpath(os.path.dirname(os.path.abspath(cfg.resume)))
+        if cfg.resume and home != os.path.realpath(out):
+            aside = os.path.dirname(home) == os.path.realpath(out) and os.path.basename(home).startswith(
+                ("abandoned_", "replaced_"))
+            whose = (f"a branch set aside in {os.path.dirname(os.path.normpath(cfg.resume))}" if aside else
+                     "another out dir")
+            die(f"--resume {cfg.resume}: a checkpoint of {whose}, and --out-dir {out} holds another run ({listed}), "
+                "whose log.jsonl would then hold both: resume it into a new --out-dir")
+    os.makedirs(out, exist_ok=True)
+    lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
+        abandon_newer(out, step)
+    run = held_run()
+    moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
+    aside = move_aside(out, run, "replaced_") if moved else None
+    if restart:
+        moved_to = f"; the run there, stopped before its first checkpoint, moved to {aside}" if moved else ""
+        print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
+    elif moved:
+        print(f"--force: the run in {out} moved to {aside}")
+    drop_partial_log_line(out)
+    return lock
+
+
+def drop_partial_log_line(out_dir):
+    """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def hellaswag_module():
+    """hellaswag.py (HellaSwag's data and scoring), which must lie beside the trainer: one line where it does not."""
+    try:
+        import hellaswag
+    except ModuleNotFoundError as e:
+        if e.name != "hellaswag":
+            raise
+        die("HellaSwag needs hellaswag.py beside the trainer (it is in the repository), or --hellaswag-every 0")
+    return hellaswag
+
+
+def sample_encoder(say):
+    """GPT-2's tokenizer for the samples: hellaswag.py's (tiktoken's, else the committed files), else tiktoken's
+    alone (a trainer copied by itself), else None, said once: the run trains on without samples."""
+    try:
+        import hellaswag
+    except ModuleNotFoundError:
+        hellaswag = None
+    import tiktoken
+    try:
+        return hellaswag.load_gpt2_encoding() if hellaswag else tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError, getattr(hellaswag, "EncodingUnavailable", OSError)) as e:
+        say(f"no samples: GPT-2's tokenizer did not load ({str(e).splitlines()[0][:200]})")
+        return None
+
+
+def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=None):
+    """A run's start, weights and data checked before the out dir changes: (step, params, m, v, micro-batches per
+    step, train loader, val loader, the samples' encoder or None, the out dir's lock)."""
+    try:
+        restart = resolve_resume(cfg, not cfg.eval_only)
+        recipe, step, loader_state, m, v = recipes[cfg.recipe], 0, (0, 0), None, None
+        if cfg.resume:
+            header, params, m, v, saved = load_checkpoint(cfg.resume, cfg, recipes)
+            apply_model_header(cfg, header, explicit)
+            if explicit.get("seed", saved["seed"]) != saved["seed"]:  # its synthetic data, its samples
+                die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {saved['seed']}, which a "
+                    f"resumed run keeps; leave --seed out, or give {saved['seed']}")
+            if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
+                said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
+                die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
+            cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
+        elif cfg.init_from:
+            header, params = read_weights(cfg.init_from, cfg, recipes)
+            apply_model_header(cfg, header, explicit)
+        else:
+            params = recipe.init(cfg)
+        if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+            muon = recipe.muon_names(recipe.shapes(cfg))
+            m = {k: np.zeros_like(p) for k, p in params.items()}
+            v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
+        if cfg.eval_only and not (cfg.resume or cfg.init_from):
+            die("--eval-only needs weights: give --init-from or --resume")
+        if cfg.hellaswag_every > 0:
+            hellaswag_module()
+        grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
+        encoder = sample_encoder(say) if cfg.sample_every > 0 and not cfg.eval_only else None
+        lock = prepare_out_dir(cfg, master, step, restart)
+    except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
+        if any_failed is not None:
+            any_failed(True)
+        raise
+    if any_failed is not None and any_failed(False):
+        die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
+    return step, params, m, v, grad_accum, train, val, encoder, lock
+
+SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
+PROFILE_STEPS = 3
+PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets; the first match counts
+    "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 417.5e12), "H100": (989e12, 494.5e12),  # SXM
+    "H200 NVL": (835e12, 417.5e12), "H200": (989e12, 494.5e12),
+    "A100": (312e12, 156e12), "L40S": (362e12, 183e12), "4090": (165e12, 82.6e12),
+}
+
+
+def model_flops_per_token(cfg, n_params):
+    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+
+def peak_flops(device_name, dtype):
+    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
+    for key, (bf16, tf32) in PEAK_FLOPS.items():
+        if key in device_name:
+            return bf16 if dtype == "bf16" else tf32
+    return None
+
+
+def logged_evals(out_dir, step):
+    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`."""
+    path, found = os.path.join(out_dir, "log.jsonl"), set()
+    if not os.path.isfile(path):
+        return found
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash while it was written
+                continue
+            if event.get("step") == step:
+                found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
+    return found
+
+
+def format_memory(cfg, held, activations, world, optimizers):
+    """The start line's bytes per device: the training state `held`, one micro-batch's activations."""
+    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
+            f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments "
+            f"{held['moments'] / 1e6:.1f} MB (ZeRO stage {cfg.zero_stage} over {world} devices) | "
+            f"activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
+
+
+def host_memory_available():
+    """Bytes this host can give a process without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def memory_warning(held, activations, world, available):
+    """A warning where `world` devices' state and activations exceed the host's `available` bytes, else None."""
+    need = (sum(held.values()) + activations) * world  # on the CPU the kernel's kill would say nothing
+    if available is None or need <= available:
+        return None
+    return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
+            f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or a "
+            "cheaper --recompute)")
+
+
+def start_event(cfg, step, world, held, activations):
+    """log.jsonl's first event of each launch (docs/FORMATS.md)."""
+    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
+                config=dict(vars(cfg)))
+
+
+def due(every, step, steps):
+    return every > 0 and (step % every == 0 or step == steps)
+
+
+def log_event(out_dir, framework, **record):
+    """Appends one JSON object to <out_dir>/log.jsonl (docs/FORMATS.md), with the trainer's `framework` name."""
+    record["framework"] = framework
+    path = os.path.join(out_dir, "log.jsonl")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a write's error names no file; a half line left is cut off on --resume
+        die(write_failure(path, e))
+
+
+def format_mean(times, first, profiled, cfg, flops):
+    """The closing line: mean step time, tokens/s and MFU over the steps after the first that were not profiled."""
+    kept = [s for s in times if s > first and s not in profiled]
+    note = " after the first" + (", not profiled" if profiled else "")
+    if not kept:  # over all of them when no other step ran
+        kept, note = list(times), ""
+    dt = sum(times[s] for s in kept) / len(kept)
+    tokens_per_s = cfg.total_batch_size / dt
+    mfu = flops[0] * tokens_per_s / flops[1] if flops[1] else None
+    return (f"mean over {len(kept)} step(s){note}: {1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
+            f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+
+
+def report_step(step, cfg, loss, norm, lr, dt, mem, flops, framework, master, say):
+    """Prints step's line and (process 0) logs its event; `flops`: (model FLOPs per token, peak FLOP/s or None)."""
+    tokens_per_s = cfg.total_batch_size / dt
+    mfu = flops[0] * tokens_per_s / flops[1] if flops[1] else None
+    mem_s = "n/a" if mem is None else f"{mem:.1f} GB"
+    say(f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | {1000 * dt:.1f} ms | "
+        f"{tokens_per_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem {mem_s}")
+    if master:
+        log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
+                  tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; what schedulers (SLURM, Kubernetes) send before a kill
+
+
+class StopSignals:
+    """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
+
+    def __init__(self):
+        self.received, self.training, self.master, self.previous = 0, False, True, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.training and not self.received:
+            self.received = signum
+            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
+            return
+        # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
+        hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
+        self.tell(f"{name}: stopped at once{hint}")
+        raise SystemExit(128 + signum)
+
+    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
+        if self.master:
+            try:
+                os.write(2, f"{line}\n".encode())
+            except OSError:  # stderr's reader is gone: the stop goes on without its line
+                pass
+
+
+class OutputThatMayClose:
+    """sys.stdout or sys.stderr whose writes go to /dev/null once its reader is gone (`| head`, a closed ssh)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.discard()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.discard()
+
+    def discard(self):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
+        os.close(null)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def stops_on_signals(main):
+    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
+    @functools.wraps(main)
+    def run(argv=None):
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        try:
+            with StopSignals() as signals:
+                return main(argv, signals)
+        except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
+            if e.errno in DISK_FULL:
+                die(write_failure(e.filename, e))
+            die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+        finally:
+            sys.stdout.flush()  # what they still buffer, while a closed reader is caught
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+    return run
+
+
+def stop_on_signal(signum, step, cfg, master):
+    """Ends a run that signal `signum` stopped after `step` (its checkpoint written); nothing when signum is 0."""
+    if not signum:
+        return
+    if master:
+        saved = "its checkpoint saved" if due(cfg.ckpt_every, step, step) else "no checkpoint (--ckpt-every 0)"
+        print(f"{signal.Signals(signum).name}: stopped after step {step} of {cfg.steps}, {saved}; --resume auto "
+              "continues", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def stop_diverged(step, loss, norm, cfg):
+    """Stops a run whose step gave a non-finite loss or grad norm, before that step is logged or saved."""
+    latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
+    kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
+    die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
+        f"stopped before logging or saving this step, {kept}")
+
+
+# -----------------------------------------------------------------------------
+# Shared torch plumbing: processes, ZeRO-1, evaluation
+#
+# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
+# carries an edit made in FILE to every copy).
+
+FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
+CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
+TORCH_FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def flat_layout(shapes, groups, world):
+    """({name: first element}, [(first, end) of each group]) of the groups' tensors in one flat buffer."""
+    # each tensor from a FLAT_ALIGN boundary, each group padded to a multiple of FLAT_ALIGN x world: equal shards
+    starts, spans, size = {}, [], 0
+    unit = FLAT_ALIGN * world
+    for names, _ in groups:
+        first = size
+        for k in names:
+            starts[k] = size
+            size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        size = first + -(-(size - first) // unit) * unit
+        spans.append((first, size))
+    return starts, spans
+
+
+def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
+    """{name: its tensor, a view into `buffer`}, which may hold only the group that starts at element `first`."""
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
+            for k in names}
+
+
+def state_layout(groups, muon_names, shapes, world):
+    """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
+    muon = set(muon_names)
+    split = [g for g in groups if not muon.intersection(g[0])]
+    starts, spans = flat_layout(shapes, split, world)
+    if len(split) < len(groups):
+        # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
+        names, first = groups[-1][0], spans[-1][1]
+        ends, local = [0] * world, {}
+        for i, k in enumerate(sorted(names, key=lambda k: shapes[k], reverse=True)):
+            local[k] = (i % world, ends[i % world])
+            ends[i % world] += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
+        stretch = max(ends)
+        starts.update({k: first + local[k][0] * stretch + local[k][1] for k in names})
+        spans.append((first, first + world * stretch))
+    return groups, starts, spans
+
+
+def shard_ranges(starts, shapes, span, rank, world):
+    """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
+    n = (span[1] - span[0]) // world
+    first, ranges = span[0] + rank * n, {}
+    for k in starts:
+        if not span[0] <= starts[k] < span[1]:
+            continue
+        lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
+        if lo < hi:
+            ranges[k] = (lo, hi)
+    return ranges
+
+
+def put_batch(x, device):
+    """A token batch as an int64 tensor on device, copied from pinned memory without blocking the host."""
+    t = torch.from_numpy(np.asarray(x, dtype=np.int64))                           # (..., T)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def to_device(arrays, device):
+    """{name: fp32 tensor on device} of numpy arrays: copies, never views, since the optimizer updates them."""
+    return {k: torch.tensor(np.asarray(a, np.float32), device=device) for k, a in arrays.items()}
+
+
+def evaluate_val(row_losses, weights, loader, cfg, device, world):
+    """Mean token loss over the val shards' first val_tokens // T sequences, the same at any batch and world size."""
+    loader.reset()
+    total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
+    rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
+    for counted in val_batches(cfg, loader):
+        x, y = loader.next_batch()                                                 # (B,T) each
+        losses = row_losses(weights, put_batch(x, device), put_batch(y, device), cfg)  # (B,T)
+        total += torch.where(rows < counted, losses.mean(-1).double(), 0.0).sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (cfg.val_tokens // cfg.seq_len)
+
+
+def setup_device(cfg):
+    """(rank, world, device, the run's key-value store or None): a process per GPU (nccl) or CPU share (gloo)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if world > 1:  # processes on one machine split its cores instead of oversubscribing them
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    store = None
+    if world > 1:
+        port = os.environ.get("MASTER_PORT", "")
+        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
+                and 1 <= int(port) <= 65535):
+            die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
+                "say where process 0 is (launch with torchrun, or set both)")
+        # env://'s store, made here to be read after a failure (under torchrun, its agent serves it)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world,
+                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                              timeout=datetime.timedelta(minutes=30))
+        # rank 0 alone evaluates HellaSwag while the others wait in the next all-reduce: allow for it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(hours=1))
+        atexit.register(dist.destroy_process_group)
+    # the matmul precision cfg.dtype promises: cuBLAS and cuDNN would otherwise run fp32 matmuls as TF32
+    tf32 = cfg.dtype == "bf16"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    return rank, world, device, store
+
+
+@contextlib.contextmanager
+def fail_on_out_of_memory(cfg):
+    """Running out of device memory (at compile or run time) is one line, no trace."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        die_out_of_memory(cfg, e)
+
+
+def any_process_failed(world, device):
+    """open_run's `any_failed` for a run of `world` processes (None for one): True when any passes True."""
+    if world == 1:
+        return None
+
+    def any_failed(failed):
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+    return any_failed
+
+
+def agree_to_stop(budget_spent, signum, rank, device):
+    """(--time-budget reached by process 0's clock, a signal to any process or 0), the same in every process."""
+    flags = torch.tensor([int(budget_spent and rank == 0), signum], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    budget_spent, signum = flags.tolist()
+    return bool(budget_spent), signum
+
+
+@contextlib.contextmanager
+def fail_on_lost_peer(store, rank, world):
+    """A collective failed by a lost process: each survivor names it in one line and exits at once (not waiting)."""
+    try:
+        yield
+    except RuntimeError as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+        if world == 1 or not where.startswith("torch.distributed"):
+            raise
+        # a roll call in the run's store: the ranks silent for CENSUS_SECONDS; None once process 0's store is gone
+        try:
+            socket.create_connection((store.host, store.port), timeout=2).close()  # writing a closed store warns
+            store.set(f"census/{rank}", "alive")
+            deadline = time.monotonic() + CENSUS_SECONDS
+            silent = list(range(world))
+            while silent and time.monotonic() < deadline:
+                silent = [r for r in range(world) if not store.check([f"census/{r}"])]
+                time.sleep(0.1)
+            if rank == 0:  # the others read the marks before its store closes
+                time.sleep(1)
+        except (OSError, RuntimeError, dist.DistError):
+            silent = None
+        if silent == []:
+            raise
+        who = ", ".join(map(str, silent)) if silent else "0 (its store is gone)"
+        os.write(2, f"error: lost process {who} of {world}: it stopped or was killed, so process {rank} stops "
+                    "too; `--resume auto` continues the run from its latest checkpoint\n".encode())
+        os._exit(1)
+
+
+def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank, world):
+    """Stage 1 (ZeRO-1): per group of state_layout's `layout`, a process keeps 1/world of the fp32 masters, m, v and
+    the summed gradients, and updates that shard of the weights (`own_weights`); shard_*, m, v: {name: its piece}."""
+    groups, starts, spans = layout
+    muon = set(muon_names)
+    state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
+    for (names, dtype), (first, end) in zip(groups, spans):
+        n = (end - first) // world
+        own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
+        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
+        views = flat_views(group["weights"], starts, shapes, names, first)
+        for k in names:
+            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        state["weights"].update(views)
+        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
+        # fp32 weights are their own masters; bf16 ones get an fp32 shard
+        group["params"] = (group["own_weights"] if dtype == torch.float32 else
+                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
+        # one process alone reduces into its gradient buffer itself
+        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
+                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
+        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
+        for name in sources:
+            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
+        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
+            sources["params"] = params
+        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
+        for name, source in sources.items():
+            for k, (lo, hi) in ranges.items():
+                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
+                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
+        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
+        if dtype != torch.float32:
+            pieces["own_weights"] = "shard_copies"
+        for k, (lo, hi) in ranges.items():
+            for name, into in pieces.items():
+                if name in group:
+                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
+                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
+        state["groups"].append(group)
+    state["shard_copies"] = state["shard_copies"] or None
+    return state
+
+
+def evaluate_hellaswag(row_losses_fn, params, cfg, device):
+    """(acc, acc_norm) through hellaswag.evaluate, rows fitted to the context by hellaswag.in_context."""
+    def padded_losses(x, y):                                                       # (4, width) int64 each
+        return row_losses_fn(params, put_batch(x, device), put_batch(y, device), cfg).cpu().numpy()
+    hellaswag = hellaswag_module()
+    return hellaswag.evaluate(hellaswag.in_context(padded_losses, cfg.block_size), limit=cfg.hellaswag_limit)
+
+
+def peak_memory_gb(device):
+    """Peak GB allocated by torch's caching allocator on the GPU; None on the CPU, where torch keeps no count."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def flat_gradients(shapes, layout, device):
+    """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
+    _, starts, spans = layout
+    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
+    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
+    return state
+
+
+def state_bytes(zero_stage, shapes, layout, muon_names, world):
+    """Bytes of bf16 `params`, `grads`, fp32 `masters` and `moments` that one process holds (docs/FORMATS.md)."""
+    groups, _, spans = layout
+    muon = set(muon_names)
+    size = spans[-1][1]
+    if zero_stage == 0:
+        numel = {k: math.prod(s) for k, s in shapes.items()}
+        copied = sum(numel[k] for names, dtype in groups if dtype != torch.float32 for k in names)
+        return {"params": 2 * copied, "grads": 4 * size, "masters": 4 * sum(numel.values()),
+                "moments": sum((4 if k in muon else 8) * n for k, n in numel.items())}
+    lengths = [(end - first, dtype, bool(muon.intersection(names)))
+               for (names, dtype), (first, end) in zip(groups, spans)]
+    return {"params": sum(2 * n for n, dtype, _ in lengths if dtype != torch.float32),
+            "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
+            "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
+            "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
+
+
+def evals_left_to_run(cfg, step, master, world):
+    """[val due, HellaSwag due] at a resumed `step` that process 0's log.jsonl lacks (a kill after the checkpoint)."""
+    logged = logged_evals(cfg.out_dir, step) if master else set()
+    missing = [due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
+               due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]
+    if world > 1:  # all must run the same evaluations
+        dist.broadcast_object_list(missing, src=0)
+    return missing
+
+
+def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say):
+    """Step's checkpoint where --ckpt-every (or the last step, `last`) asks: gathered by all, written by process 0."""
+    if not due(cfg.ckpt_every, step, last):
+        return
+    if cfg.zero_stage == 0:
+        full = state["params"], state["m"], state["v"]
+    else:  # the shards of the masters and moments, all-gathered group by group
+        shapes, full = recipe.shapes(cfg), []
+        for name in ("params", "m", "v"):
+            buffer, names = torch.empty_like(state["grad_buffer"]), []                # (P,)
+            for group in state["groups"]:
+                if name not in group:  # Muon's group has no v
+                    continue
+                first, end = group["span"]
+                if world > 1:
+                    dist.all_gather_single(buffer[first:end], group[name])
+                else:
+                    buffer[first:end].copy_(group[name])
+                names += [k for k in shapes if first <= state["starts"][k] < end]
+            full.append(flat_views(buffer, state["starts"], shapes, names))
+    if master:
+        full = [{k: t.detach().float().cpu().numpy() for k, t in tensors.items()} for tensors in full]
+        say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg, recipe)}")
+    if world > 1:
+        dist.barrier()
+
+
+def say_samples(sample, cfg, step, last, device, decode, master, say):
+    """Prints step's samples where --sample-every (or the last step) asks: sample(generator)'s rows (S, T) after EOT."""
+    if decode is None or not (master and due(cfg.sample_every, step, last)):
+        return
+    seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
+    generator = torch.Generator(device=device).manual_seed(seed)  # (--seed, step)'s: as an uninterrupted run's
+    for i, row in enumerate(sample(generator).tolist()):
+        say(f"sample {i}: {decode(row[1:])!r}")
+
+
+# -----------------------------------------------------------------------------
 # Main
 
 @stops_on_signals
@@ -1062,10 +2784,8 @@ def main(argv, signals):
     cfg, explicit = parse_args(argv)
     dtype = default_dtype(cfg, gpu=torch.cuda.is_available())  # the device setup_device picks
     recipe = RECIPES[cfg.recipe]
-    if cfg.test or cfg.profile or cfg.bench_ops:
-        import triton_tools as tools  # their code, which imports this file: loaded only when asked for
     if cfg.test:
-        tools.run_self_test(cfg)
+        run_self_test(cfg)
         return
     ops = backend_ops(cfg.backend, cfg.recipe)
     if cfg.backend == "triton" and INTERPRET and cfg.dtype == "bf16":
@@ -1074,7 +2794,7 @@ def main(argv, signals):
     framework = f"{FRAMEWORK}-{cfg.backend}"
     rank, world, device, store = setup_device(cfg)
     if cfg.bench_ops:
-        tools.bench_ops(cfg, ops, device)
+        bench_ops(cfg, ops, device)
         return
     master = signals.master = rank == 0
     say = print if master else (lambda *args, **kwargs: None)
@@ -1132,7 +2852,7 @@ def main(argv, signals):
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
-                profile = tools.start_profile(ops, device)
+                profile = start_profile(ops, device)
             t0 = time.perf_counter()
             x, y = step_batches(train_loader, grad_accum)  # (A, B, T) each
             xs, ys = put_batch(x, device), put_batch(y, device)
@@ -1153,7 +2873,7 @@ def main(argv, signals):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
             if profile and step == profile_steps[-1]:
-                tools.finish_profile(profile, profile_steps, [1000 * times[s] for s in profile_steps], weights,
+                finish_profile(profile, profile_steps, [1000 * times[s] for s in profile_steps], weights,
                                      xs[0], cfg, ops, device, rank, master)
                 profile = None
             report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
@@ -1174,7 +2894,2930 @@ def main(argv, signals):
         + (' (steady state)' if len(times) > 1 else ''))
 
 
+# -----------------------------------------------------------------------------
+# Triton kernels: memory-bound ops
+#
+# N = B*T rows, C channels, `dt` the compute dtype (bf16 or fp32). Loads in the input's dtype, arithmetic in
+# fp32, each result rounded once when stored; every load and store masked. Row offsets are int64 (N*Vp passes
+# 2**31 at B*T = 43k). Deterministic: no floating-point atomics, and every reduction's partition depends on
+# the shapes and the block sizes only (none of these kernels is autotuned). Memory-bound loops are pipelined
+# (tl.range num_stages). Block sizes were reasoned for the H100 (132 SMs, 64k registers, 228 KB shared
+# memory); `--bench-ops` and `--profile` time them, to retune.
+
+ROW_TILE = 4096         # elements per program in the row kernels: 4 rows of a 1024-wide block at C=768,
+ROW_WARPS = 8           # ... 16 per thread, two 16-byte bf16 vectors per tensor per thread
+LN_BWD_PROGRAMS = 256   # LayerNorm backward: 256 programs (~2 per SM), each looping over N/256 rows,
+LN_BWD_TILE = 2048      # ... 2 rows of a 1024-wide block per step: 16 elements per thread with 4 warps,
+LN_BWD_WARPS = 4        # ... 126 registers (up to 4 programs per SM: all 256 are resident at once) ...
+LN_BWD_STAGES = 3       # ... and 2 steps (2 x 12 KB of dy, x, dres) loading while one is computed
+LN_REDUCE_BLOCK_P = 256  # the dgamma/dbeta reduce: all (<= 256) partials of 16 channels at once, 48
+LN_REDUCE_BLOCK_C = 16   # ... programs at C = 768 reading the 1.5 MB of partials from L2
+ELEM_BLOCK = 4096       # activations: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
+ELEM_WARPS = 8
+
+
+# cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter: one step
+CE_BLOCK_V = 1 << 16 if INTERPRET else 4096
+CE_WARPS = 8
+ENC_SORT_BLOCK_N = 16   # embedding sort: (16 rows, 256 rows) compare tiles, 512 programs at N = 8k, 32
+ENC_SORT_BLOCK_M = 256  # ... counts per thread with 4 warps (a multiple of ENC_SORT_BLOCK_N)
+ENC_SORT_STAGES = 3
+ENC_SLOTS = 16          # embedding wte reduce: 16 sorted rows per program (tl.dot needs >= 16) ...
+ENC_BLOCK_C = 256       # ... over 256 channels, 1536 programs at N = 8k, C = 768, 8 warps: 74
+ENC_WARPS = 8           # ... registers (152 with 4 warps)
+ENC_CARRY_TILES = 16    # runs longer than a tile: the partial sums of 16 following tiles per step
+ENC_WPE_BLOCK_T = 8     # wpe reduce: (8 positions, 256 channels) per program, pipelined over the batch
+ENC_WPE_STAGES = 3
+
+
+# multi-tensor kernels: elements per program (8 blocks of MT_BLOCK); the interpreter: one wide block
+MT_CHUNK = 1 << 16 if INTERPRET else 16384
+MT_BLOCK = 1 << 16 if INTERPRET else 2048
+MT_WARPS = 8
+NORM_STAGES = 3         # global norm: 2 blocks (16 KB) in flight per program
+NORM_FINISH_BLOCK = 8192  # the norm's partials in one step (7.6k chunks at d12)
+NORM_FINISH_WARPS = 8
+
+
+def _row_blocks(C, tile=ROW_TILE):
+    """(BLOCK_C, BLOCK_ROWS) for a kernel that keeps whole rows of C channels in a tile of `tile` elements."""
+    block_c = triton.next_power_of_2(C)
+    return block_c, max(1, tile // block_c)
+
+
+# --- Embedding: x[b, t] = wte[idx[b, t]] + wpe[t] (the speedrun model's: table[idx[b, t]], no positions) ---
+
+@triton.jit
+def _encoder_forward_kernel(idx_ptr, wte_ptr, wpe_ptr, out_ptr, N, T, C, HAS_WPE: tl.constexpr,
+                            BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local rows
+    cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
+    row_mask = rows < N - row0
+    mask = row_mask[:, None] & (cols < C)[None, :]                                  # (R, BC)
+    tok = tl.load(idx_ptr + row0 + rows, mask=row_mask, other=0)                    # (R,) int64
+    x = tl.load(wte_ptr + tok[:, None] * C + cols[None, :], mask=mask, other=0.0)   # (R, BC) dt
+    if HAS_WPE:
+        pos = (row0 + rows) % T                                                     # (R,) int64
+        p = tl.load(wpe_ptr + pos[:, None] * C + cols[None, :], mask=mask, other=0.0)  # (R, BC) dt
+        x = x.to(tl.float32) + p.to(tl.float32)                                     # (R, BC) fp32
+    tl.store(out_ptr + row0 * C + rows[:, None] * C + cols[None, :], x.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def encoder_forward(idx, wte, wpe):
+    """idx (B,T) int64, wte (Vp,C) dt, wpe (maxT,C) dt or None -> x (B,T,C) dt."""
+    B, T = idx.shape
+    C = wte.shape[1]
+    x = torch.empty((B, T, C), dtype=wte.dtype, device=wte.device)                  # (B, T, C) dt
+    block_c, block_rows = _row_blocks(C)
+    grid = (triton.cdiv(B * T, block_rows),)
+    _encoder_forward_kernel[grid](idx, wte, wte if wpe is None else wpe, x, B * T, T, C, HAS_WPE=wpe is not None,
+                                  BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
+    return x
+
+
+# dwte[v] += the rows of dx whose token is v, in the same order every run and without atomics, in three
+# steps: (1) a stable rank sort of the rows by token (N^2 integer compares: ~8 us at N = 8k); (2) each tile of
+# ENC_SLOTS sorted slots sums the pieces of the token runs inside it as one product same (S, S) @ dx (S, BC)
+# and adds a run that lies inside the tile to its wte row, a piece of a run crossing the tile's edge to a
+# carry buffer; (3) the tile where a crossing run starts adds the carried pieces in tile order.
+
+@triton.jit
+def _encoder_sort_kernel(idx_ptr, order_ptr, sorted_tok_ptr, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         STAGES: tl.constexpr):
+    # slot[n] = #{m: token_m < token_n} + #{m < n: token_m == token_n}: m-blocks below ours count <=, those
+    # above <, our own block compares positions (BLOCK_M is a multiple of BLOCK_N)
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)                                                  # (BN,) our rows
+    n_mask = n < N
+    # masked lanes hold 2**31 - 1, above every token, so they never sort before a real row
+    tok_n = tl.load(idx_ptr + n, mask=n_mask, other=2147483647).to(tl.int32)         # (BN,)
+    tok_nc = tok_n[:, None]                                                         # (BN, 1)
+    m = tl.arange(0, BLOCK_M)                                                       # (BM,)
+    count = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)                            # (BN, BM)
+    m_own = (n0 // BLOCK_M) * BLOCK_M
+    for m0 in tl.range(0, m_own, BLOCK_M, num_stages=STAGES):
+        tok_m = tl.load(idx_ptr + m0 + m).to(tl.int32)                              # (BM,) a full block
+        count += (tok_m[None, :] <= tok_nc).to(tl.int32)
+    tok_m = tl.load(idx_ptr + m_own + m, mask=m < N - m_own, other=2147483647).to(tl.int32)  # (BM,)
+    tie_before = (tok_m[None, :] == tok_nc) & ((m_own + m)[None, :] < n[:, None])   # (BN, BM)
+    count += ((tok_m[None, :] < tok_nc) | tie_before).to(tl.int32)
+    for m0 in tl.range(m_own + BLOCK_M, N, BLOCK_M, num_stages=STAGES):
+        tok_m = tl.load(idx_ptr + m0 + m, mask=m < N - m0, other=2147483647).to(tl.int32)  # (BM,)
+        count += (tok_m[None, :] < tok_nc).to(tl.int32)
+    slot = tl.sum(count, axis=1)                                                    # (BN,) int32
+    tl.store(order_ptr + slot, n, mask=n_mask)
+    tl.store(sorted_tok_ptr + slot, tok_n, mask=n_mask)
+
+
+@triton.jit
+def _encoder_wte_backward_kernel(dx_ptr, order_ptr, sorted_tok_ptr, dwte_ptr, carry_ptr, N, C,
+                                 SLOTS: tl.constexpr, BLOCK_C: tl.constexpr):
+    # program (tile, c-block): sorted slots s0 .. s0+SLOTS-1, channels of one c-block
+    tile = tl.program_id(0)
+    s0 = tile * SLOTS
+    i = tl.arange(0, SLOTS)                                                         # (S,)
+    valid = i < N - s0
+    # tokens of the tile and of its neighbours; -1 past either end matches no token
+    tok = tl.load(sorted_tok_ptr + s0 + i, mask=valid, other=-1)                    # (S,) int32
+    prev = tl.load(sorted_tok_ptr + s0 + i - 1, mask=valid & (s0 + i > 0), other=-1)  # (S,) int32
+    before = tl.load(sorted_tok_ptr + s0 - 1, mask=s0 > 0, other=-1)                # scalar: slot s0-1
+    after = tl.load(sorted_tok_ptr + s0 + SLOTS, mask=s0 + SLOTS < N, other=-1)     # scalar: slot s0+S
+    rows = tl.load(order_ptr + s0 + i, mask=valid, other=0).to(tl.int64)            # (S,) source rows
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
+    col_mask = cols < C
+    g = tl.load(dx_ptr + rows[:, None] * C + cols[None, :], mask=valid[:, None] & col_mask[None, :],
+                other=0.0).to(tl.float32)                                           # (S, BC)
+    first = valid & ((tok != prev) | (i == 0))          # the first slot of each piece in the tile
+    inside = first & (tok != before) & (tok != after)   # ... of a run that lies inside the tile
+    dst = dwte_ptr + tok.to(tl.int64)[:, None] * C + cols[None, :]                  # (S, BC) fp32 rows
+    dst_mask = inside[:, None] & col_mask[None, :]
+    old = tl.load(dst, mask=dst_mask, other=0.0)                                    # (S, BC) fp32
+    same = (tok[:, None] == tok[None, :]).to(tl.float32)                            # (S, S) 0/1
+    piece = tl.dot(same, g, input_precision="ieee")     # (S, BC): every slot gets its piece's sum
+    tl.store(dst, old + piece, mask=dst_mask)
+    # carries: row 0 takes the first piece when it continues a run from the tile before, row 1 the last
+    # piece when it starts a run that goes on into the next tile (a run spanning the tile is a row-0 piece)
+    head = first & (tok == before)
+    tail = first & (tok == after) & (tok != before)
+    carry = carry_ptr + (tile.to(tl.int64) * 2 + tail.to(tl.int64))[:, None] * C + cols[None, :]  # (S, BC)
+    tl.store(carry, piece, mask=(head | tail)[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _encoder_carry_kernel(carry_ptr, sorted_tok_ptr, dwte_ptr, N, C, SLOTS: tl.constexpr,
+                          TILES: tl.constexpr, BLOCK_C: tl.constexpr):
+    # program (tile, c-block): if a run starts in this tile and goes on into the next, add its piece
+    # (carry row 1) and the row-0 pieces of the tiles it covers, in tile order, to the token's wte row
+    tile = tl.program_id(0)
+    s0 = tile * SLOTS
+    last_slot = tl.minimum(s0 + SLOTS, N) - 1
+    tok = tl.load(sorted_tok_ptr + last_slot)                                       # scalar int32
+    first_tok = tl.load(sorted_tok_ptr + s0)
+    before = tl.load(sorted_tok_ptr + s0 - 1, mask=s0 > 0, other=-1)
+    after = tl.load(sorted_tok_ptr + s0 + SLOTS, mask=s0 + SLOTS < N, other=-1)
+    # the last piece goes on past the tile and does not itself continue a run from before the tile
+    if (tok == after) & ((first_tok != tok) | (before != tok)):
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                   # (BC,)
+        col_mask = cols < C
+        acc = tl.load(carry_ptr + (tile.to(tl.int64) * 2 + 1) * C + cols, mask=col_mask, other=0.0)  # (BC,)
+        k = tl.arange(0, TILES)                                                     # (TB,)
+        t0 = tile + 1
+        more = t0 * SLOTS < N                                                       # true, as a tensor
+        while more:
+            t = t0 + k                                                              # (TB,) later tiles
+            # a later tile continues the run when its first slot holds the token (a prefix of k: sorted)
+            cont = tl.load(sorted_tok_ptr + t * SLOTS, mask=t * SLOTS < N, other=-1) == tok
+            part = tl.load(carry_ptr + (t.to(tl.int64) * 2)[:, None] * C + cols[None, :],
+                           mask=cont[:, None] & col_mask[None, :], other=0.0)      # (TB, BC) fp32
+            acc += tl.sum(part, axis=0)
+            more = (tl.sum(cont.to(tl.int32), axis=0) == TILES) & ((t0 + TILES) * SLOTS < N)
+            t0 += TILES
+        dst = dwte_ptr + tok.to(tl.int64) * C + cols                                # (BC,) fp32 row
+        tl.store(dst, tl.load(dst, mask=col_mask, other=0.0) + acc, mask=col_mask)
+
+
+@triton.jit
+def _encoder_wpe_backward_kernel(dx_ptr, dwpe_ptr, B, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 STAGES: tl.constexpr):
+    # dwpe[t] += sum over b of dx[b, t], the batch summed in order by the one program owning (t, c)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                          # (BT,)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
+    mask = (t < T)[:, None] & (cols < C)[None, :]                                   # (BT, BC)
+    offs = t[:, None] * C + cols[None, :]                                           # (BT, BC) int32
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for _ in tl.range(0, B, num_stages=STAGES):
+        acc += tl.load(dx_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dx_ptr += T * C
+    tl.store(dwpe_ptr + offs, tl.load(dwpe_ptr + offs, mask=mask, other=0.0) + acc, mask=mask)
+
+
+def embedding_backward(dx, idx, dtable):
+    """dx (B,T,C) dt, idx (B,T) int64; dtable (Vp,C) fp32 += each token's rows of dx."""
+    B, T, C = dx.shape
+    N = B * T
+    order = torch.empty(N, dtype=torch.int32, device=dx.device)       # (N,) rows sorted by (token, row)
+    sorted_tok = torch.empty(N, dtype=torch.int32, device=dx.device)  # (N,) their tokens
+    tiles = triton.cdiv(N, ENC_SLOTS)
+    carry = torch.empty((tiles, 2, C), dtype=torch.float32, device=dx.device)  # (tiles, 2, C) run pieces
+    _encoder_sort_kernel[(triton.cdiv(N, ENC_SORT_BLOCK_N),)](
+        idx, order, sorted_tok, N, BLOCK_N=ENC_SORT_BLOCK_N, BLOCK_M=ENC_SORT_BLOCK_M, STAGES=ENC_SORT_STAGES)
+    n_cblocks = triton.cdiv(C, ENC_BLOCK_C)
+    _encoder_wte_backward_kernel[(tiles, n_cblocks)](dx, order, sorted_tok, dtable, carry, N, C, SLOTS=ENC_SLOTS,
+                                                     BLOCK_C=ENC_BLOCK_C, num_warps=ENC_WARPS)
+    _encoder_carry_kernel[(tiles, n_cblocks)](carry, sorted_tok, dtable, N, C, SLOTS=ENC_SLOTS,
+                                              TILES=ENC_CARRY_TILES, BLOCK_C=ENC_BLOCK_C)
+
+
+def encoder_backward(dx, idx, dwte, dwpe):
+    """dx (B,T,C) dt, idx (B,T) int64; dwte (Vp,C) fp32 += token gradients, dwpe (maxT,C) fp32 +=."""
+    B, T, C = dx.shape
+    embedding_backward(dx, idx, dwte)
+    _encoder_wpe_backward_kernel[(triton.cdiv(T, ENC_WPE_BLOCK_T), triton.cdiv(C, ENC_BLOCK_C))](
+        dx, dwpe, B, T, C, BLOCK_T=ENC_WPE_BLOCK_T, BLOCK_C=ENC_BLOCK_C, STAGES=ENC_WPE_STAGES)
+
+
+# --- LayerNorm, and (RMS) the speedrun model's RMSNorm, optionally fused with the residual add before it ---
+# RMSNorm: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps), no mean, no bias (RMS a constexpr)
+
+@triton.jit
+def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_ptr, rstd_ptr, N, C, eps,
+                              HAS_RESIDUAL: tl.constexpr, RMS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,) local rows
+    cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
+    row_mask = rows < N - row0
+    col_mask = cols < C
+    mask = row_mask[:, None] & col_mask[None, :]                                    # (R, BC)
+    base = row0 * C                                                                 # int64 scalar
+    offs = rows[:, None] * C + cols[None, :]                                        # (R, BC) int32
+    x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)                          # (R, BC) dt
+    if HAS_RESIDUAL:
+        # the sum is rounded to dt before the statistics: the backward recomputes from the stored x
+        h = tl.load(h_ptr + base + offs, mask=mask, other=0.0)                      # (R, BC) dt
+        x = (x.to(tl.float32) + h.to(tl.float32)).to(xsum_ptr.dtype.element_ty)
+        tl.store(xsum_ptr + base + offs, x, mask=mask)
+    x = x.to(tl.float32)
+    if RMS:
+        xc = x                                                                      # (R, BC) masked 0
+    else:
+        mean = tl.sum(x, axis=1) / C                                                # (R,) fp32
+        # padded lanes are zeroed so that they stay out of the variance (C = 768 in a 1024-wide block)
+        xc = tl.where(mask, x - mean[:, None], 0.0)                                 # (R, BC)
+        tl.store(mean_ptr + row0 + rows, mean, mask=row_mask)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / C + eps)                              # (R,) fp32
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)              # (BC,)
+    y = xc * rstd[:, None] * w[None, :]                                             # (R, BC) fp32
+    if not RMS:
+        y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row0 + rows, rstd, mask=row_mask)
+
+
+def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
+    """LayerNorm (RMSNorm with rms) over the last axis of x, or of x + h: (x + h or None, y, mean, rstd)."""
+    C = x.shape[-1]
+    N = x.numel() // C
+    xsum = torch.empty_like(x) if h is not None else None                           # (..., C) dt
+    y = torch.empty_like(x)                                                         # (..., C) dt
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)          # (...,) fp32
+    mean = None if rms else torch.empty_like(rstd)                                  # (...,) fp32
+    block_c, block_rows = _row_blocks(C)
+    # unused pointers (no residual, RMS's mean and bias) get ones the flags compile out
+    _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
+        x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y, rstd if rms else mean, rstd,
+        N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
+    return xsum, y, mean, rstd
+
+
+def layernorm_forward(x, w, b):
+    """x (N,C) dt, w (C) dt, b (C) dt -> (y (N,C) dt, mean (N) fp32, rstd (N) fp32)."""
+    _, y, mean, rstd = _layernorm_forward(x, None, w, b)
+    return y, mean, rstd
+
+
+@triton.jit
+def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, partial_ptr,
+                               N, C, rows_per_program, HAS_DRES: tl.constexpr, RMS: tl.constexpr,
+                               BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+    # dx for a contiguous range of rows, and the range's partial dgamma/dbeta (partial[0, pid], partial[1, pid])
+    # that _layernorm_param_grad_kernel sums: no atomics on the weights
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_ROWS)                                                 # (R,)
+    cols = tl.arange(0, BLOCK_C)                                                    # (BC,)
+    col_mask = cols < C
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)              # (BC,)
+    dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)                      # (R, BC)
+    db_acc = tl.zeros((BLOCK_ROWS, BLOCK_C), dtype=tl.float32)                      # (R, BC)
+    first = pid.to(tl.int64) * rows_per_program
+    for r0 in tl.range(0, rows_per_program, BLOCK_ROWS, num_stages=STAGES):
+        row0 = first + r0
+        row_mask = rows < N - row0
+        mask = row_mask[:, None] & col_mask[None, :]                                # (R, BC)
+        base = row0 * C                                                             # int64 scalar
+        offs = rows[:, None] * C + cols[None, :]                                    # (R, BC) int32
+        dy = tl.load(dy_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)    # (R, BC)
+        x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)      # (R, BC)
+        rstd = tl.load(rstd_ptr + row0 + rows, mask=row_mask, other=0.0)            # (R,)
+        # padded lanes load dy = w = 0, so g, g * xhat and dy * xhat are 0 there whatever xhat holds
+        if RMS:
+            xhat = x * rstd[:, None]                                                # (R, BC)
+        else:
+            mean = tl.load(mean_ptr + row0 + rows, mask=row_mask, other=0.0)        # (R,)
+            xhat = (x - mean[:, None]) * rstd[:, None]                              # (R, BC)
+        g = dy * w[None, :]                                                         # (R, BC) dL/dxhat
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = g * rstd - (xhat * c1 + c2): two fused
+        # multiply-adds an element (RMSNorm: c2 = 0)
+        c1 = tl.sum(g * xhat, axis=1) / C * rstd                                    # (R,) rstd mean(g xhat)
+        if RMS:
+            dx = g * rstd[:, None] - xhat * c1[:, None]                             # (R, BC)
+        else:
+            c2 = tl.sum(g, axis=1) / C * rstd                                       # (R,) rstd mean(g)
+            dx = g * rstd[:, None] - (xhat * c1[:, None] + c2[:, None])             # (R, BC)
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + base + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+        db_acc += dy
+    P = tl.num_programs(0)
+    tl.store(partial_ptr + pid * C + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if not RMS:
+        tl.store(partial_ptr + (P + pid) * C + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, HAS_BIAS: tl.constexpr,
+                                 BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dw[c] += sum over programs of partial[0, :, c] (db from partial[1]), in a fixed order
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)                       # (BC,)
+    col_mask = cols < C
+    parts = tl.arange(0, BLOCK_P)                                                   # (BP,)
+    dw_acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)                         # (BP, BC)
+    db_acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)                         # (BP, BC)
+    for p0 in range(0, P, BLOCK_P):
+        mask = (parts < P - p0)[:, None] & col_mask[None, :]                        # (BP, BC)
+        offs = (p0 + parts)[:, None] * C + cols[None, :]                            # (BP, BC)
+        dw_acc += tl.load(partial_ptr + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db_acc += tl.load(partial_ptr + P * C + offs, mask=mask, other=0.0)
+    dw = tl.load(dw_ptr + cols, mask=col_mask, other=0.0) + tl.sum(dw_acc, axis=0)  # (BC,)
+    tl.store(dw_ptr + cols, dw, mask=col_mask)
+    if HAS_BIAS:
+        db = tl.load(db_ptr + cols, mask=col_mask, other=0.0) + tl.sum(db_acc, axis=0)  # (BC,)
+        tl.store(db_ptr + cols, db, mask=col_mask)
+
+
+def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
+    """dy, x (N,C) dt; w (C); mean, rstd (N) fp32; dw, db (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt,
+    dres included. With mean and db None, RMSNorm's backward."""
+    C = x.shape[-1]
+    N = x.numel() // C
+    dx = torch.empty_like(x)                                                        # (..., C) dt
+    block_c, block_rows = _row_blocks(C, LN_BWD_TILE)
+    # whole row tiles per program; their count P <= LN_BWD_PROGRAMS, and the summation order, depend on N only
+    rows_per_program = block_rows * triton.cdiv(N, block_rows * LN_BWD_PROGRAMS)
+    P = triton.cdiv(N, rows_per_program)
+    rms = mean is None
+    partial = torch.empty((1 if rms else 2, P, C), dtype=torch.float32, device=x.device)  # (2 or 1, P, C)
+    _layernorm_backward_kernel[(P,)](dy, x, w, rstd if rms else mean, rstd, dres if dres is not None else dy,
+                                     dx, partial, N, C, rows_per_program, HAS_DRES=dres is not None, RMS=rms,
+                                     BLOCK_ROWS=block_rows, BLOCK_C=block_c, STAGES=LN_BWD_STAGES,
+                                     num_warps=LN_BWD_WARPS)
+    _layernorm_param_grad_kernel[(triton.cdiv(C, LN_REDUCE_BLOCK_C),)](
+        partial, dw, dw if rms else db, P, C, HAS_BIAS=not rms, BLOCK_P=LN_REDUCE_BLOCK_P, BLOCK_C=LN_REDUCE_BLOCK_C)
+    return dx
+
+
+# --- Activations: tanh-GELU (GPT-2's) and relu(x)^2 (the speedrun's); the forward is fused into the matmul ---
+
+ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # the ACT codes of the kernels below and of matmul_kernel
+
+
+@triton.jit
+def _gelu_parts(x):
+    # (1 + tanh(u), 1 - tanh(u)^2) at u = sqrt(2/pi) (x + 0.044715 x^3), from e = exp(-2|u|): no overflow, and
+    # no cancellation where tanh is near -1 or 1
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)                             # sqrt(2/pi) = 0.797...
+    e = tl.exp(-2.0 * tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    return tl.where(u >= 0.0, 2.0 * r, 2.0 * e * r), 4.0 * e * r * r
+
+
+@triton.jit
+def _activation_forward_kernel(x_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    if ACT == 1:
+        one_plus_tanh, _ = _gelu_parts(x)
+        y = 0.5 * x * one_plus_tanh                                                 # (BL,)
+    else:
+        r = tl.maximum(x, 0.0)                                                      # (BL,)
+        y = r * r
+    tl.store(y_ptr + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _activation_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    dy = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)        # (BL,)
+    if ACT == 1:
+        one_plus_tanh, sech2 = _gelu_parts(x)
+        # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
+        du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        grad = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                           # (BL,)
+    else:
+        grad = 2.0 * tl.maximum(x, 0.0)                                             # (BL,) d relu(x)^2 / dx
+    tl.store(dx_ptr + start + offs, (dy * grad).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _activation_forward(pre, activation):
+    """pre (N,M) dt -> activation(pre) (N,M) dt: "gelu" (tanh approximation) or "relu2"."""
+    y = torch.empty_like(pre)                                                       # (N, M) dt
+    n = pre.numel()
+    _activation_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, ACT=ACTIVATIONS[activation],
+                                                              BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return y
+
+
+def _activation_backward(dy, pre, activation):
+    """dy, pre (N,M) dt -> dpre (N,M) dt."""
+    dpre = torch.empty_like(pre)                                                    # (N, M) dt
+    n = pre.numel()
+    _activation_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, ACT=ACTIVATIONS[activation],
+                                                               BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return dpre
+
+
+# --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
+# CAP > 0: of the soft-capped logits c = CAP z / sqrt(z^2 + CAP^2) (the speedrun's head)
+
+@triton.jit
+def _softcap(z, CAP: tl.constexpr):
+    # (c, dc/dz) of fp32 z
+    rs = tl.rsqrt(z * z + CAP * CAP)
+    return CAP * z * rs, CAP * CAP * CAP * rs * rs * rs
+
+
+@triton.jit
+def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+    # one row: pass 1 an online logsumexp over the V real logits, pass 2 overwrites the row with
+    # dloss * (softmax - onehot), 0 in the padded columns
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * Vp
+    cols = tl.arange(0, BLOCK_V)                                                    # (BV,)
+    target = tl.load(targets_ptr + row)                                             # scalar int64
+    target_logit = tl.load(logits_ptr + target).to(tl.float32)                      # read before pass 2
+    if CAP > 0:
+        target_logit, _ = _softcap(target_logit, CAP)
+    run_max = tl.full((), float("-inf"), tl.float32)                                # scalar fp32
+    run_sum = tl.full((), 0.0, tl.float32)                                          # scalar fp32
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols                                                               # (BV,)
+        x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)         # (BV,)
+        if CAP > 0:
+            x, _ = _softcap(x, CAP)
+        x = tl.where(c < V, x, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))   # finite: every block holds a real logit
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        run_max = new_max
+    lse = run_max + tl.log(run_sum)                                                 # scalar fp32
+    for v0 in range(0, Vp, BLOCK_V):
+        c = v0 + cols                                                               # (BV,)
+        x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)          # (BV,)
+        if CAP > 0:
+            x, dc = _softcap(x, CAP)
+            grad = (tl.exp(x - lse) - (c == target).to(tl.float32)) * dc            # (BV,)
+        else:
+            grad = tl.exp(x - lse) - (c == target).to(tl.float32)                   # (BV,)
+        grad = tl.where(c < V, grad * dloss, 0.0)
+        tl.store(logits_ptr + c, grad.to(logits_ptr.dtype.element_ty), mask=c < Vp)
+    tl.store(losses_ptr + row, lse - target_logit)
+
+
+def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V, cap=0.0):
+    """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32 (soft-capped logits' with cap > 0);
+    OVERWRITES logits with dloss * dlosses/dlogits, 0 in the padded columns. block_v: logits per loop step."""
+    Vp = logits.shape[-1]
+    N = logits.numel() // Vp
+    losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
+    _crossentropy_kernel[(N,)](logits, targets, losses, V, Vp, dloss, CAP=cap, BLOCK_V=block_v, num_warps=CE_WARPS)
+    return losses
+
+
+# --- Global gradient norm and AdamW over all parameters: multi-tensor kernels ----------------------------
+# One launch for every tensor: program i finds the tensor that owns chunk i in a small int64 table (element
+# count, first chunk, pointers, weight decay); ALIGNED restates the alignment the wrapper checked.
+
+
+def _tensor_table(pointer_lists, floats=(), chunk=MT_CHUNK):
+    """(table (n_tensors, 2 + pointer lists + floats) int64 on the device, chunks, aligned): the first list sets
+    the element counts; None gives a null pointer; floats are stored as float64 bits; chunk: elements a program."""
+    lead = pointer_lists[0]
+    rows, first, aligned = [], 0, True
+    for i, t in enumerate(lead):
+        ptrs = [0 if lst is None or lst[i] is None else lst[i].data_ptr() for lst in pointer_lists]
+        aligned = aligned and t.numel() % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+        rows.append([t.numel(), first] + ptrs)
+        first += triton.cdiv(t.numel(), chunk)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(len(lead), 2 + len(pointer_lists))
+    if floats:
+        bits = torch.tensor(list(zip(*floats)), dtype=torch.float64).reshape(len(lead), len(floats))
+        table = torch.cat([table, bits.view(torch.int64)], dim=1)
+    return table.to(lead[0].device), first, aligned
+
+
+def _check_tensors(name, tensors, dtypes, like):
+    """The kernels reach these tensors through raw pointers, so shapes and dtypes are checked here."""
+    for t, ref in zip(tensors, like):
+        if t.dtype not in dtypes or not t.is_contiguous() or t.shape != ref.shape or t.device != ref.device:
+            raise ValueError(f"{name}: expected contiguous {dtypes} tensors shaped like the parameters, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+@triton.jit
+def _owner_row(table_ptr, n_tensors, NCOL: tl.constexpr, BLOCK_T: tl.constexpr):
+    # the table row of the tensor that owns this program's chunk (hints on values a jit function returns
+    # are dropped: the caller loads sizes and offsets)
+    t = tl.arange(0, BLOCK_T)                                                       # (BT,)
+    firsts = tl.load(table_ptr + t * NCOL + 1, mask=t < n_tensors, other=2147483647)  # (BT,) int64
+    owner = tl.sum((firsts <= tl.program_id(0)).to(tl.int32), axis=0) - 1
+    return table_ptr + owner * NCOL
+
+
+@triton.jit
+def _global_norm_partial_kernel(table_ptr, n_tensors, partial_ptr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                                BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+    row = _owner_row(table_ptr, n_tensors, 3, BLOCK_T)  # numel, first chunk, grad pointer
+    numel = tl.load(row)
+    start = (tl.program_id(0) - tl.load(row + 1)) * CHUNK                           # int64 scalar
+    g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    g_ptr += start
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in tl.range(0, size, BLOCK, num_stages=STAGES):
+        g = tl.load(g_ptr + i0 + offs, mask=offs < size - i0, other=0.0)           # (BL,) fp32
+        acc += g * g
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _global_norm_finish_kernel(partial_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in range(0, n, BLOCK):
+        acc += tl.load(partial_ptr + i0 + offs, mask=offs < n - i0, other=0.0)
+    tl.store(out_ptr, tl.sqrt_rn(tl.sum(acc, axis=0)))
+
+
+def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
+    """grads: fp32 tensors -> () fp32, their L2 norm; chunk, block: elements per program and loop step."""
+    _check_tensors("global_norm grads", grads, (torch.float32,), grads)
+    table, chunks, aligned = _tensor_table([grads], chunk=chunk)
+    partial = torch.empty(chunks, dtype=torch.float32, device=grads[0].device)      # (chunks,) fp32
+    out = torch.empty((), dtype=torch.float32, device=grads[0].device)              # () fp32
+    _global_norm_partial_kernel[(chunks,)](table, len(grads), partial, ALIGNED=aligned, CHUNK=chunk,
+                                           BLOCK=block, BLOCK_T=triton.next_power_of_2(len(grads)),
+                                           STAGES=NORM_STAGES, num_warps=MT_WARPS)
+    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK,
+                                     num_warps=NORM_FINISH_WARPS)
+    return out
+
+
+@triton.jit
+def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, grad_scale, HAS_COPY: tl.constexpr,
+                  ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, param, grad, m, v, copy pointers, weight decay (float64 bits)
+    row = _owner_row(table_ptr, n_tensors, 8, BLOCK_T)
+    numel = tl.load(row)
+    start = (tl.program_id(0) - tl.load(row + 1)) * CHUNK                           # int64 scalar
+    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    wd = tl.load(row + 7).to(tl.float64, bitcast=True).to(tl.float32)
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    if HAS_COPY:
+        c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.bfloat16))
+        if ALIGNED:
+            c_ptr = tl.multiple_of(c_ptr, 16)
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        p = tl.load(p_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        g = tl.load(g_ptr + o + offs, mask=mask, other=0.0) * grad_scale            # (BL,) fp32
+        m = beta1 * tl.load(m_ptr + o + offs, mask=mask, other=0.0) + (1.0 - beta1) * g
+        v = beta2 * tl.load(v_ptr + o + offs, mask=mask, other=0.0) + (1.0 - beta2) * g * g
+        # llm.c's update with IEEE sqrt and division, as backend torch's
+        mhat = tl.div_rn(m, bias1)
+        vhat = tl.div_rn(v, bias2)
+        p = p - lr * (tl.div_rn(mhat, tl.sqrt_rn(vhat) + eps) + wd * p)
+        tl.store(m_ptr + o + offs, m, mask=mask)
+        tl.store(v_ptr + o + offs, v, mask=mask)
+        tl.store(p_ptr + o + offs, p, mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale,
+                 chunk=MT_CHUNK, block=MT_BLOCK):
+    """One AdamW step (llm.c's, as torch_adamw_update) over lists of fp32 params, grads (scaled by grad_scale),
+    m, v; `copies` (bf16, or None) get the params rounded. chunk and block as in global_norm."""
+    _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,),
+                   params * 4)
+    if copies is not None:
+        _check_tensors("adamw_update copies", copies, (torch.bfloat16,), params)
+    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays],
+                                           chunk=chunk)
+    _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step, 1.0 - beta2 ** step,
+                             grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
+                             BLOCK_T=triton.next_power_of_2(len(params)), num_warps=MT_WARPS)
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: matmul with fused epilogues, and dW
+#
+# Kernels spell constants out (log2(e), ln(2), sqrt(2/pi)): compiled Triton reads no Python global. Every
+# tl.dot says input_precision="ieee": fp32 stays true fp32 (no TF32); 16-bit operands use the tensor cores.
+# A fixed config gives the same bits every run; on a GPU the autotuner's timed choice may differ between
+# processes (dW's SPLIT_K, attention's streamed block), so a resumed run matches to rounding. The
+# interpreter has one config per shape: there the bits repeat. H100: a 128x256 tile is the largest whose fp32
+# accumulator fits 8 warps' registers; 128x128 with 3 stages leaves room for two programs an SM, one's
+# epilogue under the other's main loop (bench/NOTES.md).
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The (row, column) tile of program `pid`: GROUP_M row tiles sweep the columns together, sharing L2."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M  # (not tl.cdiv: each jit call costs ~1 ms in the interpreter)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)  # the last group may be short
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
+INTERPRETER_WIDE = 128  # the interpreter's dimensions of at least this size take one wide block
+
+
+def _matmul_configs(kernel, interpret=INTERPRET):
+    """Kernel "mm"'s (forward and dX) or "dw"'s configs: the H100's (dW split 1..8 ways, mm also on the TMA
+    path; BLOCK_K 64 for 16-bit inputs, 32 for fp32), or the interpreter's blocks of 32 to 512 a side."""
+    if interpret:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
+                               **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
+                              pre_hook=None if kernel == "dw" else _tma_block_shapes)
+                for bm in INTERPRETER_BLOCKS for bn in INTERPRETER_BLOCKS for bk in INTERPRETER_BLOCKS[:-1]
+                for s in ((1, 2) if kernel == "dw" else (1,)) for tma in ((False,) if kernel == "dw" else
+                                                                          (False, True))]
+    cfg = lambda bm, bn, bk, stages, warps, maxnreg=None, **kw: triton.Config(  # noqa: E731
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, **kw}, num_stages=stages, num_warps=warps,
+        maxnreg=maxnreg, pre_hook=None if kernel == "dw" else _tma_block_shapes)
+    if kernel == "dw":
+        return [cfg(bm, bn, bk, stages, warps, SPLIT_K=s) for bm, bn, bk, stages, warps in
+                ((128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 3, 8),
+                 (64, 128, 32, 3, 4)) for s in range(1, 9)]
+    # (128 registers a thread: what two 8-warp programs on an SM may use; Triton 3.9 needs 109-126 here)
+    pointer = [cfg(*c, TMA=False, PER_SM=1) for c in (
+        (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 3, 8, 128), (128, 128, 64, 3, 4),
+        (128, 128, 32, 3, 8), (64, 128, 32, 3, 4), (64, 64, 32, 3, 4))]
+    tma = [cfg(*c, TMA=True, PER_SM=per_sm) for *c, per_sm in (
+        (128, 256, 64, 3, 8, None, 1), (256, 128, 64, 3, 8, None, 1), (128, 128, 64, 4, 8, None, 1),
+        (128, 128, 64, 3, 8, 128, 2), (128, 128, 32, 3, 8, None, 1), (64, 128, 32, 3, 4, None, 2))]
+    return pointer + tma
+
+
+def _tma_block_shapes(nargs):
+    """Every mm config's pre-hook: sets the descriptors' block shapes (built before the autotuner picks) to the
+    config's tiles; the pointer path needs it too (its launch encodes them, and the driver refuses [1, 1])."""
+    if nargs["a_desc"] is None:
+        return
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_TRANS"] else [bk, bn]
+    nargs["c_desc"].block_shape = [bm, bn]
+    nargs["pre_desc"].block_shape = [bm, bn]
+
+
+def _prune_matmul_configs(configs, named_args, **kwargs):
+    """BLOCK_K 64 configs for 16-bit inputs, 32 for fp32; the TMA ones only where the descriptors exist."""
+    block_k = 32 if named_args["a_ptr"].element_size() == 4 else 64
+    tma = bool(named_args.get("tma_ok"))
+    return [c for c in configs if c.kwargs["BLOCK_K"] == block_k and (tma or not c.kwargs.get("TMA"))] or configs
+
+
+def _interpreter_config(configs, named_args, **kwargs):
+    """The interpreter's one config for a shape (run untimed): a dimension of INTERPRETER_WIDE or more in one
+    block (up to 512, 256 along K), smaller ones in blocks of 32 (the tests still run several tiles)."""
+    dims = {"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]}
+    want = {k: min(INTERPRETER_BLOCKS[-2 if k == "BLOCK_K" else -1], triton.next_power_of_2(d))
+            if d >= INTERPRETER_WIDE else 32 for k, d in dims.items()}
+    tma = bool(named_args.get("tma_ok"))  # the matmul's descriptor path wherever it can run
+    return [c for c in configs
+            if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
+
+
+DW_WORKSPACE_BYTES = 64 << 20  # split-K partial sums: at most 64 MiB (qkv's 7 splits at B*T = 16k take 50)
+
+
+def _dw_workspace(M, N, cfg):
+    """(elements of dw's and db's fp32 partial sums, tiles) of one dW config."""
+    bm, bn, split = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["SPLIT_K"]
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    return tiles * split * bm * bn, tiles * split * bm, tiles
+
+
+def _dw_cost(M, N, K, sms, cfg):
+    """Modelled time of dW under one config in 128x256x64 main-loop steps (waves of programs times a chunk's
+    steps, plus the split partial sums' round trip): it ranks split counts, the autotuner measures."""
+    bm, bn, bk, split = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    steps = triton.cdiv(triton.cdiv(K, split), bk)
+    area = bm * bn / (128 * 256)
+    return area * (math.ceil(tiles * split / sms) * steps * bk / 64 + (split > 1) * 1.5 * (split + 1))
+
+
+def _prune_dw_configs(configs, named_args, **kwargs):
+    """Per tile shape, the two split counts _dw_cost ranks best whose partial sums fit DW_WORKSPACE_BYTES."""
+    M, N, K = named_args["M"], named_args["N"], named_args["K"]
+    sms = _num_sms(named_args["a_ptr"].device)
+    width = [c for c in _prune_matmul_configs(configs, named_args) if c.kwargs["SPLIT_K"] == 1
+             or _dw_workspace(M, N, c)[0] * 4 <= DW_WORKSPACE_BYTES]
+    kept = []
+    for tile in dict.fromkeys((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in width):
+        same = [c for c in width if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == tile]
+        kept += sorted(same, key=lambda c: _dw_cost(M, N, K, sms, c))[:2]
+    return kept
+
+
+def _interpreter_dw_config(configs, named_args, **kwargs):
+    """_interpreter_config's blocks, split in 2 once K passes one block (the tests run the split path)."""
+    blocks = _interpreter_config(configs, named_args)
+    split = 2 if named_args["K"] > blocks[0].kwargs["BLOCK_K"] else 1
+    return [c for c in blocks if c.kwargs["SPLIT_K"] == split]
+
+
+def _autotune_bench(kernel_call, quantiles):
+    """The autotuner's timing of one config: ~25 ms of runs (Triton's default spends ~125 ms)."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+MATMUL_PRUNE = {"early_config_prune": _interpreter_config if INTERPRET else _prune_matmul_configs}
+DW_PRUNE = {"early_config_prune": _interpreter_dw_config if INTERPRET else _prune_dw_configs}
+
+
+@triton.jit
+def _gelu_tanh(x, FAST_TANH: tl.constexpr):
+    """tanh-GELU of fp32 x. FAST_TANH (GPU, 16-bit output): the SFU's tanh.approx (error ~2^-11, under a bf16
+    rounding); else exact to fp32 as x sigmoid(2u), no NaN at either tail."""
+    u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
+    if FAST_TANH:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        y = 0.5 * x * (1.0 + t)
+    else:
+        y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
+    return y
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
+    """The matmul epilogue's activation of fp32 x: tanh-GELU (ACT 1) or relu(x)^2 (ACT 2)."""
+    if ACT == 1:
+        y = _gelu_tanh(x, FAST_TANH)
+    else:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    return y
+
+
+@triton.jit
+def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 stride_cm, stride_cn, scale, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                 FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """matmul_kernel's pointer path: this program's output tile, the operands read through any strides."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) output columns
+    offs_k = tl.arange(0, BLOCK_K)  # (BK,)
+    if HAS_BIAS:  # loaded before the loop, whose time then hides its latency (after it, it stalls the epilogue)
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)  # (BN,)
+    # rows/columns past the edge wrap around to valid ones, so the loads in the loop need no M/N mask;
+    # the wrapped results are dropped by the masked store
+    rows = (offs_m % M).to(tl.int64)  # (BM,) int64: N*Vp logits pass 2**31 elements at batch 48
+    cols = (offs_n % N).to(tl.int64)  # (BN,)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)  # (BM, BK)
+            b = tl.load(b_ptrs)  # (BK, BN)
+        else:  # zeros past K add nothing to the dot
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k, other=0.0)  # (BM, BK)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k, other=0.0)  # (BK, BN)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if SCALED:  # FP8 operands' scales
+        acc *= scale
+    if HAS_BIAS:
+        acc += bias[None, :]  # (BM, BN)
+    c_offs = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn  # (BM, BN)
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
+    if ACT != 0:
+        # both outputs rounded first, so the fp32 accumulator is dead before the stores' layout changes
+        pre = acc.to(pre_ptr.dtype.element_ty)  # (BM, BN)
+        y = _activation(acc, ACT, FAST_TANH).to(c_ptr.dtype.element_ty)  # (BM, BN)
+        tl.store(pre_ptr + c_offs, pre, mask=c_mask)
+        tl.store(c_ptr + c_offs, y, mask=c_mask)
+    else:
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """matmul_kernel's descriptor path (Hopper's TMA; b_desc holds w (N,K) when B_TRANS), persistent: each
+    program walks the tiles num_programs apart, loading the next tile's K blocks during this one's epilogue."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    k_steps = (K + BLOCK_K - 1) // BLOCK_K
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+        for ki in range(k_steps):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # (BM, BK)
+            if B_TRANS:
+                b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T  # (BK, BN)
+            else:
+                b = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])  # (BK, BN)
+            acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
+        if HAS_BIAS:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]  # (BM, BN)
+        if ACT != 0:
+            pre_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(pre_desc.dtype))
+            acc = _activation(acc, ACT, FAST_TANH)  # (BM, BN)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+@triton.autotune(configs=_matmul_configs("mm"), prune_configs_by=MATMUL_PRUNE, do_bench=_autotune_bench,
+                 key=["M", "N", "K", "stride_ak", "stride_bk", "tma_ok", "HAS_BIAS", "ACT", "SCALED"])
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc, pre_desc, M, N, K, stride_ab,
+                  stride_bb, stride_cb, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, tma_ok, scale,
+                  SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
+                  B_TRANS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
+    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias (N)] [then activation ACT, pre (M,N) kept], on the pointer
+    path or the TMA path (where tma_ok), timed against each other as configs; a batch on grid axis 1."""
+    if TMA:
+        _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
+                          FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        batch = tl.program_id(1).to(tl.int64)
+        _matmul_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb, bias_ptr,
+                     pre_ptr + batch * stride_cb, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                     stride_cn, scale, SCALED, HAS_BIAS, ACT, FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+
+
+@triton.jit
+def _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk, stride_bn,
+                WITH_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """One program's share of dW: acc (BM,BN) = a[rows, k_lo:k_hi] @ b[k_lo:k_hi, cols] in fp32, and with
+    WITH_DB the row sums of a (BM,) by the tensor cores as a @ e0 (e0 (BK,16): ones in column 0)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output features
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) input features
+    offs_k = k_lo + tl.arange(0, BLOCK_K)  # (BK,) rows of dy and x
+    rows = (offs_m % M).to(tl.int64)  # (BM,) wrapped as in matmul_kernel
+    cols = (offs_n % N).to(tl.int64)  # (BN,)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak  # (BM, BK)
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn  # (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+    db_acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)  # (BM, 16) only column 0 is ever nonzero
+    if WITH_DB:  # (never with FP8 operands)
+        e0 = (tl.arange(0, BLOCK_K)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0)  # (BK, 16) column 0 true
+        e0 = e0.to(a_ptr.dtype.element_ty)  # (BK, 16) ones in column 0
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)  # (BM, BK)
+            b = tl.load(b_ptrs)  # (BK, BN)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - (k - k_lo), other=0.0)  # (BM, BK)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - (k - k_lo), other=0.0)  # (BK, BN)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # (BM, BN) fp32
+        if WITH_DB:
+            db_acc = tl.dot(a, e0, db_acc, input_precision="ieee")  # (BM, 16)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, tl.sum(db_acc, axis=1)
+
+
+@triton.jit
+def _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw[tile] += acc (x scale), and db[rows] += db from the programs of tile column 0."""
+    if SCALED:
+        acc *= scale
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    dw_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # (BM, BN)
+    dw_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # (BM, BN)
+    tl.store(dw_ptr + dw_offs, acc + tl.load(dw_ptr + dw_offs, mask=dw_mask, other=0.0), mask=dw_mask)
+    if HAS_BIAS:
+        if pid_n == 0:
+            tl.store(db_ptr + offs_m, db + tl.load(db_ptr + offs_m, mask=offs_m < M, other=0.0), mask=offs_m < M)
+
+
+@triton.autotune(configs=_matmul_configs("dw"), key=["M", "N", "K", "HAS_BIAS", "SCALED"], reset_to_zero=["count_ptr"],
+                 restore_value=["dw_ptr", "db_ptr"], prune_configs_by=DW_PRUNE, do_bench=_autotune_bench)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr, M, N, K,
+                     stride_am, stride_ak, stride_bk, stride_bn, SPLIT_K, scale, SCALED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """dw (M,N) += dy.T (M,K) @ x (K,N) [x scale], db (M) += dy's column sums. Split-K: a tile's programs sum
+    chunks of rows into ws; the last to arrive (an atomic counter) adds them into dw in chunk order."""
+    tile = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: only K's edge
+    # is ever masked
+    k_lo = split * chunk
+    k_hi = tl.minimum(k_lo + chunk, K)
+    if HAS_BIAS:
+        if pid_n == 0:  # one tile column is enough: db depends on the output feature only
+            acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak,
+                                  stride_bk, stride_bn, True, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        else:
+            acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak,
+                                  stride_bk, stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    else:
+        acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk,
+                              stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if SPLIT_K == 1:
+        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
+                           BLOCK_N)
+    else:
+        # whole (BM, BN) partial tiles, contiguous: unmasked full-width stores and loads
+        part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (BM, BN)
+        ws_tile = ws_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N
+        ws_db_tile = ws_db_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M
+        tl.store(ws_tile + split * BLOCK_M * BLOCK_N + part, acc)
+        if HAS_BIAS:
+            tl.store(ws_db_tile + split * BLOCK_M + tl.arange(0, BLOCK_M), db)
+        # every thread's stores precede the counter's release; the last arriver reads past L1 (.cg)
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tile, 1) == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # (BM, BN)
+            db = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,)
+            for s in range(0, SPLIT_K):
+                acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")
+                if HAS_BIAS:
+                    db += tl.load(ws_db_tile + s * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
+            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
+                           BLOCK_N)
+
+
+def _tma_ready(*tensors):
+    """The descriptors' rules: Hopper or later (or the interpreter), 2-D, 16-byte aligned rows, contiguous."""
+    device = tensors[0].device
+    if not INTERPRET and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
+        return False
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+               and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+
+
+def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
+    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias] [activation "gelu" or "relu2"] in out_dtype (default
+    a's): (c, pre or None). Or a batch a (n,M,K) @ b (n,K,N), no bias or activation."""
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    c = torch.empty((*a.shape[:-1], N), dtype=out_dtype or a.dtype, device=a.device)  # (M,N) or (n,M,N)
+    pre = torch.empty((M, N), dtype=a.dtype, device=a.device) if activation else None  # (M,N)
+    b_trans = b.stride(-2) == 1 and b.stride(-1) != 1  # the forward's w.T: its descriptor reads w (N,K)
+    b_rows = b.transpose(-2, -1) if b_trans else b  # row-major: what the descriptor reads
+    descs = [None] * 4
+    if a.element_size() > 1 and _tma_ready(a, b_rows, c):
+        # block shapes [1, 1] until the chosen config's pre-hook sets its own
+        descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, b_rows, c, c if pre is None else pre)]
+    sms = _num_sms(a.device)
+
+    def grid(meta):  # the pointer path: a program a tile; the descriptor path: PER_SM programs an SM at most
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, sms * meta["PER_SM"]), 1) if meta["TMA"] else (tiles, batch)
+    # unused pointers (no bias, no activation) get c: never read nor written, since the flags compile them out
+    batch_strides = (a.stride(0), b.stride(0), c.stride(0)) if a.dim() == 3 else (0, 0, 0)
+    matmul_kernel[grid](a, b, c, c if bias is None else bias, c if pre is None else pre, *descs, M, N, K,
+                        *batch_strides, a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), c.stride(-2),
+                        c.stride(-1), int(descs[0] is not None), scale or 1.0, SCALED=scale is not None,
+                        HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation],
+                        FAST_TANH=activation == "gelu" and not INTERPRET and a.dtype != torch.float32, B_TRANS=b_trans)
+    return c, pre
+
+
+@functools.lru_cache(maxsize=None)
+def _dw_workspace_sizes(M, N, K, dtype, device):
+    """Elements of the split-K buffers (partial dw, partial db, tile counters) for whichever config the
+    autotuner keeps at this shape; () when none splits. Cached: pruning costs ~0.5 ms of Python a call."""
+    configs = matmul_dw_kernel.configs
+    if len(configs) > 1:
+        configs = DW_PRUNE["early_config_prune"](
+            configs, {"a_ptr": torch.empty(0, dtype=dtype, device=device), "M": M, "N": N, "K": K})
+    if not any(c.kwargs["SPLIT_K"] > 1 for c in configs):
+        return ()
+    sizes = [_dw_workspace(M, N, c) for c in configs]
+    return tuple(max(s[i] for s in sizes) for i in range(3))
+
+
+def _matmul_dw(dy, x, dw, db, scale=None):
+    """dw (M,N) += dy.T @ x [x scale: FP8, db None] and db (M) += dy.sum(0), fp32; dy (K,M), x (K,N)."""
+    K, M = dy.shape
+    N = x.shape[1]
+    grid = lambda meta: (  # noqa: E731
+        triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]) * meta["SPLIT_K"],)
+    # a missing db, and the split-K buffers when none splits, get a 1-element stand-in never touched (a None
+    # would not survive the autotuner's restore_value copies on older Triton)
+    stand_in = dw.new_empty(1)  # (1,)
+    ws = ws_db = count = stand_in
+    sizes = _dw_workspace_sizes(M, N, K, dy.dtype, dy.device)
+    if sizes:
+        ws = dw.new_empty(sizes[0])  # (tiles, SPLIT_K, BM, BN) partial dw
+        ws_db = dw.new_empty(sizes[1])  # (tiles, SPLIT_K, BM) partial db
+        count = torch.empty(sizes[2], dtype=torch.int32, device=dw.device)  # (tiles,) arrivals
+        zero_fill(count)  # our Triton kernel (below), not torch.zeros: no torch op computes in the step
+    matmul_dw_kernel[grid](dy, x, dw, stand_in if db is None else db, ws, ws_db, count, M, N, K,
+                           dy.stride(1), dy.stride(0), x.stride(0), x.stride(1), scale=scale or 1.0,
+                           SCALED=scale is not None, HAS_BIAS=db is not None)
+
+
+def matmul_forward(x, w, b):
+    """y (N,M) = x (N,K) @ w (M,K).T + b (M) (b may be None: the tied lm head)."""
+    return _matmul(x, w.t(), b)[0]
+
+
+def matmul_gelu_forward(x, w, b):
+    """(gelu_tanh(pre), pre), pre (N,M) = x @ w.T + b: the MLP's first layer, keeping pre for backward."""
+    return _matmul(x, w.t(), b, activation="gelu")
+
+
+def matmul_backward(dy, x, w, dw, db):
+    """dx (N,K) = dy (N,M) @ w (M,K); dw (M,K) += dy.T @ x and db (M) += dy.sum(0), both fp32."""
+    dx = _matmul(dy, w)[0]  # (N,K)
+    _matmul_dw(dy, x, dw, db)
+    return dx
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: causal flash attention
+
+# q, k, v: three base pointers sharing strides, head h at h*D of a row (qkv's thirds (B,T,3C), or separate
+# (B,T,H,D) tensors). Softmax in base 2, qk_scale = scale * log2(e); lse saved in natural log.
+
+def _attention_configs(kernel, interpret=INTERPRET):
+    """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq": 16-bit 3-stage (tensor cores),
+    fp32 2-stage smaller tiles; the owned block a multiple of the streamed one."""
+    if interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
+                              else {"BLOCK_M": 32, "BLOCK_N": 16})]
+    sizes16 = {"fwd": [(128, 64, 4), (128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)],
+               "dkdv": [(64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)],
+               "dq": [(128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)]}[kernel]
+    sizes32 = {"fwd": [(64, 32, 8), (32, 32, 4), (64, 16, 4)], "dkdv": [(16, 32, 4)],
+               "dq": [(64, 32, 8), (32, 32, 4), (64, 16, 4)]}[kernel]
+    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w)
+             for bm, bn, w in sizes16]
+            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w)
+               for bm, bn, w in sizes32])
+
+
+def _prune_attention_configs(configs, named_args, **kwargs):
+    """16-bit inputs get the 3-stage (tensor core) configs, fp32 inputs the 2-stage (FMA) ones."""
+    stages = 2 if named_args["q_ptr"].element_size() == 4 else 3
+    return [c for c in configs if c.num_stages == stages] or configs
+
+
+ATTENTION_PRUNE = {"early_config_prune": _prune_attention_configs}
+
+
+@triton.jit
+def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_T: tl.constexpr):
+    """Rows offs_t of one head (len(offs_t), BLOCK_D); rows >= T (when CHECK_T) and padded columns read 0."""
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
+    if CHECK_T:
+        x = tl.load(ptrs, mask=(offs_t[:, None] < T) & (offs_d[None, :] < D), other=0.0)
+    elif BLOCK_D == D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(base, x, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi), rescaling acc (BM,BD), l_i and m_i (BM,) as the max grows;
+    DIAGONAL blocks mask keys after the query and check rows against T."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
+        k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BM, BN) fp32 unscaled scores
+        if DIAGONAL:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))  # (BM, BN)
+        # the scale goes onto the row max and into one fused multiply-add per score
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # (BM,) log2 units
+        p = tl.exp2(s * qk_scale - m_new[:, None])  # (BM, BN)
+        alpha = tl.exp2(m_i - m_new)  # (BM,)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # (BM,)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")  # (BM, BD) fp32
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_attention_configs("fwd"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
+@triton.jit
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, H, qk_scale, stride_b, stride_t, stride_out_b,
+                    stride_out_t, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M queries of one (batch, head), the diagonal masked, later keys skipped; longest blocks first."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = pid_bh // H
+    h = pid_bh % H
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k and v
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
+    # a finite start: a row whose first keys are all masked keeps m = -1e30 and p = exp2(-inf) = 0, no NaN
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # (BM,) running max (log2 units)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # (BM,) running sum of exp2(s - m)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD) running p @ v
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
+                                   stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    acc, l_i, m_i = _attn_fwd_keys(acc, l_i, m_i, q, k_ptr + head, v_ptr + head, offs_m, start_m,
+                                   tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D,
+                                   BLOCK_D, BLOCK_M, BLOCK_N, True)
+    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * D
+    _store_rows(out_base, acc / l_i[:, None], offs_m, stride_out_t, T, D, BLOCK_D)
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # (BM,) natural-log logsumexp of the scaled scores
+    tl.store(lse_ptr + pid_bh * T + offs_m, lse, mask=offs_m < T)
+
+
+@triton.jit
+def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stride_out_t, stride_dout_b, stride_dout_t,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta (B,H,T) = rowsum(dout * out) per head, the softmax backward's sum_j p_j dp_j, computed once."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    o = _load_rows(out_ptr + b.to(tl.int64) * stride_out_b + h * D, offs_m, stride_out_t, T,
+                   D, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * D, offs_m, stride_dout_t, T,
+                    D, BLOCK_D, True)  # (BM, BD)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BM,)
+    tl.store(delta_ptr + pid_bh * T + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_t,
+                      stride_do_t, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+    """dK, dV of one key block over the query blocks [lo, hi), transposed (keys x queries) so the sums over
+    queries are dots. Queries past T read 0 and add exactly 0."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
+        q = _load_rows(q_base, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
+        do = _load_rows(do_base, offs_m, stride_do_t, T, D, BLOCK_D, True)  # (BM, BD)
+        lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,) log2 units
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
+        zeros = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        s_t = tl.dot(k, tl.trans(q), zeros, input_precision="ieee") * qk_scale  # (BN, BM)
+        p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM) the forward's probabilities
+        if DIAGONAL:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)  # (BN, BM)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")  # (BN, BD)
+        dp_t = tl.dot(v, tl.trans(do), zeros, input_precision="ieee")  # (BN, BM)
+        ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")  # (BN, BD) scaled once at the end
+    return dk, dv
+
+
+@triton.autotune(configs=_attention_configs("dkdv"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
+@triton.jit
+def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, sm_scale,
+                         qk_scale, stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_N keys of one (batch, head), dK and dV written once (no atomics), the diagonal queries masked."""
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)
+    pid_bh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    b = pid_bh // H
+    h = pid_bh % H
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k, v and grads
+    do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * D
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
+    k = _load_rows(k_ptr + head, offs_n, stride_t, T, D, BLOCK_D, True)  # (BN, BD)
+    v = _load_rows(v_ptr + head, offs_n, stride_t, T, D, BLOCK_D, True)  # (BN, BD)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # (BN, BD)
+    lse_row = lse_ptr + pid_bh * T
+    delta_row = delta_ptr + pid_bh * T
+    diag_hi = tl.minimum(start_n + BLOCK_N, T)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, start_n, diag_hi, T,
+                               stride_t, stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, True)
+    dk, dv = _attn_bwd_queries(dk, dv, k, v, q_ptr + head, do_base, lse_row, delta_row, offs_n, diag_hi, T, T, stride_t,
+                               stride_dout_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    _store_rows(dk_ptr + head, dk * sm_scale, offs_n, stride_t, T, D, BLOCK_D)
+    _store_rows(dv_ptr + head, dv, offs_n, stride_t, T, D, BLOCK_D)
+
+
+@triton.jit
+def _attn_bwd_keys(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
+    """dQ of one query block over the key blocks [lo, hi): dS = P * (dP - delta), dQ += dS K."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
+        k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        v = _load_rows(v_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        s = tl.dot(q, tl.trans(k), zeros, input_precision="ieee") * qk_scale  # (BM, BN) log2 units
+        p = tl.exp2(s - lse2[:, None])  # (BM, BN)
+        if DIAGONAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)  # (BM, BN)
+        dp = tl.dot(do, tl.trans(v), zeros, input_precision="ieee")  # (BM, BN)
+        ds = p * (dp - delta[:, None])  # (BM, BN)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")  # (BM, BD)
+    return dq
+
+
+@triton.autotune(configs=_attention_configs("dq"), key=["T", "D"], prune_configs_by=ATTENTION_PRUNE)
+@triton.jit
+def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, T, H, sm_scale, qk_scale,
+                       stride_b, stride_t, stride_dout_b, stride_dout_t, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M queries of one (batch, head), dQ written once (P recomputed, no atomics: deterministic)."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = pid_bh // H
+    h = pid_bh % H
+    head = b.to(tl.int64) * stride_b + h * D  # int64 offset of the head's row 0 in q, k, v and dq
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
+    q = _load_rows(q_ptr + head, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
+    do = _load_rows(dout_ptr + b.to(tl.int64) * stride_dout_b + h * D, offs_m, stride_dout_t, T,
+                    D, BLOCK_D, True)  # (BM, BD)
+    lse2 = tl.load(lse_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0) * 1.4426950408889634  # (BM,)
+    delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=offs_m < T, other=0.0)  # (BM,)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)  # (BM, BD)
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, 0, start_m, T,
+                        stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, False)
+    dq = _attn_bwd_keys(dq, q, do, lse2, delta, k_ptr + head, v_ptr + head, offs_m, start_m,
+                        tl.minimum(start_m + BLOCK_M, T), T, stride_t, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, True)
+    _store_rows(dq_ptr + head, dq * sm_scale, offs_m, stride_t, T, D, BLOCK_D)
+
+
+ATTN_DELTA_BLOCK = 64  # rows a program in attn_bwd_delta_kernel: memory-bound, no tuning needed
+
+
+def _head_block(D):
+    return max(16, triton.next_power_of_2(D))  # tl.dot needs power-of-2 sides of at least 16
+
+
+def _flash_forward(q, k, v, B, T, H, D, scale):
+    """attn_fwd_kernel: out (B,T,H*D) in q's dtype and lse (B,H,T) fp32."""
+    out = torch.empty((B, T, H * D), dtype=q.dtype, device=q.device)  # (B,T,H*D)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
+    grid = lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
+    attn_fwd_kernel[grid](q, k, v, out, lse, T, H, math.log2(math.e) * scale, q.stride(0), q.stride(1),
+                          out.stride(0), out.stride(1), D=D, BLOCK_D=_head_block(D))
+    return out, lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale):
+    """dq, dk, dv (like q, k, v) from dout, out (B,T,H*D) and lse (B,H,T): delta, dK/dV, dQ kernels."""
+    BD = _head_block(D)
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B,H,T)
+    attn_bwd_delta_kernel[(B * H, triton.cdiv(T, ATTN_DELTA_BLOCK))](
+        out, dout, delta, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), D=D, BLOCK_D=BD,
+        BLOCK_M=ATTN_DELTA_BLOCK)
+    rest = (T, H, scale, math.log2(math.e) * scale, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1))
+    attn_bwd_dkdv_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_N"]))](
+        q, k, v, dout, lse, delta, dk, dv, *rest, D=D, BLOCK_D=BD)
+    attn_bwd_dq_kernel[lambda meta: (B * H, triton.cdiv(T, meta["BLOCK_M"]))](
+        q, k, v, dout, lse, delta, dq, *rest, D=D, BLOCK_D=BD)
+
+
+def _thirds(qkv):
+    """The q, k, v (B,T,C) views of the fused projection's rows (B,T,3C), or of its gradient's."""
+    C = qkv.shape[-1] // 3
+    return qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+
+
+def attention_forward(qkv, n_head):
+    """Causal self-attention of qkv (B,T,3C): out (B,T,C) and the row logsumexp lse (B,H,T) fp32."""
+    B, T, C3 = qkv.shape
+    D = C3 // (3 * n_head)
+    return _flash_forward(*_thirds(qkv), B, T, n_head, D, 1.0 / math.sqrt(D))
+
+
+def attention_backward(dout, qkv, out, lse, n_head):
+    """dqkv (B,T,3C) from dout (B,T,C), the forward's qkv, out and lse (B,H,T)."""
+    B, T, C3 = qkv.shape
+    D = C3 // (3 * n_head)
+    dqkv = torch.empty_like(qkv)  # (B,T,3C) qkv's layout: its thirds share the strides of qkv's
+    _flash_backward(dout, *_thirds(qkv), out, lse, *_thirds(dqkv), B, T, n_head, D, 1.0 / math.sqrt(D))
+    return dqkv
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: the training step's own
+
+# With these, torch only allocates and makes views in backend triton's step (the gradients are views of one
+# flat fp32 buffer: one launch zeroes or clips them all). The interpreter takes wide blocks.
+STEP_BLOCK = 1 << 16 if INTERPRET else 4096
+STEP_WARPS = 8
+SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
+
+
+@triton.jit
+def _zero_fill_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    tl.store(x_ptr + start + offs, tl.zeros((BLOCK,), dtype=x_ptr.dtype.element_ty), mask=offs < n - start)
+
+
+@triton.jit
+def _clip_by_norm_kernel(g_ptr, norm_ptr, n, max_norm, BLOCK: tl.constexpr):
+    # torch.nn.utils.clip_grad_norm_'s rule, the norm read on the device: scale when max_norm / (norm + 1e-6)
+    # is below 1 or NaN (a NaN norm makes every gradient NaN, as torch's clamp does)
+    coef = tl.div_rn(max_norm, tl.load(norm_ptr) + 1e-6)                            # scalar fp32
+    if (coef < 1.0) | (coef != coef):
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offs = tl.arange(0, BLOCK)                                                  # (BL,)
+        mask = offs < n - start
+        g = tl.load(g_ptr + start + offs, mask=mask, other=0.0)                     # (BL,) fp32
+        tl.store(g_ptr + start + offs, g * coef, mask=mask)
+
+
+@triton.jit
+def _sum_into_kernel(x_ptr, n, acc_ptr, scale, BLOCK: tl.constexpr):
+    # acc += scale * sum(x), one program, blocks in order: the same bits on every run
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)                                    # (BL,)
+    for i0 in range(0, n, BLOCK):
+        total += tl.load(x_ptr + i0 + offs, mask=offs < n - i0, other=0.0).to(tl.float32)
+    tl.store(acc_ptr, tl.load(acc_ptr) + scale * tl.sum(total, axis=0))
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(src_ptr + start + offs, mask=mask)                                  # (BL,)
+    tl.store(dst_ptr + start + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _flat_check(name, *tensors):
+    """The step kernels index raw memory: contiguous tensors on one device only."""
+    for t in tensors:
+        if not t.is_contiguous() or t.device != tensors[0].device:
+            raise ValueError(f"{name}: expected contiguous tensors on one device, got {tuple(t.shape)} with "
+                             f"strides {t.stride()} on {t.device}")
+
+
+def zero_fill(x):
+    """x (any shape, contiguous) = 0."""
+    _flat_check("zero_fill", x)
+    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK,
+                                                             num_warps=STEP_WARPS)
+
+
+def clip_by_norm(g, norm, max_norm):
+    """g (fp32, contiguous: all gradients) *= max_norm / (norm + 1e-6) if below 1 or NaN; norm () fp32."""
+    _flat_check("clip_by_norm", g, norm)
+    _clip_by_norm_kernel[(triton.cdiv(g.numel(), STEP_BLOCK),)](g, norm, g.numel(), max_norm, BLOCK=STEP_BLOCK,
+                                                                num_warps=STEP_WARPS)
+
+
+def sum_into(acc, x, scale):
+    """acc () fp32 += scale * sum(x), x (n) fp32."""
+    _flat_check("sum_into", acc, x)
+    _sum_into_kernel[(1,)](x, x.numel(), acc, scale, BLOCK=SUM_BLOCK, num_warps=STEP_WARPS)
+
+
+def copy_into(dst, src):
+    """dst = src, both contiguous with as many elements (src's values rounded to dst's dtype)."""
+    _flat_check("copy_into", dst, src)
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy_into: {src.numel()} elements into {dst.numel()}")
+    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK,
+                                                          num_warps=STEP_WARPS)
+
+
+# -----------------------------------------------------------------------------
+# Backend triton: the op interface filled in by the kernels above
+
+TRITON_OPS = op_table("triton", dict(
+    encoder_forward=encoder_forward, encoder_backward=encoder_backward,
+    layernorm_forward=layernorm_forward, residual_layernorm_forward=_layernorm_forward,  # (x + h, y, mean, rstd)
+    layernorm_backward=layernorm_backward,
+    matmul_forward=matmul_forward, matmul_gelu_forward=matmul_gelu_forward, matmul_backward=matmul_backward,
+    gelu_forward=functools.partial(_activation_forward, activation="gelu"),
+    gelu_backward=functools.partial(_activation_backward, activation="gelu"),
+    attention_forward=attention_forward, attention_backward=attention_backward,
+    crossentropy_forward_backward=crossentropy_forward_backward,
+    global_norm=global_norm, adamw_update=adamw_update,
+    zero_fill=zero_fill, clip_by_norm=clip_by_norm, sum_into=sum_into, copy_into=copy_into,
+))
+
+
+# -----------------------------------------------------------------------------
+# Self-test (--test)
+#
+# Each op on random inputs of several shapes, then the whole model's loss, logits and gradients over two
+# micro-batches, against a reference (autograd for backend torch, backend torch for backend triton) run in
+# fp64 on the very values the tested run sees (its inputs rounded to the dtype under test first).
+
+# (B, T, C, H); the interpreter is slow: there a smaller batch, and T past its 32-row blocks twice, not 4 times
+TEST_SHAPES = ([(1, 1, 8, 1), (2, 7, 12, 3), (2, 33, 40, 5), (1, 67, 64, 1)] if INTERPRET else
+               [(1, 1, 8, 1), (2, 7, 12, 3), (3, 33, 40, 5), (1, 130, 64, 1)])
+TEST_TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max relative error
+TEST_SEED = 1234
+
+
+def _leaf(t):
+    """A copy of t that autograd differentiates against."""
+    return t.detach().clone().requires_grad_(True)
+
+
+def _vjp(fn, inputs, dy):
+    """The gradients of fn's output against dy with respect to inputs (each made a fresh leaf)."""
+    leaves = [_leaf(t) for t in inputs]
+    with torch.enable_grad():
+        y = fn(*leaves)
+    return torch.autograd.grad(y, leaves, dy)
+
+
+def autograd_encoder_forward(idx, wte, wpe):
+    return F.embedding(idx, wte) + wpe[:idx.shape[1]]  # (B, T, C)
+
+
+def autograd_encoder_backward(dx, idx, dwte, dwpe):
+    gwte, gwpe = _vjp(lambda wte, wpe: autograd_encoder_forward(idx, wte, wpe),  # linear: at zeros
+                      (torch.zeros_like(dwte), torch.zeros_like(dwpe)), dx.to(dwte.dtype))
+    dwte += gwte
+    dwpe += gwpe
+
+
+def autograd_layernorm_forward(x, w, b):
+    y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, LN_EPS)  # (N, C), (N, 1), (N, 1)
+    return y, mean[:, 0], rstd[:, 0]
+
+
+def autograd_residual_layernorm_forward(res, h, w, b):
+    x = res + h  # (N, C)
+    return (x, *autograd_layernorm_forward(x, w, b))
+
+
+def autograd_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
+    dx, gw, gb = _vjp(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS), (x, w, torch.zeros_like(w)), dy)
+    dw += gw
+    db += gb
+    return dx if dres is None else dx + dres
+
+
+def autograd_matmul_gelu_forward(x, w, b):
+    pre = F.linear(x, w, b)  # (N, M)
+    return F.gelu(pre, approximate="tanh"), pre
+
+
+def autograd_matmul_backward(dy, x, w, dw, db):
+    b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)  # (M,)
+    grads = _vjp(F.linear, (x, w) if db is None else (x, w, b), dy)
+    dw += grads[1]
+    if db is not None:
+        db += grads[2]
+    return grads[0]
+
+
+def autograd_gelu_backward(dy, pre):
+    return _vjp(lambda pre: F.gelu(pre, approximate="tanh"), (pre,), dy)[0]
+
+
+def autograd_attention_forward(qkv, n_head):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in qkv.split(C, -1))  # (B, H, T, D)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+    s = q @ k.transpose(-1, -2) / math.sqrt(C // n_head)  # (B, H, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
+    lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), -1)  # (B, H, T)
+    return out.transpose(1, 2).reshape(B, T, C), lse
+
+
+def autograd_attention_backward(dout, qkv, out, lse, n_head):
+    return _vjp(lambda qkv: autograd_attention_forward(qkv, n_head)[0], (qkv,), dout)[0]
+
+
+def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
+    z = _leaf(logits)
+    with torch.enable_grad():
+        losses = F.cross_entropy(z[:, :V], targets, reduction="none")  # (N,)
+    logits.copy_(torch.autograd.grad(losses, z, torch.full_like(losses, dloss))[0])
+    return losses.detach()
+
+
+def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step,
+                          grad_scale):
+    """torch.optim.AdamW with its state set to the given moments and step (the same update in another form)."""
+    opt = torch.optim.AdamW([{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decays)],
+                            lr=lr, betas=(beta1, beta2), eps=eps, foreach=False)
+    for p, g, m, v in zip(params, grads, ms, vs):
+        p.grad = g * grad_scale
+        opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m, "exp_avg_sq": v}
+    opt.step()
+    for i, p in enumerate(params):
+        p.grad = None
+        if copies is not None:
+            copies[i].copy_(p)
+
+
+def autograd_clip_by_norm(g, norm, max_norm):
+    """torch.nn.utils.clip_grads_with_norm_, on a parameter whose .grad is g."""
+    p = _leaf(torch.zeros_like(g))
+    p.grad = g
+    torch.nn.utils.clip_grads_with_norm_([p], max_norm, norm, foreach=False)
+
+
+AUTOGRAD_OPS = op_table("autograd", dict(
+    encoder_forward=autograd_encoder_forward, encoder_backward=autograd_encoder_backward,
+    layernorm_forward=autograd_layernorm_forward,
+    residual_layernorm_forward=autograd_residual_layernorm_forward,
+    layernorm_backward=autograd_layernorm_backward,
+    matmul_forward=F.linear, matmul_gelu_forward=autograd_matmul_gelu_forward,
+    matmul_backward=autograd_matmul_backward,
+    gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"), gelu_backward=autograd_gelu_backward,
+    attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
+    crossentropy_forward_backward=autograd_crossentropy_forward_backward,
+    global_norm=lambda grads: torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])),
+    adamw_update=autograd_adamw_update,
+    zero_fill=lambda x: x.copy_(torch.zeros_like(x)), clip_by_norm=autograd_clip_by_norm,
+    sum_into=lambda acc, x, scale: acc.copy_(acc + torch.sum(x) * scale),
+    copy_into=lambda dst, src: dst.copy_(src.reshape(dst.shape)),
+))
+
+
+def op_inputs(dt, rdt, device):
+    """Random test tensors in dt, each first rounded to rdt (the dtype under test): an fp64 reference run
+    draws exactly the values the tested run (dt = rdt) draws."""
+    gen = torch.Generator().manual_seed(TEST_SEED)
+
+    def rand(*shape, scale=1.0, shift=0.0, acc=False, positive=False):
+        """Normal(shift, scale) values in dt, or in the accumulation dtype with acc (gradient buffers)."""
+        t = torch.randn(shape, generator=gen, dtype=torch.float64) * scale + shift  # shape
+        t = t.abs() if positive else t
+        return t.to(_acc(rdt) if acc else rdt).to(_acc(dt) if acc else dt).to(device)
+
+    def randint(high, *shape):
+        return torch.randint(high, shape, generator=gen).to(device)  # shape, int64
+
+    return SimpleNamespace(rand=rand, randint=randint, dt=dt, rdt=rdt, device=device)
+
+
+def case_encoder(ops, r, B, T, C, H):
+    Vp = B * T + 3
+    idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
+    wte, wpe = r.rand(Vp, C), r.rand(T + 2, C)  # (Vp, C), (T+2, C)
+    x = ops.encoder_forward(idx, wte, wpe)  # (B, T, C)
+    dwte, dwpe = r.rand(Vp, C, acc=True), r.rand(T + 2, C, acc=True)  # filled: backwards add into them
+    ops.encoder_backward(r.rand(B, T, C), idx, dwte, dwpe)
+    return dict(x=x, dwte=dwte, dwpe=dwpe)
+
+
+def case_layernorm(ops, r, B, T, C, H, residual=False):
+    x = r.rand(B * T, C, scale=2.0, shift=0.5)  # (N, C)
+    h = r.rand(B * T, C) if residual else None  # (N, C) added to x first
+    w, b = r.rand(C, shift=1.0), r.rand(C)  # (C,) each
+    x, y, mean, rstd = (ops.residual_layernorm_forward(x, h, w, b) if residual else
+                        (x, *ops.layernorm_forward(x, w, b)))  # (N, C) x2, (N,) x2
+    dw, db = r.rand(C, acc=True), r.rand(C, acc=True)  # (C,) each
+    dx = ops.layernorm_backward(r.rand(B * T, C), x, w, mean, rstd, dw, db,
+                                dres=r.rand(B * T, C) if residual else None)  # (N, C)
+    return dict(y=y, mean=mean, rstd=rstd, dx=dx, dw=dw, db=db, **({"x": x} if residual else {}))
+
+
+def case_matmul(ops, r, B, T, C, H, bias=True):
+    M = 3 * C if bias else 5 * C + 3  # without bias like the lm head: a wide output
+    x, w = r.rand(B * T, C), r.rand(M, C, scale=C ** -0.5)  # (N, C), (M, C)
+    b = r.rand(M) if bias else None  # (M,)
+    y = ops.matmul_forward(x, w, b)  # (N, M)
+    dw, db = r.rand(M, C, acc=True), r.rand(M, acc=True) if bias else None  # (M, C), (M,)
+    dx = ops.matmul_backward(r.rand(B * T, M), x, w, dw, db)  # (N, C)
+    return dict(y=y, dx=dx, dw=dw, **({"db": db} if bias else {}))
+
+
+def case_matmul_gelu(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C), r.rand(4 * C, C, scale=C ** -0.5), r.rand(4 * C)  # (N, C), (4C, C), (4C,)
+    y, pre = ops.matmul_gelu_forward(x, w, b)  # (N, 4C) each
+    dpre = ops.gelu_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
+    dw, db = r.rand(4 * C, C, acc=True), r.rand(4 * C, acc=True)  # (4C, C), (4C,)
+    dx = ops.matmul_backward(dpre, x, w, dw, db)  # (N, C)
+    return dict(y=y, pre=pre, dpre=dpre, dx=dx, dw=dw, db=db)
+
+
+def case_gelu(ops, r, B, T, C, H):
+    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
+    y = ops.gelu_forward(pre)  # (N, 4C)
+    return dict(y=y, dpre=ops.gelu_backward(r.rand(B * T, 4 * C), pre))
+
+
+def case_attention(ops, r, B, T, C, H):
+    qkv = r.rand(B, T, 3 * C, scale=1.5)  # (B, T, 3C)
+    out, lse = ops.attention_forward(qkv, H)  # (B, T, C), (B, H, T)
+    dqkv = ops.attention_backward(r.rand(B, T, C), qkv, out, lse, H)  # (B, T, 3C)
+    return dict(out=out, lse=lse, dqkv=dqkv)
+
+
+def case_crossentropy(ops, r, B, T, C, H):
+    V = 5 * C + 1
+    logits = r.rand(B * T, V + 7, scale=3.0)  # (N, Vp) padded columns too
+    targets = r.randint(V, B * T)  # (N,)
+    losses = ops.crossentropy_forward_backward(logits, targets, V, 1.0 / (B * T))  # (N,)
+    return dict(losses=losses, dlogits=logits)
+
+
+def case_global_norm(ops, r, B, T, C, H):
+    grads = [r.rand(C, 3, acc=True), r.rand(T, acc=True), r.rand(B, C, H, acc=True)]
+    return dict(norm=ops.global_norm(grads))
+
+
+def case_adamw(ops, r, B, T, C, H):
+    shapes = [(C, 3), (T,), (B, C, H)]
+    params = [r.rand(*s, acc=True) for s in shapes]  # fp32 masters (fp64 in the reference)
+    ms = [r.rand(*s, scale=0.1, acc=True) for s in shapes]
+    vs = [r.rand(*s, scale=0.1, acc=True, positive=True) for s in shapes]
+    copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
+    for step, grad_scale in ((1, 1.0), (2, 0.37), (7, 1.0)):
+        grads = [r.rand(*s, acc=True) for s in shapes]
+        ops.adamw_update(params, grads, ms, vs, copies, 0.01, BETA1, BETA2, EPS, [0.1, 0.0, 0.1], step,
+                         grad_scale)
+    out = {}
+    for i in range(len(shapes)):
+        out.update({f"p{i}": params[i], f"m{i}": ms[i], f"v{i}": vs[i],
+                    f"copy{i}": params[i] if copies is None else copies[i]})
+    return out
+
+
+def case_step_ops(ops, r, B, T, C, H):
+    """Zeroing, clipping (by a norm above the limit, and one below: no change), the loss sum, a row copy."""
+    zeroed = r.rand(B, T, C)  # (B, T, C)
+    ops.zero_fill(zeroed)
+    clipped, kept = r.rand(B * T * C + 5, acc=True), r.rand(B * T * C + 5, acc=True)  # flat gradients
+    ops.clip_by_norm(clipped, r.rand(positive=True, shift=3.0, acc=True), 1.0)
+    ops.clip_by_norm(kept, r.rand(positive=True, acc=True), 50.0)
+    acc = r.rand(acc=True)  # () a running loss
+    ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 1.0 / (B * T))
+    ops.sum_into(acc, r.rand(B * T, positive=True, acc=True), 0.5)
+    copied = r.rand(B * T + 2, C)  # (N+2, C) an lm-head chunk's rows copied into its middle
+    ops.copy_into(copied[1:B * T + 1], r.rand(B * T, C))
+    return dict(zeroed=zeroed, clipped=clipped, kept=kept, acc=acc, copied=copied)
+
+
+OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
+            ("residual+layernorm fwd+bwd", functools.partial(case_layernorm, residual=True)),
+            ("matmul fwd+bwd", case_matmul), ("matmul no bias fwd+bwd", functools.partial(case_matmul, bias=False)),
+            ("matmul+gelu fwd+bwd", case_matmul_gelu), ("gelu fwd+bwd", case_gelu),
+            ("attention fwd+bwd", case_attention),
+            ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
+            ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
+
+
+def self_test_model_data(r, cfg):
+    """Random weights (scaled so every path carries signal) and two micro-batches of tokens."""
+    w = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.startswith("ln") or name.endswith("gains"):
+            w[name] = r.rand(*shape, scale=0.2, shift=1.0 if name.endswith((".w", "gains")) else 0.0)
+        elif name.endswith((".b", ".bias")):
+            w[name] = r.rand(*shape, scale=0.1)
+        else:
+            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe", "embed.weight") else
+                             shape[-1] ** -0.5)
+    batches = [(r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len),
+                r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len)) for _ in range(2)]
+    return w, batches
+
+
+def case_model(backend, r, cfg):
+    """The first micro-batch's logits, the mean loss and all gradients over both, through the trainer's model
+    on `backend` (the lm head in chunks of 5 rows: chunks end inside a sequence)."""
+    ops = backend_ops(backend, cfg.recipe)
+    w, batches = self_test_model_data(r, cfg)
+    grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
+    x0 = batches[0][0]
+    logits = forward(w, x0, replace(cfg, backend=backend)).view(x0.numel(), -1)  # (N, Vp)
+    dloss = 1.0 / (x0.numel() * len(batches))
+    loss = sum(forward_backward(w, grads, x, y, cfg, ops, dloss, head_rows=5).sum() for x, y in batches)
+    return dict(logits=logits, loss=loss * dloss, **{f"grad {k}": g for k, g in grads.items()})
+
+
+def reference_logits(p, x, cfg):
+    """GPT-2 written with PyTorch's functional ops, for autograd: logits (B, T, Vp)."""
+    B, T = x.shape
+    C, H = cfg.n_embd, cfg.n_head
+    h = F.embedding(x, p["wte"]) + p["wpe"][:T]  # (B, T, C)
+    for l in range(cfg.n_layer):
+        a = F.layer_norm(h, (C,), p["ln_1.w"][l], p["ln_1.b"][l], LN_EPS)  # (B, T, C)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2)
+                   for t in F.linear(a, p["c_attn.w"][l], p["c_attn.b"][l]).split(C, -1))  # (B, H, T, D)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        h = h + F.linear(a, p["attn.c_proj.w"][l], p["attn.c_proj.b"][l])  # (B, T, C)
+        a = F.layer_norm(h, (C,), p["ln_2.w"][l], p["ln_2.b"][l], LN_EPS)  # (B, T, C)
+        a = F.gelu(F.linear(a, p["c_fc.w"][l], p["c_fc.b"][l]), approximate="tanh")  # (B, T, 4C)
+        h = h + F.linear(a, p["mlp.c_proj.w"][l], p["mlp.c_proj.b"][l])  # (B, T, C)
+    h = F.layer_norm(h, (C,), p["ln_f.w"], p["ln_f.b"], LN_EPS)  # (B, T, C)
+    return F.linear(h, p["wte"])  # (B, T, Vp)
+
+
+def reference_case_model(r, cfg):
+    """What case_model computes, by autograd through reference_logits."""
+    w, batches = self_test_model_data(r, cfg)
+    names = list(w)
+    leaves = [_leaf(w[k]) for k in names]
+    p = dict(zip(names, leaves))
+    with torch.enable_grad():
+        losses = [F.cross_entropy(reference_logits(p, x, cfg)[..., :cfg.vocab_size].reshape(x.numel(), -1),
+                                  y.reshape(-1)) for x, y in batches]
+        loss = sum(losses) / len(losses)
+    grads = torch.autograd.grad(loss, leaves)
+    logits = reference_logits(w, batches[0][0], cfg).reshape(batches[0][0].numel(), -1)  # (N, Vp)
+    return dict(logits=logits, loss=loss.detach(), **{f"grad {k}": g for k, g in zip(names, grads)})
+
+
+def compare(got, want):
+    """(max abs error, max error relative to want's largest magnitude); inf for a wrong shape or non-finite."""
+    g = got.detach().to("cpu", torch.float64)
+    w = want.detach().to("cpu", torch.float64)
+    if g.shape != w.shape or not torch.isfinite(g).all():
+        return math.inf, math.inf
+    err = (g - w).abs().max().item() if g.numel() else 0.0
+    scale = w.abs().max().item() if w.numel() else 0.0
+    return err, (err / scale if scale > 0 else err)
+
+
+@contextlib.contextmanager
+def first_configs(active=True):
+    """Inside (when active), every autotuned kernel runs the first config its pruning keeps, untimed."""
+    tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
+    prunes = [k.early_config_prune for k in tuners]
+    for k, prune in zip(tuners, prunes):
+        k.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: (
+            prune(configs, named_args, **kwargs) if prune else configs)[:1]
+    try:
+        yield
+    finally:
+        for k, prune in zip(tuners, prunes):
+            k.early_config_prune = prune
+
+
+def run_self_test(cfg):
+    """--test: a table row by row as the checks run; exits non-zero if any fails. TF32 is off meanwhile (fp32
+    references must be fp32), the caller's settings restored after."""
+    tools = recipe_tools(cfg.recipe)
+    if cfg.backend == "torch" and tools.autograd_test:
+        die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
+            f"torch's {cfg.recipe} ops are held to autograd by {tools.autograd_test})")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ops = backend_ops(cfg.backend, cfg.recipe)
+    if cfg.backend == "torch":
+        ref_ops, ref_model, dtypes = AUTOGRAD_OPS, reference_case_model, [torch.float64, torch.bfloat16]
+    else:
+        ref_ops, ref_model = backend_ops("torch", cfg.recipe), lambda r, c: case_model("torch", r, c)
+        # bf16 on a GPU only: the interpreter multiplies bf16 wrongly
+        dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" and not INTERPRET else [])
+    ref_name = "torch.autograd" if cfg.backend == "torch" else "backend torch"
+    # compiled kernels would autotune (compile and time every configuration) at each test shape: minutes
+    pinned = cfg.backend == "triton" and not INTERPRET
+    print(f"--test: backend {cfg.backend}, the {cfg.recipe} recipe's ops, against {ref_name} (run in fp64) "
+          f"on {device}"
+          + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
+    names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
+    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  "
+          f"worst")
+
+    def report(name, dt, results):  # a row as soon as it is known: a run cut short keeps what it checked
+        abs_err = max(r[0] for r in results)
+        _, rel_err, worst = max(results, key=lambda r: r[1])
+        ok = rel_err <= TEST_TOLERANCES[dt]
+        print(f"{name:<34} {names[dt]:<5} {abs_err:11.2e} {rel_err:11.2e} {TEST_TOLERANCES[dt]:9.0e}  "
+              f"{'pass' if ok else 'FAIL':<6}  {worst}", flush=True)
+        return ok
+
+    f64 = torch.float64
+    passed = []
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad(), first_configs(pinned):
+            for dt in dtypes:
+                for name, case in tools.test_cases():
+                    results = []
+                    for shape in TEST_SHAPES:
+                        got = case(ops, op_inputs(dt, dt, device), *shape)
+                        want = case(ref_ops, op_inputs(f64, dt, device), *shape)
+                        results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
+                    passed.append(report(name, dt, results))
+                got = case_model(cfg.backend, op_inputs(dt, dt, device), tools.test_config)
+                want = ref_model(op_inputs(f64, dt, device), tools.test_config)
+                passed.append(report("model loss and logits", dt,
+                                     [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
+                passed.append(report("model: every parameter gradient", dt,
+                                     [(*compare(got[k], want[k]), k) for k in want if k.startswith("grad")]))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    if not all(passed):
+        die(f"--test: {passed.count(False)} of {len(passed)} checks failed")
+    print(f"--test: all {len(passed)} checks passed")
+
+
+# -----------------------------------------------------------------------------
+# Profiling (--profile, --bench-ops)
+
+BENCH_WARMUP, BENCH_REPS = 3, 20
+
+
+def _nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def op_work(name, args, kwargs, out):
+    """(flops, bytes) that one call of op `name` cannot do without: the matmuls' and the causal attention's
+    flops, else the bytes read and written; a recipe's own ops: its RecipeTools.op_work."""
+    for recipe in RECIPES:
+        work = recipe_tools(recipe).op_work(name, args, kwargs, out)
+        if work is not None:
+            return work
+    outs = out if isinstance(out, tuple) else (out,)
+    if name in ("matmul_forward", "matmul_gelu_forward"):
+        x, w = args[0], args[1]
+        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
+    if name == "matmul_backward":
+        dy, x = args[0], args[1]
+        return 4 * x.shape[0] * x.shape[1] * dy.shape[1], 0
+    if name in ("attention_forward", "attention_backward"):
+        B, T, C3 = args[0 if name == "attention_forward" else 1].shape
+        return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
+    if name == "encoder_forward":
+        idx, x = args[0], outs[0]
+        return 0, _nbytes(idx) + 2 * _nbytes(x) + _nbytes(args[2][:idx.shape[1]])
+    if name == "encoder_backward":
+        dx, idx, dwte, dwpe = args[:4]
+        rows = dx.numel() * dwte.element_size()  # the wte rows it updates, read and written
+        return 0, _nbytes(dx, idx) + 2 * rows + 2 * dx[0].numel() * dwpe.element_size()
+    if name == "layernorm_backward":  # dw, db (and dres) are read and written
+        return 0, _nbytes(*args[:5], *args[7:], out, *kwargs.values()) + 2 * _nbytes(*args[5:7])
+    if name == "crossentropy_forward_backward":
+        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
+    if name == "global_norm":
+        return 0, _nbytes(*args[0])
+    if name == "adamw_update":  # p, m, v read and written; g read; the copies written
+        params, grads, ms, vs, copies = args[:5]
+        return 0, 2 * _nbytes(*params, *ms, *vs) + _nbytes(*grads, *(copies or ()))
+    if name == "zero_fill":
+        return 0, _nbytes(args[0])
+    if name in ("clip_by_norm", "copy_into"):  # read and written (clip_by_norm: when it clips)
+        return 0, 2 * _nbytes(args[0 if name == "clip_by_norm" else 1])
+    if name == "sum_into":
+        return 0, _nbytes(args[1])
+    return 0, _nbytes(*args, *outs)  # layernorm, residual + layernorm and gelu: inputs read, outputs written
+
+
+def _clock(device):
+    """A point in time: a recorded CUDA event on the GPU (read after a synchronize), else the wall clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed_ms(t0, t1):
+    return t0.elapsed_time(t1) if isinstance(t0, torch.cuda.Event) else 1000 * (t1 - t0)
+
+
+def timed_ops(ops, device, calls, active=None):
+    """ops, each call timed, labelled in the profiler's trace and appended to `calls` as [name, start, end,
+    flops, bytes]; while it runs, `active` (a list) ends with (name, its index in calls)."""
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            record = [name, None, None, 0, 0]
+            calls.append(record)
+            if active is not None:
+                active.append((name, len(calls) - 1))
+            with torch.profiler.record_function(name):
+                record[1] = _clock(device)
+                out = fn(*args, **kwargs)
+                record[2] = _clock(device)
+            if active is not None:
+                active.pop()
+            record[3:] = op_work(name, args, kwargs, out)
+            return out
+        return call
+    return SimpleNamespace(**{name: wrap(name, fn) for name, fn in vars(ops).items()})
+
+
+def kernel_work(name, a):
+    """(flops, bytes) of one kernel launch with bound arguments `a`: our tl.dot kernels' FLOPs, else every
+    distinct tensor passed, once (the embedding backward: the dwte rows it updates)."""
+    if name in ("matmul_kernel", "matmul_dw_kernel"):
+        batch = a["a_ptr"].shape[0] if a["a_ptr"].dim() == 3 else 1  # Newton-Schulz's batched products
+        return 2 * a["M"] * a["N"] * a["K"] * batch, 0
+    # the causal attention's (B, H, T, T) half matrices: 2 dots forward, 4 in dK/dV and 3 in dQ (recomputing)
+    dots = {"attn_fwd_kernel": 2, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}.get(name)
+    if dots is not None:
+        q = a["q_ptr"]  # (B, T, C) view of qkv, or (B, T, H, D)
+        return dots * q.shape[1] * q.numel(), 0
+    tensors = {t.data_ptr(): t for t in a.values() if isinstance(t, torch.Tensor)}
+    if name == "_encoder_wte_backward_kernel":
+        dwte = tensors.pop(a["dwte_ptr"].data_ptr())
+        return 0, _nbytes(*tensors.values()) + 2 * a["dx_ptr"].numel() * dwte.element_size()
+    return 0, _nbytes(*tensors.values())
+
+
+def launched_kernels():
+    """{name: kernel} of every Triton jit, autotune or heuristics object of this file, jit helpers included."""
+    return {name: k for name, k in globals().items()
+            if isinstance(k, triton.runtime.KernelInterface)}
+
+
+@contextlib.contextmanager
+def timed_kernels(device, launches, active):
+    """Inside, every launch of our kernels is timed and labelled `kernel <name>` in the trace, appended to
+    `launches` as [op index (the innermost op running, see timed_ops, or None), kernel, start, end, flops, bytes]."""
+    kernels = launched_kernels()
+
+    def wrap(name, kernel, run):
+        def timed_run(*args, **kwargs):
+            with torch.profiler.record_function(f"kernel {name}"):
+                t0 = _clock(device)
+                out = run(*args, **kwargs)
+                t1 = _clock(device)
+            work = kernel_work(name, dict(zip(kernel.arg_names, args), **kwargs))
+            launches.append([active[-1][1] if active else None, name, t0, t1, *work])
+            return out
+        return timed_run
+    for name, kernel in kernels.items():
+        kernel.run = wrap(name, kernel, kernel.run)  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        for kernel in kernels.values():
+            del kernel.run
+
+
+ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                  "aten::lift_fresh", "aten::detach_", "aten::detach"}
+VIEW_OPS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
+            "aten::select", "aten::as_strided", "aten::t", "aten::transpose", "aten::permute", "aten::unbind",
+            "aten::narrow", "aten::split", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::alias",
+            "aten::to"}  # aten::to is a view when nothing changes; a real conversion calls aten::_to_copy
+HOST_READ_OPS = {"aten::item", "aten::_local_scalar_dense"}
+
+
+def kept_bytes(w, x, cfg, ops):
+    """{op name: bytes} that one micro-batch's forward keeps for its backward, traced to the op that made each
+    saved tensor by its storage address."""
+    maker = {}
+
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            for t in out if isinstance(out, tuple) else (out,):
+                maker[t.data_ptr()] = name
+            return out
+        return call
+    acts = []
+    RECIPES[cfg.recipe].forward(w, x, cfg, SimpleNamespace(**{k: wrap(k, f) for k, f in vars(ops).items()}), acts)
+    saved = {t.data_ptr(): t for a in acts for t in a.values()}  # distinct tensors
+    kept = {}
+    for ptr, t in saved.items():
+        kept[maker[ptr]] = kept.get(maker[ptr], 0) + _nbytes(t)
+    return kept
+
+
+def _rate(flops, nbytes, ms):
+    """Achieved TFLOP/s or GB/s, in the two columns of the profile's tables."""
+    if flops:
+        return f"{flops / ms / 1e9:8.2f} {'':>8}"
+    return f"{'':>8} {nbytes / ms / 1e6:8.1f}" if nbytes else f"{'':>8} {'':>8}"
+
+
+def start_profile(ops, device):
+    """--profile, before its first step: torch.profiler records, and every op and kernel launch is timed and
+    labelled; the profiled steps run the returned profile's "ops"; finish_profile ends it."""
+    calls, launches, active = [], [], []
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    recording = contextlib.ExitStack()  # open across the profiled steps, closed by finish_profile
+    prof = recording.enter_context(torch.profiler.profile(activities=activities))
+    recording.enter_context(timed_kernels(device, launches, active))
+    return dict(recording=recording, prof=prof, calls=calls, launches=launches,
+                ops=timed_ops(ops, device, calls, active))
+
+
+@torch.no_grad()
+def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
+    """--profile, after its last step: writes this process's Chrome trace to OUT_DIR/profile; rank 0 prints the
+    per-op and per-kernel tables, the other torch ops and GPU work, what the forward keeps, the peak memory."""
+    profile["recording"].close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prof, calls, launches = profile["prof"], profile["calls"], profile["launches"]
+    trace = os.path.join(cfg.out_dir, "profile", f"trace_rank{rank}.json")
+    os.makedirs(os.path.dirname(trace), exist_ok=True)
+    prof.export_chrome_trace(trace)
+    if not master:
+        return
+    mem = peak_memory_gb(device)  # before kept_bytes's forward
+    kept = kept_bytes(weights, x, cfg, ops)
+    step_ms = sum(steps_ms)
+    table = {}
+    for name, t0, t1, flops, nbytes in calls:
+        row = table.setdefault(name, [0, 0.0, 0, 0])  # calls, ms, flops, bytes
+        row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
+    print(f"profile of steps {steps[0]}-{steps[-1]}: backend {cfg.backend}, {cfg.dtype}, micro-batches of "
+          f"{cfg.batch_size} x {cfg.seq_len}, {cfg.total_batch_size} tokens per step, L{cfg.n_layer} "
+          f"H{cfg.n_head} C{cfg.n_embd}")
+    print(f"{'op':<37} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8} {'kept MB':>8}")
+    for name, (n, ms, flops, nbytes) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+        mb = f"{kept[name] / 1e6:8.2f}" if name in kept else f"{'':>8}"
+        print(f"{name:<37} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)} {mb}")
+    in_ops = sum(row[1] for row in table.values())
+    print(f"{'(outside the ops)':<30} {'':>5} {step_ms - in_ops:9.3f} {100 * (1 - in_ops / step_ms):7.1f}")
+    print(f"{'steps':<30} {'':>5} {step_ms:9.3f} {100.0:7.1f}")
+    # each kernel under the op that launched it; a memory-bound kernel that is all of its op, or the global
+    # norm's (it reads through a pointer table), is credited with the op's bytes
+    per_call, kernels = {}, {}
+    for launch in launches:
+        per_call.setdefault(launch[0], []).append(launch)
+    for i, group in per_call.items():
+        op = calls[i][0] if i is not None else "(step)"
+        for _, name, t0, t1, flops, nbytes in group:
+            if i is not None and not flops and calls[i][4] and (
+                    len(group) == 1 or name == "_global_norm_partial_kernel"):
+                nbytes = calls[i][4]
+            row = kernels.setdefault((op, name), [0, 0.0, 0, 0])  # launches, ms, flops, bytes
+            row[:] = row[0] + 1, row[1] + _elapsed_ms(t0, t1), row[2] + flops, row[3] + nbytes
+    if kernels:
+        print(f"\nper kernel, under the op that launched it ({len(launches)} launches):")
+        print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8}")
+        for (op, name), (n, ms, flops, nbytes) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+            print(f"{op + ' / ' + name:<62} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} "
+                  f"{_rate(flops, nbytes, ms)}")
+        in_kernels = sum(row[1] for row in kernels.values())
+        print(f"{'(outside the kernels: launches, Python, allocation)':<62} {'':>5} {step_ms - in_kernels:9.3f} "
+              f"{100 * (1 - in_kernels / step_ms):7.1f}")
+    # {(aten op, the op it ran in, or "(step)"): count} outside our kernels' launches (the interpreter copies
+    # arguments inside them), nested aten ops included
+    census, op_names = {}, set(vars(ops))
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        parent, op, inside = e.cpu_parent, "(step)", False
+        while parent is not None and not inside:
+            inside = parent.name.startswith("kernel ")
+            op = parent.name if op == "(step)" and parent.name in op_names else op
+            parent = parent.cpu_parent
+        if not inside:
+            census[e.name, op] = census.get((e.name, op), 0) + 1
+    count = lambda names: sum(n for (aten, _), n in census.items() if aten in names)  # noqa: E731
+    others = sorted((op, aten, n) for (aten, op), n in census.items()
+                    if aten not in ALLOCATION_OPS | VIEW_OPS | HOST_READ_OPS)
+    print(f"torch ops in the steps outside our kernels: {count(ALLOCATION_OPS)} allocating, {count(VIEW_OPS)} "
+          f"making views, {count({'aten::item'})} reading a result on the host (aten::item); any other: "
+          + (", ".join(f"{aten} x{n} in {op}" for op, aten, n in others) if others else "none"))
+    if device.type == "cuda":
+        ours = tuple(launched_kernels())
+        foreign = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(ours):
+                row = foreign.setdefault(e.name, [0, 0.0])
+                row[:] = row[0] + 1, row[1] + (e.time_range.end - e.time_range.start) / 1000
+        print("GPU work in the steps besides our kernels: " + (", ".join(
+            f"{name} x{n} {ms:.3f} ms" for name, (n, ms) in foreign.items()) if foreign else "none"))
+    print(f"kept for the backward: {sum(kept.values()) / 1e6:.2f} MB per micro-batch of {cfg.batch_size} "
+          f"sequences | peak memory {'n/a' if mem is None else f'{mem:.2f} GB (steady state)'}")
+    print(f"profile: steps {steps[0]}-{steps[-1]} traced into {trace} (Perfetto or chrome://tracing) | step "
+          f"time mean {np.mean(steps_ms):.1f} ms, min {min(steps_ms):.1f} ms, max {max(steps_ms):.1f} ms")
+
+
+def time_ms(fn, device):
+    """Median ms of fn(): on a GPU by triton.testing.do_bench, else over BENCH_REPS calls after BENCH_WARMUP."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    for _ in range(BENCH_WARMUP):
+        fn()
+    times = []
+    for _ in range(BENCH_REPS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return float(np.median(times))
+
+
+def op_case(ops, torch_ops, name, shape, args, torch_label, theirs=None):
+    """A --bench-ops case: (name, shape, op `name` of ops called on args, torch_label, theirs (by default
+    torch_ops' op `name` on args), args)."""
+    theirs = theirs or (lambda: getattr(torch_ops, name)(*args))
+    return name, shape, lambda: getattr(ops, name)(*args), torch_label, theirs, args
+
+
+def bench_cases(cfg, ops, device):
+    """[(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work)] at the model's
+    shapes (HEAD_ROWS rows for the lm head and the loss, as the step runs them)."""
+    dt = compute_dtype(cfg)
+    B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
+                         cfg.padded_vocab_size)
+    N, R = B * T, min(B * T, HEAD_ROWS)
+    op = functools.partial(op_case, ops, TORCH_OPS)
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    idx = torch.randint(V, (B, T), device=device)  # (B, T)
+    wte, wpe = rand(Vp, C), rand(T, C)  # (Vp, C), (T, C)
+    dwte, dwpe = rand(Vp, C, dtype=torch.float32), rand(T, C, dtype=torch.float32)  # (Vp, C), (T, C)
+    x, h, dy, w, b = rand(N, C), rand(N, C), rand(N, C), rand(C), rand(C)  # (N, C) x3, (C,) x2
+    dw, db = rand(C, dtype=torch.float32), rand(C, dtype=torch.float32)  # (C,) each
+    y, mean, rstd = ops.layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
+    cases = [
+        op("encoder_forward", f"{B}x{T}x{C}", (idx, wte, wpe), "F.embedding + add",
+           lambda: F.embedding(idx, wte) + wpe[:T]),
+        op("encoder_backward", f"{B}x{T}x{C}", (dy.view(B, T, C), idx, dwte, dwpe), "sort + cumsum + index_add_"),
+        op("layernorm_forward", f"{N}x{C}", (x, w, b), "torch.native_layer_norm",
+           lambda: torch.native_layer_norm(x, (C,), w, b, LN_EPS)),
+        op("residual_layernorm_forward", f"{N}x{C}", (x, h, w, b), "add + native_layer_norm",
+           lambda: torch.native_layer_norm(x + h, (C,), w, b, LN_EPS)),
+        op("layernorm_backward", f"{N}x{C}", (dy, x, w, mean, rstd, dw, db, h), "native_layer_norm_backward",
+           lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [C], mean[:, None], rstd[:, None], w, b,
+                                                             [True, True, True])[0] + h),
+    ]
+    for label, K, M, bias in (("c_attn", C, 3 * C, True), ("attn.c_proj", C, C, True),
+                              ("mlp.c_proj", 4 * C, C, True), ("lm head", C, Vp, False)):
+        rows = R if label == "lm head" else N
+        xm, wm, bm, dym = rand(rows, K), rand(M, K), rand(M) if bias else None, rand(rows, M)
+        dwm, dbm = rand(M, K, dtype=torch.float32), rand(M, dtype=torch.float32) if bias else None
+        cases += [op("matmul_forward", f"{label} {rows}x{K}x{M}", (xm, wm, bm), "F.linear",
+                     lambda xm=xm, wm=wm, bm=bm: F.linear(xm, wm, bm)),
+                  op("matmul_backward", f"{label} {rows}x{K}x{M}", (dym, xm, wm, dwm, dbm), "2 x torch.mm (+ sum)",
+                     lambda dym=dym, xm=xm, wm=wm, bias=bias: (dym @ wm, dym.t() @ xm, dym.sum(0) if bias else None))]
+    xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
+    pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
+    qkv, dout = rand(B, T, 3 * C), rand(B, T, C)  # (B, T, 3C), (B, T, C)
+    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, -1))  # (B, H, T, D) each
+    out, lse = ops.attention_forward(qkv, H)  # (B, T, C), (B, H, T)
+    logits, targets = rand(R, Vp), torch.randint(V, (R,), device=device)  # (R, Vp), (R,)
+    shapes = param_shapes(cfg)
+    params = [rand(*shapes[k], dtype=torch.float32) for k in PARAM_NAMES]
+    grads, ms = [torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    vs = [torch.zeros_like(p) for p in params]
+    copies = [p.to(dt) for p in params] if dt != torch.float32 else None
+    adamw = torch.optim.AdamW([{"params": [p], "weight_decay": 0.1} for p in params], lr=1e-4,
+                              betas=(BETA1, BETA2), eps=EPS, fused=device.type == "cuda")
+    for p, g in zip(params, grads):
+        p.grad = g
+    adamw_args = (params, grads, ms, vs, copies, 1e-4, BETA1, BETA2, EPS, [0.1] * len(params), 1, 1.0)
+
+    def sdpa_forward_backward():
+        with torch.enable_grad():
+            qkv_leaf = _leaf(qkv)
+            qs, ks, vs_ = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv_leaf.split(C, -1))
+            o = F.scaled_dot_product_attention(qs, ks, vs_, is_causal=True)  # (B, H, T, D)
+            o.backward(dout.view(B, T, H, C // H).transpose(1, 2))
+
+    def torch_cross_entropy():
+        with torch.enable_grad():
+            z = _leaf(logits)  # (R, Vp)
+            F.cross_entropy(z[:, :V].float(), targets).backward()
+
+    cases += [
+        op("matmul_gelu_forward", f"c_fc {N}x{C}x{4 * C}", (xf, wf, bf), "F.linear + F.gelu",
+           lambda: F.gelu(F.linear(xf, wf, bf), approximate="tanh")),
+        op("gelu_forward", f"{N}x{4 * C}", (pre,), "F.gelu(tanh)", lambda: F.gelu(pre, approximate="tanh")),
+        op("gelu_backward", f"{N}x{4 * C}", (dpre, pre), "aten.gelu_backward",
+           lambda: torch.ops.aten.gelu_backward(dpre, pre, approximate="tanh")),
+        op("attention_forward", f"{B}x{H}x{T}x{C // H}", (qkv, H), "SDPA causal",
+           lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        ("attention_forward+backward", f"{B}x{H}x{T}x{C // H}",
+         lambda: ops.attention_backward(dout, qkv, *ops.attention_forward(qkv, H), H),
+         "SDPA causal fwd+bwd", sdpa_forward_backward, None),
+        op("crossentropy_forward_backward", f"{R}x{Vp}", (logits, targets, V, 1.0 / R), "F.cross_entropy fwd+bwd",
+           torch_cross_entropy),
+        op("global_norm", f"{len(params)} tensors", (grads,), "torch._foreach_norm",
+           lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))),
+        op("adamw_update", f"{len(params)} tensors", adamw_args,
+           f"torch AdamW ({'fused' if device.type == 'cuda' else 'for-loop'})", adamw.step),
+    ]
+    flat = rand(sum(p.numel() for p in params), dtype=torch.float32)  # (P,) all gradients
+    norm = torch.full((), 1.001, device=device)  # () clips by 0.999: the values barely move over the reps
+    losses, loss = rand(R, dtype=torch.float32), torch.zeros((), device=device)  # (R,), ()
+    rows, chunk = rand(N, C), rand(R, C)  # (N, C), (R, C) an lm-head chunk's dh into its rows
+    cases += [
+        op("zero_fill", f"{flat.numel()} grads", (flat,), "Tensor.zero_", flat.zero_),
+        op("clip_by_norm", f"{flat.numel()} grads", (flat, norm, 1.0), "mul_ by the clamped coefficient"),
+        op("sum_into", f"{R} losses", (loss, losses, 1.0 / R), "Tensor.sum + add_"),
+        op("copy_into", f"{R}x{C} rows", (rows[:R], chunk), "Tensor.copy_", lambda: rows[:R].copy_(chunk)),
+    ]
+    return cases
+
+
+COPY_BYTES = 1 << 30  # the copy that measures memory bandwidth: 1 GiB, far beyond any cache
+
+
+def copy_bandwidth_gbs(device):
+    """The device memory's bandwidth as a COPY_BYTES copy achieves it (bytes read + written per second)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)  # (COPY_BYTES,)
+    dst = torch.empty_like(src)  # (COPY_BYTES,)
+    return 2 * src.numel() / time_ms(lambda: dst.copy_(src), device) / 1e6
+
+
+@torch.no_grad()
+def bench_ops(cfg, ops, device):
+    """--bench-ops: each op against the PyTorch op it replaces, at the model's shapes: ms, TFLOP/s or GB/s (also
+    as a share of the copy bandwidth, a memory-bound op's ceiling) and the speed-up."""
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
+          f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
+    print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
+          f"{'rate':>12} {'speed-up':>8}")
+    cases = recipe_tools(cfg.recipe).bench_cases(cfg, ops, device)
+    for name, shape, ours, torch_label, theirs, args in cases:
+        ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
+        if args is None:  # attention forward + backward
+            B, T, C = cfg.batch_size, cfg.seq_len, cfg.n_embd
+            flops, nbytes = 7 * B * T * T * C, 0
+        else:
+            flops, nbytes = op_work(name, args, {}, ours())
+
+        def unit(ms):
+            return f"{flops / ms / 1e9:7.2f} TF/s" if flops else f"{nbytes / ms / 1e6:7.0f} GB/s"
+        share = "" if flops else f"{100 * nbytes / ours_ms / 1e6 / copy_gbs:5.0f}%"
+        print(f"{name:<37} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} {share:>6} | {torch_label:<28} "
+              f"{theirs_ms:8.3f} {unit(theirs_ms):>12} {theirs_ms / ours_ms:7.2f}x")
+
+
+# -----------------------------------------------------------------------------
+# The tools of each recipe
+#
+# What the tools ask of a recipe beside its RECIPES row: gpt2's row here; a recipe's own kernels file adds its
+# row (TOOLS["speedrun"] = ...), so that deleting the speedrun recipe's parts leaves gpt2's tools working.
+
+@dataclass(frozen=True)
+class RecipeTools:
+    """A row of TOOLS: what --test, --profile and --bench-ops need of a recipe."""
+    test_config: Config   # --test's tiny model for the whole-model check
+    test_cases: Callable  # () -> --test's [(check, case)] of its ops
+    autograd_test: str    # "": --test holds backend torch to autograd; else what does (--test refuses)
+    bench_cases: Callable  # (cfg, ops, device) -> --bench-ops' cases of its ops
+    op_work: Callable     # (name, args, kwargs, out) -> (flops, bytes) of one of its own ops, else None
+
+
+TOOLS = {"gpt2": RecipeTools(
+    test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
+                       seq_len=9, batch_size=2),
+    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases,
+    op_work=lambda name, args, kwargs, out: None)}
+
+
+def recipe_tools(recipe):
+    """TOOLS' row of `recipe` (the speedrun's is added by its kernels' section)."""
+    if recipe not in TOOLS:
+        die(f"--recipe {recipe} has no row in TOOLS: no --test, --profile or --bench-ops for it")
+    return TOOLS[recipe]
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels: speedrun
+#
+# First the ops that triton_kernels.py's kernels serve through a flag (the embedding without positions,
+# RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own scale over separate q, k, v).
+
+def rmsnorm_forward(x, w, eps):
+    """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
+    _, y, _, rstd = _layernorm_forward(x, None, w, None, eps, rms=True)
+    return y, rstd
+
+
+def residual_rmsnorm_forward(res, h, w, eps):
+    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, RMSNorm(x) (N,C) dt, rstd (N) fp32)."""
+    x, y, _, rstd = _layernorm_forward(res, h, w, None, eps, rms=True)
+    return x, y, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
+    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, dres included."""
+    return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
+
+
+def matmul_relu2_forward(x, w, b):
+    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre."""
+    return _matmul(x, w.t(), b, activation="relu2")
+
+
+def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
+    """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
+    OVERWRITES z with dloss * dlosses/dz."""
+    return crossentropy_forward_backward(z, targets, z.shape[-1], dloss, block_v, cap=SOFTCAP)
+
+
+def _check_heads(name, qkv, rows):
+    """The kernels' addressing: q, k, v (B,T,H,D) with one set of strides ending (D, 1); rows of unit stride."""
+    D = qkv[0].shape[-1]
+    if (len({t.stride() for t in qkv}) > 1 or qkv[0].stride()[2:] != (D, 1)
+            or any(t.stride(2) != 1 for t in rows)):
+        raise ValueError(f"{name}: expected q, k, v (B, T, H, D) with one set of strides ending (D, 1) and "
+                         f"rows of unit stride, got strides {[t.stride() for t in (*qkv, *rows)]}")
+
+
+def scaled_attention_forward(q, k, v, scale):
+    """Causal softmax(scale q k^T) v per head of q, k, v (B,T,H,D): (out (B,T,H*D), lse (B,H,T) fp32)."""
+    B, T, H, D = q.shape
+    _check_heads("scaled_attention_forward", (q, k, v), ())
+    return _flash_forward(q, k, v, B, T, H, D, scale)
+
+
+def scaled_attention_backward(dout, q, k, v, out, lse, scale):
+    """(dq, dk, dv) (B,T,H,D) with q's strides, from dout and out ((B,T,H*D) or (B,T,H,D)), q, k, v, lse."""
+    B, T, H, D = q.shape
+    dout, out = dout.view(B, T, H * D), out.view(B, T, H * D)  # (B,T,H*D) each
+    _check_heads("scaled_attention_backward", (q, k, v), (dout, out))
+    # the kernels write all three through q's strides
+    dq, dk, dv = (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
+                  for _ in range(3))  # (B,T,H,D) each
+    _flash_backward(dout, q, k, v, out, lse, dq, dk, dv, B, T, H, D, scale)
+    return dq, dk, dv
+
+
+# --- q and k: RMSNorm over each head, then the half-truncated rotary embedding ---------------------------
+# A row is one head, x (B,T,H,D) contiguous: row r sits at position (r // H) % T; element j pairs with D/2 + j,
+# so a row loads as two (rows, D/2) halves. The angles are computed in the kernels: a cos/sin table would be
+# a torch op in the step.
+
+# whole heads per program: 32 heads at D = 128 with 8 warps; the interpreter takes wide tiles
+QK_TILE = 1 << 16 if INTERPRET else 4096
+QK_WARPS = 8
+
+
+@triton.jit
+def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
+    """cos and sin (R, BH) fp32 at the positions of flat head indices rows (R,), pairs cols (BH,):
+    freq_j = (1/1024)^(j / (D/4 - 1)) over the first D/4 pairs (1 at D = 4, as torch's), 0 over the last D/4."""
+    quarter = HEAD_DIM // 4
+    t = ((rows // H) % T).to(tl.float32)                                           # (R,) positions
+    freq = tl.exp2(cols.to(tl.float32) * (-10.0 / tl.maximum(quarter - 1, 1)))     # (BH,) fp32
+    freq = tl.where(cols < quarter, freq, 0.0)                                      # (BH,)
+    theta = t[:, None] * freq[None, :]                                              # (R, BH) fp32, as torch's
+    # GPU cos and sin may be approximate far from 0: reduce to [-pi, pi], 2 pi split in two (6.28125 has
+    # 8 significant bits, so turns * 6.28125 is exact)
+    turns = tl.floor(theta * 0.15915494309189535 + 0.5)                             # (R, BH) nearest 2 pi
+    r = (theta - turns * 6.28125) - turns * 1.9353071795864769e-3                   # (R, BH) in [-pi, pi]
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _head_halves(N, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's heads: flat indices (R,) int64, pairs (BH,), row mask, half mask and offsets (R, BH)."""
+    heads = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # (R,)
+    cols = tl.arange(0, BLOCK_H)                                                    # (BH,)
+    row_mask = heads < N                                                            # (R,)
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM // 2)                      # (R, BH)
+    return heads, cols, row_mask, mask, heads[:, None] * HEAD_DIM + cols[None, :]
+
+
+@triton.jit
+def _qk_norm_rotary_forward_kernel(x_ptr, y_ptr, rstd_ptr, N, T, H, eps, HEAD_DIM: tl.constexpr,
+                                   BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads, cols, row_mask, mask, offs = _head_halves(N, HEAD_DIM, BLOCK_ROWS, BLOCK_H)
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)                 # (R, BH)
+    x2 = tl.load(x_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)  # (R,)
+    x1 = x1 * rstd[:, None]                                                         # (R, BH) xhat
+    x2 = x2 * rstd[:, None]                                                         # (R, BH)
+    cos, sin = _rotary_cos_sin_tile(heads, T, H, cols, HEAD_DIM)                    # (R, BH) each
+    y1 = x1 * cos + x2 * sin                                                        # (R, BH)
+    y2 = x2 * cos - x1 * sin                                                        # (R, BH)
+    tl.store(y_ptr + offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + HEAD_DIM // 2 + offs, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + heads, rstd, mask=row_mask)
+
+
+@triton.jit
+def _qk_norm_rotary_backward_kernel(dy_ptr, x_ptr, rstd_ptr, dx_ptr, N, T, H, HEAD_DIM: tl.constexpr,
+                                    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # the rotation is orthogonal: dxhat = R^T dy; then RMSNorm's backward without gain, xhat recomputed
+    heads, cols, row_mask, mask, offs = _head_halves(N, HEAD_DIM, BLOCK_ROWS, BLOCK_H)
+    dy1 = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)               # (R, BH)
+    dy2 = tl.load(dy_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32)  # (R, BH)
+    rstd = tl.load(rstd_ptr + heads, mask=row_mask, other=0.0)                      # (R,) fp32
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]  # (R, BH) xhat
+    x2 = tl.load(x_ptr + HEAD_DIM // 2 + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    cos, sin = _rotary_cos_sin_tile(heads, T, H, cols, HEAD_DIM)                    # (R, BH) each
+    g1 = dy1 * cos - dy2 * sin                                                      # (R, BH) dxhat
+    g2 = dy1 * sin + dy2 * cos                                                      # (R, BH)
+    mean = (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) / HEAD_DIM           # (R,)
+    dx1 = rstd[:, None] * (g1 - x1 * mean[:, None])                                 # (R, BH)
+    dx2 = rstd[:, None] * (g2 - x2 * mean[:, None])                                 # (R, BH)
+    tl.store(dx_ptr + offs, dx1.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + HEAD_DIM // 2 + offs, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rotary_forward(x, eps):
+    """q or k (B,T,H,D) contiguous -> (y (B,T,H,D), rstd (B,T,H) fp32): each head RMS-normed, then rotated."""
+    _flat_check("qk_norm_rotary_forward", x)
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)                                                         # (B,T,H,D)
+    rstd = torch.empty((B, T, H), dtype=torch.float32, device=x.device)             # (B,T,H) fp32
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_forward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        x, y, rstd, B * T * H, T, H, eps, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=QK_WARPS)
+    return y, rstd
+
+
+def qk_norm_rotary_backward(dy, x, rstd):
+    """dx (B,T,H,D) in x's dtype from dy and the forward's x (B,T,H,D), contiguous, and rstd (B,T,H)."""
+    _flat_check("qk_norm_rotary_backward", dy, x, rstd)
+    B, T, H, D = x.shape
+    dx = torch.empty_like(x)                                                        # (B,T,H,D)
+    block_h, block_rows = _row_blocks(D // 2, QK_TILE // 2)
+    _qk_norm_rotary_backward_kernel[(triton.cdiv(B * T * H, block_rows),)](
+        dy, x, rstd, dx, B * T * H, T, H, HEAD_DIM=D, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=QK_WARPS)
+    return dx
+
+
+# --- Muon: momentum, Newton-Schulz on the matmul kernels, the update ---------------------------------------
+# torch_muon_update over n matrices of one shape (r, c): (1) one launch updates the momenta and writes u into a
+# stacked (n, r, c) buffer with each chunk's sum of squares; (2) one launch divides each matrix by its norm;
+# (3) Newton-Schulz on _matmul batched over the n matrices; (4) one launch updates the masters and copies.
+
+MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps
+MUON_WARPS = 8
+MUON_PARTIALS_BLOCK = 256  # the norm's chunk partials per loop step: a d12 (3072, 768) matrix has 144
+
+
+@triton.jit
+def _lerp(start, end, w):
+    # torch's lerp, one fused multiply-add, exact at w = 1 (so fp32 results agree bit for bit)
+    small = w < 0.5
+    return tl.fma(tl.where(small, w, w - 1.0), end - start, tl.where(small, start, end))
+
+
+@triton.jit
+def _muon_momentum_kernel(table_ptr, n_tensors, u_ptr, sumsq_ptr, w_m, w_u, ALIGNED: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, grad, m pointers; the matrix of first chunk f is u's f / (its chunks)
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    u_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        g = tl.load(g_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        m = _lerp(tl.load(m_ptr + o + offs, mask=mask, other=0.0), g, w_m)         # (BL,) fp32
+        u = _lerp(g, m, w_u).to(u_ptr.dtype.element_ty)                             # (BL,) Nesterov's
+        tl.store(m_ptr + o + offs, m, mask=mask)
+        tl.store(u_ptr + o + offs, u, mask=mask)
+        acc += u.to(tl.float32) * u.to(tl.float32)  # the norm of u as Newton-Schulz reads it (masked: 0)
+    tl.store(sumsq_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _muon_normalize_kernel(x_ptr, sumsq_ptr, numel, chunks, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    # x (n, numel) /= ||x[i]||_F + 1e-7: every program of matrix i sums its partials in one order; the norm
+    # and the denominator rounded to x's dtype as torch rounds them
+    i = tl.program_id(0).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)                                                  # (BP,)
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)                                    # (BP,)
+    for p0 in range(0, chunks, BLOCK_P):
+        acc += tl.load(sumsq_ptr + i * chunks + p0 + offs_p, mask=offs_p < chunks - p0, other=0.0)
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    denom = (norm + 1e-7).to(x_ptr.dtype.element_ty).to(tl.float32)
+    start = tl.program_id(1).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < numel - start
+    x = tl.load(x_ptr + i * numel + start + offs, mask=mask, other=0.0).to(tl.float32)  # (BL,)
+    tl.store(x_ptr + i * numel + start + offs, tl.div_rn(x, denom).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _axpby_kernel(out_ptr, x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
+    # out may be x or y: each element is read before it is written, by the same program
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    mask = offs < n - start
+    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    y = tl.load(y_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
+    tl.store(out_ptr + start + offs, (a * x + b * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _muon_update_kernel(table_ptr, n_tensors, x_ptr, lr, decay, scale, HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # table row: numel, first chunk, param, copy pointers; the matrix's update is x's, as for the momentum
+    row = _owner_row(table_ptr, n_tensors, 4, BLOCK_T)
+    numel = tl.load(row)
+    first = tl.load(row + 1)
+    start = (tl.program_id(0) - first) * CHUNK                                      # int64 scalar
+    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        numel = tl.multiple_of(numel, 16)
+    if HAS_COPY:
+        c_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
+        if ALIGNED:
+            c_ptr = tl.multiple_of(c_ptr, 16)
+    x_ptr += first // tl.cdiv(numel, CHUNK) * numel
+    size = tl.minimum(numel - start, CHUNK)                                         # this chunk's length
+    offs = tl.arange(0, BLOCK)                                                      # (BL,)
+    for i0 in range(0, size, BLOCK):
+        o = start + i0
+        mask = offs < size - i0
+        p = tl.load(p_ptr + o + offs, mask=mask, other=0.0)                         # (BL,) fp32
+        update = tl.load(x_ptr + o + offs, mask=mask, other=0.0).to(tl.float32) * scale  # (BL,)
+        # torch's order of roundings: p * decay, then minus lr * update
+        p = p * decay - update * lr                                                 # (BL,) fp32
+        tl.store(p_ptr + o + offs, p, mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + o + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def axpby(out, a, x, b, y):
+    """out = a x + b y elementwise in fp32, rounded once (contiguous, as many elements; out may be x or y)."""
+    _flat_check("axpby", out, x, y)
+    if not out.numel() == x.numel() == y.numel():
+        raise ValueError(f"axpby: {x.numel()} and {y.numel()} elements into {out.numel()}")
+    _axpby_kernel[(triton.cdiv(out.numel(), MUON_BLOCK),)](out, x, y, out.numel(), a, b, BLOCK=MUON_BLOCK,
+                                                           num_warps=MUON_WARPS)
+
+
+def add_into(acc, x):
+    """acc += x (same shape and dtype, contiguous), rounded once: q's, k's and v's input gradients add up."""
+    if acc.shape != x.shape or acc.dtype != x.dtype:
+        raise ValueError(f"add_into: {x.dtype} {tuple(x.shape)} into {acc.dtype} {tuple(acc.shape)}")
+    axpby(acc, 1.0, acc, 1.0, x)
+
+
+def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
+    """Muon in place, as torch_muon_update, over fp32 matrices of one shape: Newton-Schulz in `dtype` (fp32 or
+    bf16); `copies` (bf16, or None) get the params rounded. chunk and block as in global_norm."""
+    if dtype not in (torch.float32, torch.bfloat16) or params[0].dim() != 2:
+        raise ValueError(f"muon_update: fp32 or bf16 Newton-Schulz on matrices, got {dtype} on "
+                         f"{tuple(params[0].shape)}")
+    _check_tensors("muon_update params/grads/m", [*params, *grads, *ms], (torch.float32,),
+                   params[:1] * (3 * len(params)))
+    if copies is not None:
+        _check_tensors("muon_update copies", copies, (torch.bfloat16,), params)
+    n, (r, c) = len(params), params[0].shape
+    u = torch.empty((n, r, c), dtype=dtype, device=params[0].device)  # (n, r, c) u, then its update
+    table, chunks, aligned = _tensor_table([grads, ms], chunk=chunk)
+    sumsq = torch.empty(chunks, dtype=torch.float32, device=u.device)  # (chunks,) fp32 partial sums of u^2
+    _muon_momentum_kernel[(chunks,)](table, n, u, sumsq, 1.0 - momentum, momentum, ALIGNED=aligned, CHUNK=chunk,
+                                     BLOCK=block, BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
+    _muon_normalize_kernel[(n, triton.cdiv(r * c, MUON_BLOCK))](u, sumsq, r * c, chunks // n, BLOCK=MUON_BLOCK,
+                                                                BLOCK_P=MUON_PARTIALS_BLOCK, num_warps=MUON_WARPS)
+    # newton_schulz in place, each product one batched launch; tall matrices without a transpose:
+    # X <- 2X + B X on X = u^T is u <- 2u + u B (A = u^T u and B symmetric)
+    tall = r > c
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        ut = u.transpose(1, 2)                                                      # (n, c, r) a view
+        A, _ = _matmul(ut, u) if tall else _matmul(u, ut)                           # (n, k, k), k = min(r, c)
+        AA, _ = _matmul(A, A)                                                       # (n, k, k)
+        axpby(A, -1.5, A, 0.5, AA)                                                  # (n, k, k) B, over A
+        Bu, _ = _matmul(u, A) if tall else _matmul(A, u)                           # (n, r, c)
+        axpby(u, 2.0, u, 1.0, Bu)                                                   # (n, r, c)
+    table, chunks, aligned = _tensor_table([params, copies], chunk=chunk)
+    _muon_update_kernel[(chunks,)](table, n, u, lr, 1.0 - lr * weight_decay, max(1.0, r / c) ** 0.5,
+                                   HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
+                                   BLOCK_T=triton.next_power_of_2(n), num_warps=MT_WARPS)
+
+
+# --- --fp8-head: the casts, and the head's matmuls on FP8 operands (docs/FORMATS.md, FP8 head) -----------
+# The interpreter's fp32-to-float8 cast rounds wrongly, so the kernel rounds on the float8 grid itself and
+# the cast is then exact; the products are matmul_kernel's on float8 operands, scaled in fp32.
+FP8_TYPES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_BIAS = {"e4m3fn": 7, "e5m2": 15}        # the formats' exponent biases ...
+FP8_MANTISSA = {"e4m3fn": 3, "e5m2": 2}     # ... and mantissa bits
+COLUMN_SUM_BLOCK = (16, 1 << 16) if INTERPRET else (LN_REDUCE_BLOCK_P, LN_REDUCE_BLOCK_C)  # (rows, columns)
+
+
+@triton.jit
+def _fp8_quantize_kernel(x_ptr, y_ptr, n, inverse, TOP: tl.constexpr, MANTISSA: tl.constexpr,
+                         MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
+    """y = x * inverse clamped to +-TOP, rounded to nearest even on the float8 grid, cast to y's type."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+    mask = offs < n
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inverse  # (BLOCK,)
+    v = tl.minimum(tl.maximum(v, -TOP), TOP)
+    bits = v.to(tl.uint32, bitcast=True)  # (BLOCK,) sign, exponent, 23 mantissa bits
+    DROP: tl.constexpr = 23 - MANTISSA
+    # normal: add half an ulp less one plus the kept last bit (ties to even), and cut; carries are right
+    normal = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) >> DROP << DROP  # (BLOCK,)
+    # subnormal: fp32's own rounding of |v| + 1.5 * 2^23 ulp to the subnormals' fixed spacing, sign kept
+    MAGIC: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXP - MANTISSA)
+    sub = ((tl.abs(v) + MAGIC) - MAGIC).to(tl.uint32, bitcast=True) | (bits >> 31 << 31)  # (BLOCK,)
+    q = tl.where(tl.abs(v) < 2.0 ** MIN_EXP, sub, normal).to(tl.float32, bitcast=True)  # (BLOCK,) on the grid
+    tl.store(y_ptr + offs, q.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_fp8_quantize(x, kind):
+    """--fp8-head's operand `kind` of x in its float8 format: x times its scale's reciprocal, saturated and
+    rounded to nearest even (the torch backend's bits)."""
+    fmt = FP8_FORMATS[kind]
+    y = torch.empty(x.shape, dtype=FP8_TYPES[fmt], device=x.device)
+    _flat_check("fp8_quantize", x, y)
+    n = x.numel()
+    _fp8_quantize_kernel[(triton.cdiv(n, ELEM_BLOCK),)](x, y, n, fp8_reciprocal(kind), TOP=FP8_MAX[fmt],
+                                                       MANTISSA=FP8_MANTISSA[fmt], MIN_EXP=1 - FP8_BIAS[fmt],
+                                                       BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    return y
+
+
+def fp8_matmul_forward(x_f8, w_f8, b):
+    """z (N,V) = (x_f8 (N,C) @ w_f8 (V,C).T) x_s w_s + b (V), in b's dtype."""
+    return _matmul(x_f8, w_f8.t(), b, scale=FP8_SCALES["x"] * FP8_SCALES["w"], out_dtype=b.dtype)[0]
+
+
+def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
+    """dx (N,C) = g_f8 @ w_f8 (g_f8: dz in e5m2), dw (V,C) += g_f8.T @ x_f8, scaled; db (V) += dz's column sums."""
+    g_f8 = triton_fp8_quantize(dz, "grad")  # (N, V)
+    dx = _matmul(g_f8, w_f8, scale=FP8_SCALES["grad"] * FP8_SCALES["w"], out_dtype=dz.dtype)[0]  # (N, C)
+    _matmul_dw(g_f8, x_f8, dw, None, scale=FP8_SCALES["grad"] * FP8_SCALES["x"])
+    rows, cols = COLUMN_SUM_BLOCK
+    N, V = dz.shape
+    _layernorm_param_grad_kernel[(triton.cdiv(V, cols),)](dz, db, db, N, V, HAS_BIAS=False, BLOCK_P=rows,
+                                                          BLOCK_C=cols)
+    return dx
+
+
+TRITON_SPEEDRUN_OPS = op_table("triton", dict(
+    embedding_forward=functools.partial(encoder_forward, wpe=None), embedding_backward=embedding_backward,
+    rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
+    rmsnorm_backward=rmsnorm_backward,
+    qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
+    scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
+    matmul_relu2_forward=matmul_relu2_forward,
+    relu2_forward=functools.partial(_activation_forward, activation="relu2"),
+    relu2_backward=functools.partial(_activation_backward, activation="relu2"),
+    softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
+    muon_update=muon_update, add_into=add_into, fp8_quantize=triton_fp8_quantize,
+    fp8_matmul_forward=fp8_matmul_forward, fp8_matmul_backward=fp8_matmul_backward,
+), SPEEDRUN_OP_NAMES)
+
+
+# -- tools
+
+# The speedrun recipe's --test and --bench-ops cases and the profiler's work of its ops: TOOLS["speedrun"].
+
+def case_embedding(ops, r, B, T, C, H):
+    Vp = B * T + 3
+    idx = r.randint(max(2, B * T // 2), B, T)  # (B, T) tokens repeat
+    table = r.rand(Vp, C)  # (Vp, C)
+    x = ops.embedding_forward(idx, table)  # (B, T, C)
+    dtable = r.rand(Vp, C, acc=True)  # (Vp, C) filled: the backward adds into it
+    ops.embedding_backward(r.rand(B, T, C), idx, dtable)
+    return dict(x=x, dtable=dtable)
+
+
+def case_rmsnorm(ops, r, B, T, C, H, residual=False):
+    eps = torch.finfo(r.rdt).eps  # the model's: the tested dtype's, in the reference too
+    x = r.rand(B * T, C, scale=2.0, shift=0.5)  # (N, C)
+    h = r.rand(B * T, C) if residual else None  # (N, C) added to x first
+    w = r.rand(C, shift=1.0)  # (C,)
+    x, y, rstd = ops.residual_rmsnorm_forward(x, h, w, eps) if residual else (x, *ops.rmsnorm_forward(x, w, eps))
+    dw = r.rand(C, acc=True)  # (C,)
+    dx = ops.rmsnorm_backward(r.rand(B * T, C), x, w, rstd, dw, dres=r.rand(B * T, C) if residual else None)
+    return dict(y=y, rstd=rstd, dx=dx, dw=dw, **({"x": x} if residual else {}))
+
+
+def case_matmul_relu2(ops, r, B, T, C, H):
+    x, w, b = r.rand(B * T, C), r.rand(4 * C, C, scale=C ** -0.5), r.rand(4 * C)  # (N, C), (4C, C), (4C,)
+    y, pre = ops.matmul_relu2_forward(x, w, b)  # (N, 4C) each
+    dpre = ops.relu2_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
+    return dict(y=y, pre=pre, dpre=dpre)
+
+
+def case_relu2(ops, r, B, T, C, H):
+    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
+    y = ops.relu2_forward(pre)  # (N, 4C)
+    return dict(y=y, dpre=ops.relu2_backward(r.rand(B * T, 4 * C), pre))
+
+
+def case_softcap_crossentropy(ops, r, B, T, C, H):
+    Vp = 5 * C + 8
+    z = r.rand(B * T, Vp, scale=30.0)  # (N, Vp) well into the cap's bend
+    targets = r.randint(Vp, B * T)  # (N,)
+    losses = ops.softcap_crossentropy_forward_backward(z, targets, 1.0 / (B * T))  # (N,)
+    return dict(losses=losses, dz=z)
+
+
+def case_muon(ops, r, B, T, C, H):
+    """Muon on two wide and two tall matrices, one step; small masters (0.02) show an error in the update."""
+    out = {}
+    c = min(C, 40)  # at most two 32-wide tiles (one partial) in the interpreter
+    for name, shape in (("wide", (c, 3 * c + 1)), ("tall", (4 * c, c))):
+        params = [r.rand(*shape, scale=0.02, acc=True) for _ in range(2)]  # fp32 masters (fp64 reference)
+        ms = [r.rand(*shape, scale=0.1, acc=True) for _ in range(2)]
+        copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
+        grads = [r.rand(*shape, acc=True) for _ in range(2)]
+        ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
+        for i in range(2):
+            out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
+                        f"{name} copy{i}": params[i] if copies is None else copies[i]})
+    return out
+
+
+def case_add_into(ops, r, B, T, C, H):
+    """acc += x in the compute dtype, as the speedrun model adds q's, k's and v's input gradients."""
+    acc = r.rand(B * T, C)  # (N, C)
+    ops.add_into(acc, r.rand(B * T, C))
+    return dict(acc=acc)
+
+
+def case_scaled_attention(ops, r, B, T, C, H):
+    """Separate q, k, v of H heads of HEAD_DIM (C unused). At T = 1 dq and dk are zero up to rounding: only dv."""
+    q, k, v = (r.rand(B, T, H, HEAD_DIM, scale=1.5) for _ in range(3))  # (B, T, H, D) each
+    out, lse = ops.scaled_attention_forward(q, k, v, ATTN_SCALE)  # (B, T, H*D), (B, H, T)
+    dq, dk, dv = ops.scaled_attention_backward(r.rand(B, T, H * HEAD_DIM), q, k, v, out, lse,
+                                               ATTN_SCALE)  # (B, T, H, D) each
+    return dict(out=out, lse=lse, dv=dv, **(dict(dq=dq, dk=dk) if T > 1 else {}))
+
+
+def case_qk_norm_rotary(ops, r, B, T, C, H):
+    """q or k of H heads of HEAD_DIM (C unused), with the model's eps (the tested dtype's)."""
+    x = r.rand(B, T, H, HEAD_DIM, scale=2.0, shift=0.5)  # (B, T, H, D)
+    y, rstd = ops.qk_norm_rotary_forward(x, torch.finfo(r.rdt).eps)  # (B, T, H, D), (B, T, H)
+    dx = ops.qk_norm_rotary_backward(r.rand(B, T, H, HEAD_DIM), x, rstd)  # (B, T, H, D)
+    return dict(y=y, rstd=rstd, dx=dx)
+
+
+def case_fp8_head(ops, r, B, T, C, H):
+    N, Vp = B * T, B * T + 5
+    x_f8 = ops.fp8_quantize(r.rand(N, C, scale=5.0), "x")  # (N, C) e4m3fn, some saturated
+    w_f8 = ops.fp8_quantize(r.rand(Vp, C, scale=0.02), "w")  # (Vp, C) e4m3fn, some subnormal
+    z = ops.fp8_matmul_forward(x_f8, w_f8, r.rand(Vp))  # (N, Vp)
+    dw, db = r.rand(Vp, C, acc=True), r.rand(Vp, acc=True)  # (Vp, C), (Vp,) filled: the backward adds
+    dx = ops.fp8_matmul_backward(r.rand(N, Vp, scale=1e-3), x_f8, w_f8, dw, db)  # (N, C)
+    return dict(x_f8=x_f8, w_f8=w_f8, z=z, dx=dx, dw=dw, db=db)
+
+
+# --test --recipe speedrun: the speedrun recipe's own ops (it shares matmul, AdamW and the step ops above)
+SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", case_rmsnorm),
+                     ("residual+rmsnorm fwd+bwd", functools.partial(case_rmsnorm, residual=True)),
+                     ("qk norm+rotary fwd+bwd", case_qk_norm_rotary),
+                     ("scaled attention fwd+bwd", case_scaled_attention),
+                     ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
+                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
+                     ("muon_update", case_muon), ("add_into", case_add_into),
+                     ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
+
+
+def speedrun_bench_cases(cfg, ops, device):
+    """bench_cases of --recipe speedrun: its own ops at its shapes against backend torch's (and SDPA)."""
+    dt = compute_dtype(cfg)
+    B, T, C, Vp, L = cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
+    H, D = C // HEAD_DIM, HEAD_DIM
+    N, R = B * T, min(B * T, HEAD_ROWS)
+    eps = torch.finfo(dt).eps
+
+    def rand(*shape, dtype=dt):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    idx = torch.randint(cfg.vocab_size, (B, T), device=device)  # (B, T)
+    table, dtable = rand(Vp, C), rand(Vp, C, dtype=torch.float32)  # (Vp, C) each
+    x, h, dy, w = rand(N, C), rand(N, C), rand(N, C), rand(C)  # (N, C) x3, (C,)
+    dw = rand(C, dtype=torch.float32)  # (C,)
+    _, rstd = ops.rmsnorm_forward(x, w, eps)  # (N,)
+    q, k, v, dq = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)  # (B, T, H, D) each
+    _, qrstd = ops.qk_norm_rotary_forward(q, eps)  # (B, T, H)
+    dout = rand(B, T, C)  # (B, T, C)
+    xf, wf, bf = rand(N, C), rand(4 * C, C), rand(4 * C)  # (N, C), (4C, C), (4C,)
+    pre, dpre = rand(N, 4 * C), rand(N, 4 * C)  # (N, 4C) each
+    z, targets = rand(R, Vp), torch.randint(Vp, (R,), device=device)  # (R, Vp), (R,)
+    heads = [s.transpose(1, 2) for s in (q, k, v)]  # (B, H, T, D) each
+    xq, wq = ops.fp8_quantize(rand(R, C), "x"), ops.fp8_quantize(table, "w")  # (R, C), (Vp, C) e4m3fn
+    hb, dhw, dhb = rand(Vp), rand(Vp, C, dtype=torch.float32), rand(Vp, dtype=torch.float32)  # the head's
+    scaled_mm = "torch._scaled_mm" if device.type == "cuda" else "backend torch (fp32 matmul)"
+
+    def sdpa_forward_backward():
+        with torch.enable_grad():
+            leaves = [_leaf(s) for s in heads]
+            o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=ATTN_SCALE)  # (B, H, T, D)
+            o.backward(dout.view(B, T, H, D).transpose(1, 2))
+
+    op = functools.partial(op_case, ops, TORCH_SPEEDRUN_OPS)
+    cases = [
+        op("embedding_forward", f"{B}x{T}x{C}", (idx, table), "F.embedding", lambda: F.embedding(idx, table)),
+        op("embedding_backward", f"{B}x{T}x{C}", (dy.view(B, T, C), idx, dtable), "sort + cumsum + index_add_"),
+        op("rmsnorm_forward", f"{N}x{C}", (x, w, eps), "backend torch (fp32 rsqrt)"),
+        op("residual_rmsnorm_forward", f"{N}x{C}", (x, h, w, eps), "add + backend torch's"),
+        op("rmsnorm_backward", f"{N}x{C}", (dy, x, w, rstd, dw, h), "backend torch (fp32)"),
+        op("qk_norm_rotary_forward", f"{B}x{T}x{H}x{D}", (q, eps), "backend torch (fp32)"),
+        op("qk_norm_rotary_backward", f"{B}x{T}x{H}x{D}", (dq, q, qrstd), "backend torch (fp32)"),
+        op("scaled_attention_forward", f"{B}x{H}x{T}x{D}", (q, k, v, ATTN_SCALE), "SDPA causal",
+           lambda: F.scaled_dot_product_attention(*heads, is_causal=True, scale=ATTN_SCALE)),
+        ("scaled_attention_forward+backward", f"{B}x{H}x{T}x{D}",
+         lambda: ops.scaled_attention_backward(dout, q, k, v, *ops.scaled_attention_forward(
+             q, k, v, ATTN_SCALE), ATTN_SCALE),
+         "SDPA causal fwd+bwd", sdpa_forward_backward, None),
+        op("matmul_relu2_forward", f"mlp.fc {N}x{C}x{4 * C}", (xf, wf, bf), "F.linear + relu + square",
+           lambda: F.relu(F.linear(xf, wf, bf)).square()),
+        op("relu2_forward", f"{N}x{4 * C}", (pre,), "relu + square", lambda: F.relu(pre).square()),
+        op("relu2_backward", f"{N}x{4 * C}", (dpre, pre), "backend torch"),
+        op("softcap_crossentropy_forward_backward", f"{R}x{Vp}", (z, targets, 1.0), "backend torch (fp32 chunks)"),
+        op("add_into", f"{N}x{C}", (x, h), "Tensor.add_", lambda: x.add_(h)),
+        op("fp8_quantize", f"{Vp}x{C}", (table, "w"), "mul + clamp + cast"),
+        op("fp8_matmul_forward", f"lm head {R}x{C}x{Vp}", (xq, wq, hb), scaled_mm),
+        op("fp8_matmul_backward", f"lm head {R}x{C}x{Vp}", (z, xq, wq, dhw, dhb), f"cast + 2 x {scaled_mm} + sum"),
+    ]
+    for r, c, n in ((C, C, 4 * L), (4 * C, C, L), (C, 4 * C, L)):  # each shape Muon batches over
+        ps = [rand(r, c, dtype=torch.float32) for _ in range(n)]
+        gs, ms = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        copies = [p.to(dt) for p in ps] if dt != torch.float32 else None
+        args = (ps, gs, ms, copies, 1e-4, MUON_MOMENTUM, MUON_WEIGHT_DECAY, dt)
+        cases.append(op("muon_update", f"{n} x {r}x{c}", args, "backend torch (torch.bmm)"))
+    return cases
+
+
+def speedrun_op_work(name, args, kwargs, out):
+    """op_work of an op of SPEEDRUN_OP_NAMES: (flops, bytes) one call cannot do without; else None."""
+    if name == "matmul_relu2_forward":
+        x, w = args[0], args[1]
+        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
+    if name in ("scaled_attention_forward", "scaled_attention_backward"):
+        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
+        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name in ("fp8_matmul_forward", "fp8_matmul_backward"):  # one product, or two
+        N, C = args[1].shape
+        return (2 if name == "fp8_matmul_forward" else 4) * N * C * args[2].shape[0], 0
+    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
+        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
+        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
+    if name == "embedding_forward":
+        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
+    if name == "embedding_backward":  # the table rows it updates, read and written
+        dx, idx, dtable = args[:3]
+        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
+    if name == "rmsnorm_backward":  # dw (and dres) are read and written
+        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
+    if name == "add_into":  # acc read and written
+        return 0, 3 * _nbytes(args[1])
+    if name == "softcap_crossentropy_forward_backward":
+        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
+    if name in SPEEDRUN_OP_NAMES:  # the norms, q/k norm+rotary, relu2: inputs read, outputs written
+        return 0, _nbytes(*args, *(out if isinstance(out, tuple) else (out,)))
+    return None
+
+
+TOOLS["speedrun"] = RecipeTools(
+    test_config=Config(recipe="speedrun", n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
+                       padded_vocab_size=64, seq_len=9, batch_size=2),  # one head
+    test_cases=lambda: SPEEDRUN_OP_CASES, autograd_test="tests/test_speedrun_triton.py",
+    bench_cases=speedrun_bench_cases, op_work=speedrun_op_work)
+
+
 if __name__ == "__main__":
-    # one module, not two: triton_kernels.py and triton_tools.py import this file by its name
-    sys.modules.setdefault("train_gpt2_triton", sys.modules[__name__])
     main()

@@ -23,9 +23,8 @@ def table():
     """The markdown table: a row per recipe and level, a column per trainer, MB per micro-batch."""
     import importlib
 
-    from trainkit.flags import RECOMPUTE_LEVELS
     modules = {name: importlib.import_module(module) for name, module in TRAINERS.items()}
-    levels, recipes = RECOMPUTE_LEVELS, list(modules["JAX"].RECIPES)
+    levels, recipes = modules["JAX"].RECOMPUTE_LEVELS, list(modules["JAX"].RECIPES)
     rows = ["| recipe | --recompute | " + " | ".join(modules) + " |",
             "|---|---|" + "---:|" * len(modules)]
     for recipe in recipes:

@@ -16,7 +16,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2_triton as tt  # noqa: E402
-import triton_kernels as tk  # noqa: E402
+import train_gpt2_triton as tk  # noqa: E402
 
 
 def median_ms(fn):

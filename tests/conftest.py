@@ -386,7 +386,7 @@ def fp8_reference(tiny_shards, tmp_path_factory):
     """(init model file, per-step losses) of tests/speedrun_reference.py's float64 FP8_RUN with the FP8 head
     (~2 s of CPU), from speedrun_random_weights (seed 1), written by trainkit as the trainers write it."""
     import speedrun_reference
-    from trainkit.speedrun import speedrun_shapes, write_speedrun_file
+    from train_gpt2_jax import speedrun_shapes, write_speedrun_file
     from types import SimpleNamespace
     cfg = SimpleNamespace(n_layer=FP8_RUN["n_layer"], n_embd=FP8_RUN["n_embd"], padded_vocab_size=50304)
     init = tmp_path_factory.mktemp("fp8") / "random_init.safetensors"

@@ -22,7 +22,7 @@ import sacrebleu
 
 from conftest import (REPO, assert_clean_error, read_log, run_script, run_script_on_a_full_disk, data_file,
                       step_events)
-from trainkit.checkpoints import latest_checkpoint
+from train_aiayn_jax import latest_checkpoint
 
 import train_aiayn_jax as aiayn  # noqa: E402  (conftest puts the repository on sys.path)
 

@@ -11,9 +11,9 @@ import pytest
 import llmc_reference
 from conftest import (assert_clean_error, read_log, run_script, run_with_terminal_stderr, step_events,
                       tiny_params, write_model_file, write_shard)
-from trainkit.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainkit.data import DataLoader, val_batches
-from trainkit.gpt2 import PARAM_NAMES
+from train_gpt2_jax import latest_checkpoint, load_checkpoint, save_checkpoint
+from train_gpt2_jax import DataLoader, val_batches
+from train_gpt2_jax import PARAM_NAMES
 
 # log.jsonl's framework name: the command line that runs it. Backend triton is held to backend torch
 # in tests/test_triton.py (same shards, same model file, fp32): on the CPU its kernels run in Triton's

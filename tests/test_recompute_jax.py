@@ -16,7 +16,7 @@ import pytest
 
 import train_gpt2_jax as tg
 from conftest import speedrun_random_weights, step_events
-from trainkit.flags import RECOMPUTE_LEVELS
+from train_gpt2_jax import RECOMPUTE_LEVELS
 
 RTOL = 1e-6
 # tiny models, 3 steps of 2 micro-batches of 2 x 32 tokens: one block (each run's time is its compilation),

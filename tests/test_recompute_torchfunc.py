@@ -19,7 +19,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import train_gpt2_torchfunc as tf
 from conftest import speedrun_random_weights, step_events
-from trainkit.flags import RECOMPUTE_LEVELS
+from train_gpt2_jax import RECOMPUTE_LEVELS
 
 CPU = torch.device("cpu")
 LEVELS = RECOMPUTE_LEVELS

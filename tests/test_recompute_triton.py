@@ -18,7 +18,7 @@ import torch
 
 import train_gpt2_triton as tg
 from conftest import allocated_bytes, speedrun_random_weights, step_events
-from trainkit.flags import RECOMPUTE_LEVELS
+from train_gpt2_jax import RECOMPUTE_LEVELS
 
 LEVELS = RECOMPUTE_LEVELS
 RERUN = {"gpt2": "gpt2_block_rerun", "speedrun": "speedrun_block_rerun"}  # the backward's rerun of a block

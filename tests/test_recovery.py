@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, read_log, run_script
-from trainkit.checkpoints import drop_partial_log_line, load_checkpoint, save_checkpoint
-from trainkit.logs import logged_evals
+from train_gpt2_jax import drop_partial_log_line, load_checkpoint, save_checkpoint
+from train_gpt2_jax import logged_evals
 
 MODULES = ["train_gpt2_jax", "train_gpt2_torchfunc", "train_gpt2_triton"]
 TIMING_KEYS = {"dt_ms", "tokens_per_s", "mfu", "peak_mem_gb"}  # the only keys that differ between runs

@@ -28,9 +28,9 @@ import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
 from conftest import (assert_clean_error, read_log, run_script, run_script_on_a_full_disk, step_events,
                       write_shard)
-from trainkit.checkpoints import RunLock, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint
-from trainkit.data import find_shards
-from trainkit.signals import StopSignals, stops_on_signals
+from train_gpt2_jax import RunLock, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint
+from train_gpt2_jax import find_shards
+from train_gpt2_jax import StopSignals, stops_on_signals
 
 MODULES = {"jax": tj, "torchfunc": tf, "triton": tg}
 SCRIPTS = {"jax": ["train_gpt2_jax.py"], "torchfunc": ["train_gpt2_torchfunc.py"],

@@ -6,9 +6,9 @@ import pytest
 
 import llmc_reference
 from conftest import write_shard
-from trainkit.data import (MersenneTwister, ShuffledLoader, ShuffledOrder, make_loaders, permutation_picks,
+from train_gpt2_jax import (MersenneTwister, ShuffledLoader, ShuffledOrder, make_loaders, permutation_picks,
                            permute)
-from trainkit.flags import RunConfig
+from train_gpt2_jax import Config
 
 # std::mt19937 seeded 42: its first ten outputs, as widely published (numpy's RandomState(42) gives them
 # too, with the same init_genrand seeding)
@@ -127,7 +127,7 @@ def test_make_loaders_makes_each_device_an_llmc_rank(tmp_path):
     devices), serves llm.c ranks 2 and 3 of 4, from the start and from a checkpoint's loader state."""
     B, T = 2, 8
     files = write_shards(tmp_path / "shards", [3, 2], [1, 9], 4 * B * T)
-    cfg = RunConfig(data=str(tmp_path / "shards" / "*.bin"), seq_len=T, batch_size=B,
+    cfg = Config(data=str(tmp_path / "shards" / "*.bin"), seq_len=T, batch_size=B,
                     total_batch_size=4 * B * T, val_every=0, shuffle=True)
     llmc = [llmc_reference.ShuffledLoader(files, B, T, r, 4) for r in (2, 3)]
     _, train, _ = make_loaders(cfg, 2 * B, 1, 2, (0, 0), print)

@@ -18,7 +18,7 @@ import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
 from conftest import (REPO, assert_clean_error, assert_refused, assert_same_step_values, run_script,
                       step_events, step_lines, stop_by_signals_and_resume, train_losses)
-from trainkit.checkpoints import load_checkpoint
+from train_gpt2_jax import load_checkpoint
 
 L, C, T, B, ACCUM, STEPS = 2, 128, 32, 1, 2, 6  # test_speedrun_torchfunc.py's shapes: 64 tokens a step
 FLAGS = ["--recipe", "speedrun", "--n-layer", L, "--n-embd", C, "--seq-len", T, "--batch-size", B,

@@ -18,8 +18,8 @@ import speedrun_reference as sr
 import train_gpt2_torchfunc as tf
 from conftest import (assert_clean_error, assert_refused, assert_same_step_values, run_script,
                       speedrun_random_weights, step_events, stop_by_signals_and_resume, train_losses)
-from trainkit.speedrun import read_safetensors
-from trainkit.checkpoints import read_weights
+from train_gpt2_jax import read_safetensors
+from train_gpt2_jax import read_weights
 
 V, VP = 50257, 50304
 

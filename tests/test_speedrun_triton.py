@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import speedrun_reference as ref
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-import triton_kernels_speedrun as tks
-import triton_tools as tools
+import train_gpt2_triton as tks
+import train_gpt2_triton as tools
 from conftest import (assert_same_step_values, run_script, speedrun_random_weights, step_events,
                       stop_by_signals_and_resume, train_losses)
 

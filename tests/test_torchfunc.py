@@ -11,8 +11,8 @@ import llmc_reference
 import train_gpt2_torchfunc as tf
 from conftest import tiny_params
 from test_parity import has_cuda_gpu
-from trainkit.data import DataLoader
-from trainkit.gpt2 import PARAM_NAMES
+from train_gpt2_jax import DataLoader
+from train_gpt2_jax import PARAM_NAMES
 
 V = 50257
 B, T = 4, 64

@@ -24,9 +24,9 @@ from conftest import (REPO, STEP_KEYS, assert_clean_error, assert_due_events, as
                       step_lines, stop_by_signals_and_resume, tiny_params, write_bad_shards,
                       write_model_file, write_shard)
 from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
-from trainkit.checkpoints import latest_checkpoint, save_checkpoint
-from trainkit.gpt2 import PARAM_NAMES
-from trainkit.logs import format_memory
+from train_gpt2_jax import latest_checkpoint, save_checkpoint
+from train_gpt2_jax import PARAM_NAMES
+from train_gpt2_jax import format_memory
 
 V = 50257
 STEPS = 6

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import train_gpt2_triton as tg
-import triton_kernels as tk
-import triton_kernels_speedrun as tks
-import triton_tools as tools
+import train_gpt2_triton as tk
+import train_gpt2_triton as tks
+import train_gpt2_triton as tools
 from conftest import assert_clean_error, run_script, speedrun_random_weights, step_events, write_shard
-from trainkit.data import DataLoader
+from train_gpt2_jax import DataLoader
 
 ON_GPU = torch.cuda.is_available() and not tg.INTERPRET  # backend triton compiled, bf16 checked too
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where backend triton's tests run

@@ -23,8 +23,8 @@ import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
 from conftest import (REPO, allocated_bytes, assert_clean_error, free_port, read_log, run_script, step_events,
                       step_lines, train_losses)
-from trainkit.torch_shared import flat_layout, shard_ranges
-from trainkit.gpt2 import PARAM_NAMES
+from train_gpt2_torchfunc import flat_layout, shard_ranges
+from train_gpt2_jax import PARAM_NAMES
 
 TRAINERS = {"torchfunc": ["train_gpt2_torchfunc.py"], "triton": ["train_gpt2_triton.py", "torch"]}
 OTHER = {"torchfunc": "triton", "triton": "torchfunc"}
@@ -38,14 +38,15 @@ ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 # processes: the gradients are summed by the same two-operand fp32 additions, so only the grad norm's
 # order of summation differs (shard norms squared and summed against per-tensor norms), and through the
 # clipping coefficient the masters, by a few fp32 ulps; a bf16 copy may then round the other way, which
-# moves the next losses by about a bf16 ulp of a weight (measured: losses and norms equal to 7 digits).
+# moves the next losses by about a bf16 ulp of a weight (measured on one machine of 2026-12-07: torchfunc's
+# losses 5e-6 apart, its grad norms 2.1e-5 at step 2 and 5.2e-5 at step 3, hence STAGE1_NORM_RTOL).
 # Against one process, the two micro-batch gradients are added in the other order (commutative: the
 # same sums). The first checkpoint (after one update) holds the same masters and moments within a few
 # ulps. A resume in the other trainer: the checkpoint round-trips fp32 exactly, and the two trainers'
 # bf16 forwards differ (torchfunc keeps the embeddings and the residual stream in fp32). Measured, each
 # trainer's checkpoint in the other: losses up to 2e-5 and norms up to 5e-4 apart; with the moments
 # zeroed in the checkpoint, step 3 is off by 4.3e-3 in the loss and 7.9e-2 in the norm.
-SAME_PROCESSES_RTOL, ONE_PROCESS_RTOL, CHECKPOINT_RTOL = 1e-5, 1e-5, 1e-6
+SAME_PROCESSES_RTOL, STAGE1_NORM_RTOL, ONE_PROCESS_RTOL, CHECKPOINT_RTOL = 1e-5, 1e-4, 1e-5, 1e-6
 OTHER_TRAINER_LOSS_RTOL, OTHER_TRAINER_NORM_RTOL = 1e-4, 3e-3
 
 
@@ -111,9 +112,10 @@ def test_stage1_matches_stage0_and_one_process(runs, name):
     stage 0 does, and write the same first checkpoint; each prints what one device
     holds, as device_state_bytes counts it; only rank 0 prints the steps."""
     one, zero0, zero1 = (runs(name, k) for k in ("one", "zero0", "zero1"))
-    assert_same_steps(step_events(zero0[0]), step_events(zero1[0]), SAME_PROCESSES_RTOL)
+    assert_same_steps(step_events(zero0[0]), step_events(zero1[0]), SAME_PROCESSES_RTOL,
+                      norm_rtol=STAGE1_NORM_RTOL)
     assert_same_steps(step_events(one[0]), step_events(zero0[0]), ONE_PROCESS_RTOL)
-    assert_same_steps(step_events(one[0]), step_events(zero1[0]), ONE_PROCESS_RTOL)
+    assert_same_steps(step_events(one[0]), step_events(zero1[0]), ONE_PROCESS_RTOL, norm_rtol=STAGE1_NORM_RTOL)
     assert len(step_lines(zero1[1])) == STEPS
     a, b = (d / "ckpt_0000001" for d in (zero0[0], zero1[0]))
     mod = tf if name == "torchfunc" else tg

@@ -1,0 +1,136 @@
+"""The copies the scripts carry on purpose (each trainer stands alone): a top-level function, class or
+constant that two of FILES define is the same text in both, unless DIFFERENT names it with the reason.
+
+    python tests/sync_copies.py FILE       # carry FILE's version of every name it shares to every copy
+    python tests/sync_copies.py --check    # the names whose copies differ, with a diff; exit 1 if any
+"""
+import ast
+import difflib
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ["train_gpt2_jax.py", "train_gpt2_torchfunc.py", "train_gpt2_triton.py", "train_aiayn_jax.py",
+         "convert_hf.py", "hellaswag.py"]
+MODEL = "the model in each framework"
+TRANSLATOR = "the translator's own (another model, its own data and checkpoints)"
+# Names that two files define each in their own terms: the framework's parts keep the same names, so that
+# a diff of two trainers lines them up
+DIFFERENT = {
+    "FRAMEWORK": "each trainer's own name in log.jsonl",
+    "Config": "the shared flags, then each trainer's own (JAX: attention, scan, processes; torchfunc: compile; "
+              "triton: backend, --test, --bench-ops; the translator's are its own)",
+    "Recipe": "the shared fields, then each trainer's own (its model and update functions)",
+    "RECIPES": "each trainer's rows: its own model and update functions",
+    "ZERO_STAGES": "JAX also shards the weights (stage 3)",
+    "framework_flags": "each trainer's own flags",
+    "param_shapes": "a lookup in each trainer's own RECIPES; the translator's model",
+    "PARAM_NAMES": "GPT-2's names; the translator's model",
+    "MODEL_PRESETS": "GPT-2's presets; the translator's model",
+    "parse_args": "the GPT-2 trainers' shared parser; the translator's and each tool's own flags",
+    "main": "the same steps in the same order, in each framework's terms; each tool's own",
+    "gpt2_activation_bytes": "what each framework's backward keeps at each --recompute level",
+    "speedrun_activation_bytes": "what each framework's backward keeps at each --recompute level",
+    "recomputed": "--recompute in each framework's terms (jax.checkpoint policies; autograd.Functions)",
+    "EMBEDDINGS": "the tables JAX and torchfunc keep fp32 in bf16 runs",
+    "forward": MODEL, "token_losses": MODEL, "loss_fn": MODEL, "compute_dtype": MODEL, "attention": MODEL,
+    "block": MODEL, "transformer": MODEL, "next_logits": MODEL, "layernorm": MODEL, "linear": MODEL,
+    "global_norm": "each framework's function", "adamw_update": "each framework's function",
+    "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
+    "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
+    "whole_state": "each torch trainer's flat layout", "compute_groups": "torchfunc keeps its embeddings fp32",
+    "device_state_bytes": "each trainer's layout of the state", "generate": "each framework's sampler",
+    "rotary": "the speedrun model in each framework", "speedrun_block": "the speedrun model in each framework",
+    "speedrun_transformer": "the speedrun model in each framework",
+    "speedrun_logits": "the speedrun model in each framework (the Triton trainer's: the soft cap alone)",
+    "speedrun_adamw": "JAX returns one tensor's new state / torchfunc's multi-tensor ops in place",
+    "speedrun_muon": "JAX returns the new weights and buffers / torchfunc updates them in place",
+    "speedrun_forward": "the speedrun model in each framework",
+    "speedrun_next_logits": "the speedrun model in each framework",
+    "speedrun_token_losses": "the speedrun model in each framework",
+    "speedrun_scalars": "host arrays in JAX, device tensors in torchfunc",
+    "speedrun_update": "JAX returns the new state / torchfunc updates it in place / the Triton trainer through "
+                       "its op interface",
+    "newton_schulz": "JAX's jnp / torch's (the torch trainers share theirs)",
+    "fp8_quantize": "JAX's jnp / torch's (the torch trainers share theirs)",
+    "state_layout": "JAX's shardings / the torch trainers' flat buffers",
+    "evaluate_val": "JAX's jitted sums / the torch trainers' (shared)",
+    "evaluate_hellaswag": "JAX's jitted losses / the torch trainers' (shared)",
+    "peak_memory_gb": "JAX's device stats / torch's", "fail_on_out_of_memory": "JAX's error type / torch's",
+    "CENSUS_SECONDS": "JAX's processes / torch's",
+    "any_process_failed": "JAX's processes / torch's", "fail_on_lost_peer": "JAX's processes / torch's",
+    "save_checkpoint": TRANSLATOR, "load_checkpoint": TRANSLATOR, "LN_EPS": TRANSLATOR,
+    "die": "hellaswag.py's says the same without the shared block",
+}
+
+
+def read(path):
+    with open(os.path.join(REPO, path)) as f:
+        return f.read()
+
+
+def top_level(text):
+    """{name: (first line, last line)} (0-based, inclusive) of a file's top-level functions, classes
+    (decorators included) and single-name assignments."""
+    defs = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defs[node.name] = (min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1, node.end_lineno - 1)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            defs[node.targets[0].id] = (node.lineno - 1, node.end_lineno - 1)
+    return defs
+
+
+def source(text, span):
+    return "\n".join(text.split("\n")[span[0]:span[1] + 1])
+
+
+def drifted(texts):
+    """[(name, file a, file b, unified diff)] of each shared name whose copies differ, DIFFERENT aside."""
+    defs = {f: top_level(t) for f, t in texts.items()}
+    out = []
+    for i, a in enumerate(FILES):
+        for b in FILES[i + 1:]:
+            for name in sorted(set(defs[a]) & set(defs[b]) - set(DIFFERENT)):
+                sa, sb = source(texts[a], defs[a][name]), source(texts[b], defs[b][name])
+                if sa != sb:
+                    diff = "\n".join(difflib.unified_diff(sa.split("\n"), sb.split("\n"), a, b, lineterm=""))
+                    out.append((name, a, b, diff))
+    return out
+
+
+def sync(origin, texts):
+    """texts with every name that `origin` shares with another file (DIFFERENT aside) replaced by origin's."""
+    mine = top_level(texts[origin])
+    out = dict(texts)
+    for f in FILES:
+        if f == origin:
+            continue
+        lines = out[f].split("\n")
+        theirs = top_level(out[f])
+        for name, span in sorted(theirs.items(), key=lambda kv: -kv[1][0]):  # bottom up: spans stay valid
+            if name in mine and name not in DIFFERENT:
+                lines[span[0]:span[1] + 1] = source(texts[origin], mine[name]).split("\n")
+        out[f] = "\n".join(lines)
+    return out
+
+
+def main(argv):
+    texts = {f: read(f) for f in FILES}
+    if argv == ["--check"]:
+        found = drifted(texts)
+        for name, a, b, diff in found:
+            print(f"{name}: {a} and {b} differ\n{diff}\n")
+        return 1 if found else 0
+    if len(argv) != 1 or argv[0] not in FILES:
+        raise SystemExit(f"error: give one of {', '.join(FILES)}, or --check")
+    for f, text in sync(argv[0], texts).items():
+        if text != texts[f]:
+            with open(os.path.join(REPO, f), "w") as out:
+                out.write(text)
+            print(f"{f}: updated from {argv[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

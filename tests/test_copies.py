@@ -1,0 +1,91 @@
+"""One file per trainer: the copies they carry on purpose are equal (tests/sync_copies.py), the sync
+command repairs a planted drift, and no trainer imports a module of the repository."""
+import ast
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO
+import sync_copies
+
+TRAINERS = ["train_gpt2_jax.py", "train_gpt2_torchfunc.py", "train_gpt2_triton.py", "train_aiayn_jax.py"]
+# a trainer may import these modules of the repository only where it says (hellaswag.py inside a
+# function: HellaSwag and the samples' tokenizer; the translator's BPE, the card's tokenizer.py)
+ALLOWED = {"hellaswag": "in a function", "tokenizer": "train_aiayn_jax.py"}
+
+
+def test_the_copies_are_equal():
+    """A name that two of the files define is the same text in both, unless DIFFERENT says why not."""
+    found = sync_copies.drifted({f: sync_copies.read(f) for f in sync_copies.FILES})
+    assert not found, ("copies differ: edit one, then run python tests/sync_copies.py FILE\n"
+                       + "\n\n".join(diff for *_, diff in found))
+
+
+def test_every_different_name_is_defined_twice():
+    """No stale entry in DIFFERENT: each names something that two of the files define."""
+    defs = [set(sync_copies.top_level(sync_copies.read(f))) for f in sync_copies.FILES]
+    twice = {n for i, a in enumerate(defs) for b in defs[i + 1:] for n in a & b}
+    assert set(sync_copies.DIFFERENT) <= twice, sorted(set(sync_copies.DIFFERENT) - twice)
+
+
+def test_a_planted_drift_fails_and_the_sync_repairs_it(tmp_path):
+    """An edit made to one copy of a shared function (here `due`, in torchfunc's block and the translator's
+    part) fails --check, naming it; `sync_copies.py FILE` carries FILE's version back to every copy."""
+    (tmp_path / "tests").mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "sync_copies.py"), tmp_path / "tests")
+    for f in sync_copies.FILES:
+        shutil.copy(os.path.join(REPO, f), tmp_path / f)
+    originals = {f: (tmp_path / f).read_text() for f in sync_copies.FILES}
+    for f in ("train_gpt2_torchfunc.py", "train_aiayn_jax.py"):
+        text = originals[f]
+        assert "\ndef due(" in text
+        (tmp_path / f).write_text(text.replace("\ndef due(", "\ndef due(  # drifted\n", 1))
+    tool = [sys.executable, str(tmp_path / "tests" / "sync_copies.py")]
+    check = subprocess.run([*tool, "--check"], capture_output=True, text=True)
+    assert check.returncode == 1 and "due: train_gpt2_jax.py and train_gpt2_torchfunc.py differ" in check.stdout
+    assert "+def due(  # drifted" in check.stdout
+    subprocess.run([*tool, "train_gpt2_jax.py"], check=True, capture_output=True)
+    assert subprocess.run([*tool, "--check"], capture_output=True).returncode == 0
+    assert {f: (tmp_path / f).read_text() for f in sync_copies.FILES} == originals
+
+
+def repository_modules():
+    return {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "*.py"))} | {
+        os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(REPO, "*", "__init__.py"))}
+
+
+def test_a_trainer_imports_nothing_of_the_repository():
+    """Each trainer imports the standard library, numpy, its framework and requirements.txt's packages; of
+    the repository only hellaswag.py inside a function, and the translator tokenizer.py."""
+    mine = repository_modules()
+    for path in TRAINERS:
+        tree = ast.parse(sync_copies.read(path))
+        top = set(tree.body)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for m in (n.split(".")[0] for n in names):
+                if m in mine and m != path[:-3]:
+                    allowed = ALLOWED.get(m)
+                    ok = allowed == path or (allowed == "in a function" and node not in top)
+                    assert ok, f"{path}:{node.lineno} imports the repository's {m}"
+
+
+def test_the_import_check_catches_a_repository_import(tmp_path, monkeypatch):
+    """The check above fails on a trainer that imports a module of the repository at its top."""
+    text = sync_copies.read("train_gpt2_jax.py").replace("\nimport jax\n", "\nimport jax\nimport hellaswag\n", 1)
+    (tmp_path / "train_gpt2_jax.py").write_text(text)
+    monkeypatch.setattr(sync_copies, "read", lambda p: (tmp_path / p).read_text() if p == "train_gpt2_jax.py"
+                        else open(os.path.join(REPO, p)).read())
+    try:
+        test_a_trainer_imports_nothing_of_the_repository()
+    except AssertionError as e:
+        assert "imports the repository's hellaswag" in str(e)
+    else:
+        raise AssertionError("the import check passed a trainer importing hellaswag at its top")
