@@ -4,28 +4,20 @@
     python convert_hf.py from-hf gpt2_hf -o model.bin           # a local transformers GPT-2 directory
     python convert_hf.py from-hf gpt2 -o gpt2_124M.bin          # a hub name: gpt2, gpt2-medium, gpt2-xl, ...
 
-to-hf reads an llm.c model file (fp32 or bf16, docs/FORMATS.md, Model files) and writes a directory that
-`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load as they are:
-config.json, model.safetensors (fp32), and GPT-2's tokenizer (vocab.json and merges.txt, which are
-OpenAI's encoder.json and vocab.bpe under the names transformers looks for, and tokenizer_config.json).
-from-hf reads a transformers GPT-2 (a local directory, or a hub name downloaded with huggingface_hub) and
-writes an llm.c model file (version 3, fp32) that every trainer takes with --init-from.
-
-The two layouts hold the same numbers, arranged differently:
-- transformers' Conv1D keeps a weight as (in, out), the transpose of our (out, in);
-- its wte has V = 50257 rows, ours Vp = 50304: to-hf drops the padding rows, from-hf adds them as zeros;
-- it keeps one tensor per layer (transformer.h.<l>.attn.c_attn.weight), we stack the L layers;
-- its lm head is tied to wte (tie_word_embeddings), as ours is, so no lm_head tensor is written.
-Anything that is not GPT-2 as the trainers build it (another architecture, another vocabulary, another
-activation or LayerNorm eps, an untied head) is refused with a one-line error. Outputs are written under a
-temporary name beside the final one and renamed when complete, so the final name never holds a half-written
-file or directory, and a failed run (a full disk, say: one line that says so) leaves an earlier output as it
-was. An existing output is replaced only with --force, and never one that holds or is a file the conversion
-reads.
+to-hf reads an llm.c model file (fp32 or bf16, docs/FORMATS.md) and writes a directory that transformers'
+AutoModelForCausalLM and AutoTokenizer load as they are: config.json, model.safetensors (fp32), GPT-2's
+vocab.json and merges.txt (OpenAI's encoder.json and vocab.bpe) and tokenizer_config.json. from-hf reads a
+transformers GPT-2 (a directory, or a hub name) and writes an llm.c model file (version 3, fp32) for
+--init-from. The layouts differ: Conv1D weights are (in, out), ours (out, in); its wte has 50257 rows, ours
+50304 (padding: dropped / added as zeros); it keeps one tensor per layer, we stack the L layers; both tie
+the lm head to wte. Anything else (another architecture, vocabulary, activation, eps, an untied head) is a
+one-line error. Outputs are written under a temporary name and renamed when complete, so a failed run
+leaves an earlier output as it was; one is replaced only with --force, never one the conversion reads.
 """
 
 import argparse
 import errno
+import hashlib
 import json
 import math
 import os
@@ -34,6 +26,7 @@ import stat
 from types import SimpleNamespace
 
 import numpy as np
+import requests
 from safetensors import SafetensorError, safe_open
 
 # -----------------------------------------------------------------------------
@@ -43,8 +36,7 @@ LN_EPS = 1e-5
 # the tanh approximation of GELU, which the trainers compute, under transformers' two names for it
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
-# transformers' name, inside a block h.<l>, of each of our per-layer tensors (LAYER_NAMES). The 2-D ones
-# are the four Linear weights, which transformers' Conv1D stores transposed.
+# transformers' name inside block h.<l> of each of LAYER_NAMES; its Conv1D stores the 2-D ones transposed
 HF_LAYER_NAMES = {
     "ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias",
     "c_attn.w": "attn.c_attn.weight", "c_attn.b": "attn.c_attn.bias",
@@ -56,13 +48,11 @@ HF_LAYER_NAMES = {
 
 # What to-hf writes into its directory; an existing directory holding nothing else may be replaced
 HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json")
-# Tensors a transformers GPT-2 may carry besides the weights: the causal-mask buffers of old
-# checkpoints (h.<l>.attn.bias, h.<l>.attn.masked_bias), and the lm head, when saved, a copy of wte
+# the causal-mask buffers an old checkpoint's blocks carry besides the weights
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
 FLOAT_DTYPES = ("F32", "F16", "F64", "BF16")
-# GPT-2's encoder.json and vocab.bpe as the repository commits them for the tests (tests/data/README.md):
-# to-hf's fallback where tokenizer.py can neither find them in its cache nor download them
+# to-hf's GPT-2 tokenizer files offline with no cache: the checkout's copies (tests/data/README.md)
 COMMITTED_GPT2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "gpt2")
 # a write that fails for want of room: a full disk, a full quota, a file-size limit reached
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -76,8 +66,7 @@ def die_writing(path, e):
 
 
 def refuse_replacing_inputs(out, inputs, command):
-    """Refuses an output `out` that is one of the files the command reads, or a directory (replaced as a
-    whole) that holds one, symbolic links followed: the conversion would destroy its own input."""
+    """Refuses an output `out` that is, or is a directory holding, a file the command reads (links followed)."""
     target = os.path.realpath(out)
     for path in inputs:
         if os.path.commonpath([os.path.realpath(path), target]) == target:
@@ -85,10 +74,7 @@ def refuse_replacing_inputs(out, inputs, command):
 
 
 # -----------------------------------------------------------------------------
-# llm.c's GPT-2: names, shapes and model file header (the trainers' copies)
-#
-# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
-# carries an edit made in FILE to every copy).
+# llm.c's GPT-2: names, shapes and model file header (the trainers' copies: tests/sync_copies.py)
 
 def die(msg):
     """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
@@ -161,8 +147,7 @@ def read_model_header(path):
 # llm.c model files: 256 int32 of header, then the tensors in PARAM_NAMES order, fp32 or bf16
 
 def is_speedrun_file(path):
-    """True for a safetensors file whose header names the speedrun model's tensors (embed.weight and
-    blocks.*), the model file of the trainers' --recipe speedrun."""
+    """True for a safetensors file of the speedrun model's tensors (embed.weight, blocks.*)."""
     try:
         with safe_open(path, "np") as f:
             names = set(f.keys())
@@ -172,10 +157,7 @@ def is_speedrun_file(path):
 
 
 def map_model_file(path):
-    """(header dict, version, {name: fp32 array}) of an llm.c model file of GPT-2's vocabulary, its header
-    checked by trainkit. Not trainkit's read_model_file, which copies every tensor into memory: here fp32
-    tensors are read-only views of a memory map (a 1.5B model is not copied into memory at once), and bf16
-    ones are widened to fp32."""
+    """(header dict, version, {name: fp32 array}) of an llm.c model file of GPT-2's vocabulary."""
     require_file(path, "model file")
     if is_speedrun_file(path):
         die(f"model file {path} is a speedrun model (the trainers' --recipe speedrun): transformers has no "
@@ -185,6 +167,7 @@ def map_model_file(path):
         die(f"model file {path} has a vocabulary of {header['vocab_size']} tokens padded to "
             f"{header['padded_vocab_size']}; GPT-2's is {VOCAB_SIZE}")
     shapes = gpt2_shapes(SimpleNamespace(**header))
+    # fp32 tensors are read-only views of a memory map: a 1.5B model is not copied into memory at once
     data = np.memmap(path, dtype="<f4" if version == 3 else "<u2", mode="r", offset=1024)
     params, offset = {}, 0
     for name, shape in shapes.items():
@@ -198,10 +181,8 @@ def map_model_file(path):
 
 
 def write_model_file_in_parts(path, cfg, tensors):
-    """Writes an llm.c model file of cfg's shape, version 3 (fp32), from `tensors`: (name, parts) pairs
-    in PARAM_NAMES order, where parts are arrays that, concatenated in row-major order, make the tensor (a
-    stacked tensor is given as its L layers, so no (L, ...) copy is ever made; trainkit's
-    write_model_file takes whole tensors). Written under a temporary name, then renamed."""
+    """Writes an fp32 llm.c model file from (name, parts) in PARAM_NAMES order, under a temporary name."""
+    # parts concatenated row-major make the tensor: a stacked tensor comes as its L layers, never copied whole
     assert [name for name, _ in tensors] == PARAM_NAMES
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -230,9 +211,7 @@ def write_model_file_in_parts(path, cfg, tensors):
 # Hugging Face directories: config.json and safetensors files
 
 def read_hf_config(folder, source):
-    """The shape (trainkit.gpt2's header keys) of the transformers GPT-2 in `folder`, after checking that
-    its config describes the model the trainers build. Keys an older config leaves out take transformers'
-    GPT-2 defaults."""
+    """The shape (model file header keys) of the GPT-2 in `folder`, its config checked against the trainers'."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         die(f"{source} has no config.json (not a transformers model directory)")
@@ -246,14 +225,14 @@ def read_hf_config(folder, source):
     if config.get("model_type") != "gpt2":
         die(f"{source} is a {config.get('model_type', 'model without model_type')} model "
             f"({', '.join(config.get('architectures') or ['no architectures'])}), not GPT-2")
+    # a key an older config leaves out takes transformers' GPT-2 default
     V, T, L, H, C = (config.get(k, d) for k, d in (("vocab_size", VOCAB_SIZE), ("n_positions", 1024),
                                                    ("n_layer", 12), ("n_head", 12), ("n_embd", 768)))
     if V != VOCAB_SIZE:
         die(f"{source} has a vocabulary of {V} tokens; llm.c model files hold GPT-2's {VOCAB_SIZE}")
     if not all(isinstance(x, int) and x > 0 for x in (T, L, H, C)) or C % H:
         die(f"{source} has an invalid shape: n_positions {T}, n_layer {L}, n_head {H}, n_embd {C}")
-    # the settings the trainers' GPT-2 fixes, each with the values that match it; the first is
-    # transformers' default, which a config without the key gets
+    # what the trainers' GPT-2 fixes: the values that match it, the first transformers' default
     fixed = {"n_inner": (None, 4 * C), "activation_function": TANH_GELUS, "layer_norm_epsilon": (LN_EPS,),
              "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
              "add_cross_attention": (False,), "tie_word_embeddings": (True,)}
@@ -267,9 +246,7 @@ def read_hf_config(folder, source):
 
 
 def hf_tensor_index(folder, source):
-    """{name without a 'transformer.' prefix: (safetensors file, key, dtype, shape)} of every tensor in
-    the folder's model.safetensors, or in the shards its model.safetensors.index.json lists. (A saved
-    GPT2LMHeadModel prefixes its names with 'transformer.', OpenAI's checkpoints on the hub do not.)"""
+    """{name: (safetensors file, key, dtype, shape)} of the folder's tensors, in one file or in shards."""
     single = os.path.join(folder, "model.safetensors")
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(single):
@@ -289,7 +266,7 @@ def hf_tensor_index(folder, source):
             with safe_open(path, framework="numpy") as f:
                 for key in f.keys():
                     s = f.get_slice(key)
-                    name = key.removeprefix("transformer.")
+                    name = key.removeprefix("transformer.")  # a saved GPT2LMHeadModel's; OpenAI's lack it
                     if name in entries:
                         die(f"{source} holds tensor {name} twice")
                     entries[name] = (path, key, s.get_dtype(), tuple(s.get_shape()))
@@ -299,8 +276,7 @@ def hf_tensor_index(folder, source):
 
 
 def load_hf_tensor(entry):
-    """One tensor of hf_tensor_index as an fp32 array. numpy has no bfloat16: a BF16 tensor is read
-    through torch (imported only then)."""
+    """One tensor of hf_tensor_index as an fp32 array; numpy has no bfloat16, so BF16 goes through torch."""
     path, key, dtype, _ = entry
     if dtype not in FLOAT_DTYPES:
         die(f"{path}: tensor {key} has dtype {dtype}, not a floating-point type")
@@ -310,16 +286,14 @@ def load_hf_tensor(entry):
 
 
 def check_hf_tensors(entries, source, cfg):
-    """Refuses a folder whose tensors are not exactly GPT-2's of cfg's shape: a missing tensor, a wrong
-    shape, or an unexpected extra tensor (another model's head, say)."""
+    """Refuses tensors that are not exactly GPT-2's of cfg's shape: one missing, misshapen or extra."""
     T, C = cfg.block_size, cfg.n_embd
     expected = {"wte.weight": (VOCAB_SIZE, C), "wpe.weight": (T, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
     shapes = gpt2_shapes(cfg)
     for ours in LAYER_NAMES:
         shape = shapes[ours][1:]
         for layer in range(cfg.n_layer):
-            # Conv1D: (in, out); 1-D shapes are unchanged
-            expected[f"h.{layer}.{HF_LAYER_NAMES[ours]}"] = shape[::-1]
+            expected[f"h.{layer}.{HF_LAYER_NAMES[ours]}"] = shape[::-1]  # Conv1D: (in, out); 1-D unchanged
     for name, shape in expected.items():
         if name not in entries:
             die(f"{source} has no tensor {name} (not a complete GPT-2 of {cfg.n_layer} layers)")
@@ -332,11 +306,79 @@ def check_hf_tensors(entries, source, cfg):
 
 
 # -----------------------------------------------------------------------------
+# GPT-2's tokenizer files, cached or downloaded (tokenizer.py's copies, held equal by tests/test_copies.py)
+
+GPT2_BASE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main"
+GPT2_SHA256 = {  # the published files (the hashes tiktoken checks, too)
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+CHUNK_BYTES = 1 << 20
+
+
+def write_file(path, data):
+    """Writes bytes under a temporary name beside path, then renames: path is never left half-written."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def default_gpt2_dir():
+    return os.environ.get("GPT2_BPE_DIR", os.path.join("data", "gpt2"))
+
+
+def sha256_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_gpt2_file(name, cache_dir=None, base_url=GPT2_BASE_URL):
+    """Path of GPT-2's `name` in cache_dir, downloaded (sha256-checked) unless an intact copy is there."""
+    cache_dir = cache_dir or default_gpt2_dir()
+    path = os.path.join(cache_dir, name)
+    if os.path.isfile(path) and sha256_of(path) == GPT2_SHA256[name]:
+        return path
+    url = f"{base_url.rstrip('/')}/{name}"
+    try:
+        r = requests.get(url, timeout=(10, 60))
+        r.raise_for_status()
+        data = r.content
+    except requests.RequestException as e:
+        raise OSError(f"download of {url} failed ({' '.join(str(e).split())}); run again to retry") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != GPT2_SHA256[name]:
+        raise OSError(f"download of {url} is corrupt ({len(data)} bytes, sha256 {got[:12]}... is not the "
+                      f"published {GPT2_SHA256[name][:12]}...); run again to retry")
+    os.makedirs(cache_dir, exist_ok=True)
+    write_file(path, data)
+    return path
+
+
+def gpt2_tokenizer_files(cache_dir):
+    """{name transformers reads: path} of GPT-2's tokenizer files: cached, downloaded, else the checkout's."""
+    files = {}
+    for hf_name, name in (("vocab.json", "encoder.json"), ("merges.txt", "vocab.bpe")):
+        try:
+            files[hf_name] = fetch_gpt2_file(name, cache_dir)
+        except OSError as e:
+            committed = os.path.join(COMMITTED_GPT2_DIR, name)
+            if not os.path.isfile(committed) or sha256_of(committed) != GPT2_SHA256[name]:
+                die(f"GPT-2's tokenizer file {name}: {e}; and {committed} is missing or not the published file")
+            print(f"GPT-2's {name} is neither cached nor downloadable: using {committed} (sha256 checked)")
+            files[hf_name] = committed
+    return files
+
+
+# -----------------------------------------------------------------------------
 # to-hf: llm.c model file -> transformers directory
 
 def hf_config(header):
-    """config.json of transformers' GPT2LMHeadModel for a model file's header. The dropouts are 0: the
-    model was trained without dropout, and fine-tuning in transformers would otherwise add 0.1 of it."""
+    """config.json of transformers' GPT2LMHeadModel for a model file's header."""
+    # dropouts 0: the model was trained without, and fine-tuning in transformers would otherwise add 0.1
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": VOCAB_SIZE, "n_positions": header["block_size"], "n_embd": header["n_embd"],
@@ -350,8 +392,7 @@ def hf_config(header):
 
 
 def hf_state_dict(params, header):
-    """{transformers name: fp32 array} of GPT2LMHeadModel: wte without its padding rows, one tensor per
-    layer, Conv1D weights transposed, no lm_head (tied)."""
+    """{transformers name: fp32 array}: wte unpadded, one tensor per layer, Conv1D transposed, no lm_head."""
     out = {"transformer.wte.weight": params["wte"][:VOCAB_SIZE], "transformer.wpe.weight": params["wpe"],
            "transformer.ln_f.weight": params["ln_f.w"], "transformer.ln_f.bias": params["ln_f.b"]}
     for ours in LAYER_NAMES:
@@ -361,11 +402,9 @@ def hf_state_dict(params, header):
 
 
 def write_safetensors(path, tensors, metadata):
-    """A safetensors file of fp32 arrays laid out as safetensors' save_file lays it out: the header's
-    length (8 bytes, little-endian), the header (JSON: each tensor's dtype, shape and byte range, by name,
-    and the metadata; padded with spaces to a multiple of 8 bytes), then the tensors' bytes in that order.
-    Written here because save_file reports a full disk as a SafetensorError whose errno is only in its
-    text, and safetensors.numpy.save (bytes, for a plain write) would hold a second copy of the weights."""
+    """A safetensors file of fp32 arrays, laid out byte for byte as safetensors' save_file lays it out."""
+    # not save_file, whose full disk is a SafetensorError with the errno only in its text, nor numpy.save,
+    # whose bytes would be a second copy of the weights
     header, offset = {"__metadata__": metadata}, 0
     for name in sorted(tensors):
         t = tensors[name]
@@ -384,26 +423,6 @@ def output_dir_replaceable(out):
     return not os.path.exists(out) or (os.path.isdir(out) and set(os.listdir(out)) <= set(HF_FILES))
 
 
-def gpt2_tokenizer_files(cache_dir):
-    """{name transformers reads: path} of GPT-2's two tokenizer files: tokenizer.py's cached or downloaded
-    copy, else (offline with no cache) the repository's copy in tests/data/gpt2, once its sha256 is the
-    published one that tokenizer.py pins."""
-    import tokenizer  # only here: its imports (requests) cost half a second that from-hf need not pay
-
-    files = {}
-    for hf_name, name in (("vocab.json", "encoder.json"), ("merges.txt", "vocab.bpe")):
-        try:
-            files[hf_name] = tokenizer.fetch_gpt2_file(name, cache_dir)
-        except OSError as e:
-            committed = os.path.join(COMMITTED_GPT2_DIR, name)
-            if not os.path.isfile(committed) or tokenizer.sha256_of(committed) != tokenizer.GPT2_SHA256[name]:
-                die(f"GPT-2's tokenizer file {name}: {e}; and {committed} is missing or not the published "
-                    f"file")
-            print(f"GPT-2's {name} is neither cached nor downloadable: using {committed} (sha256 checked)")
-            files[hf_name] = committed
-    return files
-
-
 def cmd_to_hf(args):
     out = os.path.normpath(args.out)  # "dir/" too: the temporary names below go beside it, not into it
     refuse_replacing_inputs(out, [args.model], "to-hf")
@@ -414,18 +433,15 @@ def cmd_to_hf(args):
     header, version, params = map_model_file(args.model)
     tokenizer_files = gpt2_tokenizer_files(args.gpt2_dir)
     state = hf_state_dict(params, header)
-    # GPT2Tokenizer's defaults are GPT-2's (<|endoftext|> as bos, eos and unk; no prefix space); the
-    # length is the model's, so that transformers warns of longer inputs
+    # GPT2Tokenizer's defaults are GPT-2's; the model's length makes transformers warn of longer inputs
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": header["block_size"]}
-    # the directory is assembled beside its final name and renamed into place; an earlier output is
-    # moved aside first and removed once the new one is in place
+    # assembled beside its final name, then renamed into place; an earlier output is moved aside, then removed
     tmp, old = f"{out}.{os.getpid()}.tmp", f"{out}.{os.getpid()}.old"
     try:
         os.makedirs(tmp)
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(hf_config(header), f, indent=2)
-        with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump(tokenizer_config, f, indent=2)
+        for name, config in (("config.json", hf_config(header)), ("tokenizer_config.json", tokenizer_config)):
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2)
         for name, src in tokenizer_files.items():
             shutil.copyfile(src, os.path.join(tmp, name))
         # "format": "pt" is the metadata transformers expects of a PyTorch checkpoint
@@ -447,8 +463,7 @@ def cmd_to_hf(args):
 # from-hf: transformers directory or hub name -> llm.c model file
 
 def resolve_source(source):
-    """A local directory as it is; anything else is taken for a hub name and its config and weights are
-    downloaded (or found in huggingface_hub's cache)."""
+    """A local directory as it is; else a hub name, its config and weights downloaded (or in the cache)."""
     if os.path.isdir(source):
         return source
     if os.path.exists(source):
@@ -497,16 +512,14 @@ def cmd_from_hf(args):
 # Command line
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """A parser whose errors (a wrong flag, a missing subcommand) are one line, as in the trainers, instead
-    of the usage text and the message. add_subparsers makes the subcommands' parsers of this class too."""
+    """A parser whose errors are one line, as in the trainers (its subcommands' parsers are of this class)."""
 
     def error(self, message):
         die(message)
 
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(description="Convert GPT-2 between llm.c model files and Hugging Face "
-                                       "transformers.")
+    p = OneLineErrorParser(description="Convert GPT-2 between llm.c model files and Hugging Face transformers.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("to-hf", help="llm.c model file -> transformers directory (config, weights, tokenizer)")
     t.add_argument("model", help="llm.c model file (version 3 fp32 or 5 bf16), e.g. a checkpoint's model.bin")
@@ -514,9 +527,8 @@ def parse_args(argv=None):
                    "replaced with --force; one holding anything else is refused)")
     t.add_argument("--force", action="store_true", help="replace -o where it holds an earlier to-hf output "
                    "(default: refuse; never a directory holding other files or the model file read)")
-    t.add_argument("--gpt2-dir", help="folder with GPT-2's encoder.json and vocab.bpe, downloaded there if "
-                   "missing; offline, the repository's tests/data/gpt2 copy (sha256-checked) serves instead "
-                   "(default: tokenizer.py's cache, $GPT2_BPE_DIR or data/gpt2)")
+    t.add_argument("--gpt2-dir", help="folder of GPT-2's encoder.json and vocab.bpe, downloaded there if missing, "
+                   "offline the checkout's tests/data/gpt2 (default: $GPT2_BPE_DIR or data/gpt2)")
     f = sub.add_parser("from-hf", help="transformers GPT-2 (directory or hub name) -> llm.c model file")
     f.add_argument("source", help="local transformers directory, or a hub name such as gpt2, gpt2-medium, "
                    "gpt2-large, gpt2-xl (downloaded with huggingface_hub)")

@@ -53,6 +53,7 @@ GPT2_SHA256 = {  # the published files (the hashes tiktoken checks, too)
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
+CHUNK_BYTES = 1 << 20
 
 FILE_HEADER = "tokenizer.py byte-level BPE v1"
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
@@ -357,13 +358,15 @@ def default_gpt2_dir():
 
 
 def sha256_of(path):
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def fetch_gpt2_file(name, cache_dir=None, base_url=GPT2_BASE_URL):
-    """Path of GPT-2's `name` in cache_dir, downloaded first unless a copy with the published sha256 is
-    already there. Written to a temporary name and renamed: a broken download leaves nothing behind."""
+    """Path of GPT-2's `name` in cache_dir, downloaded (sha256-checked) unless an intact copy is there."""
     cache_dir = cache_dir or default_gpt2_dir()
     path = os.path.join(cache_dir, name)
     if os.path.isfile(path) and sha256_of(path) == GPT2_SHA256[name]:

@@ -28,8 +28,8 @@ import speedrun_reference  # noqa: E402
 import train_gpt2_jax  # noqa: E402
 import train_gpt2_torchfunc  # noqa: E402
 import train_gpt2_triton  # noqa: E402
-from conftest import (assert_clean_error, data_file, run_script, run_script_on_a_full_disk,  # noqa: E402
-                      step_events, write_model_file)
+from conftest import (OFFLINE, REPO, assert_clean_error, data_file, run_script,  # noqa: E402
+                      run_script_on_a_full_disk, step_events, write_model_file)
 
 V, VP = 50257, 50304
 L, H, C, MAX_T = 2, 4, 64, 48  # all different, so that no two header fields can be mixed up unseen
@@ -282,6 +282,27 @@ def test_to_hf_offline_uses_the_committed_tokenizer_files(tiny_model_file, tmp_p
         convert_hf.main(["to-hf", str(tiny_model_file), "-o", str(tmp_path / "hf2"), "--gpt2-dir",
                          str(cache)])
     assert not (tmp_path / "hf2").exists()
+
+
+def test_a_copy_alone_converts_both_ways(trained, exported, tmp_path):
+    """convert_hf.py copied alone into an empty folder, offline, nothing of the checkout importable: from-hf
+    of the exported directory, to-hf of that (GPT-2's tokenizer files from $GPT2_BPE_DIR's cache) and
+    from-hf again give the checkpoint's model.bin byte for byte; with no cache, one line says what is missing."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(os.path.join(REPO, "convert_hf.py"), alone)
+    shutil.copytree(data_file("gpt2"), alone / "cache")
+    env = {**OFFLINE, "PYTHONPATH": "", "GPT2_BPE_DIR": "cache"}
+    for args in (["from-hf", exported, "-o", "back.bin"], ["to-hf", "back.bin", "-o", "hf"],
+                 ["from-hf", "hf", "-o", "again.bin"]):
+        run_script("convert_hf.py", *args, cwd=alone, env=env)
+    ckpt = (trained / "ckpt_0000002" / "model.bin").read_bytes()
+    assert (alone / "back.bin").read_bytes() == ckpt and (alone / "again.bin").read_bytes() == ckpt
+    assert (alone / "hf" / "merges.txt").read_bytes() == (alone / "cache" / "vocab.bpe").read_bytes()
+    missing = run_script("convert_hf.py", "to-hf", "back.bin", "-o", "hf2", "--gpt2-dir", "no_cache", cwd=alone,
+                         env=env, check=False)
+    assert_clean_error(missing, "encoder.json: download of", "tests/data/gpt2/encoder.json is missing")
+    assert not (alone / "hf2").exists() and not (alone / "no_cache").exists()
 
 
 def test_from_hf_reads_other_layouts(hf_source, converted, tmp_path, monkeypatch, capsys):

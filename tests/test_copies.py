@@ -1,5 +1,6 @@
 """One file per trainer: the copies they carry on purpose are equal (tests/sync_copies.py), the sync
-command repairs a planted drift, and no trainer imports a module of the repository."""
+command repairs a planted drift, and no trainer (nor convert_hf.py, nor plot_runs.py) imports a module of
+the repository."""
 import ast
 import glob
 import os
@@ -7,10 +8,13 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 import sync_copies
 
 TRAINERS = ["train_gpt2_jax.py", "train_gpt2_torchfunc.py", "train_gpt2_triton.py", "train_aiayn_jax.py"]
+TOOLS = ["convert_hf.py", "plot_runs.py"]  # stand alone too, with no exception
 # a trainer may import these modules of the repository only where it says (hellaswag.py inside a
 # function: HellaSwag and the samples' tokenizer; the translator's BPE, the card's tokenizer.py)
 ALLOWED = {"hellaswag": "in a function", "tokenizer": "train_aiayn_jax.py"}
@@ -57,10 +61,10 @@ def repository_modules():
 
 
 def test_a_trainer_imports_nothing_of_the_repository():
-    """Each trainer imports the standard library, numpy, its framework and requirements.txt's packages; of
-    the repository only hellaswag.py inside a function, and the translator tokenizer.py."""
+    """Each trainer and tool imports the standard library, numpy, its framework and requirements.txt's
+    packages; of the repository only a trainer hellaswag.py inside a function, and the translator tokenizer.py."""
     mine = repository_modules()
-    for path in TRAINERS:
+    for path in TRAINERS + TOOLS:
         tree = ast.parse(sync_copies.read(path))
         top = set(tree.body)
         for node in ast.walk(tree):
@@ -72,20 +76,28 @@ def test_a_trainer_imports_nothing_of_the_repository():
                 continue
             for m in (n.split(".")[0] for n in names):
                 if m in mine and m != path[:-3]:
-                    allowed = ALLOWED.get(m)
+                    allowed = ALLOWED.get(m) if path in TRAINERS else None
                     ok = allowed == path or (allowed == "in a function" and node not in top)
                     assert ok, f"{path}:{node.lineno} imports the repository's {m}"
 
 
-def test_the_import_check_catches_a_repository_import(tmp_path, monkeypatch):
-    """The check above fails on a trainer that imports a module of the repository at its top."""
-    text = sync_copies.read("train_gpt2_jax.py").replace("\nimport jax\n", "\nimport jax\nimport hellaswag\n", 1)
-    (tmp_path / "train_gpt2_jax.py").write_text(text)
-    monkeypatch.setattr(sync_copies, "read", lambda p: (tmp_path / p).read_text() if p == "train_gpt2_jax.py"
+# (file, its text's anchor, the same with a repository import planted there, the module planted)
+PLANTED = [("train_gpt2_jax.py", "\nimport jax\n", "\nimport jax\nimport hellaswag\n", "hellaswag"),
+           ("convert_hf.py", "\n    files = {}\n", "\n    import tokenizer\n    files = {}\n", "tokenizer")]
+
+
+@pytest.mark.parametrize("path,anchor,planted,module", PLANTED)
+def test_the_import_check_catches_a_repository_import(path, anchor, planted, module, tmp_path, monkeypatch):
+    """The check above fails on a trainer that imports a module of the repository at its top, and on
+    convert_hf.py importing tokenizer.py even inside a function."""
+    text = sync_copies.read(path)
+    assert text.count(anchor) == 1
+    (tmp_path / path).write_text(text.replace(anchor, planted))
+    monkeypatch.setattr(sync_copies, "read", lambda p: (tmp_path / p).read_text() if p == path
                         else open(os.path.join(REPO, p)).read())
     try:
         test_a_trainer_imports_nothing_of_the_repository()
     except AssertionError as e:
-        assert "imports the repository's hellaswag" in str(e)
+        assert f"{path}:" in str(e) and f"imports the repository's {module}" in str(e)
     else:
-        raise AssertionError("the import check passed a trainer importing hellaswag at its top")
+        raise AssertionError(f"the import check passed {path} importing {module}")
