@@ -14,8 +14,7 @@ final score averages the last --average checkpoints and is sacrebleu's cased BLE
     python train_aiayn_jax.py --eval-only --resume auto --average 5  # BLEU of the last 5 checkpoints
     python train_aiayn_jax.py --translate "A man is riding a bike." --resume out/aiayn_jax/ckpt_0008000
 
-A step (each micro-batch's forward and backward, then Adam) is one jitted function per bucket shape, compiled
-ahead of time. log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
+Each bucket shape's step is jitted and compiled ahead of time; log.jsonl: docs/FORMATS.md's GPT-2 keys plus bleu.
 """
 
 import argparse
@@ -158,14 +157,11 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, help="model width: embeddings and residual stream (preset)")
     p.add_argument("--d-ff", type=int, help="width of the feed-forward layers' hidden layer (preset)")
     p.add_argument("--dropout", type=float, help="dropout on embeddings and sub-layer outputs (preset)")
-    p.add_argument("--max-len", type=int, help=f"training pairs longer than this many BPE tokens + EOS on "
-                   f"either side are skipped (default {Config.max_len})")
+    p.add_argument("--max-len", type=int, help=f"longest training pair, in BPE tokens + EOS (default {Config.max_len})")
     p.add_argument("--batch-tokens", type=int, help="padded source (and target) tokens per step (the model's recipe)")
-    p.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch, accumulated up to "
-                   "--batch-tokens (default 0: one micro-batch per step)")
+    p.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch (default 0: --batch-tokens)")
     p.add_argument("--steps", type=int, help="optimizer steps (the model's recipe)")
-    p.add_argument("--lr", type=float, help="peak learning rate after the warmup; 0 = the paper's "
-                   "d_model^-0.5 x warmup^-0.5 (the model's recipe)")
+    p.add_argument("--lr", type=float, help="peak lr; 0 = the paper's d_model^-0.5 x warmup^-0.5 (the model's recipe)")
     p.add_argument("--warmup", type=int, help="linear warmup steps before the 1/sqrt(step) decay (the model's recipe)")
     p.add_argument("--label-smoothing", type=float, help=f"default {Config.label_smoothing}")
     p.add_argument("--grad-clip", type=float, help="clip gradients to this global norm (default 0: never)")
@@ -178,8 +174,7 @@ def parse_args(argv=None):
                    "log.jsonl, checkpoints and hypotheses are moved into a replaced_<time> folder there first")
     p.add_argument("--ckpt-every", type=int, help="steps between checkpoints, 0 = never (the model's recipe)")
     p.add_argument("--val-every", type=int, help="steps between validation losses, 0 = never (the model's recipe)")
-    p.add_argument("--average", type=int, help="the final BLEU uses the mean weights of the newest N "
-                   f"checkpoints (default {Config.average})")
+    p.add_argument("--average", type=int, help=f"BLEU averages the newest N checkpoints (default {Config.average})")
     p.add_argument("--bleu-split", choices=["test", "val", "none"], help="split for the final BLEU (default test)")
     p.add_argument("--decode", choices=["beam", "greedy"], help="search for BLEU and --translate (default beam)")
     p.add_argument("--beam", type=int, help=f"beam width (default {Config.beam})")
@@ -1241,45 +1236,30 @@ def stop_on_signal(signum, step, cfg, master):
     raise SystemExit(128 + signum)
 
 
+# hellaswag.py's download (the same code)
 DOWNLOAD_RETRIES = 5
 DOWNLOAD_BACKOFF_S = 1.0
 DOWNLOAD_TIMEOUT_S = 60
 CHUNK_BYTES = 1 << 20
 
 
-# hellaswag.py's download (the same code)
-
 class _Retryable(Exception):
     """A failure worth another attempt: a dropped connection, a 5xx/429 answer, a short body."""
 
 
 def _announced_sha256(resp):
-    """The sha256 the server vouches for, or None. Hugging Face answers a request for an LFS file with
-    `X-Linked-Etag: "<sha256 of the file>"` (on the redirect, so look through the history too). A plain
-    ETag is not used: GitHub's and CDNs' ETags are opaque cache validators, not content hashes."""
+    """The sha256 the server vouches for: Hugging Face's `X-Linked-Etag` of an LFS file (on the redirect), or None."""
+    # a plain ETag is no hash: GitHub's and CDNs' ETags are opaque cache validators
     for r in (*resp.history, resp):
-        value = r.headers.get("X-Linked-Etag", "")
-        value = value.removeprefix("W/").strip('"').lower()
+        value = r.headers.get("X-Linked-Etag", "").removeprefix("W/").strip('"').lower()
         if re.fullmatch(r"[0-9a-f]{64}", value):
             return value
     return None
 
 
-def _announced_total(resp):
-    """Full file size from Content-Range ("bytes a-b/total") or, for a 200, Content-Length."""
-    if resp.status_code == 206:
-        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
-        return (int(m.group(1)), int(m.group(3))) if m else (None, None)
-    length = resp.headers.get("Content-Length")
-    return 0, (int(length) if length is not None and length.isdigit() else None)
-
-
 def sha256_of(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_S, expected_size=None,
@@ -1318,7 +1298,12 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
                 if resp.headers.get("Content-Encoding", "identity") != "identity":
                     die(f"download of {url}: server sent {resp.headers['Content-Encoding']}-encoded data")
                 sha = sha or _announced_sha256(resp)
-                start, announced = _announced_total(resp)
+                if resp.status_code == 206:  # where it starts, and the file's size: "bytes start-end/size"
+                    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
+                    start, announced = (int(m.group(1)), int(m.group(3))) if m else (None, None)
+                else:  # a 200: the whole file, its size in Content-Length
+                    length = resp.headers.get("Content-Length", "")
+                    start, announced = 0, (int(length) if length.isdigit() else None)
                 if start is None or start > have:  # a range we did not ask for: start over
                     if os.path.exists(part):
                         os.remove(part)
@@ -1423,10 +1408,9 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
         params = init_params_numpy(cfg)
         m, v = ({k: np.zeros_like(p) for k, p in params.items()} for _ in "mv")
     n_params = sum(p.size for p in params.values())
-    print(f"Transformer {cfg.model}: {cfg.n_layer}+{cfg.n_layer} layers, {cfg.n_head} heads, d_model "
-          f"{cfg.d_model}, d_ff {cfg.d_ff}, dropout {cfg.dropout}, {n_params / 1e6:.2f}M parameters | "
-          f"{cfg.dataset} {cfg.src}->{cfg.tgt}, joint BPE {cfg.vocab_size} | {device.device_kind} | "
-          f"{cfg.dtype}")
+    print(f"Transformer {cfg.model}: {cfg.n_layer}+{cfg.n_layer} layers, {cfg.n_head} heads, d_model {cfg.d_model}, "
+          f"d_ff {cfg.d_ff}, dropout {cfg.dropout}, {n_params / 1e6:.2f}M parameters | {cfg.dataset} "
+          f"{cfg.src}->{cfg.tgt}, joint BPE {cfg.vocab_size} | {device.device_kind} | {cfg.dtype}")
 
     eval_fn = jax.jit(partial(loss_sums, cfg=cfg))
     search = jax.jit(partial(translate_batch, cfg=cfg, greedy=cfg.decode == "greedy"))
@@ -1467,12 +1451,10 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
 
     train = encode_split(cfg, tok, tok_path, "train", *train_text)
     batches = Batches(*train, cfg, info["epoch"], info["index"])
-    print(f"data: {len(lengths(train[0])):,} training pairs ({batches.dropped} longer than --max-len "
-          f"{cfg.max_len} skipped), {len(lengths(val[0])):,} validation pairs, ready in "
-          f"{time.perf_counter() - t0:.1f} s")
-    print(f"batches: {cfg.batch_tokens} padded tokens per side per step = {batches.accum} micro-batch(es) "
-          f"of {cfg.micro_tokens} | rows per bucket length: "
-          + ", ".join(f"{T}: {r}" for T, r in batches.rows.items()))
+    print(f"data: {len(lengths(train[0])):,} training pairs ({batches.dropped} longer than --max-len {cfg.max_len} "
+          f"skipped), {len(lengths(val[0])):,} validation pairs, ready in {time.perf_counter() - t0:.1f} s")
+    print(f"batches: {cfg.batch_tokens} padded tokens per side per step = {batches.accum} micro-batch(es) of "
+          f"{cfg.micro_tokens} | rows per bucket length: " + ", ".join(f"{T}: {r}" for T, r in batches.rows.items()))
 
     t0 = time.perf_counter()
     step_jit = jax.jit(partial(train_step, cfg=cfg), donate_argnums=(0, 1, 2))
