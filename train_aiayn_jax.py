@@ -157,7 +157,7 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, help="model width: embeddings and residual stream (preset)")
     p.add_argument("--d-ff", type=int, help="width of the feed-forward layers' hidden layer (preset)")
     p.add_argument("--dropout", type=float, help="dropout on embeddings and sub-layer outputs (preset)")
-    p.add_argument("--max-len", type=int, help=f"longest training pair, in BPE tokens + EOS (default {Config.max_len})")
+    p.add_argument("--max-len", type=int, help=f"longest training pair kept (tokens + EOS) (default {Config.max_len})")
     p.add_argument("--batch-tokens", type=int, help="padded source (and target) tokens per step (the model's recipe)")
     p.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch (default 0: --batch-tokens)")
     p.add_argument("--steps", type=int, help="optimizer steps (the model's recipe)")
