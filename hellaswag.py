@@ -113,32 +113,18 @@ class _Retryable(Exception):
 
 
 def _announced_sha256(resp):
-    """The sha256 the server vouches for, or None. Hugging Face answers a request for an LFS file with
-    `X-Linked-Etag: "<sha256 of the file>"` (on the redirect, so look through the history too). A plain
-    ETag is not used: GitHub's and CDNs' ETags are opaque cache validators, not content hashes."""
+    """The sha256 the server vouches for: Hugging Face's `X-Linked-Etag` of an LFS file (on the redirect), or None."""
+    # a plain ETag is no hash: GitHub's and CDNs' ETags are opaque cache validators
     for r in (*resp.history, resp):
-        value = r.headers.get("X-Linked-Etag", "")
-        value = value.removeprefix("W/").strip('"').lower()
+        value = r.headers.get("X-Linked-Etag", "").removeprefix("W/").strip('"').lower()
         if re.fullmatch(r"[0-9a-f]{64}", value):
             return value
     return None
 
 
-def _announced_total(resp):
-    """Full file size from Content-Range ("bytes a-b/total") or, for a 200, Content-Length."""
-    if resp.status_code == 206:
-        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
-        return (int(m.group(1)), int(m.group(3))) if m else (None, None)
-    length = resp.headers.get("Content-Length")
-    return 0, (int(length) if length is not None and length.isdigit() else None)
-
-
 def sha256_of(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_S, expected_size=None,
@@ -177,7 +163,12 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
                 if resp.headers.get("Content-Encoding", "identity") != "identity":
                     die(f"download of {url}: server sent {resp.headers['Content-Encoding']}-encoded data")
                 sha = sha or _announced_sha256(resp)
-                start, announced = _announced_total(resp)
+                if resp.status_code == 206:  # where it starts, and the file's size: "bytes start-end/size"
+                    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
+                    start, announced = (int(m.group(1)), int(m.group(3))) if m else (None, None)
+                else:  # a 200: the whole file, its size in Content-Length
+                    length = resp.headers.get("Content-Length", "")
+                    start, announced = 0, (int(length) if length.isdigit() else None)
                 if start is None or start > have:  # a range we did not ask for: start over
                     if os.path.exists(part):
                         os.remove(part)

@@ -14,8 +14,7 @@ final score averages the last --average checkpoints and is sacrebleu's cased BLE
     python train_aiayn_jax.py --eval-only --resume auto --average 5  # BLEU of the last 5 checkpoints
     python train_aiayn_jax.py --translate "A man is riding a bike." --resume out/aiayn_jax/ckpt_0008000
 
-A step (each micro-batch's forward and backward, then Adam) is one jitted function per bucket shape, compiled
-ahead of time. log.jsonl holds the GPT-2 trainers' keys (docs/FORMATS.md, What a run prints and logs) plus bleu.
+Each bucket shape's step is jitted and compiled ahead of time; log.jsonl: docs/FORMATS.md's GPT-2 keys plus bleu.
 """
 
 import argparse
@@ -65,8 +64,7 @@ MODEL_PRESETS = {  # name: (n_layer per stack, n_head, d_model, d_ff, dropout)
 }
 RECIPES = {  # name: training defaults that go with the model (any flag overrides them)
     "tiny": dict(batch_tokens=1024, warmup=100, lr=2e-3, steps=200, ckpt_every=50, val_every=50),
-    # Wu et al.'s fairseq recipe: peak lr 5e-3 after 2000 warmup steps, 8000 updates of 4096-token batches
-    # (of sorted lengths, so nearly all real tokens: 5120 padded tokens in length buckets hold as many)
+    # Wu et al.'s fairseq recipe: lr 5e-3, 2000 warmup steps, 8000 updates of 4096 real tokens (5120 padded)
     "small": dict(batch_tokens=5120, warmup=2000, lr=5e-3, steps=8000, ckpt_every=200, val_every=500),
     # the paper: 25,000 source + 25,000 target tokens, 4000 warmup steps, lr from d_model; 100k / 300k steps
     "base": dict(batch_tokens=25000, warmup=4000, lr=0.0, steps=100000, ckpt_every=1000, val_every=1000),
@@ -78,8 +76,7 @@ DATASETS = {
         url="https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw",
         splits={"train": "train", "val": "val", "test": "test_2016_flickr"},
         model="small", bpe_vocab=10000),
-    # WMT14 En-De as Hugging Face's wmt/wmt14 dataset keeps it: the standard 4.5M-pair training corpus,
-    # newstest2013 (validation) and newstest2014 (test), raw text in parquet files
+    # WMT14 En-De as Hugging Face's wmt/wmt14 keeps it: 4.5M training pairs, newstest2013 (val), 2014 (test)
     "wmt14": dict(
         url="https://huggingface.co/datasets/wmt/wmt14/resolve/main/de-en",
         splits={"train": ["train-00000-of-00003", "train-00001-of-00003", "train-00002-of-00003"],
@@ -160,14 +157,11 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, help="model width: embeddings and residual stream (preset)")
     p.add_argument("--d-ff", type=int, help="width of the feed-forward layers' hidden layer (preset)")
     p.add_argument("--dropout", type=float, help="dropout on embeddings and sub-layer outputs (preset)")
-    p.add_argument("--max-len", type=int, help=f"training pairs longer than this many BPE tokens + EOS on "
-                   f"either side are skipped (default {Config.max_len})")
+    p.add_argument("--max-len", type=int, help=f"longest training pair kept (tokens + EOS) (default {Config.max_len})")
     p.add_argument("--batch-tokens", type=int, help="padded source (and target) tokens per step (the model's recipe)")
-    p.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch, accumulated up to "
-                   "--batch-tokens (default 0: one micro-batch per step)")
+    p.add_argument("--micro-tokens", type=int, help="padded tokens per micro-batch (default 0: --batch-tokens)")
     p.add_argument("--steps", type=int, help="optimizer steps (the model's recipe)")
-    p.add_argument("--lr", type=float, help="peak learning rate after the warmup; 0 = the paper's "
-                   "d_model^-0.5 x warmup^-0.5 (the model's recipe)")
+    p.add_argument("--lr", type=float, help="peak lr; 0 = the paper's d_model^-0.5 x warmup^-0.5 (the model's recipe)")
     p.add_argument("--warmup", type=int, help="linear warmup steps before the 1/sqrt(step) decay (the model's recipe)")
     p.add_argument("--label-smoothing", type=float, help=f"default {Config.label_smoothing}")
     p.add_argument("--grad-clip", type=float, help="clip gradients to this global norm (default 0: never)")
@@ -180,8 +174,7 @@ def parse_args(argv=None):
                    "log.jsonl, checkpoints and hypotheses are moved into a replaced_<time> folder there first")
     p.add_argument("--ckpt-every", type=int, help="steps between checkpoints, 0 = never (the model's recipe)")
     p.add_argument("--val-every", type=int, help="steps between validation losses, 0 = never (the model's recipe)")
-    p.add_argument("--average", type=int, help="the final BLEU uses the mean weights of the newest N "
-                   f"checkpoints (default {Config.average})")
+    p.add_argument("--average", type=int, help=f"BLEU averages the newest N checkpoints (default {Config.average})")
     p.add_argument("--bleu-split", choices=["test", "val", "none"], help="split for the final BLEU (default test)")
     p.add_argument("--decode", choices=["beam", "greedy"], help="search for BLEU and --translate (default beam)")
     p.add_argument("--beam", type=int, help=f"beam width (default {Config.beam})")
@@ -195,10 +188,9 @@ def parse_args(argv=None):
 
     dataset = given.get("dataset", Config.dataset)
     model = given.get("model", DATASETS[dataset]["model"])
-    n_layer, n_head, d_model, d_ff, dropout = MODEL_PRESETS[model]
-    cfg = Config(model=model, n_layer=n_layer, n_head=n_head, d_model=d_model, d_ff=d_ff, dropout=dropout,
-                 data_dir=f"data/{dataset}", base_url=DATASETS[dataset]["url"],
-                 bpe_vocab=DATASETS[dataset]["bpe_vocab"], **RECIPES[model])
+    preset = dict(zip(("n_layer", "n_head", "d_model", "d_ff", "dropout"), MODEL_PRESETS[model]))
+    cfg = Config(model=model, data_dir=f"data/{dataset}", base_url=DATASETS[dataset]["url"],
+                 bpe_vocab=DATASETS[dataset]["bpe_vocab"], **preset, **RECIPES[model])
     return check_config(replace(cfg, **given)), given
 
 
@@ -254,23 +246,18 @@ def param_shapes(cfg):
     linear = {"qkv": (3 * D, D), "out": (D, D), "q": (D, D), "kv": (2 * D, D), "ff1": (F, D), "ff2": (D, F)}
     shapes = {"emb": (V, D)}
     for name in PARAM_NAMES[1:]:
-        parts = name.split(".")  # e.g. dec.cross.kv.w
-        if parts[1].startswith("ln"):
-            shapes[name] = (L, D)
-        else:
-            out_in = linear[parts[-2]]
-            shapes[name] = (L, *out_in) if parts[-1] == "w" else (L, out_in[0])
+        out_in = linear.get(name.split(".")[-2], (D,))  # of e.g. dec.cross.kv.w; a LayerNorm's (D,)
+        shapes[name] = (L, *out_in) if name.endswith(".w") else (L, out_in[0])
     return shapes
 
 
 def init_params_numpy(cfg):
-    """fairseq's init from cfg.seed: embeddings N(0, d_model^-0.5) (padding row 0), Xavier-uniform matrices
-    (q, k and v each its own (D, D)), zero biases, LayerNorm weights 1."""
+    """fairseq's init from cfg.seed: emb N(0, d_model^-0.5) (pad row 0), Xavier-uniform (q, k, v apart), b 0, LN 1."""
     rng = np.random.default_rng(cfg.seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
         if name == "emb":
-            params[name] = (rng.standard_normal(shape, dtype=np.float32) * cfg.d_model ** -0.5)
+            params[name] = rng.standard_normal(shape, dtype=np.float32) * cfg.d_model ** -0.5
             params[name][cfg.pad_id] = 0.0
         elif name.endswith(".b"):
             params[name] = np.zeros(shape, np.float32)
@@ -328,10 +315,8 @@ def attend(q, k, v, mask, n_head):
     """Attention of q (B,Tq,D) over k, v (B,Tk,D) in n_head heads; mask broadcasts to (B,1,Tq,Tk), True where
     a query may look. Scores and softmax in fp32; a query with nothing to look at averages, not NaNs."""
     B, Tq, D = q.shape
-    Tk, Dh = k.shape[1], D // n_head
-    q = q.reshape(B, Tq, n_head, Dh)                                               # (B,Tq,H,Dh)
-    k = k.reshape(B, Tk, n_head, Dh)                                               # (B,Tk,H,Dh)
-    v = v.reshape(B, Tk, n_head, Dh)                                               # (B,Tk,H,Dh)
+    Dh = D // n_head
+    q, k, v = (a.reshape(B, a.shape[1], n_head, Dh) for a in (q, k, v))            # (B,T,H,Dh) each
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)    # (B,H,Tq,Tk)
     s = jnp.where(mask, s * (1.0 / math.sqrt(Dh)), -1e9)                           # (B,H,Tq,Tk)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)                                 # (B,H,Tq,Tk)
@@ -346,9 +331,7 @@ def embed(p, ids, pe, cfg, key):
 
 def layer_keys(key, n_layer, n_sub):
     """Dropout keys (L, n_sub) for the scanned layers, or None in evaluation."""
-    if key is None:
-        return None
-    return jax.random.split(key, n_layer * n_sub).reshape(n_layer, n_sub)          # (L, n_sub)
+    return None if key is None else jax.random.split(key, n_layer * n_sub).reshape(n_layer, n_sub)  # (L, n_sub)
 
 
 def encode(p, src, cfg, key):
@@ -377,8 +360,7 @@ def encode(p, src, cfg, key):
 
 def cross_kv(p, memory):
     """Every decoder layer's cross-attention keys and values of the encoder output: (L,B,S,D) each."""
-    kv = jnp.einsum("bsd,led->lbse", memory, p["dec.cross.kv.w"]) \
-        + p["dec.cross.kv.b"][:, None, None, :]                                    # (L,B,S,2D)
+    kv = jnp.einsum("bsd,led->lbse", memory, p["dec.cross.kv.w"]) + p["dec.cross.kv.b"][:, None, None, :]  # (L,B,S,2D)
     return jnp.split(kv, 2, axis=-1)                                               # 2 x (L,B,S,D)
 
 
@@ -475,8 +457,7 @@ def train_step(params, m, v, src, tgt_in, tgt_out, step, scalars, cfg):
             loss, _, count = loss_sums(params, s, ti, to, cfg, jax.random.fold_in(base, i))
             return loss, count
         (loss, count), grads = jax.value_and_grad(micro_loss, has_aux=True)(params)
-        grads_acc, loss_acc, count_acc = acc
-        return ({k: grads_acc[k] + grads[k] for k in PARAM_NAMES}, loss_acc + loss, count_acc + count), None
+        return jax.tree.map(jnp.add, acc, (grads, loss, count)), None
 
     zeros = {k: jnp.zeros_like(p) for k, p in params.items()}
     (grads, loss, count), _ = jax.lax.scan(
@@ -488,12 +469,10 @@ def train_step(params, m, v, src, tgt_in, tgt_out, step, scalars, cfg):
         coef = jnp.minimum(cfg.grad_clip / (norm + 1e-6), 1.0)
         grads = {k: g * coef for k, g in grads.items()}
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    new_params, new_m, new_v = {}, {}, {}
-    for k in PARAM_NAMES:  # Adam, no weight decay (the paper)
-        new_m[k] = cfg.beta1 * m[k] + (1.0 - cfg.beta1) * grads[k]
-        new_v[k] = cfg.beta2 * v[k] + (1.0 - cfg.beta2) * grads[k] * grads[k]
-        new_params[k] = params[k] - lr * (new_m[k] / bias1) / (jnp.sqrt(new_v[k] / bias2) + cfg.adam_eps)
-    return new_params, new_m, new_v, loss / count, norm
+    m = {k: cfg.beta1 * m[k] + (1.0 - cfg.beta1) * grads[k] for k in PARAM_NAMES}  # Adam, no weight decay
+    v = {k: cfg.beta2 * v[k] + (1.0 - cfg.beta2) * grads[k] * grads[k] for k in PARAM_NAMES}
+    params = {k: params[k] - lr * (m[k] / bias1) / (jnp.sqrt(v[k] / bias2) + cfg.adam_eps) for k in PARAM_NAMES}
+    return params, m, v, loss / count, norm
 
 
 # -----------------------------------------------------------------------------
@@ -519,21 +498,18 @@ def read_split(cfg, split):
     multi30k = cfg.dataset == "multi30k"
     files = [f"{names}.{lang}.gz" for lang in (cfg.src, cfg.tgt)] if multi30k else [f"{n}.parquet" for n in names]
     paths = [os.path.join(cfg.data_dir, f) for f in files]
-    for path in paths:
+    for name, path in zip(files, paths):
         if not os.path.exists(path):
-            url = f"{cfg.base_url}/{os.path.basename(path)}"
-            print(f"downloading {url} to {path}")
-            download_file(url, path)
+            print(f"downloading {cfg.base_url}/{name} to {path}")
+            download_file(f"{cfg.base_url}/{name}", path)
     if multi30k:
         src, tgt = read_gz_lines(paths[0]), read_gz_lines(paths[1])
     else:
-        import pyarrow
         import pyarrow.parquet
         src, tgt = [], []
         for path in paths:
             try:
-                pairs = pyarrow.parquet.read_table(path, columns=["translation"]).column("translation")
-                pairs = pairs.combine_chunks()
+                pairs = pyarrow.parquet.read_table(path, columns=["translation"]).column("translation").combine_chunks()
                 src, tgt = src + pairs.field(cfg.src).to_pylist(), tgt + pairs.field(cfg.tgt).to_pylist()
             except (pyarrow.ArrowException, KeyError, OSError) as e:
                 die(f"{path} is not a parquet file of {cfg.src}-{cfg.tgt} translation pairs ({e}); delete it to "
@@ -579,26 +555,23 @@ def build_tokenizer(cfg, train_src, train_tgt):
 def encode_lines(tok, tok_path, lines, path):
     """The BPE ids of the lines, ragged (flat int32 ids, int64 offsets (n+1,)), cached in an npz at `path`."""
     # keyed by the sha256 of the tokenizer file and of the text: a stale cache is redone
-    h = hashlib.sha256()
     with open(tok_path, "rb") as f:
-        h.update(f.read())
+        h = hashlib.sha256(f.read())
     h.update("\n".join(lines).encode("utf-8", "surrogatepass"))
     key = h.hexdigest()
-    if os.path.exists(path):
-        try:
-            with np.load(path) as z:
-                if str(z["key"]) == key:
-                    return z["ids"], z["offsets"]
-        except (OSError, ValueError, KeyError, EOFError):
-            pass  # unreadable cache: encode again and overwrite it
+    try:
+        with np.load(path) as z:
+            if str(z["key"]) == key:
+                return z["ids"], z["offsets"]
+    except (OSError, ValueError, KeyError, EOFError):
+        pass  # no cache, or an unreadable one: encode again and (over)write it
     chunks, lens = [], []
     for start in range(0, len(lines), ENCODE_CHUNK):  # a chunk at a time: ids as Python ints are large
         seqs = [tok.encode_ordinary(line) for line in lines[start:start + ENCODE_CHUNK]]
         lens += [len(s) for s in seqs]
         chunks.append(np.fromiter((i for s in seqs for i in s), np.int32, count=sum(map(len, seqs))))
     ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)             # (total,)
-    offsets = np.zeros(len(lens) + 1, np.int64)                                    # (n+1,)
-    offsets[1:] = np.cumsum(lens)
+    offsets = np.cumsum([0] + lens, dtype=np.int64)                                # (n+1,)
     with open(path + ".tmp", "wb") as f:
         np.savez(f, ids=ids, offsets=offsets, key=np.array(key))
     os.replace(path + ".tmp", path)
@@ -646,7 +619,7 @@ class Batches:
     """The training pairs by length bucket T, cut into steps of A micro-batches of R_T = micro_tokens // T pairs.
     Each epoch shuffles from (seed, epoch), so (epoch, steps done in it) is all a resumed run needs."""
 
-    def __init__(self, src, tgt, cfg):
+    def __init__(self, src, tgt, cfg, epoch, index):
         self.cfg = cfg
         need = np.maximum(lengths(src), lengths(tgt)) + 1                          # (n,) with EOS / BOS
         keep = np.flatnonzero(need <= cfg.max_len)                                 # (n_kept,)
@@ -660,20 +633,19 @@ class Batches:
             idx = keep[bucket == T]
             self.data[T] = (pad_rows(src, idx, T, cfg.pad_id, eos_id=cfg.eos_id),          # (n_T, T)
                             pad_rows(tgt, idx, T + 1, cfg.pad_id, cfg.bos_id, cfg.eos_id))  # (n_T, T+1)
-        self.set_state(0, 0)
+        if not self.data:
+            die(f"no training pair fits --max-len {cfg.max_len}")
+        self.set_state(epoch, index)
 
-    def plan(self, epoch):
-        """The epoch's steps as (T, indices into bucket T's rows)."""
+    def set_state(self, epoch, index):
+        """`index` steps into `epoch`, whose steps are (T, indices into bucket T's rows) shuffled from (seed, epoch)."""
         rng = np.random.default_rng([self.cfg.seed, epoch])
         steps = []
         for T, (src, _) in self.data.items():
             order = rng.permutation(len(src))
             per = self.rows[T] * self.accum
             steps += [(T, order[i:i + per]) for i in range(0, len(order), per)]
-        return [steps[i] for i in rng.permutation(len(steps))]
-
-    def set_state(self, epoch, index):
-        self.epoch, self.index, self.steps = epoch, index, self.plan(epoch)
+        self.epoch, self.index, self.steps = epoch, index, [steps[i] for i in rng.permutation(len(steps))]
         if index > len(self.steps):
             die(f"--resume: the checkpoint is {index} steps into epoch {epoch}, which has only "
                 f"{len(self.steps)} (different data or --batch-tokens?)")
@@ -689,21 +661,18 @@ class Batches:
         src = np.full((A * R, T), self.cfg.pad_id, np.int32)                       # (A*R, T)
         tgt = np.full((A * R, T + 1), self.cfg.pad_id, np.int32)                   # (A*R, T+1)
         src[:len(idx)], tgt[:len(idx)] = self.data[T][0][idx], self.data[T][1][idx]
-        return (T, src.reshape(A, R, T), tgt[:, :-1].reshape(A, R, T),
-                tgt[:, 1:].reshape(A, R, T))
+        return T, src.reshape(A, R, T), tgt[:, :-1].reshape(A, R, T), tgt[:, 1:].reshape(A, R, T)
 
 
 def eval_batches(src, tgt, cfg):
     """A whole split for the loss: (src, tgt_in, tgt_out) batches (R,T) of the one bucket T of its longest pair."""
-    need = int(np.max(np.maximum(lengths(src), lengths(tgt)))) + 1
-    T = bucket_size(need)
+    T = bucket_size(int(np.max(np.maximum(lengths(src), lengths(tgt)))) + 1)
     R = max(1, cfg.micro_tokens // T)
     n = len(lengths(src))
-    s = pad_rows(src, np.arange(n), T, cfg.pad_id, eos_id=cfg.eos_id)               # (n, T)
-    t = pad_rows(tgt, np.arange(n), T + 1, cfg.pad_id, cfg.bos_id, cfg.eos_id)     # (n, T+1)
-    fill = -n % R
-    s = np.concatenate([s, np.full((fill, T), cfg.pad_id, np.int32)])              # (n', T)
-    t = np.concatenate([t, np.full((fill, T + 1), cfg.pad_id, np.int32)])          # (n', T+1)
+    s = np.full((n + -n % R, T), cfg.pad_id, np.int32)                             # (n', T) whole batches
+    t = np.full((n + -n % R, T + 1), cfg.pad_id, np.int32)                         # (n', T+1)
+    s[:n] = pad_rows(src, np.arange(n), T, cfg.pad_id, eos_id=cfg.eos_id)
+    t[:n] = pad_rows(tgt, np.arange(n), T + 1, cfg.pad_id, cfg.bos_id, cfg.eos_id)
     return [(s[i:i + R], t[i:i + R, :-1], t[i:i + R, 1:]) for i in range(0, len(s), R)]
 
 
@@ -716,19 +685,16 @@ RUN_FILES = ("hyp_val.txt", "hyp_test.txt")  # a run's files besides its log and
 
 
 def save_checkpoint(out_dir, step, params, m, v, batches, cfg, tok_path):
-    """<out_dir>/ckpt_<step>/: params.npz (fp32), state.npz (Adam moments, step, data position, seed, config)
-    and the tokenizer; written under a temporary name, then renamed into place."""
+    """<out_dir>/ckpt_<step>/: params.npz (fp32), state.npz (Adam moments, step, data position, seed, config), BPE."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {f"m.{k}": np.asarray(m[k], np.float32) for k in PARAM_NAMES}
-    state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in PARAM_NAMES})
+    state = {f"{name}.{k}": np.asarray(a[k], np.float32) for name, a in (("m", m), ("v", v)) for k in PARAM_NAMES}
     state.update(step=np.int64(step), epoch=np.int64(batches.epoch), index=np.int64(batches.index),
                  seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
     try:
-        os.makedirs(tmp)
-        np.savez(os.path.join(tmp, "params.npz"),
-                 **{k: np.asarray(params[k], np.float32) for k in PARAM_NAMES})
+        os.makedirs(tmp)  # written under a temporary name, then renamed into place
+        np.savez(os.path.join(tmp, "params.npz"), **{k: np.asarray(params[k], np.float32) for k in PARAM_NAMES})
         np.savez(os.path.join(tmp, "state.npz"), **state)
         shutil.copyfile(tok_path, os.path.join(tmp, TOKENIZER_FILE))
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
@@ -740,10 +706,7 @@ def save_checkpoint(out_dir, step, params, m, v, batches, cfg, tok_path):
 
 def list_checkpoints(directory):
     """The complete checkpoint directories in `directory`, oldest first."""
-    if not os.path.isdir(directory):
-        return []
-    names = sorted(n for n in os.listdir(directory) if re.fullmatch(r"ckpt_\d{7}", n))
-    paths = [os.path.join(directory, n) for n in names]
+    paths = sorted(glob.glob(os.path.join(glob.escape(directory), "ckpt_" + "[0-9]" * 7)))
     return [p for p in paths if all(os.path.isfile(os.path.join(p, f)) for f in CHECKPOINT_FILES)]
 
 
@@ -770,12 +733,11 @@ def load_checkpoint(path):
         die(f"{path}/state.npz: unreadable config ({e})")
     shapes = param_shapes(saved)
     params = load_npz(os.path.join(path, "params.npz"), PARAM_NAMES)
+    m, v = ({k: state[f"{x}.{k}"] for k in PARAM_NAMES} for x in "mv")
     for k in PARAM_NAMES:
-        for name, a in ((k, params[k]), (f"m.{k}", state[f"m.{k}"]), (f"v.{k}", state[f"v.{k}"])):
+        for name, a in ((k, params[k]), (f"m.{k}", m[k]), (f"v.{k}", v[k])):
             if a.shape != shapes[k]:
                 die(f"checkpoint {path}: {name} has shape {a.shape}, its config implies {shapes[k]}")
-    m = {k: state[f"m.{k}"] for k in PARAM_NAMES}
-    v = {k: state[f"v.{k}"] for k in PARAM_NAMES}
     info = {k: int(state[k]) for k in ("step", "epoch", "index", "seed")}
     check_checkpoint_step(path, info["step"])
     return params, m, v, info, saved
@@ -786,16 +748,12 @@ def averaged_params(path, n):
     found = [p for p in list_checkpoints(os.path.dirname(path))
              if os.path.basename(p) <= os.path.basename(path)]
     chosen = found[-n:] if path in found else [path]
-    total = None
+    total = {}
     for p in chosen:
-        params = load_npz(os.path.join(p, "params.npz"), PARAM_NAMES)
-        if total is None:
-            total = {k: a.astype(np.float64) for k, a in params.items()}
-        else:
-            for k in PARAM_NAMES:
-                if params[k].shape != total[k].shape:
-                    die(f"--average {n}: {p} has another model shape than {chosen[0]}")
-                total[k] += params[k]
+        for k, a in load_npz(os.path.join(p, "params.npz"), PARAM_NAMES).items():
+            if k in total and a.shape != total[k].shape:
+                die(f"--average {n}: {p} has another model shape than {chosen[0]}")
+            total[k] = total[k] + a if k in total else a.astype(np.float64)
     return {k: (a / len(chosen)).astype(np.float32) for k, a in total.items()}, chosen
 
 
@@ -835,8 +793,7 @@ def beam_search(step_fn, state, max_lens, t_max, beam, alpha, bos_id, eos_id):
         only_eos = (t >= max_lens)[:, None, None] & (jnp.arange(V) != eos_id)     # (n,1,V)
         logp = jnp.where(only_eos, -jnp.inf, logp.reshape(n, K, V))                # (n,K,V)
         cand = (alive[:, :, None] + logp).reshape(n, K * V)                        # (n,K*V)
-        # (the barriers keep XLA from fusing top_k into its consumers, which on a CPU recomputes it for
-        # every element they write: 100x slower)
+        # (barriers: XLA would fuse top_k into its consumers, on a CPU recomputing it per element: 100x slower)
         top, idx = jax.lax.optimization_barrier(jax.lax.top_k(cand, 2 * K))       # (n,2K) each
         origin, token = idx // V, idx % V                                          # (n,2K) each
         ext = jnp.take_along_axis(seqs, origin[:, :, None], axis=1)                # (n,2K,t_max)
@@ -904,7 +861,6 @@ def translate_batch(params, src, max_lens, cfg, greedy):
     src_mask = jnp.repeat(src_mask, K, axis=0)                                     # (n*K,1,1,S)
     cache = (jnp.zeros((cfg.n_layer, n * K, t_max, cfg.d_model), compute_dtype(cfg)),) * 2  # (L,n*K,t_max,D) x 2
     banned = jnp.zeros((cfg.vocab_size,), bool).at[jnp.array([cfg.pad_id, cfg.bos_id])].set(True)  # (V,)
-
     table = jnp.asarray(sinusoids(t_max, cfg.d_model))                             # (t_max,D)
 
     def step(cache, tokens, t):
@@ -944,8 +900,7 @@ def translate_ids(search, params, src, cfg):
 
 
 def evaluate_bleu(search, params, cfg, tok, split, src, refs):
-    """(BLEU, hypotheses file): sacrebleu (cased, 13a) of the split's detokenized translations, which go to
-    <out_dir>/hyp_<split>.txt."""
+    """(BLEU, path): sacrebleu (cased, 13a) of the split's detokenized translations, in <out_dir>/hyp_<split>.txt."""
     hyps = [tok.decode(ids).replace("\r", " ").replace("\n", " ")  # one line per sentence, whatever
             for ids in translate_ids(search, params, src, cfg)]      # an undertrained model emits
     bleu = sacrebleu.corpus_bleu(hyps, [refs])
@@ -1281,45 +1236,30 @@ def stop_on_signal(signum, step, cfg, master):
     raise SystemExit(128 + signum)
 
 
+# hellaswag.py's download (the same code)
 DOWNLOAD_RETRIES = 5
 DOWNLOAD_BACKOFF_S = 1.0
 DOWNLOAD_TIMEOUT_S = 60
 CHUNK_BYTES = 1 << 20
 
 
-# hellaswag.py's download (the same code)
-
 class _Retryable(Exception):
     """A failure worth another attempt: a dropped connection, a 5xx/429 answer, a short body."""
 
 
 def _announced_sha256(resp):
-    """The sha256 the server vouches for, or None. Hugging Face answers a request for an LFS file with
-    `X-Linked-Etag: "<sha256 of the file>"` (on the redirect, so look through the history too). A plain
-    ETag is not used: GitHub's and CDNs' ETags are opaque cache validators, not content hashes."""
+    """The sha256 the server vouches for: Hugging Face's `X-Linked-Etag` of an LFS file (on the redirect), or None."""
+    # a plain ETag is no hash: GitHub's and CDNs' ETags are opaque cache validators
     for r in (*resp.history, resp):
-        value = r.headers.get("X-Linked-Etag", "")
-        value = value.removeprefix("W/").strip('"').lower()
+        value = r.headers.get("X-Linked-Etag", "").removeprefix("W/").strip('"').lower()
         if re.fullmatch(r"[0-9a-f]{64}", value):
             return value
     return None
 
 
-def _announced_total(resp):
-    """Full file size from Content-Range ("bytes a-b/total") or, for a 200, Content-Length."""
-    if resp.status_code == 206:
-        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
-        return (int(m.group(1)), int(m.group(3))) if m else (None, None)
-    length = resp.headers.get("Content-Length")
-    return 0, (int(length) if length is not None and length.isdigit() else None)
-
-
 def sha256_of(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_S, expected_size=None,
@@ -1358,7 +1298,12 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
                 if resp.headers.get("Content-Encoding", "identity") != "identity":
                     die(f"download of {url}: server sent {resp.headers['Content-Encoding']}-encoded data")
                 sha = sha or _announced_sha256(resp)
-                start, announced = _announced_total(resp)
+                if resp.status_code == 206:  # where it starts, and the file's size: "bytes start-end/size"
+                    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
+                    start, announced = (int(m.group(1)), int(m.group(3))) if m else (None, None)
+                else:  # a 200: the whole file, its size in Content-Length
+                    length = resp.headers.get("Content-Length", "")
+                    start, announced = 0, (int(length) if length.isdigit() else None)
                 if start is None or start > have:  # a range we did not ask for: start over
                     if os.path.exists(part):
                         os.remove(part)
@@ -1461,13 +1406,11 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
     val_batches = eval_batches(*val, cfg)
     if params is None:
         params = init_params_numpy(cfg)
-        m = {k: np.zeros_like(p) for k, p in params.items()}
-        v = {k: np.zeros_like(p) for k, p in params.items()}
+        m, v = ({k: np.zeros_like(p) for k, p in params.items()} for _ in "mv")
     n_params = sum(p.size for p in params.values())
-    print(f"Transformer {cfg.model}: {cfg.n_layer}+{cfg.n_layer} layers, {cfg.n_head} heads, d_model "
-          f"{cfg.d_model}, d_ff {cfg.d_ff}, dropout {cfg.dropout}, {n_params / 1e6:.2f}M parameters | "
-          f"{cfg.dataset} {cfg.src}->{cfg.tgt}, joint BPE {cfg.vocab_size} | {device.device_kind} | "
-          f"{cfg.dtype}")
+    print(f"Transformer {cfg.model}: {cfg.n_layer}+{cfg.n_layer} layers, {cfg.n_head} heads, d_model {cfg.d_model}, "
+          f"d_ff {cfg.d_ff}, dropout {cfg.dropout}, {n_params / 1e6:.2f}M parameters | {cfg.dataset} "
+          f"{cfg.src}->{cfg.tgt}, joint BPE {cfg.vocab_size} | {device.device_kind} | {cfg.dtype}")
 
     eval_fn = jax.jit(partial(loss_sums, cfg=cfg))
     search = jax.jit(partial(translate_batch, cfg=cfg, greedy=cfg.decode == "greedy"))
@@ -1480,7 +1423,7 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
     def run_bleu(step, weights, note):
         if cfg.bleu_split == "none":
             return
-        src_text, refs = (read_split(cfg, "test") if cfg.bleu_split == "test" else val_text)
+        src_text, refs = read_split(cfg, "test") if cfg.bleu_split == "test" else val_text
         src = encode_split(cfg, tok, tok_path, cfg.bleu_split, src_text, refs)[0]
         t0 = time.perf_counter()
         bleu, path = evaluate_bleu(search, weights, cfg, tok, cfg.bleu_split, src, refs)
@@ -1492,10 +1435,8 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
 
     def final_weights(step):
         """The weights to score: the newest --average checkpoints up to `step` averaged, when there are."""
-        path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}")
-        if cfg.eval_only:
-            path = cfg.resume
-        elif path not in list_checkpoints(cfg.out_dir):
+        path = cfg.resume if cfg.eval_only else os.path.join(cfg.out_dir, f"ckpt_{step:07d}")
+        if not cfg.eval_only and path not in list_checkpoints(cfg.out_dir):
             return params, "no checkpoint to average"
         weights, used = averaged_params(path, cfg.average)
         names = ", ".join(os.path.basename(p)[5:].lstrip("0") or "0" for p in used)
@@ -1509,16 +1450,11 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
         return
 
     train = encode_split(cfg, tok, tok_path, "train", *train_text)
-    batches = Batches(*train, cfg)
-    if not batches.data:
-        die(f"no training pair fits --max-len {cfg.max_len}")
-    batches.set_state(info["epoch"], info["index"])
-    print(f"data: {len(lengths(train[0])):,} training pairs ({batches.dropped} longer than --max-len "
-          f"{cfg.max_len} skipped), {len(lengths(val[0])):,} validation pairs, ready in "
-          f"{time.perf_counter() - t0:.1f} s")
-    print(f"batches: {cfg.batch_tokens} padded tokens per side per step = {batches.accum} micro-batch(es) "
-          f"of {cfg.micro_tokens} | rows per bucket length: "
-          + ", ".join(f"{T}: {r}" for T, r in batches.rows.items()))
+    batches = Batches(*train, cfg, info["epoch"], info["index"])
+    print(f"data: {len(lengths(train[0])):,} training pairs ({batches.dropped} longer than --max-len {cfg.max_len} "
+          f"skipped), {len(lengths(val[0])):,} validation pairs, ready in {time.perf_counter() - t0:.1f} s")
+    print(f"batches: {cfg.batch_tokens} padded tokens per side per step = {batches.accum} micro-batch(es) of "
+          f"{cfg.micro_tokens} | rows per bucket length: " + ", ".join(f"{T}: {r}" for T, r in batches.rows.items()))
 
     t0 = time.perf_counter()
     step_jit = jax.jit(partial(train_step, cfg=cfg), donate_argnums=(0, 1, 2))
