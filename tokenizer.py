@@ -53,7 +53,6 @@ GPT2_SHA256 = {  # the published files (the hashes tiktoken checks, too)
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
-CHUNK_BYTES = 1 << 20
 
 FILE_HEADER = "tokenizer.py byte-level BPE v1"
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
@@ -358,11 +357,8 @@ def default_gpt2_dir():
 
 
 def sha256_of(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch_gpt2_file(name, cache_dir=None, base_url=GPT2_BASE_URL):
