@@ -1213,7 +1213,7 @@ def torch_fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
     return fp8_matmul(g_f8, w_f8, FP8_SCALES["grad"], FP8_SCALES["w"], dz.dtype)  # (N, C)
 
 
-torch_fp8_quantize = fp8_quantize  # trainkit's casts
+torch_fp8_quantize = fp8_quantize  # the torch trainers' shared casts
 TORCH_SPEEDRUN_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in SPEEDRUN_OP_NAMES},
                               SPEEDRUN_OP_NAMES)
 
@@ -1300,8 +1300,7 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
         a = acts.pop()
         if cfg.recompute == "block":
             a = speedrun_block_rerun(w, l, a, (B, T), cfg, ops)
-        b, g = ({k[len(f"blocks.{l}."):]: t for k, t in d.items() if k.startswith(f"blocks.{l}.")}
-                for d in (w, grads))
+        b, g = ({k[len(f"blocks.{l}."):]: t for k, t in d.items() if k.startswith(f"blocks.{l}.")} for d in (w, grads))
         # MLP: res3 = res2 + proj(relu(fc(norm2(res2)))^2)
         h, rstd = ops.rmsnorm_forward(a["res2"], b["norm2.gains"], eps)  # (N, C), (N,)
         dr = ops.matmul_backward(dres, ops.relu2_forward(a["pre"]), b["mlp.proj.weight"],
@@ -1325,8 +1324,7 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
         for n, d in (("k", dk), ("v", dv)):  # h feeds all three projections: their gradients add up
             ops.add_into(dh, ops.matmul_backward(d.view(B * T, C), h, b[f"attn.{n}.weight"],
                                                  g[f"attn.{n}.weight"], g[f"attn.{n}.bias"]))  # (N, C)
-        dres = ops.rmsnorm_backward(dh, a["res"], b["norm1.gains"], rstd, g["norm1.gains"],
-                                    dres=dres)  # (N, C)
+        dres = ops.rmsnorm_backward(dh, a["res"], b["norm1.gains"], rstd, g["norm1.gains"], dres=dres)  # (N, C)
         # the block's saved tensors and its gradients (16 C per token), freed before the next block's rerun
         del a, h, rstd, dr, dpre, dh, dy, q, k, qr, rq, kr, rk, dq, dk, dv, d
     a = acts.pop()
@@ -2905,7 +2903,6 @@ LN_REDUCE_BLOCK_C = 16   # ... programs at C = 768 reading the 1.5 MB of partial
 ELEM_BLOCK = 4096       # activations: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
 ELEM_WARPS = 8
 
-
 # cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter: one step
 CE_BLOCK_V = 1 << 16 if INTERPRET else 4096
 CE_WARPS = 8
@@ -2918,7 +2915,6 @@ ENC_WARPS = 8           # ... registers (152 with 4 warps)
 ENC_CARRY_TILES = 16    # runs longer than a tile: the partial sums of 16 following tiles per step
 ENC_WPE_BLOCK_T = 8     # wpe reduce: (8 positions, 256 channels) per program, pipelined over the batch
 ENC_WPE_STAGES = 3
-
 
 # multi-tensor kernels: elements per program (8 blocks of MT_BLOCK); the interpreter: one wide block
 MT_CHUNK = 1 << 16 if INTERPRET else 16384
@@ -2951,8 +2947,7 @@ def _encoder_forward_kernel(idx_ptr, wte_ptr, wpe_ptr, out_ptr, N, T, C, HAS_WPE
         pos = (row0 + rows) % T                                                     # (R,) int64
         p = tl.load(wpe_ptr + pos[:, None] * C + cols[None, :], mask=mask, other=0.0)  # (R, BC) dt
         x = x.to(tl.float32) + p.to(tl.float32)                                     # (R, BC) fp32
-    tl.store(out_ptr + row0 * C + rows[:, None] * C + cols[None, :], x.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row0 * C + rows[:, None] * C + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def encoder_forward(idx, wte, wpe):
@@ -3330,8 +3325,7 @@ def _softcap(z, CAP: tl.constexpr):
 
 
 @triton.jit
-def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP: tl.constexpr, BLOCK_V: tl.constexpr):
     # one row: pass 1 an online logsumexp over the V real logits, pass 2 overwrites the row with
     # dloss * (softmax - onehot), 0 in the padded columns
     row = tl.program_id(0).to(tl.int64)
@@ -3452,8 +3446,7 @@ def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
     _global_norm_partial_kernel[(chunks,)](table, len(grads), partial, ALIGNED=aligned, CHUNK=chunk,
                                            BLOCK=block, BLOCK_T=triton.next_power_of_2(len(grads)),
                                            STAGES=NORM_STAGES, num_warps=MT_WARPS)
-    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK,
-                                     num_warps=NORM_FINISH_WARPS)
+    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK, num_warps=NORM_FINISH_WARPS)
     return out
 
 
@@ -3502,12 +3495,10 @@ def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, gra
 def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale,
                  chunk=MT_CHUNK, block=MT_BLOCK):
     """torch_adamw_update's step (llm.c's) in one launch; `copies` (bf16, or None) get the params rounded."""
-    _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,),
-                   params * 4)
+    _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,), params * 4)
     if copies is not None:
         _check_tensors("adamw_update copies", copies, (torch.bfloat16,), params)
-    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays],
-                                           chunk=chunk)
+    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays], chunk=chunk)
     _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step, 1.0 - beta2 ** step,
                              grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
                              BLOCK_T=triton.next_power_of_2(len(params)), num_warps=MT_WARPS)
@@ -3592,8 +3583,7 @@ def _interpreter_config(configs, named_args, **kwargs):
     want = {k: min(INTERPRETER_BLOCKS[-2 if k == "BLOCK_K" else -1], triton.next_power_of_2(d))
             if d >= INTERPRETER_WIDE else 32 for k, d in dims.items()}
     tma = bool(named_args.get("tma_ok"))  # the matmul's descriptor path wherever it can run
-    return [c for c in configs
-            if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
+    return [c for c in configs if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
 
 
 DW_WORKSPACE_BYTES = 64 << 20  # split-K partial sums: at most 64 MiB (qkv's 7 splits at B*T = 16k take 50)
@@ -3649,8 +3639,7 @@ def _gelu_tanh(x, FAST_TANH: tl.constexpr):
     """tanh-GELU of fp32 x: FAST_TANH the SFU's tanh.approx (error ~2^-11, under bf16's), else x sigmoid(2u)."""
     u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
     if FAST_TANH:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
-                                      pack=1)
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
         y = 0.5 * x * (1.0 + t)
     else:
         y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
@@ -3820,8 +3809,7 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: only K's edge
-    # is ever masked
+    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: K's edge masked
     k_lo = split * chunk
     k_hi = tl.minimum(k_lo + chunk, K)
     if HAS_BIAS:
@@ -3835,8 +3823,7 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
         acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk,
                               stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     if SPLIT_K == 1:
-        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
-                           BLOCK_N)
+        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
         # whole (BM, BN) partial tiles, contiguous: unmasked full-width stores and loads
         part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (BM, BN)
@@ -3854,8 +3841,7 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
                 acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")
                 if HAS_BIAS:
                     db += tl.load(ws_db_tile + s * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
-            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
-                           BLOCK_N)
+            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def _tma_ready(*tensors):
@@ -3955,17 +3941,14 @@ def matmul_backward(dy, x, w, dw, db):
 def _attention_configs(kernel, interpret=INTERPRET):
     """(BLOCK_M queries, BLOCK_N keys) of kernel "fwd", "dkdv" or "dq": 3 stages for 16-bit inputs, 2 for fp32."""
     if interpret:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
-                              else {"BLOCK_M": 32, "BLOCK_N": 16})]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv" else {"BLOCK_M": 32, "BLOCK_N": 16})]
     sizes16 = {"fwd": [(128, 64, 4), (128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)],
                "dkdv": [(64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)],
                "dq": [(128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)]}[kernel]
     sizes32 = {"fwd": [(64, 32, 8), (32, 32, 4), (64, 16, 4)], "dkdv": [(16, 32, 4)],
                "dq": [(64, 32, 8), (32, 32, 4), (64, 16, 4)]}[kernel]
-    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w)
-             for bm, bn, w in sizes16]
-            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w)
-               for bm, bn, w in sizes32])
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=stages, num_warps=w)
+            for stages, sizes in ((3, sizes16), (2, sizes32)) for bm, bn, w in sizes]
 
 
 def _prune_attention_configs(configs, named_args, **kwargs):
@@ -3978,8 +3961,7 @@ ATTENTION_PRUNE = {"early_config_prune": _prune_attention_configs}
 
 
 @triton.jit
-def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               CHECK_T: tl.constexpr):
+def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_T: tl.constexpr):
     """Rows offs_t of one head (len(offs_t), BLOCK_D); rows >= T (when CHECK_T) and padded columns read 0."""
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
@@ -4274,8 +4256,7 @@ def _flat_check(name, *tensors):
 def zero_fill(x):
     """x (any shape, contiguous) = 0."""
     _flat_check("zero_fill", x)
-    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK,
-                                                             num_warps=STEP_WARPS)
+    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK, num_warps=STEP_WARPS)
 
 
 def clip_by_norm(g, norm, max_norm):
@@ -4296,8 +4277,7 @@ def copy_into(dst, src):
     _flat_check("copy_into", dst, src)
     if dst.numel() != src.numel():
         raise ValueError(f"copy_into: {src.numel()} elements into {dst.numel()}")
-    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK,
-                                                          num_warps=STEP_WARPS)
+    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK, num_warps=STEP_WARPS)
 
 
 # -----------------------------------------------------------------------------
@@ -4382,9 +4362,6 @@ def autograd_matmul_backward(dy, x, w, dw, db):
     return grads[0]
 
 
-def autograd_gelu_backward(dy, pre):
-    return _vjp(lambda pre: F.gelu(pre, approximate="tanh"), (pre,), dy)[0]
-
 
 def autograd_attention_forward(qkv, n_head):
     B, T, C3 = qkv.shape
@@ -4395,6 +4372,7 @@ def autograd_attention_forward(qkv, n_head):
     causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
     lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), -1)  # (B, H, T)
     return out.transpose(1, 2).reshape(B, T, C), lse
+
 
 
 def autograd_attention_backward(dout, qkv, out, lse, n_head):
@@ -4409,8 +4387,7 @@ def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
     return losses.detach()
 
 
-def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step,
-                          grad_scale):
+def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
     """torch.optim.AdamW with its state set to the given moments and step (the same update in another form)."""
     opt = torch.optim.AdamW([{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decays)],
                             lr=lr, betas=(beta1, beta2), eps=eps, foreach=False)
@@ -4438,7 +4415,8 @@ AUTOGRAD_OPS = op_table("autograd", dict(
     layernorm_backward=autograd_layernorm_backward,
     matmul_forward=F.linear, matmul_gelu_forward=autograd_matmul_gelu_forward,
     matmul_backward=autograd_matmul_backward,
-    gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"), gelu_backward=autograd_gelu_backward,
+    gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"),
+    gelu_backward=lambda dy, pre: _vjp(lambda x: F.gelu(x, approximate="tanh"), (pre,), dy)[0],
     attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
     crossentropy_forward_backward=autograd_crossentropy_forward_backward,
     global_norm=lambda grads: torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])),
@@ -4540,8 +4518,7 @@ def case_adamw(ops, r, B, T, C, H):
     copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
     for step, grad_scale in ((1, 1.0), (2, 0.37), (7, 1.0)):
         grads = [r.rand(*s, acc=True) for s in shapes]
-        ops.adamw_update(params, grads, ms, vs, copies, 0.01, BETA1, BETA2, EPS, [0.1, 0.0, 0.1], step,
-                         grad_scale)
+        ops.adamw_update(params, grads, ms, vs, copies, 0.01, BETA1, BETA2, EPS, [0.1, 0.0, 0.1], step, grad_scale)
     kept = (("p", params), ("m", ms), ("v", vs), ("copy", copies or params))
     return {f"{k}{i}": ts[i] for i in range(len(shapes)) for k, ts in kept}
 
@@ -4579,8 +4556,7 @@ def self_test_model_data(r, cfg):
         elif name.endswith((".b", ".bias")):
             w[name] = r.rand(*shape, scale=0.1)
         else:
-            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe", "embed.weight") else
-                             shape[-1] ** -0.5)
+            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe", "embed.weight") else shape[-1] ** -0.5)
     batches = [(r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len),
                 r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len)) for _ in range(2)]
     return w, batches
@@ -4619,16 +4595,14 @@ def reference_logits(p, x, cfg):
 def reference_case_model(r, cfg):
     """What case_model computes, by autograd through reference_logits."""
     w, batches = self_test_model_data(r, cfg)
-    names = list(w)
-    leaves = [_leaf(w[k]) for k in names]
-    p = dict(zip(names, leaves))
+    p = {k: _leaf(t) for k, t in w.items()}
     with torch.enable_grad():
         losses = [F.cross_entropy(reference_logits(p, x, cfg)[..., :cfg.vocab_size].reshape(x.numel(), -1),
                                   y.reshape(-1)) for x, y in batches]
         loss = sum(losses) / len(losses)
-    grads = torch.autograd.grad(loss, leaves)
+    grads = torch.autograd.grad(loss, list(p.values()))
     logits = reference_logits(w, batches[0][0], cfg).reshape(batches[0][0].numel(), -1)  # (N, Vp)
-    return dict(logits=logits, loss=loss.detach(), **{f"grad {k}": g for k, g in zip(names, grads)})
+    return dict(logits=logits, loss=loss.detach(), **{f"grad {k}": g for k, g in zip(p, grads)})
 
 
 def compare(got, want):
@@ -4678,8 +4652,7 @@ def run_self_test(cfg):
           f"on {device}"
           + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
     names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
-    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  "
-          f"worst")
+    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  worst")
 
     def report(name, dt, results):  # a row as soon as it is known: a run cut short keeps what it checked
         abs_err = max(r[0] for r in results)
@@ -4817,8 +4790,7 @@ def kernel_work(name, a):
 
 def launched_kernels():
     """{name: kernel} of every Triton jit, autotune or heuristics object of this file, jit helpers included."""
-    return {name: k for name, k in globals().items()
-            if isinstance(k, triton.runtime.KernelInterface)}
+    return {name: k for name, k in globals().items() if isinstance(k, triton.runtime.KernelInterface)}
 
 
 @contextlib.contextmanager
@@ -4884,9 +4856,8 @@ def _rate(flops, nbytes, ms):
 def start_profile(ops, device):
     """--profile's start: torch.profiler records, ops and launches are timed; the steps run the returned "ops"."""
     calls, launches, active = [], [], []
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    kinds = torch.profiler.ProfilerActivity
+    activities = [kinds.CPU, kinds.CUDA] if device.type == "cuda" else [kinds.CPU]
     recording = contextlib.ExitStack()  # open across the profiled steps, closed by finish_profile
     prof = recording.enter_context(torch.profiler.profile(activities=activities))
     recording.enter_context(timed_kernels(device, launches, active))
@@ -4940,8 +4911,7 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
         print(f"\nper kernel, under the op that launched it ({len(launches)} launches):")
         print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8}")
         for (op, name), (n, ms, flops, nbytes) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-            print(f"{op + ' / ' + name:<62} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} "
-                  f"{_rate(flops, nbytes, ms)}")
+            print(f"{op + ' / ' + name:<62} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)}")
         in_kernels = sum(row[1] for row in kernels.values())
         print(f"{'(outside the kernels: launches, Python, allocation)':<62} {'':>5} {step_ms - in_kernels:9.3f} "
               f"{100 * (1 - in_kernels / step_ms):7.1f}")
@@ -5002,8 +4972,7 @@ def op_case(ops, torch_ops, name, shape, args, torch_label, theirs=None):
 def bench_cases(cfg, ops, device):
     """op_case rows at the model's shapes (HEAD_ROWS rows for the lm head and the loss, as the step runs them)."""
     dt = compute_dtype(cfg)
-    B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
-                         cfg.padded_vocab_size)
+    B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.padded_vocab_size)
     N, R = B * T, min(B * T, HEAD_ROWS)
     op = functools.partial(op_case, ops, TORCH_OPS)
 
@@ -5095,11 +5064,14 @@ def bench_cases(cfg, ops, device):
     return cases
 
 
+COPY_BYTES = 1 << 30  # the copy that measures memory bandwidth: 1 GiB, far beyond any cache
+
+
 @torch.no_grad()
 def bench_ops(cfg, ops, device):
     """--bench-ops: each op against the PyTorch op it replaces: ms, TFLOP/s or GB/s (% of a copy's) and speed-up."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)  # (1 GiB,) a copy far beyond any cache
-    dst = torch.empty_like(src)  # (1 GiB,)
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)  # (COPY_BYTES,)
+    dst = torch.empty_like(src)  # (COPY_BYTES,)
     copy_gbs = 2 * src.numel() / time_ms(functools.partial(dst.copy_, src), device) / 1e6  # bytes read + written
     del src, dst
     print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
@@ -5110,8 +5082,7 @@ def bench_ops(cfg, ops, device):
     for name, shape, ours, torch_label, theirs, args in cases:
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
-            B, T, C = cfg.batch_size, cfg.seq_len, cfg.n_embd
-            flops, nbytes = 7 * B * T * T * C, 0
+            flops, nbytes = 7 * cfg.batch_size * cfg.seq_len ** 2 * cfg.n_embd, 0
         else:
             flops, nbytes = op_work(name, args, {}, ours())
 
@@ -5503,8 +5474,7 @@ def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
     _matmul_dw(g_f8, x_f8, dw, None, scale=FP8_SCALES["grad"] * FP8_SCALES["x"])
     rows, cols = COLUMN_SUM_BLOCK
     N, V = dz.shape
-    _layernorm_param_grad_kernel[(triton.cdiv(V, cols),)](dz, db, db, N, V, HAS_BIAS=False, BLOCK_P=rows,
-                                                          BLOCK_C=cols)
+    _layernorm_param_grad_kernel[(triton.cdiv(V, cols),)](dz, db, db, N, V, HAS_BIAS=False, BLOCK_P=rows, BLOCK_C=cols)
     return dx
 
 
@@ -5572,9 +5542,8 @@ def case_muon(ops, r, B, T, C, H):
         copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
         grads = [r.rand(*shape, acc=True) for _ in range(2)]
         ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
-        for i in range(2):
-            out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
-                        f"{name} copy{i}": params[i] if copies is None else copies[i]})
+        kept = (("p", params), ("m", ms), ("copy", copies or params))
+        out.update({f"{name} {k}{i}": ts[i] for i in range(2) for k, ts in kept})
     return out
 
 
