@@ -303,10 +303,9 @@ def is_model_file(head):
 # -----------------------------------------------------------------------------
 # GPT-2: ops
 #
-# A training step computes only the ops of OP_NAMES (the step's small ones too: backend triton's step runs no
-# torch compute op): backend torch's here, triton's in triton_kernels.py. Each forward returns what its backward
-# needs; N = B*T rows. Weight gradients are fp32 buffers that backwards add into (+=): micro-batches accumulate,
-# the tied wte gets both uses. Statistics, softmax and losses are fp32 (fp64 in an fp64 --test).
+# A training step computes only the ops of OP_NAMES (backend torch's here, triton's after main). Each forward
+# returns what its backward needs; N = B*T rows. Weight gradients are fp32 buffers that backwards add into (+=):
+# micro-batches accumulate, the tied wte gets both uses. Statistics, softmax and losses are fp32 (fp64 in --test).
 
 OP_NAMES = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
             "layernorm_backward", "matmul_forward", "matmul_gelu_forward", "matmul_backward", "gelu_forward",
@@ -559,10 +558,8 @@ TORCH_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in OP_N
 
 
 def gpt2_ops(backend):
-    """GPT-2's op namespace of `backend`: TORCH_OPS, or TRITON_OPS (imported here: it imports this file)."""
-    if backend == "torch":
-        return TORCH_OPS
-    return TRITON_OPS
+    """GPT-2's op namespace of `backend`: TORCH_OPS, or TRITON_OPS (defined after main)."""
+    return TORCH_OPS if backend == "torch" else TRITON_OPS
 
 
 def backend_ops(name, recipe=Config.recipe):
@@ -1216,17 +1213,14 @@ def torch_fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
     return fp8_matmul(g_f8, w_f8, FP8_SCALES["grad"], FP8_SCALES["w"], dz.dtype)  # (N, C)
 
 
-torch_fp8_quantize = fp8_quantize  # trainkit's casts
+torch_fp8_quantize = fp8_quantize  # the torch trainers' shared casts
 TORCH_SPEEDRUN_OPS = op_table("torch", {name: globals()[f"torch_{name}"] for name in SPEEDRUN_OP_NAMES},
                               SPEEDRUN_OP_NAMES)
 
 
 def speedrun_ops(backend):
     """The speedrun recipe's op namespace of `backend`: GPT-2's and its own (SPEEDRUN_OP_NAMES)."""
-    if backend == "torch":
-        own = TORCH_SPEEDRUN_OPS
-    else:
-        own = TRITON_SPEEDRUN_OPS
+    own = TORCH_SPEEDRUN_OPS if backend == "torch" else TRITON_SPEEDRUN_OPS
     return SimpleNamespace(**vars(gpt2_ops(backend)), **vars(own))
 
 
@@ -1306,8 +1300,7 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
         a = acts.pop()
         if cfg.recompute == "block":
             a = speedrun_block_rerun(w, l, a, (B, T), cfg, ops)
-        b, g = ({k[len(f"blocks.{l}."):]: t for k, t in d.items() if k.startswith(f"blocks.{l}.")}
-                for d in (w, grads))
+        b, g = ({k[len(f"blocks.{l}."):]: t for k, t in d.items() if k.startswith(f"blocks.{l}.")} for d in (w, grads))
         # MLP: res3 = res2 + proj(relu(fc(norm2(res2)))^2)
         h, rstd = ops.rmsnorm_forward(a["res2"], b["norm2.gains"], eps)  # (N, C), (N,)
         dr = ops.matmul_backward(dres, ops.relu2_forward(a["pre"]), b["mlp.proj.weight"],
@@ -1331,8 +1324,7 @@ def speedrun_backward(dh, idx, w, grads, acts, cfg, ops):
         for n, d in (("k", dk), ("v", dv)):  # h feeds all three projections: their gradients add up
             ops.add_into(dh, ops.matmul_backward(d.view(B * T, C), h, b[f"attn.{n}.weight"],
                                                  g[f"attn.{n}.weight"], g[f"attn.{n}.bias"]))  # (N, C)
-        dres = ops.rmsnorm_backward(dh, a["res"], b["norm1.gains"], rstd, g["norm1.gains"],
-                                    dres=dres)  # (N, C)
+        dres = ops.rmsnorm_backward(dh, a["res"], b["norm1.gains"], rstd, g["norm1.gains"], dres=dres)  # (N, C)
         # the block's saved tensors and its gradients (16 C per token), freed before the next block's rerun
         del a, h, rstd, dr, dpre, dh, dy, q, k, qr, rq, kr, rk, dq, dk, dv, d
     a = acts.pop()
@@ -1410,8 +1402,7 @@ def compute_groups(cfg):
 
 
 def make_state(params, m, v, cfg, device, rank=0, world=1):
-    """The training state on the device from numpy dicts: all `grads` (views of `grad_buffer`) and `weights`,
-    and its ZeRO stage's `shard_*` tensors, m and v (v of the AdamW tensors only)."""
+    """The device state from numpy dicts: `grads` (views of `grad_buffer`), `weights`, its ZeRO stage's `shard_*`."""
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
@@ -2897,12 +2888,9 @@ def main(argv, signals):
 # -----------------------------------------------------------------------------
 # Triton kernels: memory-bound ops
 #
-# N = B*T rows, C channels, `dt` the compute dtype (bf16 or fp32). Loads in the input's dtype, arithmetic in
-# fp32, each result rounded once when stored; every load and store masked. Row offsets are int64 (N*Vp passes
-# 2**31 at B*T = 43k). Deterministic: no floating-point atomics, and every reduction's partition depends on
-# the shapes and the block sizes only (none of these kernels is autotuned). Memory-bound loops are pipelined
-# (tl.range num_stages). Block sizes were reasoned for the H100 (132 SMs, 64k registers, 228 KB shared
-# memory); `--bench-ops` and `--profile` time them, to retune.
+# N = B*T rows, C channels, `dt` the compute dtype. Arithmetic in fp32, each result rounded once when stored;
+# every load and store masked; row offsets int64 (N*Vp passes 2**31). Deterministic: no floating-point atomics,
+# and each reduction partitioned by the shapes and block sizes alone (sized for the H100; --bench-ops times them).
 
 ROW_TILE = 4096         # elements per program in the row kernels: 4 rows of a 1024-wide block at C=768,
 ROW_WARPS = 8           # ... 16 per thread, two 16-byte bf16 vectors per tensor per thread
@@ -2914,7 +2902,6 @@ LN_REDUCE_BLOCK_P = 256  # the dgamma/dbeta reduce: all (<= 256) partials of 16 
 LN_REDUCE_BLOCK_C = 16   # ... programs at C = 768 reading the 1.5 MB of partials from L2
 ELEM_BLOCK = 4096       # activations: 16 elements per thread with 8 warps, 12k programs at 16k x 3072
 ELEM_WARPS = 8
-
 
 # cross-entropy: a row of 50304 logits in 13 steps, 16 per thread with 8 warps; the interpreter: one step
 CE_BLOCK_V = 1 << 16 if INTERPRET else 4096
@@ -2928,7 +2915,6 @@ ENC_WARPS = 8           # ... registers (152 with 4 warps)
 ENC_CARRY_TILES = 16    # runs longer than a tile: the partial sums of 16 following tiles per step
 ENC_WPE_BLOCK_T = 8     # wpe reduce: (8 positions, 256 channels) per program, pipelined over the batch
 ENC_WPE_STAGES = 3
-
 
 # multi-tensor kernels: elements per program (8 blocks of MT_BLOCK); the interpreter: one wide block
 MT_CHUNK = 1 << 16 if INTERPRET else 16384
@@ -2961,8 +2947,7 @@ def _encoder_forward_kernel(idx_ptr, wte_ptr, wpe_ptr, out_ptr, N, T, C, HAS_WPE
         pos = (row0 + rows) % T                                                     # (R,) int64
         p = tl.load(wpe_ptr + pos[:, None] * C + cols[None, :], mask=mask, other=0.0)  # (R, BC) dt
         x = x.to(tl.float32) + p.to(tl.float32)                                     # (R, BC) fp32
-    tl.store(out_ptr + row0 * C + rows[:, None] * C + cols[None, :], x.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row0 * C + rows[:, None] * C + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def encoder_forward(idx, wte, wpe):
@@ -3172,11 +3157,6 @@ def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
     return xsum, y, mean, rstd
 
 
-def layernorm_forward(x, w, b):
-    """x (N,C) dt, w (C) dt, b (C) dt -> (y (N,C) dt, mean (N) fp32, rstd (N) fp32)."""
-    _, y, mean, rstd = _layernorm_forward(x, None, w, b)
-    return y, mean, rstd
-
 
 @triton.jit
 def _layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dres_ptr, dx_ptr, partial_ptr,
@@ -3250,8 +3230,7 @@ def _layernorm_param_grad_kernel(partial_ptr, dw_ptr, db_ptr, P, C, HAS_BIAS: tl
 
 
 def layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
-    """dy, x (N,C) dt; w (C); mean, rstd (N) fp32; dw, db (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt,
-    dres included. With mean and db None, RMSNorm's backward."""
+    """dy, x (N,C) dt; mean, rstd (N) fp32; dw, db (C) fp32 +=; dres -> dx (N,C) dt + dres; no mean, db: RMSNorm."""
     C = x.shape[-1]
     N = x.numel() // C
     dx = torch.empty_like(x)                                                        # (..., C) dt
@@ -3346,8 +3325,7 @@ def _softcap(z, CAP: tl.constexpr):
 
 
 @triton.jit
-def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP: tl.constexpr, BLOCK_V: tl.constexpr):
     # one row: pass 1 an online logsumexp over the V real logits, pass 2 overwrites the row with
     # dloss * (softmax - onehot), 0 in the padded columns
     row = tl.program_id(0).to(tl.int64)
@@ -3383,8 +3361,7 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP:
 
 
 def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V, cap=0.0):
-    """logits (N,Vp) dt, targets (N) int64 in [0, V) -> losses (N) fp32 (soft-capped logits' with cap > 0);
-    OVERWRITES logits with dloss * dlosses/dlogits, 0 in the padded columns. block_v: logits per loop step."""
+    """losses (N) fp32 of logits (N,Vp) dt (soft-capped: cap > 0); OVERWRITES logits with dloss * their gradient."""
     Vp = logits.shape[-1]
     N = logits.numel() // Vp
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)              # (N,) fp32
@@ -3398,8 +3375,7 @@ def crossentropy_forward_backward(logits, targets, V, dloss, block_v=CE_BLOCK_V,
 
 
 def _tensor_table(pointer_lists, floats=(), chunk=MT_CHUNK):
-    """(table (n_tensors, 2 + pointer lists + floats) int64 on the device, chunks, aligned): the first list sets
-    the element counts; None gives a null pointer; floats are stored as float64 bits; chunk: elements a program."""
+    """(the table above on the device, chunks, aligned): the first list sets the sizes; None is a null pointer."""
     lead = pointer_lists[0]
     rows, first, aligned = [], 0, True
     for i, t in enumerate(lead):
@@ -3470,8 +3446,7 @@ def global_norm(grads, chunk=MT_CHUNK, block=MT_BLOCK):
     _global_norm_partial_kernel[(chunks,)](table, len(grads), partial, ALIGNED=aligned, CHUNK=chunk,
                                            BLOCK=block, BLOCK_T=triton.next_power_of_2(len(grads)),
                                            STAGES=NORM_STAGES, num_warps=MT_WARPS)
-    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK,
-                                     num_warps=NORM_FINISH_WARPS)
+    _global_norm_finish_kernel[(1,)](partial, chunks, out, BLOCK=NORM_FINISH_BLOCK, num_warps=NORM_FINISH_WARPS)
     return out
 
 
@@ -3519,14 +3494,11 @@ def _adamw_kernel(table_ptr, n_tensors, lr, beta1, beta2, eps, bias1, bias2, gra
 
 def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale,
                  chunk=MT_CHUNK, block=MT_BLOCK):
-    """One AdamW step (llm.c's, as torch_adamw_update) over lists of fp32 params, grads (scaled by grad_scale),
-    m, v; `copies` (bf16, or None) get the params rounded. chunk and block as in global_norm."""
-    _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,),
-                   params * 4)
+    """torch_adamw_update's step (llm.c's) in one launch; `copies` (bf16, or None) get the params rounded."""
+    _check_tensors("adamw_update params/grads/m/v", [*params, *grads, *ms, *vs], (torch.float32,), params * 4)
     if copies is not None:
         _check_tensors("adamw_update copies", copies, (torch.bfloat16,), params)
-    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays],
-                                           chunk=chunk)
+    table, chunks, aligned = _tensor_table([params, grads, ms, vs, copies], floats=[weight_decays], chunk=chunk)
     _adamw_kernel[(chunks,)](table, len(params), lr, beta1, beta2, eps, 1.0 - beta1 ** step, 1.0 - beta2 ** step,
                              grad_scale, HAS_COPY=copies is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=block,
                              BLOCK_T=triton.next_power_of_2(len(params)), num_warps=MT_WARPS)
@@ -3535,13 +3507,9 @@ def adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_de
 # -----------------------------------------------------------------------------
 # Triton kernels: matmul with fused epilogues, and dW
 #
-# Kernels spell constants out (log2(e), ln(2), sqrt(2/pi)): compiled Triton reads no Python global. Every
-# tl.dot says input_precision="ieee": fp32 stays true fp32 (no TF32); 16-bit operands use the tensor cores.
-# A fixed config gives the same bits every run; on a GPU the autotuner's timed choice may differ between
-# processes (dW's SPLIT_K, attention's streamed block), so a resumed run matches to rounding. The
-# interpreter has one config per shape: there the bits repeat. H100: a 128x256 tile is the largest whose fp32
-# accumulator fits 8 warps' registers; 128x128 with 3 stages leaves room for two programs an SM, one's
-# epilogue under the other's main loop (bench/NOTES.md).
+# Constants are spelled out (compiled Triton reads no Python global); every tl.dot says input_precision="ieee"
+# (fp32 stays fp32, no TF32). On a GPU the autotuner's timed choice may differ between processes (dW's SPLIT_K,
+# attention's streamed block): a resumed run matches to rounding. The H100's tiles: bench/NOTES.md.
 
 
 @triton.jit
@@ -3566,8 +3534,7 @@ INTERPRETER_WIDE = 128  # the interpreter's dimensions of at least this size tak
 
 
 def _matmul_configs(kernel, interpret=INTERPRET):
-    """Kernel "mm"'s (forward and dX) or "dw"'s configs: the H100's (dW split 1..8 ways, mm also on the TMA
-    path; BLOCK_K 64 for 16-bit inputs, 32 for fp32), or the interpreter's blocks of 32 to 512 a side."""
+    """Kernel "mm"'s (forward, dX) or "dw"'s configs: the H100's (dW split 1..8 ways, mm's TMA too) or interpreter's."""
     if interpret:
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 4,
                                **({"SPLIT_K": s} if kernel == "dw" else {"TMA": tma, "PER_SM": 1})},
@@ -3593,8 +3560,7 @@ def _matmul_configs(kernel, interpret=INTERPRET):
 
 
 def _tma_block_shapes(nargs):
-    """Every mm config's pre-hook: sets the descriptors' block shapes (built before the autotuner picks) to the
-    config's tiles; the pointer path needs it too (its launch encodes them, and the driver refuses [1, 1])."""
+    """Every mm config's pre-hook, the pointer path's too: the descriptors' block shapes (were [1, 1]) to its tiles."""
     if nargs["a_desc"] is None:
         return
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
@@ -3612,14 +3578,12 @@ def _prune_matmul_configs(configs, named_args, **kwargs):
 
 
 def _interpreter_config(configs, named_args, **kwargs):
-    """The interpreter's one config for a shape (run untimed): a dimension of INTERPRETER_WIDE or more in one
-    block (up to 512, 256 along K), smaller ones in blocks of 32 (the tests still run several tiles)."""
+    """The interpreter's one config: a dimension of INTERPRETER_WIDE or more in one block (<= 512), smaller in 32s."""
     dims = {"BLOCK_M": named_args["M"], "BLOCK_N": named_args["N"], "BLOCK_K": named_args["K"]}
     want = {k: min(INTERPRETER_BLOCKS[-2 if k == "BLOCK_K" else -1], triton.next_power_of_2(d))
             if d >= INTERPRETER_WIDE else 32 for k, d in dims.items()}
     tma = bool(named_args.get("tma_ok"))  # the matmul's descriptor path wherever it can run
-    return [c for c in configs
-            if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
+    return [c for c in configs if all(c.kwargs[k] == v for k, v in want.items()) and c.kwargs.get("TMA", False) == tma]
 
 
 DW_WORKSPACE_BYTES = 64 << 20  # split-K partial sums: at most 64 MiB (qkv's 7 splits at B*T = 16k take 50)
@@ -3633,8 +3597,7 @@ def _dw_workspace(M, N, cfg):
 
 
 def _dw_cost(M, N, K, sms, cfg):
-    """Modelled time of dW under one config in 128x256x64 main-loop steps (waves of programs times a chunk's
-    steps, plus the split partial sums' round trip): it ranks split counts, the autotuner measures."""
+    """dW's modelled time under cfg in 128x256x64 steps (waves x a chunk's steps + the split sums' round trip)."""
     bm, bn, bk, split = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     steps = triton.cdiv(triton.cdiv(K, split), bk)
@@ -3673,12 +3636,10 @@ DW_PRUNE = {"early_config_prune": _interpreter_dw_config if INTERPRET else _prun
 
 @triton.jit
 def _gelu_tanh(x, FAST_TANH: tl.constexpr):
-    """tanh-GELU of fp32 x. FAST_TANH (GPU, 16-bit output): the SFU's tanh.approx (error ~2^-11, under a bf16
-    rounding); else exact to fp32 as x sigmoid(2u), no NaN at either tail."""
+    """tanh-GELU of fp32 x: FAST_TANH the SFU's tanh.approx (error ~2^-11, under bf16's), else x sigmoid(2u)."""
     u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
     if FAST_TANH:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
-                                      pack=1)
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
         y = 0.5 * x * (1.0 + t)
     else:
         y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
@@ -3745,8 +3706,7 @@ def _matmul_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, str
 def _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """matmul_kernel's descriptor path (Hopper's TMA; b_desc holds w (N,K) when B_TRANS), persistent: each
-    program walks the tiles num_programs apart, loading the next tile's K blocks during this one's epilogue."""
+    """matmul_kernel's TMA path (b_desc: w (N,K) when B_TRANS), persistent: a program walks tiles num_programs apart."""
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     k_steps = (K + BLOCK_K - 1) // BLOCK_K
@@ -3778,8 +3738,7 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
                   SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, FAST_TANH: tl.constexpr,
                   B_TRANS: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr, EVEN_K: tl.constexpr):
-    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias (N)] [then activation ACT, pre (M,N) kept], on the pointer
-    path or the TMA path (where tma_ok), timed against each other as configs; a batch on grid axis 1."""
+    """c (M,N) = act(a (M,K) @ b (K,N) [x scale] [+ bias]), pre kept; TMA or pointer path by config; batch: axis 1."""
     if TMA:
         _matmul_tma_tiles(a_desc, b_desc, c_desc, pre_desc, bias_ptr, M, N, K, B_TRANS, HAS_BIAS, ACT,
                           FAST_TANH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
@@ -3794,8 +3753,7 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, a_desc, b_desc, c_desc
 def _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk, stride_bn,
                 WITH_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr):
-    """One program's share of dW: acc (BM,BN) = a[rows, k_lo:k_hi] @ b[k_lo:k_hi, cols] in fp32, and with
-    WITH_DB the row sums of a (BM,) by the tensor cores as a @ e0 (e0 (BK,16): ones in column 0)."""
+    """acc (BM,BN) = a[rows, k_lo:k_hi] @ b[k_lo:k_hi, cols] in fp32; WITH_DB: a's row sums (BM,) as a @ e0."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) output features
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) input features
     offs_k = k_lo + tl.arange(0, BLOCK_K)  # (BK,) rows of dy and x
@@ -3847,13 +3805,11 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
                      stride_am, stride_ak, stride_bk, stride_bn, SPLIT_K, scale, SCALED: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """dw (M,N) += dy.T (M,K) @ x (K,N) [x scale], db (M) += dy's column sums. Split-K: a tile's programs sum
-    chunks of rows into ws; the last to arrive (an atomic counter) adds them into dw in chunk order."""
+    """dw (M,N) += dy.T (M,K) @ x (K,N) [x scale], db (M) += dy's column sums; split-K's last arrival sums in order."""
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: only K's edge
-    # is ever masked
+    chunk = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # whole K blocks: K's edge masked
     k_lo = split * chunk
     k_hi = tl.minimum(k_lo + chunk, K)
     if HAS_BIAS:
@@ -3867,8 +3823,7 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
         acc, db = _dw_partial(a_ptr, b_ptr, M, N, K, k_lo, k_hi, pid_m, pid_n, stride_am, stride_ak, stride_bk,
                               stride_bn, False, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     if SPLIT_K == 1:
-        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
-                           BLOCK_N)
+        _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
         # whole (BM, BN) partial tiles, contiguous: unmasked full-width stores and loads
         part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (BM, BN)
@@ -3886,8 +3841,7 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
                 acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")
                 if HAS_BIAS:
                     db += tl.load(ws_db_tile + s * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
-            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M,
-                           BLOCK_N)
+            _dw_accumulate(dw_ptr, db_ptr, acc, db, M, N, pid_m, pid_n, scale, SCALED, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def _tma_ready(*tensors):
@@ -3900,8 +3854,7 @@ def _tma_ready(*tensors):
 
 
 def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
-    """c (M,N) = a (M,K) @ b (K,N) [x scale] [+ bias] [activation "gelu" or "relu2"] in out_dtype (default
-    a's): (c, pre or None). Or a batch a (n,M,K) @ b (n,K,N), no bias or activation."""
+    """(c (M,N) = act(a (M,K) @ b (K,N) [x scale] [+ bias]) in out_dtype, pre or None), or a batch (n,M,K) @ (n,K,N)."""
     M, K = a.shape[-2:]
     N = b.shape[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
@@ -3930,8 +3883,7 @@ def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
 
 @functools.lru_cache(maxsize=None)
 def _dw_workspace_sizes(M, N, K, dtype, device):
-    """Elements of the split-K buffers (partial dw, partial db, tile counters) for whichever config the
-    autotuner keeps at this shape; () when none splits. Cached: pruning costs ~0.5 ms of Python a call."""
+    """Elements of the split-K buffers (dw, db, counters) for any config kept at this shape; () if none splits."""
     configs = matmul_dw_kernel.configs
     if len(configs) > 1:
         configs = DW_PRUNE["early_config_prune"](
@@ -3987,20 +3939,16 @@ def matmul_backward(dy, x, w, dw, db):
 # (B,T,H,D) tensors). Softmax in base 2, qk_scale = scale * log2(e); lse saved in natural log.
 
 def _attention_configs(kernel, interpret=INTERPRET):
-    """(BLOCK_M queries, BLOCK_N keys, warps) for kernel "fwd", "dkdv" or "dq": 16-bit 3-stage (tensor cores),
-    fp32 2-stage smaller tiles; the owned block a multiple of the streamed one."""
+    """(BLOCK_M queries, BLOCK_N keys) of kernel "fwd", "dkdv" or "dq": 3 stages for 16-bit inputs, 2 for fp32."""
     if interpret:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv"
-                              else {"BLOCK_M": 32, "BLOCK_N": 16})]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32} if kernel == "dkdv" else {"BLOCK_M": 32, "BLOCK_N": 16})]
     sizes16 = {"fwd": [(128, 64, 4), (128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)],
                "dkdv": [(64, 128, 8), (32, 128, 8), (64, 64, 4), (32, 64, 4)],
                "dq": [(128, 64, 8), (128, 128, 8), (128, 32, 4), (64, 64, 4), (64, 32, 4)]}[kernel]
     sizes32 = {"fwd": [(64, 32, 8), (32, 32, 4), (64, 16, 4)], "dkdv": [(16, 32, 4)],
                "dq": [(64, 32, 8), (32, 32, 4), (64, 16, 4)]}[kernel]
-    return ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=3, num_warps=w)
-             for bm, bn, w in sizes16]
-            + [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=2, num_warps=w)
-               for bm, bn, w in sizes32])
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=stages, num_warps=w)
+            for stages, sizes in ((3, sizes16), (2, sizes32)) for bm, bn, w in sizes]
 
 
 def _prune_attention_configs(configs, named_args, **kwargs):
@@ -4013,8 +3961,7 @@ ATTENTION_PRUNE = {"early_config_prune": _prune_attention_configs}
 
 
 @triton.jit
-def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               CHECK_T: tl.constexpr):
+def _load_rows(base, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_T: tl.constexpr):
     """Rows offs_t of one head (len(offs_t), BLOCK_D); rows >= T (when CHECK_T) and padded columns read 0."""
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     ptrs = base + offs_t[:, None] * stride_t + offs_d[None, :]  # (R, BD)
@@ -4037,8 +3984,7 @@ def _store_rows(base, x, offs_t, stride_t, T, D: tl.constexpr, BLOCK_D: tl.const
 @triton.jit
 def _attn_fwd_keys(acc, l_i, m_i, q, k_base, v_base, offs_m, lo, hi, T, stride_t, qk_scale, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi), rescaling acc (BM,BD), l_i and m_i (BM,) as the max grows;
-    DIAGONAL blocks mask keys after the query and check rows against T."""
+    """Online softmax over key blocks [lo, hi) into acc (BM,BD), l_i, m_i (BM,); DIAGONAL masks later keys and T."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,) key positions
         k = _load_rows(k_base, offs_n, stride_t, T, D, BLOCK_D, DIAGONAL)  # (BN, BD)
@@ -4104,8 +4050,7 @@ def attn_bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, stride_out_b, stri
 def _attn_bwd_queries(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, offs_n, lo, hi, T, stride_t,
                       stride_do_t, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr):
-    """dK, dV of one key block over the query blocks [lo, hi), transposed (keys x queries) so the sums over
-    queries are dots. Queries past T read 0 and add exactly 0."""
+    """dK, dV of one key block over query blocks [lo, hi), transposed (keys x queries): the sums are dots."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,) query positions
         q = _load_rows(q_base, offs_m, stride_t, T, D, BLOCK_D, True)  # (BM, BD)
@@ -4254,8 +4199,8 @@ def attention_backward(dout, qkv, out, lse, n_head):
 # -----------------------------------------------------------------------------
 # Triton kernels: the training step's own
 
-# With these, torch only allocates and makes views in backend triton's step (the gradients are views of one
-# flat fp32 buffer: one launch zeroes or clips them all). The interpreter takes wide blocks.
+# With these, torch only allocates and makes views in backend triton's step (one launch zeroes or clips the
+# flat gradient buffer).
 STEP_BLOCK = 1 << 16 if INTERPRET else 4096
 STEP_WARPS = 8
 SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
@@ -4311,8 +4256,7 @@ def _flat_check(name, *tensors):
 def zero_fill(x):
     """x (any shape, contiguous) = 0."""
     _flat_check("zero_fill", x)
-    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK,
-                                                             num_warps=STEP_WARPS)
+    _zero_fill_kernel[(triton.cdiv(x.numel(), STEP_BLOCK),)](x, x.numel(), BLOCK=STEP_BLOCK, num_warps=STEP_WARPS)
 
 
 def clip_by_norm(g, norm, max_norm):
@@ -4333,8 +4277,7 @@ def copy_into(dst, src):
     _flat_check("copy_into", dst, src)
     if dst.numel() != src.numel():
         raise ValueError(f"copy_into: {src.numel()} elements into {dst.numel()}")
-    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK,
-                                                          num_warps=STEP_WARPS)
+    _copy_kernel[(triton.cdiv(src.numel(), STEP_BLOCK),)](src, dst, src.numel(), BLOCK=STEP_BLOCK, num_warps=STEP_WARPS)
 
 
 # -----------------------------------------------------------------------------
@@ -4342,7 +4285,8 @@ def copy_into(dst, src):
 
 TRITON_OPS = op_table("triton", dict(
     encoder_forward=encoder_forward, encoder_backward=encoder_backward,
-    layernorm_forward=layernorm_forward, residual_layernorm_forward=_layernorm_forward,  # (x + h, y, mean, rstd)
+    layernorm_forward=lambda x, w, b: _layernorm_forward(x, None, w, b)[1:],  # (y, mean, rstd)
+    residual_layernorm_forward=_layernorm_forward,  # (x + h, y, mean, rstd)
     layernorm_backward=layernorm_backward,
     matmul_forward=matmul_forward, matmul_gelu_forward=matmul_gelu_forward, matmul_backward=matmul_backward,
     gelu_forward=functools.partial(_activation_forward, activation="gelu"),
@@ -4357,9 +4301,8 @@ TRITON_OPS = op_table("triton", dict(
 # -----------------------------------------------------------------------------
 # Self-test (--test)
 #
-# Each op on random inputs of several shapes, then the whole model's loss, logits and gradients over two
-# micro-batches, against a reference (autograd for backend torch, backend torch for backend triton) run in
-# fp64 on the very values the tested run sees (its inputs rounded to the dtype under test first).
+# Each op at several shapes, then the whole model's loss, logits and gradients, against a reference run in fp64
+# on the tested values (autograd for backend torch, backend torch for backend triton).
 
 # (B, T, C, H); the interpreter is slow: there a smaller batch, and T past its 32-row blocks twice, not 4 times
 TEST_SHAPES = ([(1, 1, 8, 1), (2, 7, 12, 3), (2, 33, 40, 5), (1, 67, 64, 1)] if INTERPRET else
@@ -4397,10 +4340,6 @@ def autograd_layernorm_forward(x, w, b):
     return y, mean[:, 0], rstd[:, 0]
 
 
-def autograd_residual_layernorm_forward(res, h, w, b):
-    x = res + h  # (N, C)
-    return (x, *autograd_layernorm_forward(x, w, b))
-
 
 def autograd_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     dx, gw, gb = _vjp(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS), (x, w, torch.zeros_like(w)), dy)
@@ -4423,9 +4362,6 @@ def autograd_matmul_backward(dy, x, w, dw, db):
     return grads[0]
 
 
-def autograd_gelu_backward(dy, pre):
-    return _vjp(lambda pre: F.gelu(pre, approximate="tanh"), (pre,), dy)[0]
-
 
 def autograd_attention_forward(qkv, n_head):
     B, T, C3 = qkv.shape
@@ -4436,6 +4372,7 @@ def autograd_attention_forward(qkv, n_head):
     causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
     lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), -1)  # (B, H, T)
     return out.transpose(1, 2).reshape(B, T, C), lse
+
 
 
 def autograd_attention_backward(dout, qkv, out, lse, n_head):
@@ -4450,8 +4387,7 @@ def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
     return losses.detach()
 
 
-def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step,
-                          grad_scale):
+def autograd_adamw_update(params, grads, ms, vs, copies, lr, beta1, beta2, eps, weight_decays, step, grad_scale):
     """torch.optim.AdamW with its state set to the given moments and step (the same update in another form)."""
     opt = torch.optim.AdamW([{"params": [p], "weight_decay": wd} for p, wd in zip(params, weight_decays)],
                             lr=lr, betas=(beta1, beta2), eps=eps, foreach=False)
@@ -4475,11 +4411,12 @@ def autograd_clip_by_norm(g, norm, max_norm):
 AUTOGRAD_OPS = op_table("autograd", dict(
     encoder_forward=autograd_encoder_forward, encoder_backward=autograd_encoder_backward,
     layernorm_forward=autograd_layernorm_forward,
-    residual_layernorm_forward=autograd_residual_layernorm_forward,
+    residual_layernorm_forward=lambda res, h, w, b: (res + h, *autograd_layernorm_forward(res + h, w, b)),
     layernorm_backward=autograd_layernorm_backward,
     matmul_forward=F.linear, matmul_gelu_forward=autograd_matmul_gelu_forward,
     matmul_backward=autograd_matmul_backward,
-    gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"), gelu_backward=autograd_gelu_backward,
+    gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"),
+    gelu_backward=lambda dy, pre: _vjp(lambda x: F.gelu(x, approximate="tanh"), (pre,), dy)[0],
     attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
     crossentropy_forward_backward=autograd_crossentropy_forward_backward,
     global_norm=lambda grads: torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])),
@@ -4491,8 +4428,7 @@ AUTOGRAD_OPS = op_table("autograd", dict(
 
 
 def op_inputs(dt, rdt, device):
-    """Random test tensors in dt, each first rounded to rdt (the dtype under test): an fp64 reference run
-    draws exactly the values the tested run (dt = rdt) draws."""
+    """Random test tensors in dt, first rounded to rdt (the tested dtype): an fp64 reference sees the same values."""
     gen = torch.Generator().manual_seed(TEST_SEED)
 
     def rand(*shape, scale=1.0, shift=0.0, acc=False, positive=False):
@@ -4548,10 +4484,10 @@ def case_matmul_gelu(ops, r, B, T, C, H):
     return dict(y=y, pre=pre, dpre=dpre, dx=dx, dw=dw, db=db)
 
 
-def case_gelu(ops, r, B, T, C, H):
+def case_activation(ops, r, B, T, C, H, act="gelu"):
     pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
-    y = ops.gelu_forward(pre)  # (N, 4C)
-    return dict(y=y, dpre=ops.gelu_backward(r.rand(B * T, 4 * C), pre))
+    y = getattr(ops, f"{act}_forward")(pre)  # (N, 4C)
+    return dict(y=y, dpre=getattr(ops, f"{act}_backward")(r.rand(B * T, 4 * C), pre))
 
 
 def case_attention(ops, r, B, T, C, H):
@@ -4582,13 +4518,9 @@ def case_adamw(ops, r, B, T, C, H):
     copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
     for step, grad_scale in ((1, 1.0), (2, 0.37), (7, 1.0)):
         grads = [r.rand(*s, acc=True) for s in shapes]
-        ops.adamw_update(params, grads, ms, vs, copies, 0.01, BETA1, BETA2, EPS, [0.1, 0.0, 0.1], step,
-                         grad_scale)
-    out = {}
-    for i in range(len(shapes)):
-        out.update({f"p{i}": params[i], f"m{i}": ms[i], f"v{i}": vs[i],
-                    f"copy{i}": params[i] if copies is None else copies[i]})
-    return out
+        ops.adamw_update(params, grads, ms, vs, copies, 0.01, BETA1, BETA2, EPS, [0.1, 0.0, 0.1], step, grad_scale)
+    kept = (("p", params), ("m", ms), ("v", vs), ("copy", copies or params))
+    return {f"{k}{i}": ts[i] for i in range(len(shapes)) for k, ts in kept}
 
 
 def case_step_ops(ops, r, B, T, C, H):
@@ -4609,7 +4541,7 @@ def case_step_ops(ops, r, B, T, C, H):
 OP_CASES = [("encoder fwd+bwd", case_encoder), ("layernorm fwd+bwd", case_layernorm),
             ("residual+layernorm fwd+bwd", functools.partial(case_layernorm, residual=True)),
             ("matmul fwd+bwd", case_matmul), ("matmul no bias fwd+bwd", functools.partial(case_matmul, bias=False)),
-            ("matmul+gelu fwd+bwd", case_matmul_gelu), ("gelu fwd+bwd", case_gelu),
+            ("matmul+gelu fwd+bwd", case_matmul_gelu), ("gelu fwd+bwd", case_activation),
             ("attention fwd+bwd", case_attention),
             ("crossentropy fwd+bwd", case_crossentropy), ("global_norm", case_global_norm),
             ("adamw_update x3", case_adamw), ("step ops: zero, clip, sum, copy", case_step_ops)]
@@ -4624,16 +4556,14 @@ def self_test_model_data(r, cfg):
         elif name.endswith((".b", ".bias")):
             w[name] = r.rand(*shape, scale=0.1)
         else:
-            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe", "embed.weight") else
-                             shape[-1] ** -0.5)
+            w[name] = r.rand(*shape, scale=0.5 if name in ("wte", "wpe", "embed.weight") else shape[-1] ** -0.5)
     batches = [(r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len),
                 r.randint(cfg.vocab_size, cfg.batch_size, cfg.seq_len)) for _ in range(2)]
     return w, batches
 
 
 def case_model(backend, r, cfg):
-    """The first micro-batch's logits, the mean loss and all gradients over both, through the trainer's model
-    on `backend` (the lm head in chunks of 5 rows: chunks end inside a sequence)."""
+    """Micro-batch 1's logits, the mean loss and gradients over both on `backend` (the head in chunks of 5 rows)."""
     ops = backend_ops(backend, cfg.recipe)
     w, batches = self_test_model_data(r, cfg)
     grads = {k: torch.zeros(t.shape, dtype=_acc(r.dt), device=r.device) for k, t in w.items()}
@@ -4665,16 +4595,14 @@ def reference_logits(p, x, cfg):
 def reference_case_model(r, cfg):
     """What case_model computes, by autograd through reference_logits."""
     w, batches = self_test_model_data(r, cfg)
-    names = list(w)
-    leaves = [_leaf(w[k]) for k in names]
-    p = dict(zip(names, leaves))
+    p = {k: _leaf(t) for k, t in w.items()}
     with torch.enable_grad():
         losses = [F.cross_entropy(reference_logits(p, x, cfg)[..., :cfg.vocab_size].reshape(x.numel(), -1),
                                   y.reshape(-1)) for x, y in batches]
         loss = sum(losses) / len(losses)
-    grads = torch.autograd.grad(loss, leaves)
+    grads = torch.autograd.grad(loss, list(p.values()))
     logits = reference_logits(w, batches[0][0], cfg).reshape(batches[0][0].numel(), -1)  # (N, Vp)
-    return dict(logits=logits, loss=loss.detach(), **{f"grad {k}": g for k, g in zip(names, grads)})
+    return dict(logits=logits, loss=loss.detach(), **{f"grad {k}": g for k, g in zip(p, grads)})
 
 
 def compare(got, want):
@@ -4704,8 +4632,7 @@ def first_configs(active=True):
 
 
 def run_self_test(cfg):
-    """--test: a table row by row as the checks run; exits non-zero if any fails. TF32 is off meanwhile (fp32
-    references must be fp32), the caller's settings restored after."""
+    """--test: a row per check as it runs; exits non-zero if any fails. TF32 off meanwhile (fp32 means fp32)."""
     tools = recipe_tools(cfg.recipe)
     if cfg.backend == "torch" and tools.autograd_test:
         die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
@@ -4725,8 +4652,7 @@ def run_self_test(cfg):
           f"on {device}"
           + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
     names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
-    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  "
-          f"worst")
+    print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  worst")
 
     def report(name, dt, results):  # a row as soon as it is known: a run cut short keeps what it checked
         abs_err = max(r[0] for r in results)
@@ -4774,19 +4700,16 @@ def _nbytes(*tensors):
 
 
 def op_work(name, args, kwargs, out):
-    """(flops, bytes) that one call of op `name` cannot do without: the matmuls' and the causal attention's
-    flops, else the bytes read and written; a recipe's own ops: its RecipeTools.op_work."""
+    """(flops, bytes) one call of op `name` cannot do without: the products' flops, else bytes read and written."""
     for recipe in RECIPES:
         work = recipe_tools(recipe).op_work(name, args, kwargs, out)
         if work is not None:
             return work
     outs = out if isinstance(out, tuple) else (out,)
-    if name in ("matmul_forward", "matmul_gelu_forward"):
-        x, w = args[0], args[1]
-        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
-    if name == "matmul_backward":
-        dy, x = args[0], args[1]
-        return 4 * x.shape[0] * x.shape[1] * dy.shape[1], 0
+    if name in ("matmul_forward", "matmul_gelu_forward"):  # x (N, K), w (M, K)
+        return 2 * args[0].numel() * args[1].shape[0], 0
+    if name == "matmul_backward":  # dy (N, M), x (N, K)
+        return 4 * args[1].numel() * args[0].shape[1], 0
     if name in ("attention_forward", "attention_backward"):
         B, T, C3 = args[0 if name == "attention_forward" else 1].shape
         return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
@@ -4829,8 +4752,7 @@ def _elapsed_ms(t0, t1):
 
 
 def timed_ops(ops, device, calls, active=None):
-    """ops, each call timed, labelled in the profiler's trace and appended to `calls` as [name, start, end,
-    flops, bytes]; while it runs, `active` (a list) ends with (name, its index in calls)."""
+    """ops, each call traced and kept in `calls` as [name, start, end, flops, bytes], on `active` as it runs."""
     def wrap(name, fn):
         def call(*args, **kwargs):
             record = [name, None, None, 0, 0]
@@ -4850,8 +4772,7 @@ def timed_ops(ops, device, calls, active=None):
 
 
 def kernel_work(name, a):
-    """(flops, bytes) of one kernel launch with bound arguments `a`: our tl.dot kernels' FLOPs, else every
-    distinct tensor passed, once (the embedding backward: the dwte rows it updates)."""
+    """(flops, bytes) of one launch with arguments `a`: the products' flops, else each distinct tensor's bytes."""
     if name in ("matmul_kernel", "matmul_dw_kernel"):
         batch = a["a_ptr"].shape[0] if a["a_ptr"].dim() == 3 else 1  # Newton-Schulz's batched products
         return 2 * a["M"] * a["N"] * a["K"] * batch, 0
@@ -4869,14 +4790,12 @@ def kernel_work(name, a):
 
 def launched_kernels():
     """{name: kernel} of every Triton jit, autotune or heuristics object of this file, jit helpers included."""
-    return {name: k for name, k in globals().items()
-            if isinstance(k, triton.runtime.KernelInterface)}
+    return {name: k for name, k in globals().items() if isinstance(k, triton.runtime.KernelInterface)}
 
 
 @contextlib.contextmanager
 def timed_kernels(device, launches, active):
-    """Inside, every launch of our kernels is timed and labelled `kernel <name>` in the trace, appended to
-    `launches` as [op index (the innermost op running, see timed_ops, or None), kernel, start, end, flops, bytes]."""
+    """Inside, our launches are traced (`kernel NAME`), kept as [innermost op's index, name, start, end, work]."""
     kernels = launched_kernels()
 
     def wrap(name, kernel, run):
@@ -4908,8 +4827,7 @@ HOST_READ_OPS = {"aten::item", "aten::_local_scalar_dense"}
 
 
 def kept_bytes(w, x, cfg, ops):
-    """{op name: bytes} that one micro-batch's forward keeps for its backward, traced to the op that made each
-    saved tensor by its storage address."""
+    """{op name: bytes} that one micro-batch's forward keeps for its backward, by the op that made each tensor."""
     maker = {}
 
     def wrap(name, fn):
@@ -4936,12 +4854,10 @@ def _rate(flops, nbytes, ms):
 
 
 def start_profile(ops, device):
-    """--profile, before its first step: torch.profiler records, and every op and kernel launch is timed and
-    labelled; the profiled steps run the returned profile's "ops"; finish_profile ends it."""
+    """--profile's start: torch.profiler records, ops and launches are timed; the steps run the returned "ops"."""
     calls, launches, active = [], [], []
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    kinds = torch.profiler.ProfilerActivity
+    activities = [kinds.CPU, kinds.CUDA] if device.type == "cuda" else [kinds.CPU]
     recording = contextlib.ExitStack()  # open across the profiled steps, closed by finish_profile
     prof = recording.enter_context(torch.profiler.profile(activities=activities))
     recording.enter_context(timed_kernels(device, launches, active))
@@ -4951,8 +4867,7 @@ def start_profile(ops, device):
 
 @torch.no_grad()
 def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank, master):
-    """--profile, after its last step: writes this process's Chrome trace to OUT_DIR/profile; rank 0 prints the
-    per-op and per-kernel tables, the other torch ops and GPU work, what the forward keeps, the peak memory."""
+    """--profile's end: this process's Chrome trace into OUT_DIR/profile; rank 0 prints the tables."""
     profile["recording"].close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -4996,8 +4911,7 @@ def finish_profile(profile, steps, steps_ms, weights, x, cfg, ops, device, rank,
         print(f"\nper kernel, under the op that launched it ({len(launches)} launches):")
         print(f"{'op / kernel':<62} {'calls':>5} {'ms':>9} {'% steps':>7} {'TFLOP/s':>8} {'GB/s':>8}")
         for (op, name), (n, ms, flops, nbytes) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-            print(f"{op + ' / ' + name:<62} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} "
-                  f"{_rate(flops, nbytes, ms)}")
+            print(f"{op + ' / ' + name:<62} {n:5d} {ms:9.3f} {100 * ms / step_ms:7.1f} {_rate(flops, nbytes, ms)}")
         in_kernels = sum(row[1] for row in kernels.values())
         print(f"{'(outside the kernels: launches, Python, allocation)':<62} {'':>5} {step_ms - in_kernels:9.3f} "
               f"{100 * (1 - in_kernels / step_ms):7.1f}")
@@ -5050,24 +4964,19 @@ def time_ms(fn, device):
 
 
 def op_case(ops, torch_ops, name, shape, args, torch_label, theirs=None):
-    """A --bench-ops case: (name, shape, op `name` of ops called on args, torch_label, theirs (by default
-    torch_ops' op `name` on args), args)."""
+    """A --bench-ops case: (name, shape, ours, torch_label, theirs (by default torch_ops' op), args)."""
     theirs = theirs or (lambda: getattr(torch_ops, name)(*args))
     return name, shape, lambda: getattr(ops, name)(*args), torch_label, theirs, args
 
 
 def bench_cases(cfg, ops, device):
-    """[(op name, shape, our call, the PyTorch op it replaces, its call, args for op_work)] at the model's
-    shapes (HEAD_ROWS rows for the lm head and the loss, as the step runs them)."""
+    """op_case rows at the model's shapes (HEAD_ROWS rows for the lm head and the loss, as the step runs them)."""
     dt = compute_dtype(cfg)
-    B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size,
-                         cfg.padded_vocab_size)
+    B, T, C, H, V, Vp = (cfg.batch_size, cfg.seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.padded_vocab_size)
     N, R = B * T, min(B * T, HEAD_ROWS)
     op = functools.partial(op_case, ops, TORCH_OPS)
 
-    def rand(*shape, dtype=dt):
-        return torch.randn(shape, device=device, dtype=dtype)
-
+    rand = functools.partial(torch.randn, device=device, dtype=dt)  # rand(*shape, dtype=dt)
     idx = torch.randint(V, (B, T), device=device)  # (B, T)
     wte, wpe = rand(Vp, C), rand(T, C)  # (Vp, C), (T, C)
     dwte, dwpe = rand(Vp, C, dtype=torch.float32), rand(T, C, dtype=torch.float32)  # (Vp, C), (T, C)
@@ -5158,18 +5067,13 @@ def bench_cases(cfg, ops, device):
 COPY_BYTES = 1 << 30  # the copy that measures memory bandwidth: 1 GiB, far beyond any cache
 
 
-def copy_bandwidth_gbs(device):
-    """The device memory's bandwidth as a COPY_BYTES copy achieves it (bytes read + written per second)."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)  # (COPY_BYTES,)
-    dst = torch.empty_like(src)  # (COPY_BYTES,)
-    return 2 * src.numel() / time_ms(lambda: dst.copy_(src), device) / 1e6
-
-
 @torch.no_grad()
 def bench_ops(cfg, ops, device):
-    """--bench-ops: each op against the PyTorch op it replaces, at the model's shapes: ms, TFLOP/s or GB/s (also
-    as a share of the copy bandwidth, a memory-bound op's ceiling) and the speed-up."""
-    copy_gbs = copy_bandwidth_gbs(device)
+    """--bench-ops: each op against the PyTorch op it replaces: ms, TFLOP/s or GB/s (% of a copy's) and speed-up."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)  # (COPY_BYTES,)
+    dst = torch.empty_like(src)  # (COPY_BYTES,)
+    copy_gbs = 2 * src.numel() / time_ms(functools.partial(dst.copy_, src), device) / 1e6  # bytes read + written
+    del src, dst
     print(f"--bench-ops: backend {cfg.backend}, {cfg.dtype}, B {cfg.batch_size} T {cfg.seq_len} "
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
     print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
@@ -5178,8 +5082,7 @@ def bench_ops(cfg, ops, device):
     for name, shape, ours, torch_label, theirs, args in cases:
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
-            B, T, C = cfg.batch_size, cfg.seq_len, cfg.n_embd
-            flops, nbytes = 7 * B * T * T * C, 0
+            flops, nbytes = 7 * cfg.batch_size * cfg.seq_len ** 2 * cfg.n_embd, 0
         else:
             flops, nbytes = op_work(name, args, {}, ours())
 
@@ -5193,8 +5096,7 @@ def bench_ops(cfg, ops, device):
 # -----------------------------------------------------------------------------
 # The tools of each recipe
 #
-# What the tools ask of a recipe beside its RECIPES row: gpt2's row here; a recipe's own kernels file adds its
-# row (TOOLS["speedrun"] = ...), so that deleting the speedrun recipe's parts leaves gpt2's tools working.
+# What the tools ask of a recipe beside its RECIPES row: gpt2's row here, the speedrun's in its own section.
 
 @dataclass(frozen=True)
 class RecipeTools:
@@ -5223,8 +5125,7 @@ def recipe_tools(recipe):
 # -----------------------------------------------------------------------------
 # Triton kernels: speedrun
 #
-# First the ops that triton_kernels.py's kernels serve through a flag (the embedding without positions,
-# RMSNorm, ReLU^2, the soft-capped cross-entropy, attention with its own scale over separate q, k, v).
+# First the ops the kernels above serve through a flag (RMSNorm, ReLU^2, the soft cap, separate q, k, v).
 
 def rmsnorm_forward(x, w, eps):
     """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
@@ -5238,19 +5139,9 @@ def residual_rmsnorm_forward(res, h, w, eps):
     return x, y, rstd
 
 
-def rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
-    """dy, x (N,C) dt; w (C); rstd (N) fp32; dw (C) fp32 +=; dres (N,C) or None -> dx (N,C) dt, dres included."""
-    return layernorm_backward(dy, x, w, None, rstd, dw, None, dres)
-
-
-def matmul_relu2_forward(x, w, b):
-    """(relu(pre)^2, pre), pre (N,M) = x @ w.T + b: the speedrun MLP's first layer, keeping pre."""
-    return _matmul(x, w.t(), b, activation="relu2")
-
 
 def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
-    """z (N,Vp) dt, targets (N) int64 -> losses (N) fp32 of the soft-capped logits over all Vp columns;
-    OVERWRITES z with dloss * dlosses/dz."""
+    """losses (N) fp32 of the soft-capped z (N,Vp) dt over all Vp columns; OVERWRITES z with dloss * dlosses/dz."""
     return crossentropy_forward_backward(z, targets, z.shape[-1], dloss, block_v, cap=SOFTCAP)
 
 
@@ -5283,9 +5174,8 @@ def scaled_attention_backward(dout, q, k, v, out, lse, scale):
 
 
 # --- q and k: RMSNorm over each head, then the half-truncated rotary embedding ---------------------------
-# A row is one head, x (B,T,H,D) contiguous: row r sits at position (r // H) % T; element j pairs with D/2 + j,
-# so a row loads as two (rows, D/2) halves. The angles are computed in the kernels: a cos/sin table would be
-# a torch op in the step.
+# A row r is one head of x (B,T,H,D) contiguous, at position (r // H) % T, loaded as two (rows, D/2) halves (j
+# pairs with D/2 + j). The angles are computed in the kernels: a cos/sin table would be a torch op in the step.
 
 # whole heads per program: 32 heads at D = 128 with 8 warps; the interpreter takes wide tiles
 QK_TILE = 1 << 16 if INTERPRET else 4096
@@ -5294,8 +5184,7 @@ QK_WARPS = 8
 
 @triton.jit
 def _rotary_cos_sin_tile(rows, T, H, cols, HEAD_DIM: tl.constexpr):
-    """cos and sin (R, BH) fp32 at the positions of flat head indices rows (R,), pairs cols (BH,):
-    freq_j = (1/1024)^(j / (D/4 - 1)) over the first D/4 pairs (1 at D = 4, as torch's), 0 over the last D/4."""
+    """cos, sin (R, BH) fp32 of heads rows (R,), pairs cols (BH,): freq_j = (1/1024)^(j/(D/4-1)), 0 past D/4."""
     quarter = HEAD_DIM // 4
     t = ((rows // H) % T).to(tl.float32)                                           # (R,) positions
     freq = tl.exp2(cols.to(tl.float32) * (-10.0 / tl.maximum(quarter - 1, 1)))     # (BH,) fp32
@@ -5379,9 +5268,8 @@ def qk_norm_rotary_backward(dy, x, rstd):
 
 
 # --- Muon: momentum, Newton-Schulz on the matmul kernels, the update ---------------------------------------
-# torch_muon_update over n matrices of one shape (r, c): (1) one launch updates the momenta and writes u into a
-# stacked (n, r, c) buffer with each chunk's sum of squares; (2) one launch divides each matrix by its norm;
-# (3) Newton-Schulz on _matmul batched over the n matrices; (4) one launch updates the masters and copies.
+# torch_muon_update over n matrices (r, c): one launch updates the momenta into a stacked u (n, r, c) with its
+# chunks' sums of squares, one normalizes, Newton-Schulz on batched _matmul, one updates masters and copies.
 
 MUON_BLOCK = 1 << 16 if INTERPRET else 4096  # elementwise kernels: 16 elements per thread with 8 warps
 MUON_WARPS = 8
@@ -5502,8 +5390,7 @@ def add_into(acc, x):
 
 
 def muon_update(params, grads, ms, copies, lr, momentum, weight_decay, dtype, chunk=MT_CHUNK, block=MT_BLOCK):
-    """Muon in place, as torch_muon_update, over fp32 matrices of one shape: Newton-Schulz in `dtype` (fp32 or
-    bf16); `copies` (bf16, or None) get the params rounded. chunk and block as in global_norm."""
+    """torch_muon_update's Muon in place on fp32 matrices of one shape; `copies` (bf16, or None) get them rounded."""
     if dtype not in (torch.float32, torch.bfloat16) or params[0].dim() != 2:
         raise ValueError(f"muon_update: fp32 or bf16 Newton-Schulz on matrices, got {dtype} on "
                          f"{tuple(params[0].shape)}")
@@ -5564,8 +5451,7 @@ def _fp8_quantize_kernel(x_ptr, y_ptr, n, inverse, TOP: tl.constexpr, MANTISSA: 
 
 
 def triton_fp8_quantize(x, kind):
-    """--fp8-head's operand `kind` of x in its float8 format: x times its scale's reciprocal, saturated and
-    rounded to nearest even (the torch backend's bits)."""
+    """fp8_quantize's bits: x times fp8_reciprocal(kind), saturated, rounded to nearest even in kind's float8."""
     fmt = FP8_FORMATS[kind]
     y = torch.empty(x.shape, dtype=FP8_TYPES[fmt], device=x.device)
     _flat_check("fp8_quantize", x, y)
@@ -5588,18 +5474,17 @@ def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
     _matmul_dw(g_f8, x_f8, dw, None, scale=FP8_SCALES["grad"] * FP8_SCALES["x"])
     rows, cols = COLUMN_SUM_BLOCK
     N, V = dz.shape
-    _layernorm_param_grad_kernel[(triton.cdiv(V, cols),)](dz, db, db, N, V, HAS_BIAS=False, BLOCK_P=rows,
-                                                          BLOCK_C=cols)
+    _layernorm_param_grad_kernel[(triton.cdiv(V, cols),)](dz, db, db, N, V, HAS_BIAS=False, BLOCK_P=rows, BLOCK_C=cols)
     return dx
 
 
 TRITON_SPEEDRUN_OPS = op_table("triton", dict(
     embedding_forward=functools.partial(encoder_forward, wpe=None), embedding_backward=embedding_backward,
     rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
-    rmsnorm_backward=rmsnorm_backward,
+    rmsnorm_backward=lambda dy, x, w, rstd, dw, dres=None: layernorm_backward(dy, x, w, None, rstd, dw, None, dres),
     qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
     scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
-    matmul_relu2_forward=matmul_relu2_forward,
+    matmul_relu2_forward=lambda x, w, b: _matmul(x, w.t(), b, activation="relu2"),  # (relu(pre)^2, pre)
     relu2_forward=functools.partial(_activation_forward, activation="relu2"),
     relu2_backward=functools.partial(_activation_backward, activation="relu2"),
     softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
@@ -5608,9 +5493,7 @@ TRITON_SPEEDRUN_OPS = op_table("triton", dict(
 ), SPEEDRUN_OP_NAMES)
 
 
-# -- tools
-
-# The speedrun recipe's --test and --bench-ops cases and the profiler's work of its ops: TOOLS["speedrun"].
+# -- tools: the speedrun recipe's --test and --bench-ops cases and its ops' work (TOOLS["speedrun"])
 
 def case_embedding(ops, r, B, T, C, H):
     Vp = B * T + 3
@@ -5640,11 +5523,6 @@ def case_matmul_relu2(ops, r, B, T, C, H):
     return dict(y=y, pre=pre, dpre=dpre)
 
 
-def case_relu2(ops, r, B, T, C, H):
-    pre = r.rand(B * T, 4 * C, scale=3.0)  # (N, 4C)
-    y = ops.relu2_forward(pre)  # (N, 4C)
-    return dict(y=y, dpre=ops.relu2_backward(r.rand(B * T, 4 * C), pre))
-
 
 def case_softcap_crossentropy(ops, r, B, T, C, H):
     Vp = 5 * C + 8
@@ -5664,9 +5542,8 @@ def case_muon(ops, r, B, T, C, H):
         copies = [p.to(r.dt) for p in params] if r.dt != params[0].dtype else None
         grads = [r.rand(*shape, acc=True) for _ in range(2)]
         ops.muon_update(params, grads, ms, copies, 0.02, MUON_MOMENTUM, MUON_WEIGHT_DECAY, r.dt)
-        for i in range(2):
-            out.update({f"{name} p{i}": params[i], f"{name} m{i}": ms[i],
-                        f"{name} copy{i}": params[i] if copies is None else copies[i]})
+        kept = (("p", params), ("m", ms), ("copy", copies or params))
+        out.update({f"{name} {k}{i}": ts[i] for i in range(2) for k, ts in kept})
     return out
 
 
@@ -5709,7 +5586,8 @@ SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", 
                      ("residual+rmsnorm fwd+bwd", functools.partial(case_rmsnorm, residual=True)),
                      ("qk norm+rotary fwd+bwd", case_qk_norm_rotary),
                      ("scaled attention fwd+bwd", case_scaled_attention),
-                     ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2), ("relu2 fwd+bwd", case_relu2),
+                     ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2),
+                     ("relu2 fwd+bwd", functools.partial(case_activation, act="relu2")),
                      ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
                      ("muon_update", case_muon), ("add_into", case_add_into),
                      ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
@@ -5723,9 +5601,7 @@ def speedrun_bench_cases(cfg, ops, device):
     N, R = B * T, min(B * T, HEAD_ROWS)
     eps = torch.finfo(dt).eps
 
-    def rand(*shape, dtype=dt):
-        return torch.randn(shape, device=device, dtype=dtype)
-
+    rand = functools.partial(torch.randn, device=device, dtype=dt)  # rand(*shape, dtype=dt)
     idx = torch.randint(cfg.vocab_size, (B, T), device=device)  # (B, T)
     table, dtable = rand(Vp, C), rand(Vp, C, dtype=torch.float32)  # (Vp, C) each
     x, h, dy, w = rand(N, C), rand(N, C), rand(N, C), rand(C)  # (N, C) x3, (C,)
@@ -5784,9 +5660,8 @@ def speedrun_bench_cases(cfg, ops, device):
 
 def speedrun_op_work(name, args, kwargs, out):
     """op_work of an op of SPEEDRUN_OP_NAMES: (flops, bytes) one call cannot do without; else None."""
-    if name == "matmul_relu2_forward":
-        x, w = args[0], args[1]
-        return 2 * x.shape[0] * x.shape[1] * w.shape[0], 0
+    if name == "matmul_relu2_forward":  # x (N, K), w (M, K)
+        return 2 * args[0].numel() * args[1].shape[0], 0
     if name in ("scaled_attention_forward", "scaled_attention_backward"):
         B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
         return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
