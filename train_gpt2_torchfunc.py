@@ -1423,15 +1423,12 @@ class DataLoader:
 SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
 
 
-class MersenneTwister:
+class MersenneTwister(np.random.RandomState):
     """MT19937 as llm.c's rand.h runs it, seeded as init_genrand: numpy's legacy RandomState(seed) is that one."""
-
-    def __init__(self, seed):
-        self.rng = np.random.RandomState(seed)
 
     def draws(self, n):
         """The next n 32-bit outputs (a full-range randint is the raw output)."""
-        return self.rng.randint(0, 2**32, n, dtype=np.uint32)
+        return self.randint(0, 2**32, n, dtype=np.uint32)
 
 
 def permutation_picks(n, rng):
