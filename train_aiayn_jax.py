@@ -1113,8 +1113,7 @@ def abandon_newer(out, step):
 
 
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
-    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
-    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
+    """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
 
     def held_run():

@@ -1793,8 +1793,7 @@ def abandon_newer(out, step):
 
 
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
-    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
-    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
+    """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
 
     def held_run():
@@ -1855,8 +1854,7 @@ def hellaswag_module():
 
 
 def sample_encoder(say):
-    """GPT-2's tokenizer for the samples: hellaswag.py's (tiktoken's, else the committed files), else tiktoken's
-    alone (a trainer copied by itself), else None, said once: the run trains on without samples."""
+    """GPT-2's tokenizer for the samples: hellaswag.py's, else tiktoken's (a trainer alone), else None, said once."""
     try:
         import hellaswag
     except ModuleNotFoundError:
