@@ -989,9 +989,8 @@ def read_speedrun_file(path):
             die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
         blocks = [k for k in entries if k.startswith("blocks.")]
         n_layer = len({k.split(".")[1] for k in blocks})
-        indices = set(map(str, range(n_layer)))
         for k in blocks:
-            if k.split(".")[1] not in indices:
+            if k.split(".")[1] not in {str(i) for i in range(n_layer)}:
                 die(f"model file {path} holds tensor {k[:100]}: the tensors of {n_layer} blocks must be "
                     f"numbered 0..{n_layer - 1}")
         padded, n_embd = embed
@@ -1505,8 +1504,7 @@ def parse_args(argv=None):
     framework_flags(p)
     p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
                    RECIPES.items()) + f" (default {d.recipe})")
-    p.add_argument("--data", help="a dir of *_train_*.bin (and *_val_*.bin) shards, a shard glob, or 'synthetic' "
-                   f"(random tokens from --seed) (default {d.data})")
+    p.add_argument("--data", help=f"a dir of *_train_*.bin shards, a shard glob, or 'synthetic' (default {d.data})")
     p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin)")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset layers/heads/width: " + ", ".join(
                    f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()) + " (default d12)")
@@ -1525,8 +1523,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, help=f"AdamW's weight decay (default {d.weight_decay}; see --recipe)")
     p.add_argument("--grad-clip", type=float, help=f"clip gradients to this norm, 0 = never (default {d.grad_clip})")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype (default bf16 on a GPU, fp32 on a CPU)")
-    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="what the backward recomputes instead of keeping "
-                   f"(default {d.recompute})")
+    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help=f"what the backward reruns (default {d.recompute})")
     p.add_argument("--seed", type=int, help=f"the init, --data synthetic's tokens, the samples (default {d.seed})")
     p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's training matmuls in FP8")
     p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} (default 0)")
