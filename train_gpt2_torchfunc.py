@@ -1344,14 +1344,12 @@ def find_shards(cfg):
         return None, None
     if os.path.isdir(cfg.data):
         folder = glob.escape(cfg.data)  # a directory's name is no pattern, brackets and all
-        train = sorted(glob.glob(os.path.join(folder, "*_train_*.bin")))
-        val = sorted(glob.glob(os.path.join(folder, "*_val_*.bin")))
-        if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
+        train, val = (sorted(glob.glob(os.path.join(folder, f"*_{split}_*.bin"))) for split in ("train", "val"))
+        missing = "no *_train_*.bin shards in that directory"
     else:
-        train, val = sorted(glob.glob(cfg.data)), []
-        if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no such directory and no file matches that glob ({GET_DATA})")
+        train, val, missing = sorted(glob.glob(cfg.data)), [], "no such directory and no file matches that glob"
+    if not train and not cfg.eval_only:
+        die(f"--data {cfg.data}: {missing} ({GET_DATA})")
     if cfg.val_data:
         val = sorted(glob.glob(cfg.val_data))
         if not val:
