@@ -1597,9 +1597,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
-    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
-                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
-                 config=np.array(json.dumps(asdict(cfg))))
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]), position=np.int64(loader_state[1]),
+                 seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
         recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
