@@ -918,9 +918,7 @@ def evaluate_bleu(search, params, cfg, tok, split, src, refs):
 
 # -----------------------------------------------------------------------------
 # Shared plumbing: flags, shards, checkpoints, out dir, logs, signals (a part)
-#
-# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
-# carries an edit made in FILE to every copy).
+# (the same in every trainer: python tests/sync_copies.py FILE carries an edit made in FILE to every copy)
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit reached
 
@@ -946,10 +944,8 @@ def rename_into_place(tmp, final):
     try:
         if os.path.isdir(final):
             os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
@@ -1037,14 +1033,10 @@ class RunLock:
 
 def move_aside(out, names, prefix):
     """Moves <out>/<names> into a new folder <out>/<prefix><time>[_n], which it returns."""
-    stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
-    for n in range(1, 1000):  # unique however fast runs follow each other
-        aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
-        try:
-            os.mkdir(aside)
-            break
-        except FileExistsError:
-            continue
+    stamp = os.path.join(out, f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}")
+    # unique however fast runs follow each other (process 0 holds the out dir's lock)
+    aside = next(p for p in (stamp, *(f"{stamp}_{n}" for n in range(2, 1000))) if not os.path.lexists(p))
+    os.mkdir(aside)
     for name in names:
         os.replace(os.path.join(out, name), os.path.join(aside, name))
     return aside
@@ -1076,8 +1068,7 @@ def abandon_newer(out, step):
 
 
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
-    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
-    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
+    """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
 
     def held_run():
@@ -1171,10 +1162,8 @@ class StopSignals:
 
     def tell(self, line):  # os.write: print could be inside a print of the interrupted code
         if self.master:
-            try:
+            with contextlib.suppress(OSError):  # stderr's reader is gone: the stop goes on without its line
                 os.write(2, f"{line}\n".encode())
-            except OSError:  # stderr's reader is gone: the stop goes on without its line
-                pass
 
 
 class OutputThatMayClose:
@@ -1184,22 +1173,19 @@ class OutputThatMayClose:
         self.stream = stream
 
     def write(self, text):
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self.discard()
-            return len(text)
+        self.guarded(self.stream.write, text)
+        return len(text)
 
     def flush(self):
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self.discard()
+        self.guarded(self.stream.flush)
 
-    def discard(self):
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
-        os.close(null)
+    def guarded(self, call, *args):
+        try:
+            call(*args)
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
+            os.close(null)
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

@@ -217,8 +217,7 @@ def gpt2_shapes(cfg):
 
 def init_gpt2_numpy(cfg):
     """GPT-2's init from cfg.seed (docs/FORMATS.md), in numpy so that every trainer starts from the same weights."""
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
+    rng, params = np.random.default_rng(cfg.seed), {}
     for name, shape in gpt2_shapes(cfg).items():
         if name.endswith(".b"):
             params[name] = np.zeros(shape, np.float32)
@@ -241,8 +240,7 @@ def model_file_header(cfg):
 
 def write_model_file(path, params, cfg):
     """An fp32 llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
-    shapes = gpt2_shapes(cfg)
-    tmp = path + ".tmp"
+    shapes, tmp = gpt2_shapes(cfg), path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(model_file_header(cfg).tobytes())
         for name in PARAM_NAMES:
@@ -888,8 +886,7 @@ def muon_names(shapes):
 
 def init_speedrun_numpy(cfg):
     """The reference's init in speedrun_shapes' order: *proj* and biases 0, gains 1, embed N(0, 1), N(0, .33/fan_in)."""
-    rng = np.random.default_rng(cfg.seed)
-    params = {}
+    rng, params = np.random.default_rng(cfg.seed), {}
     for name, shape in speedrun_shapes(cfg).items():
         if name.endswith(".gains"):
             params[name] = np.ones(shape, np.float32)
@@ -989,9 +986,8 @@ def read_speedrun_file(path):
             die(f"model file {path} has no 2-D embed.weight: not a speedrun model")
         blocks = [k for k in entries if k.startswith("blocks.")]
         n_layer = len({k.split(".")[1] for k in blocks})
-        indices = set(map(str, range(n_layer)))
         for k in blocks:
-            if k.split(".")[1] not in indices:
+            if k.split(".")[1] not in {str(i) for i in range(n_layer)}:
                 die(f"model file {path} holds tensor {k[:100]}: the tensors of {n_layer} blocks must be "
                     f"numbered 0..{n_layer - 1}")
         padded, n_embd = embed
@@ -1450,9 +1446,7 @@ def generate(params, generator, cfg):
 
 # -----------------------------------------------------------------------------
 # Shared plumbing: flags, shards, checkpoints, out dir, logs, signals
-#
-# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
-# carries an edit made in FILE to every copy).
+# (the same in every trainer: python tests/sync_copies.py FILE carries an edit made in FILE to every copy)
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quota, a file-size limit reached
 
@@ -1494,65 +1488,50 @@ RECOMPUTE_LEVELS = ("none", "pointwise", "block")
 
 
 def parse_args(argv=None):
-    """(cfg, explicit): `config` with the flags given over its defaults, and the model-shape flags and --seed given,
-    which a model file's header and a checkpoint's seed must match (--model gives all three shape flags)."""
+    """(cfg, explicit): the flags over Config's defaults; the shape flags and --seed given, which files must match."""
     d = Config()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     p.error = die  # a bad flag gets one line naming it, not the whole usage text
     framework_flags(p)
     p.add_argument("--recipe", choices=list(RECIPES), help="; ".join(f"{name}: {r.help}" for name, r in
                    RECIPES.items()) + f" (default {d.recipe})")
-    p.add_argument("--data", help="train shards: a dir of prepro_fineweb.py's *_train_*.bin (and *_val_*.bin), a "
-                   f"shard glob, or 'synthetic' (random tokens from --seed) (default {d.data})")
+    p.add_argument("--data", help=f"a dir of *_train_*.bin shards, a shard glob, or 'synthetic' (default {d.data})")
     p.add_argument("--val-data", help="validation shard glob (default: a --data DIR's *_val_*.bin)")
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape, layers/heads/width: "
-                   + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()) + " (default d12)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset layers/heads/width: " + ", ".join(
+                   f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()) + " (default d12)")
     p.add_argument("--n-layer", type=int, help="transformer blocks (default: --model's)")
     p.add_argument("--n-head", type=int, help="attention heads, dividing --n-embd (default: --model's or --recipe's)")
-    p.add_argument("--n-embd", type=int, help="width of the embeddings and residual stream (default: --model's)")
-    p.add_argument("--seq-len", type=int, help=f"tokens per sequence; from scratch wpe's rows (default {d.seq_len})")
+    p.add_argument("--n-embd", type=int, help="width of the residual stream (default: --model's)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
     p.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per device (default {d.batch_size})")
-    p.add_argument("--total-batch-size", type=int, help="tokens per optimizer step, a multiple of batch size x seq "
-                   f"len x devices: gradients accumulate up to it (default {d.total_batch_size})")
-    p.add_argument("--shuffle", action="store_true", help="read the train shards in llm.c's shuffled order, as "
-                   "train_gpt2.c/.cu do (its mt19937, seeded 42 + rank); without it, in order (docs/FORMATS.md)")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}: 10B tokens at the default batch)")
-    p.add_argument("--time-budget", type=float, help="stop after the step at which the summed step time reaches "
-                   "this many seconds, as if it were the last; the lr schedule still spans --steps (default 0: never)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate after --warmup (default {d.lr}; see --recipe)")
+    p.add_argument("--total-batch-size", type=int, help=f"tokens per optimizer step (default {d.total_batch_size})")
+    p.add_argument("--shuffle", action="store_true", help="read the train shards in llm.c's shuffled order")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--time-budget", type=float, help="stop once the steps took this many seconds (default 0: never)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr}; see --recipe)")
     p.add_argument("--lr-decay-frac", type=float, help=f"the decay ends at lr x this (default {d.lr_decay_frac})")
-    p.add_argument("--warmup", type=int, help=f"steps of linear learning-rate warmup (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, help=f"AdamW's decoupled weight decay (default {d.weight_decay}; "
-                   "on the matrices and embeddings: see --recipe)")
+    p.add_argument("--warmup", type=int, help=f"steps of linear warmup (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help=f"AdamW's weight decay (default {d.weight_decay}; see --recipe)")
     p.add_argument("--grad-clip", type=float, help=f"clip gradients to this norm, 0 = never (default {d.grad_clip})")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype; masters and AdamW state stay fp32 "
-                   "(default bf16 on a GPU, fp32 on a CPU, which only emulates bf16)")
-    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help="activation memory against compute: none keeps "
-                   "what the backward reads, pointwise recomputes the norms and the MLP activation, block reruns "
-                   f"each block's forward in the backward (default {d.recompute})")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype (default bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, help=f"what the backward reruns (default {d.recompute})")
     p.add_argument("--seed", type=int, help=f"the init, --data synthetic's tokens, the samples (default {d.seed})")
-    p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's training matmuls on FP8 "
-                   "operands with modded-nanogpt's static scales; evaluation and files unchanged (default off)")
-    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} here: 0 every "
-                   "device holds all optimizer state, 1 shards the AdamW moments and the bf16 weights' fp32 masters, "
-                   "3 (JAX) the weights and gradients too (default 0)")
-    p.add_argument("--init-from", help="a model file of the recipe to start from, giving the model shape: "
+    p.add_argument("--fp8-head", action="store_true", help="speedrun recipe: the head's training matmuls in FP8")
+    p.add_argument("--zero-stage", type=int, help=f"ZeRO stage, {' or '.join(map(str, ZERO_STAGES))} (default 0)")
+    p.add_argument("--init-from", help="a model file of the recipe to start from: "
                    + ", ".join(f"{r.file_kind} ({name})" for name, r in RECIPES.items()))
     p.add_argument("--resume", help="a checkpoint dir to continue from, or 'auto': the newest in --out-dir")
     p.add_argument("--force", action="store_true", help="start over in an --out-dir that holds a run (moved aside)")
     p.add_argument("--out-dir", help=f"log.jsonl, checkpoints and profiles (default {d.out_dir})")
     p.add_argument("--ckpt-every", type=int, help=f"steps between checkpoints, 0 = never (default {d.ckpt_every})")
     p.add_argument("--val-every", type=int, help=f"steps between val losses, 0 = never (default {d.val_every})")
-    p.add_argument("--val-tokens", type=int, help="tokens per val loss: the val shards' first val-tokens // seq len "
-                   f"sequences (default {d.val_tokens})")
+    p.add_argument("--val-tokens", type=int, help=f"tokens per val loss (default {d.val_tokens})")
     p.add_argument("--val-steps", type=int, help="shorthand for --val-tokens N x batch size x seq len")
-    p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evaluations, 0 = never (default "
-                   f"{d.hellaswag_every})")
+    p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evals (default {d.hellaswag_every})")
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
     p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
     p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
-    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first "
-                   "(a trace in OUT_DIR/profile), then train on")
+    p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first")
     given = vars(p.parse_args(argv))
     preset = given.pop("model", None)
     val_steps = given.pop("val_steps", None)  # not kept: it only sets val_tokens
@@ -1606,9 +1585,8 @@ def default_dtype(cfg, gpu):
     if cfg.dtype:
         return cfg.dtype
     cfg.dtype = "bf16" if gpu else "fp32"
-    if gpu:
-        return "bf16 (the default on a GPU; --dtype fp32 for full precision)"
-    return "fp32 (the default on a CPU, which only emulates bf16; --dtype bf16 for it)"
+    return ("bf16 (the default on a GPU; --dtype fp32 for full precision)" if gpu else
+            "fp32 (the default on a CPU, which only emulates bf16; --dtype bf16 for it)")
 
 
 def apply_model_header(cfg, header, explicit):
@@ -1653,14 +1631,12 @@ def find_shards(cfg):
         return None, None
     if os.path.isdir(cfg.data):
         folder = glob.escape(cfg.data)  # a directory's name is no pattern, brackets and all
-        train = sorted(glob.glob(os.path.join(folder, "*_train_*.bin")))
-        val = sorted(glob.glob(os.path.join(folder, "*_val_*.bin")))
-        if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no *_train_*.bin shards in that directory ({GET_DATA})")
+        train, val = (sorted(glob.glob(os.path.join(folder, f"*_{split}_*.bin"))) for split in ("train", "val"))
+        missing = "no *_train_*.bin shards in that directory"
     else:
-        train, val = sorted(glob.glob(cfg.data)), []
-        if not train and not cfg.eval_only:
-            die(f"--data {cfg.data}: no such directory and no file matches that glob ({GET_DATA})")
+        train, val, missing = sorted(glob.glob(cfg.data)), [], "no such directory and no file matches that glob"
+    if not train and not cfg.eval_only:
+        die(f"--data {cfg.data}: {missing} ({GET_DATA})")
     if cfg.val_data:
         val = sorted(glob.glob(cfg.val_data))
         if not val:
@@ -1692,8 +1668,7 @@ class DataLoader:
     # all ranks change shards by p (llm.c: each by its own), so W ranks of B rows read what one of W*B rows reads
 
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
-        self.files, self.B, self.T, self.rank, self.world, self.seed = files, B, T, rank, world, seed
-        self.shard, self.tokens = None, None
+        self.files, self.B, self.T, self.rank, self.world, self.seed, self.shard = files, B, T, rank, world, seed, None
         shard_lengths(files or [], world * B * T)
         self.reset()
 
@@ -1702,7 +1677,7 @@ class DataLoader:
 
     def set_state(self, shard, position):
         """Puts the loader at p = `position` in `shard`, as state() returned them."""
-        if self.shard != shard or self.tokens is None:
+        if self.shard != shard:
             if self.files is None:
                 n = max(SYNTHETIC_TOKENS, 2 * (self.world * self.B * self.T + 1))
                 self.tokens = np.random.default_rng(self.seed).integers(0, VOCAB_SIZE, n, dtype=np.uint16)
@@ -1730,15 +1705,12 @@ class DataLoader:
 SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
 
 
-class MersenneTwister:
+class MersenneTwister(np.random.RandomState):
     """MT19937 as llm.c's rand.h runs it, seeded as init_genrand: numpy's legacy RandomState(seed) is that one."""
-
-    def __init__(self, seed):
-        self.rng = np.random.RandomState(seed)
 
     def draws(self, n):
         """The next n 32-bit outputs (a full-range randint is the raw output)."""
-        return self.rng.randint(0, 2**32, n, dtype=np.uint32)
+        return self.randint(0, 2**32, n, dtype=np.uint32)
 
 
 def permutation_picks(n, rng):
@@ -1758,29 +1730,23 @@ class ShuffledOrder:
 
     def __init__(self, counts, seed):
         self.counts, self.rng = counts, MersenneTwister(seed)
-        self.order = list(range(len(counts)))
-        self.opened = -1  # shards opened since the run began, before the current one
-        self._new_epoch()
-
-    def _new_epoch(self):
-        permute(self.order, permutation_picks(len(self.order), self.rng))
-        self._open(0)
-
-    def _open(self, k):
-        """Opens the epoch's k-th shard: its permutation is drawn now, and built once a sample is read."""
-        self.k, self.sample, self.opened = k, 0, self.opened + 1
-        self.picks, self.samples = permutation_picks(self.counts[self.order[k]], self.rng), None
+        self.order, self.k, self.opened = list(range(len(counts))), len(counts) - 1, -1
+        self._move_on()
 
     def _move_on(self):
-        """To the next shard, or a new epoch after the last."""
-        self._new_epoch() if self.k == len(self.order) - 1 else self._open(self.k + 1)
+        """Opens the next shard, after the last a new epoch's first: its samples' permutation is drawn now."""
+        if self.k == len(self.order) - 1:
+            permute(self.order, permutation_picks(len(self.order), self.rng))
+            self.k = -1
+        self.k, self.sample, self.opened = self.k + 1, 0, self.opened + 1
+        self.picks, self.samples = permutation_picks(self.counts[self.shard()], self.rng), None
 
     def shard(self):
         return self.order[self.k]
 
     def next(self):
         """(shard, sample) to read now; then moves on."""
-        if self.samples is None:
+        if self.samples is None:  # built once a sample is read: skip() passes whole shards without
             self.samples = list(range(self.counts[self.shard()]))
             permute(self.samples, self.picks)
         here = self.shard(), self.samples[self.sample]
@@ -1790,7 +1756,7 @@ class ShuffledOrder:
         return here
 
     def skip(self, n):
-        """Moves on n samples, as n next() calls do, building no permutation of the shards it passes."""
+        """Moves on n samples, as n next() calls do."""
         while n >= self.counts[self.shard()] - self.sample:
             n -= self.counts[self.shard()] - self.sample
             self._move_on()
@@ -1864,7 +1830,7 @@ def val_batches(cfg, loader):
 
 def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     """(micro-batches per step, train loader at `loader_state`, val loader) of rank `rank` of `ranks`, `rows` rows."""
-    T = cfg.seq_len
+    T, (shard, position) = cfg.seq_len, loader_state
     tokens = cfg.batch_size * T * (rows * ranks // cfg.batch_size)  # one micro-batch on every device
     if cfg.total_batch_size % tokens:
         die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
@@ -1875,57 +1841,51 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     elif cfg.shuffle:  # each device of this process is an llm.c rank of --batch-size rows
         per = rows // cfg.batch_size
         train = ShuffledLoader(train_files, cfg.batch_size, T, rank * per, per, ranks * per)
-        train.set_state(*loader_state)
+        train.set_state(shard, position)
     else:
-        train = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed)
+        train, n_shards = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed), len(train_files or [None])
+        if shard >= n_shards:
+            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
+        train.set_state(shard, position)
+        if position + rows * ranks * T + 1 > len(train.tokens):
+            die(f"--resume: the checkpoint's position {position} leaves less than one batch of {rows * ranks * T} "
+                f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
     val = DataLoader(val_files, rows, T, rank, ranks) if val_files else None
-    if val is not None and (cfg.eval_only or cfg.val_every > 0):  # its --val-tokens in whole batches, none twice
-        batch, wanted = val.B * val.world, cfg.val_tokens // T
-        sizes = [len(read_shard(f)) for f in val.files]
+    if val is None and (cfg.eval_only or cfg.val_every > 0):
+        say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
+    elif cfg.eval_only or cfg.val_every > 0:  # its --val-tokens in whole batches, none twice
+        batch, wanted, sizes = rows * ranks, cfg.val_tokens // T, [len(read_shard(f)) for f in val_files]
         held = sum((n - 1) // (batch * T) for n in sizes) * batch
         if wanted > held:
             die(f"--val-tokens {cfg.val_tokens} asks for {wanted} sequences of {T} tokens, but the val shards "
                 f"({len(sizes)} file(s), {sum(sizes)} tokens) hold {held} in this run's batches of {batch} "
                 "sequences: lower --val-tokens (or --val-steps)")
-    if isinstance(train, DataLoader):
-        n_shards = len(train_files) if train_files else 1
-        shard, position = loader_state
-        if shard >= n_shards:
-            die(f"--resume: the checkpoint is at train shard {shard}, but --data has {n_shards} shards")
-        train.set_state(shard, position)
-        batch = rows * ranks * T
-        if position + batch + 1 > len(train.tokens):
-            die(f"--resume: the checkpoint's position {position} leaves less than one batch of {batch} "
-                f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
-    if val is None and (cfg.eval_only or cfg.val_every > 0):
-        say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
     return cfg.total_batch_size // tokens, train, val
 
 
-def read_weights(path, cfg, recipes):
-    """(header, params) of a model file of cfg.recipe, a row of `recipes`; another recipe's file is refused."""
+def read_weights(path, cfg):
+    """(header, params) of a model file of cfg.recipe; another recipe's file is refused."""
     require_file(path, "model file")
     with open(path, "rb") as f:
         head = f.read(9)
-    recipe = recipes[cfg.recipe]
-    for name, other in recipes.items():
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
         if other is not recipe and other.is_file(head) and not recipe.is_file(head):
             die(f"{path} is {other.file_kind}, the {name} recipe's (--recipe {name}): --recipe {cfg.recipe} "
                 f"takes {recipe.file_kind}")
     return recipe.read_file(path)
 
 
-def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, recipe):
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
-    final = os.path.join(out_dir, f"ckpt_{step:07d}")
+    final, recipe = os.path.join(out_dir, f"ckpt_{step:07d}"), RECIPES[cfg.recipe]
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving this step
     names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
-    state.update(step=np.int64(step), shard=np.int64(loader_state[0]),
-                 position=np.int64(loader_state[1]), seed=np.int64(cfg.seed),
-                 config=np.array(json.dumps(asdict(cfg))))
+    state.update(step=np.int64(step), shard=np.int64(loader_state[0]), position=np.int64(loader_state[1]),
+                 seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
         recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
@@ -1948,10 +1908,8 @@ def rename_into_place(tmp, final):
     try:
         if os.path.isdir(final):
             os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
@@ -1992,30 +1950,29 @@ def check_checkpoint_step(path, step):
             f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
 
 
-def load_checkpoint(path, cfg, recipes):
-    """(header, params, m, v, state) from a checkpoint dir of cfg.recipe, a row of `recipes`."""
-    recipe = recipes[cfg.recipe]
-    for name, other in recipes.items():
+def load_checkpoint(path, cfg):
+    """(header, params, m, v, state) from a checkpoint dir of cfg.recipe."""
+    recipe = RECIPES[cfg.recipe]
+    for name, other in RECIPES.items():
         if other.model_file != recipe.model_file and os.path.isfile(os.path.join(path, other.model_file)):
             die(f"--resume {path}: a checkpoint of the {name} recipe ({other.model_file}), not of --recipe "
                 f"{cfg.recipe}")
-    header, params = read_weights(os.path.join(path, recipe.model_file), cfg, recipes)
+    header, params = read_weights(os.path.join(path, recipe.model_file), cfg)
     muon = recipe.muon_names({k: p.shape for k, p in params.items()})
     adam = [k for k in params if k not in muon]  # v: AdamW's second moments
-    state_file, fields = os.path.join(path, "state.npz"), ("step", "shard", "position", "seed")
+    state_file, lows = os.path.join(path, "state.npz"), {"step": 1, "shard": 0, "position": 0, "seed": 0}
     try:
         with np.load(state_file) as z:
-            missing = [k for k in (*fields, *(f"m.{k}" for k in params), *(f"v.{k}" for k in adam))
-                       if k not in z.files]
+            missing = [k for k in (*lows, *(f"m.{k}" for k in params), *(f"v.{k}" for k in adam)) if k not in z.files]
             if missing:
                 die(f"checkpoint {path} is missing {', '.join(missing[:3])} in state.npz")
-            m = {k: z[f"m.{k}"] for k in params}
-            v = {k: z[f"v.{k}"] for k in adam}
-            state = {}
-            for k in fields:
+            m, v, state = {k: z[f"m.{k}"] for k in params}, {k: z[f"v.{k}"] for k in adam}, {}
+            for k, low in lows.items():  # int64, as saved (a seed as --seed takes it); checkpoints start at step 1
                 if z[k].shape != () or z[k].dtype.kind not in "iu":
                     die(f"checkpoint {state_file}: {k} is {z[k].dtype} {z[k].shape}, not an integer")
                 state[k] = int(z[k])
+                if not low <= state[k] < 2**63:
+                    die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
             # the run's --shuffle, from its config (a checkpoint written before the flag read in order)
             state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
     # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
@@ -2023,9 +1980,6 @@ def load_checkpoint(path, cfg, recipes):
             TokenError) as e:
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
-    for k, low in (("step", 1), ("shard", 0), ("position", 0), ("seed", 0)):  # checkpoints start at step 1
-        if not low <= state[k] < 2**63:  # int64, as saved; a seed as --seed takes it
-            die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
     check_checkpoint_step(path, state["step"])
     for k in params:
         moments = [m[k], v[k]] if k in v else [m[k]]
@@ -2085,14 +2039,10 @@ class RunLock:
 
 def move_aside(out, names, prefix):
     """Moves <out>/<names> into a new folder <out>/<prefix><time>[_n], which it returns."""
-    stamp = f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}"
-    for n in range(1, 1000):  # unique however fast runs follow each other
-        aside = os.path.join(out, stamp if n == 1 else f"{stamp}_{n}")
-        try:
-            os.mkdir(aside)
-            break
-        except FileExistsError:
-            continue
+    stamp = os.path.join(out, f"{prefix}{datetime.datetime.now():%Y%m%d_%H%M%S}")
+    # unique however fast runs follow each other (process 0 holds the out dir's lock)
+    aside = next(p for p in (stamp, *(f"{stamp}_{n}" for n in range(2, 1000))) if not os.path.lexists(p))
+    os.mkdir(aside)
     for name in names:
         os.replace(os.path.join(out, name), os.path.join(aside, name))
     return aside
@@ -2124,8 +2074,7 @@ def abandon_newer(out, step):
 
 
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
-    """Makes --out-dir, returning process 0's RunLock on it; a run held there (`extras`: its other files) is refused
-    unless continued (--resume at `step`) or moved to replaced_<time> (--force, or `restart`: resolve_resume's)."""
+    """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
 
     def held_run():
@@ -2186,8 +2135,7 @@ def hellaswag_module():
 
 
 def sample_encoder(say):
-    """GPT-2's tokenizer for the samples: hellaswag.py's (tiktoken's, else the committed files), else tiktoken's
-    alone (a trainer copied by itself), else None, said once: the run trains on without samples."""
+    """GPT-2's tokenizer for the samples: hellaswag.py's, else tiktoken's (a trainer alone), else None, said once."""
     try:
         import hellaswag
     except ModuleNotFoundError:
@@ -2200,14 +2148,16 @@ def sample_encoder(say):
         return None
 
 
-def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=None):
+def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
     """A run's start, weights and data checked before the out dir changes: (step, params, m, v, micro-batches per
     step, train loader, val loader, the samples' encoder or None, the out dir's lock)."""
     try:
         restart = resolve_resume(cfg, not cfg.eval_only)
-        recipe, step, loader_state, m, v = recipes[cfg.recipe], 0, (0, 0), None, None
+        recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
+        if cfg.eval_only and not (cfg.resume or cfg.init_from):
+            die("--eval-only needs weights: give --init-from or --resume")
         if cfg.resume:
-            header, params, m, v, saved = load_checkpoint(cfg.resume, cfg, recipes)
+            header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
             apply_model_header(cfg, header, explicit)
             if explicit.get("seed", saved["seed"]) != saved["seed"]:  # its synthetic data, its samples
                 die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {saved['seed']}, which a "
@@ -2217,16 +2167,14 @@ def open_run(cfg, explicit, recipes, rows, rank, ranks, master, say, any_failed=
                 die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
             cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
         elif cfg.init_from:
-            header, params = read_weights(cfg.init_from, cfg, recipes)
+            header, params = read_weights(cfg.init_from, cfg)
             apply_model_header(cfg, header, explicit)
         else:
             params = recipe.init(cfg)
-        if m is None:  # v: AdamW's second moments, of every tensor but Muon's matrices
+        if not cfg.resume:  # v: AdamW's second moments, of every tensor but Muon's matrices
             muon = recipe.muon_names(recipe.shapes(cfg))
             m = {k: np.zeros_like(p) for k, p in params.items()}
             v = {k: np.zeros_like(p) for k, p in params.items() if k not in muon}
-        if cfg.eval_only and not (cfg.resume or cfg.init_from):
-            die("--eval-only needs weights: give --init-from or --resume")
         if cfg.hellaswag_every > 0:
             hellaswag_module()
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
@@ -2381,10 +2329,8 @@ class StopSignals:
 
     def tell(self, line):  # os.write: print could be inside a print of the interrupted code
         if self.master:
-            try:
+            with contextlib.suppress(OSError):  # stderr's reader is gone: the stop goes on without its line
                 os.write(2, f"{line}\n".encode())
-            except OSError:  # stderr's reader is gone: the stop goes on without its line
-                pass
 
 
 class OutputThatMayClose:
@@ -2394,22 +2340,19 @@ class OutputThatMayClose:
         self.stream = stream
 
     def write(self, text):
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self.discard()
-            return len(text)
+        self.guarded(self.stream.write, text)
+        return len(text)
 
     def flush(self):
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self.discard()
+        self.guarded(self.stream.flush)
 
-    def discard(self):
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
-        os.close(null)
+    def guarded(self, call, *args):
+        try:
+            call(*args)
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
+            os.close(null)
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
@@ -2752,7 +2695,7 @@ def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say
             full.append(flat_views(buffer, state["starts"], shapes, names))
     if master:
         full = [{k: t.detach().float().cpu().numpy() for k, t in tensors.items()} for tensors in full]
-        say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg, recipe)}")
+        say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg)}")
     if world > 1:
         dist.barrier()
 
@@ -2792,7 +2735,7 @@ def main(argv, signals):
 
     # weights, optimizer state, data (each process reads B rows of a micro-batch) and the locked out dir
     step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
-        cfg, explicit, RECIPES, cfg.batch_size, rank, world, master, say, any_process_failed(world, device))
+        cfg, explicit, cfg.batch_size, rank, world, master, say, any_process_failed(world, device))
 
     # devices: what each process holds depends on --zero-stage (make_state)
     state = make_state(params, m, v, cfg, device, rank, world)

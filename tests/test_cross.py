@@ -202,12 +202,12 @@ def test_checkpoint_save_clears_a_crashed_save(tmp_path):
     for stale in ("ckpt_0000002.tmp", "ckpt_0000002.old"):
         (tmp_path / stale).mkdir()
         (tmp_path / stale / "model.bin").write_bytes(b"half")
-    assert save_checkpoint(str(tmp_path), 2, params, m, v, (0, 64), cfg, mod.RECIPES[cfg.recipe]) == str(final)
+    assert save_checkpoint(str(tmp_path), 2, params, m, v, (0, 64), cfg) == str(final)
     params["wte"][0, 0] = 7.0
-    save_checkpoint(str(tmp_path), 2, params, m, v, (0, 96), cfg, mod.RECIPES[cfg.recipe])
+    save_checkpoint(str(tmp_path), 2, params, m, v, (0, 96), cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_0000002"]
     assert latest_checkpoint(str(tmp_path)) == str(final)
-    _, loaded, m2, v2, state = load_checkpoint(str(final), cfg, mod.RECIPES)
+    _, loaded, m2, v2, state = load_checkpoint(str(final), cfg)
     assert state["step"] == 2 and (state["shard"], state["position"]) == (0, 96)
     for k in PARAM_NAMES:
         np.testing.assert_array_equal(loaded[k], params[k])

@@ -129,7 +129,7 @@ def write_damaged_checkpoints(mod, folder):
     state saved compressed with a member whose bytes do not inflate."""
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = Path(save_checkpoint(str(folder), 3, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe]))
+    good = Path(save_checkpoint(str(folder), 3, zeros, zeros, zeros, (0, 0), cfg))
     state = (good / "state.npz").read_bytes()
     crc = bytearray(state)
     start, size = member_data(state, "m.wte.npy")
@@ -160,7 +160,7 @@ def test_non_finite_or_out_of_range_checkpoints_are_refused(tmp_path):
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8,
                      out_dir=str(tmp_path))
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = Path(save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe]))
+    good = Path(save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg))
     with np.load(good / "state.npz") as z:
         state = dict(z)
     model = (good / "model.bin").read_bytes()
@@ -183,7 +183,7 @@ def test_non_finite_or_out_of_range_checkpoints_are_refused(tmp_path):
         (d / "model.bin").write_bytes(weights)
         np.savez(d / "state.npz", **{**state, **changes})
         with pytest.raises(SystemExit) as e:
-            load_checkpoint(str(d), cfg, mod.RECIPES)
+            load_checkpoint(str(d), cfg)
         message = str(e.value)
         assert message.startswith("error: ") and "\n" not in message and needle in message, (name, message)
         if name.endswith("weights"):

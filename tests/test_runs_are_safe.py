@@ -188,7 +188,7 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
     mod = tj  # its Config and RECIPES; the checks are trainkit's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = Path(save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe]))
+    good = Path(save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg))
     with np.load(good / "state.npz") as z:
         fields = dict(z)
     cases = {"step": np.int64(-4), "shard": np.int64(-1), "position": np.int64(-1), "seed": np.int64(-7)}
@@ -200,7 +200,7 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
         (bad / "model.bin").write_bytes((good / "model.bin").read_bytes())
         np.savez(bad / "state.npz", **{**fields, field: value})
         with pytest.raises(SystemExit) as e:
-            load_checkpoint(str(bad), cfg, mod.RECIPES)
+            load_checkpoint(str(bad), cfg)
         message = str(e.value)
         assert message.startswith(f"error: checkpoint {bad / 'state.npz'}: {field} ") and needle in message
     (tmp_path / "good" / "ckpt_0000004").mkdir()
@@ -346,7 +346,7 @@ def test_a_model_path_that_is_no_file_says_what_it_is(tmp_path):
     directory, a FIFO, a device, a symbolic link loop and a missing path each get a line saying which."""
     cfg = tj.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in tj.param_shapes(cfg).items()}
-    ckpt = save_checkpoint(str(tmp_path), 1, zeros, zeros, zeros, (0, 0), cfg, tj.RECIPES[cfg.recipe])
+    ckpt = save_checkpoint(str(tmp_path), 1, zeros, zeros, zeros, (0, 0), cfg)
     (tmp_path / "plain").mkdir()
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
@@ -359,7 +359,7 @@ def test_a_model_path_that_is_no_file_says_what_it_is(tmp_path):
              str(tmp_path / "missing.bin"): ": No such file or directory"}
     for path, needle in cases.items():
         with pytest.raises(SystemExit) as e:
-            read_weights(path, cfg, tj.RECIPES)
+            read_weights(path, cfg)
         assert str(e.value) == f"error: model file {path}{'' if needle[0] == ':' else ' '}{needle}", str(e.value)
     proc = run_script(*SCRIPTS["jax"], *MICRO, "--init-from", ckpt, "--out-dir", tmp_path / "out", env=ENV,
                       check=False)

@@ -211,7 +211,7 @@ def test_checkpoints_move_between_torchfunc_and_jax(runs, tiny_shards, tmp_path,
     assert train_losses(jax_out) == pytest.approx(train_losses(tf_out), rel=CROSS_RTOL)
     assert_close_checkpoints(tf_out / "ckpt_0000006", jax_out / "ckpt_0000006")
     cfg, _ = tf.parse_args(list(map(str, FLAGS)))
-    header, params, m, v, state = load_checkpoint(str(jax_out / "ckpt_0000003"), cfg, tf.RECIPES)
+    header, params, m, v, state = load_checkpoint(str(jax_out / "ckpt_0000003"), cfg)
     assert (header["n_layer"], state["step"], state["position"]) == (L, 3, 3 * ACCUM * B * T)
     assert list(params) == list(tf.param_shapes(cfg)) and set(v) == set(params) - set(
         tf.muon_names({k: p.shape for k, p in params.items()}))

@@ -127,7 +127,7 @@ def test_model_file_is_the_references_state_dict(runs, one_thread):
     module.embed.bfloat16()
     path = out.parent / "from_the_module.safetensors"
     save_file({k: t.contiguous() for k, t in module.state_dict().items()}, str(path))
-    header, params = read_weights(str(path), tiny_cfg(), tf.RECIPES)
+    header, params = read_weights(str(path), tiny_cfg())
     assert header == dict(vocab_size=V, padded_vocab_size=VP, n_layer=L, n_head=C // 128, n_embd=C)
     for k, p in module.named_parameters():
         np.testing.assert_array_equal(params[k], p.detach().float().numpy(), err_msg=k)
@@ -368,7 +368,7 @@ def test_crafted_speedrun_files(tmp_path, capsys, one_thread):
     path = tmp_path / "bf16.safetensors"
     save_file({k: t.contiguous() for k, t in module.state_dict().items()}, str(path))
     capsys.readouterr()
-    header, params = read_weights(str(path), tiny_cfg(), tf.RECIPES)
+    header, params = read_weights(str(path), tiny_cfg())
     assert capsys.readouterr().out == (f"model file {path}: its BF16 tensors are converted to fp32, the "
                                        "type the trainer keeps its weights in\n")
     assert header["n_layer"] == L

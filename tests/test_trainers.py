@@ -303,10 +303,10 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     damaged = write_damaged_checkpoints(mod, tmp_path / "damaged")
     cfg = mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64)  # seed 1337
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
-    good = save_checkpoint(str(tmp_path / "good"), 1, zeros, zeros, zeros, (0, 0), cfg, mod.RECIPES[cfg.recipe])
+    good = save_checkpoint(str(tmp_path / "good"), 1, zeros, zeros, zeros, (0, 0), cfg)
     # a --shuffle run's checkpoint, at a sample past its shard's (of another --batch-size)
     shuffled = save_checkpoint(str(tmp_path / "shuffled"), 1, zeros, zeros, zeros, (0, 10**6),
-                               replace(cfg, shuffle=True), mod.RECIPES[cfg.recipe])
+                               replace(cfg, shuffle=True))
     out = tmp_path / "out"
     # a case that does not stop as it should trains one step, not the default 18,865
     base = ["--out-dir", str(out), *map(str, TINY + t.flags), "--steps", "1", "--ckpt-every", "0",
