@@ -1,5 +1,6 @@
 """The copies the scripts carry on purpose (each trainer stands alone): a top-level function, class or
-constant that two of FILES define is the same text in both, unless DIFFERENT names it with the reason.
+constant that two of FILES define is the same text in both, unless DIFFERENT (the GPT-2 trainers' framework
+parts) or OWN (another script's own version) names it.
 
     python tests/sync_copies.py FILE       # carry FILE's version of every name it shares to every copy
     python tests/sync_copies.py --check    # the names whose copies differ, with a diff; exit 1 if any
@@ -13,28 +14,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["train_gpt2_jax.py", "train_gpt2_torchfunc.py", "train_gpt2_triton.py", "train_aiayn_jax.py",
          "convert_hf.py", "hellaswag.py", "tokenizer.py"]
 MODEL = "the model in each framework"
-TRANSLATOR = "the translator's own (another model, its own data and checkpoints)"
-# Names that two files define each in their own terms: the framework's parts keep the same names, so that
-# a diff of two trainers lines them up
+# Names that the GPT-2 trainers define each in their framework's terms: they keep the same names, so that a
+# diff of two trainers lines them up
 DIFFERENT = {
     "FRAMEWORK": "each trainer's own name in log.jsonl",
     "Config": "the shared flags, then each trainer's own (JAX: attention, scan, processes; torchfunc: compile; "
-              "triton: backend, --test, --bench-ops; the translator's are its own)",
+              "triton: backend, --test, --bench-ops)",
     "Recipe": "the shared fields, then each trainer's own (its model and update functions)",
     "RECIPES": "each trainer's rows: its own model and update functions",
     "ZERO_STAGES": "JAX also shards the weights (stage 3)",
     "framework_flags": "each trainer's own flags",
-    "param_shapes": "a lookup in each trainer's own RECIPES; the translator's model",
-    "PARAM_NAMES": "GPT-2's names; the translator's model",
-    "MODEL_PRESETS": "GPT-2's presets; the translator's model",
-    "parse_args": "the GPT-2 trainers' shared parser; the translator's and each tool's own flags",
-    "main": "the same steps in the same order, in each framework's terms; each tool's own",
+    "main": "the same steps in the same order, in each framework's terms",
     "gpt2_activation_bytes": "what each framework's backward keeps at each --recompute level",
     "speedrun_activation_bytes": "what each framework's backward keeps at each --recompute level",
     "recomputed": "--recompute in each framework's terms (jax.checkpoint policies; autograd.Functions)",
     "EMBEDDINGS": "the tables JAX and torchfunc keep fp32 in bf16 runs",
     "forward": MODEL, "token_losses": MODEL, "loss_fn": MODEL, "compute_dtype": MODEL, "attention": MODEL,
-    "block": MODEL, "transformer": MODEL, "next_logits": MODEL, "layernorm": MODEL, "linear": MODEL,
+    "block": MODEL, "transformer": MODEL, "next_logits": MODEL,
     "global_norm": "each framework's function", "adamw_update": "each framework's function",
     "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
     "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
@@ -57,12 +53,22 @@ DIFFERENT = {
     "evaluate_val": "JAX's jitted sums / the torch trainers' (shared)",
     "evaluate_hellaswag": "JAX's jitted losses / the torch trainers' (shared)",
     "peak_memory_gb": "JAX's device stats / torch's", "fail_on_out_of_memory": "JAX's error type / torch's",
-    "CENSUS_SECONDS": "JAX's processes / torch's",
-    "any_process_failed": "JAX's processes / torch's", "fail_on_lost_peer": "JAX's processes / torch's",
-    "save_checkpoint": TRANSLATOR, "load_checkpoint": TRANSLATOR, "LN_EPS": TRANSLATOR,
-    "die": "hellaswag.py's and tokenizer.py's say the same without the shared block",
-    "read_shard": "the trainers' memmap stops in one line; tokenizer.py's array raises ValueError for its callers",
+    "fail_on_lost_peer": "JAX's processes / torch's",
 }
+# The other scripts' own versions of names that the trainers also define: compared with no other file's
+OWN = {
+    "train_aiayn_jax.py": {"Config", "FRAMEWORK", "LN_EPS", "MODEL_PRESETS", "PARAM_NAMES", "RECIPES",
+                           "adam_scalars", "forward", "layernorm", "linear", "load_checkpoint", "main",
+                           "param_shapes", "parse_args", "save_checkpoint", "train_step"},  # another model
+    "convert_hf.py": {"main", "parse_args"},
+    "hellaswag.py": {"die", "main", "parse_args"},  # die: says the same, without the shared block
+    "tokenizer.py": {"die", "main", "read_shard"},  # read_shard: raises ValueError for its callers
+}
+
+
+def compared(name, a, b):
+    """Whether the copies of `name` in files a and b must be the same text."""
+    return name not in DIFFERENT and name not in OWN.get(a, ()) and name not in OWN.get(b, ())
 
 
 def read(path):
@@ -87,12 +93,12 @@ def source(text, span):
 
 
 def drifted(texts):
-    """[(name, file a, file b, unified diff)] of each shared name whose copies differ, DIFFERENT aside."""
+    """[(name, file a, file b, unified diff)] of each shared name whose copies differ (DIFFERENT and OWN aside)."""
     defs = {f: top_level(t) for f, t in texts.items()}
     out = []
     for i, a in enumerate(FILES):
         for b in FILES[i + 1:]:
-            for name in sorted(set(defs[a]) & set(defs[b]) - set(DIFFERENT)):
+            for name in sorted(n for n in set(defs[a]) & set(defs[b]) if compared(n, a, b)):
                 sa, sb = source(texts[a], defs[a][name]), source(texts[b], defs[b][name])
                 if sa != sb:
                     diff = "\n".join(difflib.unified_diff(sa.split("\n"), sb.split("\n"), a, b, lineterm=""))
@@ -101,7 +107,7 @@ def drifted(texts):
 
 
 def sync(origin, texts):
-    """texts with every name that `origin` shares with another file (DIFFERENT aside) replaced by origin's."""
+    """texts with every name that `origin` shares with another file (DIFFERENT and OWN aside) replaced by origin's."""
     mine = top_level(texts[origin])
     out = dict(texts)
     for f in FILES:
@@ -110,7 +116,7 @@ def sync(origin, texts):
         lines = out[f].split("\n")
         theirs = top_level(out[f])
         for name, span in sorted(theirs.items(), key=lambda kv: -kv[1][0]):  # bottom up: spans stay valid
-            if name in mine and name not in DIFFERENT:
+            if name in mine and compared(name, origin, f):
                 lines[span[0]:span[1] + 1] = source(texts[origin], mine[name]).split("\n")
         out[f] = "\n".join(lines)
     return out
