@@ -12,9 +12,8 @@ data parallel, ZeRO-1 with --zero-stage 1. Formats, flags and logs: docs/FORMATS
     torchrun --standalone --nproc_per_node=8 train_gpt2_torchfunc.py --data data/fineweb_edu
     python train_gpt2_torchfunc.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
 
-Map: the file's sections, in order. The shared plumbing is the same in every trainer, a copy held equal by
-tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to every copy). Delete
-`Recipe: speedrun` and GPT-2 trains as before.
+Map: the file's sections, in order; the shared plumbing is a copy, held equal in every trainer by
+tests/test_copies.py. Delete `Recipe: speedrun` and GPT-2 trains as before.
     GPT-2: config                          vocabulary, names, Config, Recipe, flags, shapes, init, model files
     GPT-2: model                           the forward, --recompute's reruns
     GPT-2: AdamW and the lr schedule       AdamW, clipping, llm.c's cosine schedule
@@ -339,23 +338,18 @@ class LinearsAfter(Recomputed):
         return None, None, None, *pre_vjp(dh), *grads
 
 
-def differentiated(tensors):
-    """Whether autograd records what is computed from tensors (else there is no backward to rerun for)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def linears(pre, x, pre_args, pairs, cfg):
     """[F.linear(pre(x, *pre_args), w, b) for (w, b) in pairs]; at --recompute pointwise by LinearsAfter."""
     tensors = [x, *pre_args, *[t for pair in pairs for t in pair]]
-    if cfg.recompute == "pointwise" and differentiated(tensors):
+    if cfg.recompute == "pointwise" and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return LinearsAfter.apply(pre, cfg, len(pre_args), *tensors)
     h = pre(x, *pre_args)                                                          # (B,T,Cin)
     return [F.linear(h, w, b) for w, b in pairs]                                   # (B,T,Cout) each
 
 
 def recomputed(f, cfg, level, acts, weights=()):
-    """f(*acts, *weights); at --recompute `level` by Recomputed."""
-    if cfg.recompute == level and differentiated([*acts, *weights]):
+    """f(*acts, *weights); at --recompute `level` by Recomputed where autograd records it (else no rerun)."""
+    if cfg.recompute == level and torch.is_grad_enabled() and any(t.requires_grad for t in [*acts, *weights]):
         return Recomputed.apply(f, cfg, len(acts), *acts, *weights)
     return f(*acts, *weights)
 
@@ -390,9 +384,8 @@ def compute_dtype(cfg):
 
 def transformer(params, idx, cfg):
     """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in fp32 (call under autocast(cfg))."""
-    T = idx.shape[1]
     # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32
-    x = (params["wte"][idx] + params["wpe"][:T]).to(compute_dtype(cfg))            # (B,T,C)
+    x = (params["wte"][idx] + params["wpe"][:idx.shape[1]]).to(compute_dtype(cfg))  # (B,T,C)
     # unbind: each stacked tensor's gradient is one stack, not a sum of L zero-padded (L, ...) copies
     layers = {k: params[k].unbind(0) for k in LAYER_NAMES}                        # L x (...) each
     for layer in range(cfg.n_layer):
@@ -449,7 +442,6 @@ def token_losses(params, x, y, cfg, train=False):
 # -----------------------------------------------------------------------------
 # GPT-2: AdamW and the lr schedule
 
-
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 
 
@@ -482,12 +474,6 @@ def global_norm(grads):
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
 
 
-def clip_in_place(grads, coef, cfg):
-    """The gradients (a list) times coef, in place, where --grad-clip clips (the same graph every step)."""
-    if cfg.grad_clip > 0:
-        torch._foreach_mul_(grads, coef)
-
-
 def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
     """torch.optim.AdamW's step on lists of tensors, in place (bias1, bias2: 1 - beta^t)."""
     # all in place but the denominator's first op: on the CPU a new tensor costs a page fault per 4 KiB
@@ -507,7 +493,8 @@ def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
 def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     """llm.c's AdamW in place on the gradients times coef, then the copies refreshed (ZeRO-1: 1-D pieces)."""
     lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    clip_in_place(list(grads.values()), coef, cfg)
+    if cfg.grad_clip > 0:  # times coef, 1 unless the norm is over: the same graph every step
+        torch._foreach_mul_(list(grads.values()), coef)
     for decays in (True, False):
         names = [k for k in grads if (k in DECAY_NAMES) == decays]
         if names:
@@ -570,8 +557,7 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
         dist.all_reduce(loss)
     if sharded:
         for group in state["groups"]:
-            first, end = group["span"]
-            dist.reduce_scatter_single(group["grads"], state["grad_buffer"][first:end])
+            dist.reduce_scatter_single(group["grads"], state["grad_buffer"][slice(*group["span"])])
     elif world > 1:
         dist.all_reduce(state["grad_buffer"])
     norm = global_norm(state["shard_grads"])                                       # ()
@@ -859,8 +845,7 @@ def rotary(x):
     T, D = x.shape[1], x.shape[3]
     freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=x.device)  # (D/4,)
     freq = torch.cat([freq, freq.new_zeros(D // 4)])                                # (D/2,)
-    t = torch.arange(T, dtype=torch.float32, device=x.device)                      # (T,)
-    theta = torch.outer(t, freq)[None, :, None]                                    # (1,T,1,D/2)
+    theta = torch.outer(torch.arange(T, dtype=torch.float32, device=x.device), freq)[None, :, None]  # (1,T,1,D/2)
     cos, sin = theta.cos(), theta.sin()                                            # (1,T,1,D/2) each
     x1, x2 = x.float().chunk(2, dim=-1)                                            # (B,T,H,D/2) each
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).type_as(x)   # (B,T,H,D)
@@ -869,8 +854,7 @@ def rotary(x):
 def speedrun_attention(q, k, v, cfg):
     """Causal attention (B,T,C) of q, k, v (B,T,H,D), after q's and k's RMSNorm and rotary."""
     B, T, H, D = q.shape
-    eps = torch.finfo(compute_dtype(cfg)).eps
-    q, k = (rotary(F.rms_norm(t, (D,), eps=eps)) for t in (q, k))                 # (B,T,H,D) each
+    q, k = (rotary(F.rms_norm(t, (D,), eps=torch.finfo(compute_dtype(cfg)).eps)) for t in (q, k))  # (B,T,H,D) each
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        scale=ATTN_SCALE, is_causal=True)           # (B,H,T,D)
     return y.transpose(1, 2).reshape(B, T, H * D)                                  # (B,T,C)
@@ -883,9 +867,8 @@ def speedrun_block(x, w, cfg):
 
     def rms_norm(x, gains):
         return F.rms_norm(x, (C,), gains, torch.finfo(compute_dtype(cfg)).eps)
-    q, k, v = (t.view(B, T, H, D) for t in linears(
-        rms_norm, x, (w["norm1.gains"],), [(w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]) for n in "qkv"],
-        cfg))                                                                      # (B,T,H,D) each
+    pairs = [(w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]) for n in "qkv"]
+    q, k, v = (t.view(B, T, H, D) for t in linears(rms_norm, x, (w["norm1.gains"],), pairs, cfg))  # (B,T,H,D) each
     # at --recompute pointwise the attention reruns too: its backward needs the q/k norms' rerun outputs
     y = recomputed(functools.partial(speedrun_attention, cfg=cfg), cfg, "pointwise", [q, k, v])  # (B,T,C)
     x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
@@ -1012,7 +995,8 @@ def speedrun_muon(names, params, grads, m, lr, dtype):
 def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
     """The speedrun step in place on the gradients times coef: AdamW on v's tensors by group, Muon on the rest."""
     lr = dict(zip(SPEEDRUN_LRS, scalars[:4]))
-    clip_in_place(list(grads.values()), coef, cfg)
+    if cfg.grad_clip > 0:  # times coef, 1 unless the norm is over: the same graph every step
+        torch._foreach_mul_(list(grads.values()), coef)
     for group in ("embed", "head", "vector"):
         names = [k for k in grads if k in v and adamw_group(k) == group]
         if names:
@@ -1124,9 +1108,8 @@ def generate(params, generator, cfg):
 
 def phase_table(profiler, steps, on_gpu, compiled, rows=8):
     """The profiled steps' self time per op and step by phase (forward, backward, optimizer), as text."""
-    forward = "forward+backward (compiled)" if compiled else "forward"
-    phases = [forward, "backward", "optimizer step"]
-    totals = {}  # (phase, op name) -> [calls, microseconds]
+    phases = ["forward+backward (compiled)" if compiled else "forward", "backward", "optimizer step"]
+    totals = {}  # (phase, op name) -> (calls, microseconds)
     for e in profiler.events():
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue  # a kernel's time counts for the op that launched it
@@ -1135,11 +1118,10 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
             if p.name.startswith("autograd::engine::evaluate_function"):
                 phase = phases[1]
             elif p.name == GRADIENT:
-                phase = forward
+                phase = phases[0]
             p = p.cpu_parent
-        t = totals.setdefault((phase, e.name), [0, 0.0])
-        t[0] += 1
-        t[1] += e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        calls, us = totals.get((phase, e.name), (0, 0.0))
+        totals[phase, e.name] = calls + 1, us + (e.self_device_time_total if on_gpu else e.self_cpu_time_total)
     grand = sum(t for _, t in totals.values()) or 1.0
 
     def line(phase, name, calls, us):
@@ -2191,16 +2173,13 @@ def flat_layout(shapes, groups, world):
 
 def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
     """{name: its tensor, a view into `buffer`}, which may hold only the group that starts at element `first`."""
-    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
-            for k in names}
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k]) for k in names}
 
 
 def state_layout(groups, muon_names, shapes, world):
     """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
-    muon = set(muon_names)
-    split = [g for g in groups if not muon.intersection(g[0])]
-    starts, spans = flat_layout(shapes, split, world)
-    if len(split) < len(groups):
+    starts, spans = flat_layout(shapes, groups[:-1] if muon_names else groups, world)
+    if muon_names:
         # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
         names, first = groups[-1][0], spans[-1][1]
         ends, local = [0] * world, {}
@@ -2217,9 +2196,7 @@ def shard_ranges(starts, shapes, span, rank, world):
     """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
     n = (span[1] - span[0]) // world
     first, ranges = span[0] + rank * n, {}
-    for k in starts:
-        if not span[0] <= starts[k] < span[1]:
-            continue
+    for k in starts:  # another group's tensors lie outside the span, so outside the shard
         lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
         if lo < hi:
             ranges[k] = (lo, hi)
@@ -2392,9 +2369,8 @@ def peak_memory_gb(device):
 def flat_gradients(shapes, layout, device):
     """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
     _, starts, spans = layout
-    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
-    return state
+    buffer = torch.zeros(spans[-1][1], dtype=torch.float32, device=device)         # (P,) padded
+    return {"grad_buffer": buffer, "grads": flat_views(buffer, starts, shapes, list(shapes)), "starts": starts}
 
 
 def state_bytes(zero_stage, shapes, layout, muon_names, world):
@@ -2527,8 +2503,7 @@ def main(argv, signals):
         flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * on_gpu
-        profiler = torch.profiler.profile(activities=activities) if cfg.profile else None
+        profiler = torch.profiler.profile() if cfg.profile else None  # the CPU's ops, and CUDA's on a GPU
         times = {}  # step -> seconds
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
@@ -2539,8 +2514,7 @@ def main(argv, signals):
             scalars = recipe.scalars(step, cfg, device)                            # (3,) or (6,)
             loss, norm = train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
-            dt = time.perf_counter() - t0
-            times[step] = dt
+            times[step] = dt = time.perf_counter() - t0
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # --time-budget and signals: all processes must stop at the same step

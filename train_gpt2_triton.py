@@ -2487,16 +2487,13 @@ def flat_layout(shapes, groups, world):
 
 def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
     """{name: its tensor, a view into `buffer`}, which may hold only the group that starts at element `first`."""
-    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
-            for k in names}
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k]) for k in names}
 
 
 def state_layout(groups, muon_names, shapes, world):
     """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
-    muon = set(muon_names)
-    split = [g for g in groups if not muon.intersection(g[0])]
-    starts, spans = flat_layout(shapes, split, world)
-    if len(split) < len(groups):
+    starts, spans = flat_layout(shapes, groups[:-1] if muon_names else groups, world)
+    if muon_names:
         # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
         names, first = groups[-1][0], spans[-1][1]
         ends, local = [0] * world, {}
@@ -2513,9 +2510,7 @@ def shard_ranges(starts, shapes, span, rank, world):
     """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
     n = (span[1] - span[0]) // world
     first, ranges = span[0] + rank * n, {}
-    for k in starts:
-        if not span[0] <= starts[k] < span[1]:
-            continue
+    for k in starts:  # another group's tensors lie outside the span, so outside the shard
         lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
         if lo < hi:
             ranges[k] = (lo, hi)
@@ -2688,9 +2683,8 @@ def peak_memory_gb(device):
 def flat_gradients(shapes, layout, device):
     """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
     _, starts, spans = layout
-    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
-    return state
+    buffer = torch.zeros(spans[-1][1], dtype=torch.float32, device=device)         # (P,) padded
+    return {"grad_buffer": buffer, "grads": flat_views(buffer, starts, shapes, list(shapes)), "starts": starts}
 
 
 def state_bytes(zero_stage, shapes, layout, muon_names, world):
