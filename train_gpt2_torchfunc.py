@@ -456,9 +456,8 @@ EMBEDDINGS = ("wte", "wpe")  # no compute-dtype copies: gathered from in fp32 (t
 
 def compute_copies(params, cfg):
     """{name: bf16 copy} of every master but the embedding tables with --dtype bf16; None in fp32."""
-    if cfg.dtype == "fp32":
-        return None
-    return {k: p.to(torch.bfloat16) for k, p in params.items() if k not in RECIPES[cfg.recipe].embeddings}
+    embeddings = RECIPES[cfg.recipe].embeddings
+    return None if cfg.dtype == "fp32" else {k: p.to(torch.bfloat16) for k, p in params.items() if k not in embeddings}
 
 
 def model_weights(params, copies):
@@ -492,13 +491,12 @@ def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
 
 def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     """llm.c's AdamW in place on the gradients times coef, then the copies refreshed (ZeRO-1: 1-D pieces)."""
-    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
     if cfg.grad_clip > 0:  # times coef, 1 unless the norm is over: the same graph every step
         torch._foreach_mul_(list(grads.values()), coef)
     for decays in (True, False):
         names = [k for k in grads if (k in DECAY_NAMES) == decays]
         if names:
-            adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), lr, bias1, bias2,
+            adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), scalars[0], scalars[1], scalars[2],
                       (ADAM_BETA1, ADAM_BETA2), ADAM_EPS, cfg.weight_decay if decays else 0.0)
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
@@ -600,13 +598,11 @@ def gpt2_activation_bytes(cfg):
 
 
 RECIPES = {"gpt2": Recipe(
-    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2,
-    shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
-    model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
-    read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
-    optimizers="AdamW", activation_bytes=gpt2_activation_bytes,
-    token_losses=token_losses, summed=False, scalars=adam_scalars, update=adamw_update,
-    embeddings=EMBEDDINGS, next_logits=next_logits)}
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2, shapes=gpt2_shapes, init=init_gpt2_numpy,
+    lr_at=cosine_lr, muon_names=lambda shapes: [], model_file="model.bin", file_kind="an llm.c model file (.bin)",
+    is_file=is_model_file, read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
+    optimizers="AdamW", activation_bytes=gpt2_activation_bytes, token_losses=token_losses, summed=False,
+    scalars=adam_scalars, update=adamw_update, embeddings=EMBEDDINGS, next_logits=next_logits)}
 
 
 # -----------------------------------------------------------------------------
@@ -883,8 +879,7 @@ def speedrun_transformer(params, idx, cfg):
     C, dt = cfg.n_embd, compute_dtype(cfg)
     eps = torch.finfo(dt).eps
     # rows of the fp32 table by F.embedding, whose backward adds into one zeroed table (indexing copies it)
-    x = F.rms_norm(F.embedding(idx, params["embed.weight"]).to(dt), (C,), params["norm1.gains"],
-                   eps).to(dt)                                                     # (B,T,C)
+    x = F.rms_norm(F.embedding(idx, params["embed.weight"]).to(dt), (C,), params["norm1.gains"], eps).to(dt)  # (B,T,C)
     parts = [k[len("blocks.0."):] for k in params if k.startswith("blocks.0.")]  # a layer's weights' names
     for layer in range(cfg.n_layer):
         x = recomputed(lambda x, *ws: speedrun_block(x, dict(zip(parts, ws)), cfg), cfg, "block", [x],
@@ -1041,12 +1036,11 @@ def speedrun_activation_bytes(cfg):
 RECIPES["speedrun"] = Recipe(
     help=SPEEDRUN_HELP, defaults={**SPEEDRUN_DEFAULTS, "out_dir": f"out/speedrun_{FRAMEWORK}"},
     configure=configure_speedrun, shapes=speedrun_shapes, init=init_speedrun_numpy, lr_at=speedrun_lr,
-    muon_names=muon_names, model_file="model.safetensors",
-    file_kind="a safetensors file of the reference's state_dict (.safetensors)", is_file=is_safetensors_file,
-    read_file=read_speedrun_file, write_file=write_speedrun_file, model_name="speedrun GPT",
-    table="embed.weight", optimizers="AdamW and Muon", activation_bytes=speedrun_activation_bytes,
-    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars, update=speedrun_update,
-    embeddings=("embed.weight",), next_logits=speedrun_next_logits)
+    muon_names=muon_names, model_file="model.safetensors", is_file=is_safetensors_file,
+    file_kind="a safetensors file of the reference's state_dict (.safetensors)", read_file=read_speedrun_file,
+    write_file=write_speedrun_file, model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    activation_bytes=speedrun_activation_bytes, token_losses=speedrun_token_losses, summed=True,
+    scalars=speedrun_scalars, update=speedrun_update, embeddings=("embed.weight",), next_logits=speedrun_next_logits)
 
 
 # -----------------------------------------------------------------------------
@@ -1057,11 +1051,9 @@ def compute_groups(cfg):
     recipe, shapes = RECIPES[cfg.recipe], param_shapes(cfg)
     muon = recipe.muon_names(shapes)
     names = [k for k in shapes if k not in muon]
-    if cfg.dtype == "fp32":
-        groups = [(names, torch.float32)]
-    else:
-        groups = [([k for k in names if k in recipe.embeddings], torch.float32),
-                  ([k for k in names if k not in recipe.embeddings], torch.bfloat16)]
+    groups = [(names, torch.float32)] if cfg.dtype == "fp32" else [
+        ([k for k in names if k in recipe.embeddings], torch.float32),
+        ([k for k in names if k not in recipe.embeddings], torch.bfloat16)]
     return groups + ([(muon, compute_dtype(cfg))] if muon else [])
 
 
@@ -1094,10 +1086,8 @@ def device_state_bytes(cfg, shapes, world):
 
 def generate(params, generator, cfg):
     """SAMPLE_COUNT top-k continuations of EOT: token ids (S,T); eager, no KV cache (faster than compiling)."""
-    device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
-    tokens[:, 0] = EOT
+    tokens = torch.full((SAMPLE_COUNT, T), EOT, dtype=torch.int64, device=next(iter(params.values())).device)  # (S,T)
     for t in range(T - 1):                                                         # token t+1 from 0..t
         logits = RECIPES[cfg.recipe].next_logits(params, tokens, t, cfg)          # (S,V)
         top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)                   # (S,K) each
@@ -1106,9 +1096,14 @@ def generate(params, generator, cfg):
     return tokens
 
 
-def phase_table(profiler, steps, on_gpu, compiled, rows=8):
-    """The profiled steps' self time per op and step by phase (forward, backward, optimizer), as text."""
-    phases = ["forward+backward (compiled)" if compiled else "forward", "backward", "optimizer step"]
+def say_profile(profiler, steps, ms, cfg, on_gpu, rank, say, rows=8):
+    """--profile's end: `steps`' trace written, torch's op table, self time per op by phase, their times `ms`."""
+    profiler.stop()
+    trace = os.path.join(cfg.out_dir, "profile", f"trace_rank{rank}.json")
+    os.makedirs(os.path.dirname(trace), exist_ok=True)
+    profiler.export_chrome_trace(trace)
+    say(profiler.key_averages().table(sort_by=f"self_{'device' if on_gpu else 'cpu'}_time_total", row_limit=25))
+    phases = ["forward+backward (compiled)" if cfg.compile else "forward", "backward", "optimizer step"]
     totals = {}  # (phase, op name) -> (calls, microseconds)
     for e in profiler.events():
         if e.device_type != torch.autograd.DeviceType.CPU:
@@ -1125,7 +1120,8 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
     grand = sum(t for _, t in totals.values()) or 1.0
 
     def line(phase, name, calls, us):
-        return f"{phase:<28} {name[:50]:<50} {calls // steps:>6} {us / 1e3 / steps:>9.3f} {100 * us / grand:>5.1f}%"
+        n = len(steps)
+        return f"{phase:<28} {name[:50]:<50} {calls // n:>6} {us / 1e3 / n:>9.3f} {100 * us / grand:>5.1f}%"
 
     op = f"op (self {'device' if on_gpu else 'CPU'} time)"
     lines = [f"{'phase':<28} {op:<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
@@ -1133,7 +1129,9 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
         ops = sorted(((t, c, name) for (ph, name), (c, t) in totals.items() if ph == phase), reverse=True)
         lines.append(line(phase, "all", sum(c for _, c, _ in ops), sum(t for t, _, _ in ops)))
         lines += [line("", name, c, t) for t, c, name in ops[:rows]]
-    return "\n".join(lines)
+    say("\n".join(lines))
+    say(f"profile: steps {steps[0]}-{steps[-1]} traced into {trace} (Perfetto or chrome://tracing) | step time "
+        f"mean {np.mean(ms):.1f} ms, min {min(ms):.1f} ms, max {max(ms):.1f} ms")
 
 
 # Inductor's mix-order reduction (on GPUs since torch 2.10) drops the write of a column sum into a slice of
@@ -2325,10 +2323,9 @@ def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank,
         n = (end - first) // world
         own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
         weights = torch.zeros(end - first, dtype=dtype, device=device)             # (N,)
-        views = flat_views(weights, starts, shapes, names, first)
+        state["weights"].update(flat_views(weights, starts, shapes, names, first))
         for k in names:
-            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        state["weights"].update(views)
+            state["weights"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
         zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=device)
         group = {"span": (first, end), "names": names, "weights": weights, "m": zeros(),
                  "own_weights": weights[own - first:own - first + n]}              # (S,) a view
@@ -2525,17 +2522,7 @@ def main(argv, signals):
             if cfg.compile and step == first:
                 say(f"compiled train step in {dt:.1f} s (compilation and step {step})")
             if cfg.profile and step == profile_steps[-1]:
-                profiler.stop()
-                os.makedirs(os.path.join(cfg.out_dir, "profile"), exist_ok=True)
-                trace = os.path.join(cfg.out_dir, "profile", f"trace_rank{rank}.json")
-                profiler.export_chrome_trace(trace)
-                ms = [1000 * times[s] for s in profile_steps]
-                sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-                say(profiler.key_averages().table(sort_by=sort, row_limit=25))
-                say(phase_table(profiler, len(profile_steps), on_gpu, cfg.compile))
-                say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {trace} "
-                    f"(Perfetto or chrome://tracing) | step time mean {np.mean(ms):.1f} ms, min "
-                    f"{min(ms):.1f} ms, max {max(ms):.1f} ms")
+                say_profile(profiler, profile_steps, [1000 * times[s] for s in profile_steps], cfg, on_gpu, rank, say)
             report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
                         FRAMEWORK, master, say)
             # the checkpoint before a signal's stop and the evaluations (--resume runs those log.jsonl lacks)

@@ -2639,10 +2639,9 @@ def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank,
         n = (end - first) // world
         own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
         weights = torch.zeros(end - first, dtype=dtype, device=device)             # (N,)
-        views = flat_views(weights, starts, shapes, names, first)
+        state["weights"].update(flat_views(weights, starts, shapes, names, first))
         for k in names:
-            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        state["weights"].update(views)
+            state["weights"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
         zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=device)
         group = {"span": (first, end), "names": names, "weights": weights, "m": zeros(),
                  "own_weights": weights[own - first:own - first + n]}              # (S,) a view
