@@ -12,9 +12,8 @@ data parallel, ZeRO-1 with --zero-stage 1. Formats, flags and logs: docs/FORMATS
     torchrun --standalone --nproc_per_node=8 train_gpt2_torchfunc.py --data data/fineweb_edu
     python train_gpt2_torchfunc.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
 
-Map: the file's sections, in order. The shared plumbing is the same in every trainer, a copy held equal by
-tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to every copy). Delete
-`Recipe: speedrun` and GPT-2 trains as before.
+Map: the file's sections, in order; the shared plumbing is a copy, held equal in every trainer by
+tests/test_copies.py. Delete `Recipe: speedrun` and GPT-2 trains as before.
     GPT-2: config                          vocabulary, names, Config, Recipe, flags, shapes, init, model files
     GPT-2: model                           the forward, --recompute's reruns
     GPT-2: AdamW and the lr schedule       AdamW, clipping, llm.c's cosine schedule
@@ -337,23 +336,18 @@ class LinearsAfter(Recomputed):
         return None, None, None, *pre_vjp(dh), *grads
 
 
-def differentiated(tensors):
-    """Whether autograd records what is computed from tensors (else there is no backward to rerun for)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def linears(pre, x, pre_args, pairs, cfg):
     """[F.linear(pre(x, *pre_args), w, b) for (w, b) in pairs]; at --recompute pointwise by LinearsAfter."""
     tensors = [x, *pre_args, *[t for pair in pairs for t in pair]]
-    if cfg.recompute == "pointwise" and differentiated(tensors):
+    if cfg.recompute == "pointwise" and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return LinearsAfter.apply(pre, cfg, len(pre_args), *tensors)
     h = pre(x, *pre_args)                                                          # (B,T,Cin)
     return [F.linear(h, w, b) for w, b in pairs]                                   # (B,T,Cout) each
 
 
 def recomputed(f, cfg, level, acts, weights=()):
-    """f(*acts, *weights); at --recompute `level` by Recomputed."""
-    if cfg.recompute == level and differentiated([*acts, *weights]):
+    """f(*acts, *weights); at --recompute `level` by Recomputed where autograd records it (else no rerun)."""
+    if cfg.recompute == level and torch.is_grad_enabled() and any(t.requires_grad for t in [*acts, *weights]):
         return Recomputed.apply(f, cfg, len(acts), *acts, *weights)
     return f(*acts, *weights)
 
@@ -388,9 +382,8 @@ def compute_dtype(cfg):
 
 def transformer(params, idx, cfg):
     """Token ids idx (B,T) -> hidden states (B,T,C) after ln_f, in fp32 (call under autocast(cfg))."""
-    T = idx.shape[1]
     # rows gathered from the fp32 tables, so the embeddings' scatter-add gradient is summed in fp32
-    x = (params["wte"][idx] + params["wpe"][:T]).to(compute_dtype(cfg))            # (B,T,C)
+    x = (params["wte"][idx] + params["wpe"][:idx.shape[1]]).to(compute_dtype(cfg))  # (B,T,C)
     # unbind: each stacked tensor's gradient is one stack, not a sum of L zero-padded (L, ...) copies
     layers = {k: params[k].unbind(0) for k in LAYER_NAMES}                        # L x (...) each
     for layer in range(cfg.n_layer):
@@ -447,7 +440,6 @@ def token_losses(params, x, y, cfg, train=False):
 # -----------------------------------------------------------------------------
 # GPT-2: AdamW and the lr schedule
 
-
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
 
 
@@ -462,9 +454,8 @@ EMBEDDINGS = ("wte", "wpe")  # no compute-dtype copies: gathered from in fp32 (t
 
 def compute_copies(params, cfg):
     """{name: bf16 copy} of every master but the embedding tables with --dtype bf16; None in fp32."""
-    if cfg.dtype == "fp32":
-        return None
-    return {k: p.to(torch.bfloat16) for k, p in params.items() if k not in RECIPES[cfg.recipe].embeddings}
+    embeddings = RECIPES[cfg.recipe].embeddings
+    return None if cfg.dtype == "fp32" else {k: p.to(torch.bfloat16) for k, p in params.items() if k not in embeddings}
 
 
 def model_weights(params, copies):
@@ -478,12 +469,6 @@ def global_norm(grads):
     pieces = [p for g in grads.values() for p in g.reshape(-1).split(1 << 18)]
     norms = torch._foreach_norm(pieces, dtype=torch.float64)                       # n x ()
     return torch.linalg.vector_norm(torch.stack(norms)).float()                    # ()
-
-
-def clip_in_place(grads, coef, cfg):
-    """The gradients (a list) times coef, in place, where --grad-clip clips (the same graph every step)."""
-    if cfg.grad_clip > 0:
-        torch._foreach_mul_(grads, coef)
 
 
 def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
@@ -504,12 +489,12 @@ def adam_step(p, g, m, v, lr, bias1, bias2, betas, eps, decay):
 
 def adamw_update(params, grads, m, v, scalars, coef, copies, cfg):
     """llm.c's AdamW in place on the gradients times coef, then the copies refreshed (ZeRO-1: 1-D pieces)."""
-    lr, bias1, bias2 = scalars[0], scalars[1], scalars[2]
-    clip_in_place(list(grads.values()), coef, cfg)
+    if cfg.grad_clip > 0:  # times coef, 1 unless the norm is over: the same graph every step
+        torch._foreach_mul_(list(grads.values()), coef)
     for decays in (True, False):
         names = [k for k in grads if (k in DECAY_NAMES) == decays]
         if names:
-            adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), lr, bias1, bias2,
+            adam_step(*([d[k] for k in names] for d in (params, grads, m, v)), scalars[0], scalars[1], scalars[2],
                       (ADAM_BETA1, ADAM_BETA2), ADAM_EPS, cfg.weight_decay if decays else 0.0)
     if copies is not None:
         torch._foreach_copy_(list(copies.values()), [params[k] for k in copies])
@@ -568,8 +553,7 @@ def train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world):
         dist.all_reduce(loss)
     if sharded:
         for group in state["groups"]:
-            first, end = group["span"]
-            dist.reduce_scatter_single(group["grads"], state["grad_buffer"][first:end])
+            dist.reduce_scatter_single(group["grads"], state["grad_buffer"][slice(*group["span"])])
     elif world > 1:
         dist.all_reduce(state["grad_buffer"])
     norm = global_norm(state["shard_grads"])                                       # ()
@@ -612,13 +596,11 @@ def gpt2_activation_bytes(cfg):
 
 
 RECIPES = {"gpt2": Recipe(
-    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2,
-    shapes=gpt2_shapes, init=init_gpt2_numpy, lr_at=cosine_lr, muon_names=lambda shapes: [],
-    model_file="model.bin", file_kind="an llm.c model file (.bin)", is_file=is_model_file,
-    read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
-    optimizers="AdamW", activation_bytes=gpt2_activation_bytes,
-    token_losses=token_losses, summed=False, scalars=adam_scalars, update=adamw_update,
-    embeddings=EMBEDDINGS, next_logits=next_logits)}
+    help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2, shapes=gpt2_shapes, init=init_gpt2_numpy,
+    lr_at=cosine_lr, muon_names=lambda shapes: [], model_file="model.bin", file_kind="an llm.c model file (.bin)",
+    is_file=is_model_file, read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
+    optimizers="AdamW", activation_bytes=gpt2_activation_bytes, token_losses=token_losses, summed=False,
+    scalars=adam_scalars, update=adamw_update, embeddings=EMBEDDINGS, next_logits=next_logits)}
 
 
 # -----------------------------------------------------------------------------
@@ -832,10 +814,8 @@ def newton_schulz(G, dtype):
 
 def fp8_quantize(x, kind):
     """--fp8-head's operand `kind` of x: x times fp8_reciprocal(kind) in fp32, saturated, rounded to nearest even."""
-    # clamped: torch's e5m2 cast would overflow to inf
-    fmt = FP8_FORMATS[kind]
-    q = x.float() * fp8_reciprocal(kind)
-    return q.clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
+    fmt = FP8_FORMATS[kind]  # clamped: torch's e5m2 cast would overflow to inf
+    return (x.float() * fp8_reciprocal(kind)).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
 
 
 def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
@@ -857,8 +837,7 @@ def rotary(x):
     T, D = x.shape[1], x.shape[3]
     freq = (1 / 1024) ** torch.linspace(0, 1, D // 4, dtype=torch.float32, device=x.device)  # (D/4,)
     freq = torch.cat([freq, freq.new_zeros(D // 4)])                                # (D/2,)
-    t = torch.arange(T, dtype=torch.float32, device=x.device)                      # (T,)
-    theta = torch.outer(t, freq)[None, :, None]                                    # (1,T,1,D/2)
+    theta = torch.outer(torch.arange(T, dtype=torch.float32, device=x.device), freq)[None, :, None]  # (1,T,1,D/2)
     cos, sin = theta.cos(), theta.sin()                                            # (1,T,1,D/2) each
     x1, x2 = x.float().chunk(2, dim=-1)                                            # (B,T,H,D/2) each
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), -1).type_as(x)   # (B,T,H,D)
@@ -867,8 +846,7 @@ def rotary(x):
 def speedrun_attention(q, k, v, cfg):
     """Causal attention (B,T,C) of q, k, v (B,T,H,D), after q's and k's RMSNorm and rotary."""
     B, T, H, D = q.shape
-    eps = torch.finfo(compute_dtype(cfg)).eps
-    q, k = (rotary(F.rms_norm(t, (D,), eps=eps)) for t in (q, k))                 # (B,T,H,D) each
+    q, k = (rotary(F.rms_norm(t, (D,), eps=torch.finfo(compute_dtype(cfg)).eps)) for t in (q, k))  # (B,T,H,D) each
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        scale=ATTN_SCALE, is_causal=True)           # (B,H,T,D)
     return y.transpose(1, 2).reshape(B, T, H * D)                                  # (B,T,C)
@@ -881,9 +859,8 @@ def speedrun_block(x, w, cfg):
 
     def rms_norm(x, gains):
         return F.rms_norm(x, (C,), gains, torch.finfo(compute_dtype(cfg)).eps)
-    q, k, v = (t.view(B, T, H, D) for t in linears(
-        rms_norm, x, (w["norm1.gains"],), [(w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]) for n in "qkv"],
-        cfg))                                                                      # (B,T,H,D) each
+    pairs = [(w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]) for n in "qkv"]
+    q, k, v = (t.view(B, T, H, D) for t in linears(rms_norm, x, (w["norm1.gains"],), pairs, cfg))  # (B,T,H,D) each
     # at --recompute pointwise the attention reruns too: its backward needs the q/k norms' rerun outputs
     y = recomputed(functools.partial(speedrun_attention, cfg=cfg), cfg, "pointwise", [q, k, v])  # (B,T,C)
     x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
@@ -898,8 +875,7 @@ def speedrun_transformer(params, idx, cfg):
     C, dt = cfg.n_embd, compute_dtype(cfg)
     eps = torch.finfo(dt).eps
     # rows of the fp32 table by F.embedding, whose backward adds into one zeroed table (indexing copies it)
-    x = F.rms_norm(F.embedding(idx, params["embed.weight"]).to(dt), (C,), params["norm1.gains"],
-                   eps).to(dt)                                                     # (B,T,C)
+    x = F.rms_norm(F.embedding(idx, params["embed.weight"]).to(dt), (C,), params["norm1.gains"], eps).to(dt)  # (B,T,C)
     parts = [k[len("blocks.0."):] for k in params if k.startswith("blocks.0.")]  # a layer's weights' names
     for layer in range(cfg.n_layer):
         x = recomputed(lambda x, *ws: speedrun_block(x, dict(zip(parts, ws)), cfg), cfg, "block", [x],
@@ -1010,7 +986,8 @@ def speedrun_muon(names, params, grads, m, lr, dtype):
 def speedrun_update(params, grads, m, v, scalars, coef, copies, cfg):
     """The speedrun step in place on the gradients times coef: AdamW on v's tensors by group, Muon on the rest."""
     lr = dict(zip(SPEEDRUN_LRS, scalars[:4]))
-    clip_in_place(list(grads.values()), coef, cfg)
+    if cfg.grad_clip > 0:  # times coef, 1 unless the norm is over: the same graph every step
+        torch._foreach_mul_(list(grads.values()), coef)
     for group in ("embed", "head", "vector"):
         names = [k for k in grads if k in v and adamw_group(k) == group]
         if names:
@@ -1055,12 +1032,11 @@ def speedrun_activation_bytes(cfg):
 RECIPES["speedrun"] = Recipe(
     help=SPEEDRUN_HELP, defaults={**SPEEDRUN_DEFAULTS, "out_dir": f"out/speedrun_{FRAMEWORK}"},
     configure=configure_speedrun, shapes=speedrun_shapes, init=init_speedrun_numpy, lr_at=speedrun_lr,
-    muon_names=muon_names, model_file="model.safetensors",
-    file_kind="a safetensors file of the reference's state_dict (.safetensors)", is_file=is_safetensors_file,
-    read_file=read_speedrun_file, write_file=write_speedrun_file, model_name="speedrun GPT",
-    table="embed.weight", optimizers="AdamW and Muon", activation_bytes=speedrun_activation_bytes,
-    token_losses=speedrun_token_losses, summed=True, scalars=speedrun_scalars, update=speedrun_update,
-    embeddings=("embed.weight",), next_logits=speedrun_next_logits)
+    muon_names=muon_names, model_file="model.safetensors", is_file=is_safetensors_file,
+    file_kind="a safetensors file of the reference's state_dict (.safetensors)", read_file=read_speedrun_file,
+    write_file=write_speedrun_file, model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
+    activation_bytes=speedrun_activation_bytes, token_losses=speedrun_token_losses, summed=True,
+    scalars=speedrun_scalars, update=speedrun_update, embeddings=("embed.weight",), next_logits=speedrun_next_logits)
 
 
 # -----------------------------------------------------------------------------
@@ -1071,11 +1047,9 @@ def compute_groups(cfg):
     recipe, shapes = RECIPES[cfg.recipe], param_shapes(cfg)
     muon = recipe.muon_names(shapes)
     names = [k for k in shapes if k not in muon]
-    if cfg.dtype == "fp32":
-        groups = [(names, torch.float32)]
-    else:
-        groups = [([k for k in names if k in recipe.embeddings], torch.float32),
-                  ([k for k in names if k not in recipe.embeddings], torch.bfloat16)]
+    groups = [(names, torch.float32)] if cfg.dtype == "fp32" else [
+        ([k for k in names if k in recipe.embeddings], torch.float32),
+        ([k for k in names if k not in recipe.embeddings], torch.bfloat16)]
     return groups + ([(muon, compute_dtype(cfg))] if muon else [])
 
 
@@ -1108,10 +1082,8 @@ def device_state_bytes(cfg, shapes, world):
 
 def generate(params, generator, cfg):
     """SAMPLE_COUNT top-k continuations of EOT: token ids (S,T); eager, no KV cache (faster than compiling)."""
-    device = next(iter(params.values())).device
     T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = torch.zeros((SAMPLE_COUNT, T), dtype=torch.int64, device=device)     # (S,T)
-    tokens[:, 0] = EOT
+    tokens = torch.full((SAMPLE_COUNT, T), EOT, dtype=torch.int64, device=next(iter(params.values())).device)  # (S,T)
     for t in range(T - 1):                                                         # token t+1 from 0..t
         logits = RECIPES[cfg.recipe].next_logits(params, tokens, t, cfg)          # (S,V)
         top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)                   # (S,K) each
@@ -1120,11 +1092,15 @@ def generate(params, generator, cfg):
     return tokens
 
 
-def phase_table(profiler, steps, on_gpu, compiled, rows=8):
-    """The profiled steps' self time per op and step by phase (forward, backward, optimizer), as text."""
-    forward = "forward+backward (compiled)" if compiled else "forward"
-    phases = [forward, "backward", "optimizer step"]
-    totals = {}  # (phase, op name) -> [calls, microseconds]
+def say_profile(profiler, steps, ms, cfg, on_gpu, rank, say, rows=8):
+    """--profile's end: `steps`' trace written, torch's op table, self time per op by phase, their times `ms`."""
+    profiler.stop()
+    trace = os.path.join(cfg.out_dir, "profile", f"trace_rank{rank}.json")
+    os.makedirs(os.path.dirname(trace), exist_ok=True)
+    profiler.export_chrome_trace(trace)
+    say(profiler.key_averages().table(sort_by=f"self_{'device' if on_gpu else 'cpu'}_time_total", row_limit=25))
+    phases = ["forward+backward (compiled)" if cfg.compile else "forward", "backward", "optimizer step"]
+    totals = {}  # (phase, op name) -> (calls, microseconds)
     for e in profiler.events():
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue  # a kernel's time counts for the op that launched it
@@ -1133,15 +1109,15 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
             if p.name.startswith("autograd::engine::evaluate_function"):
                 phase = phases[1]
             elif p.name == GRADIENT:
-                phase = forward
+                phase = phases[0]
             p = p.cpu_parent
-        t = totals.setdefault((phase, e.name), [0, 0.0])
-        t[0] += 1
-        t[1] += e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        calls, us = totals.get((phase, e.name), (0, 0.0))
+        totals[phase, e.name] = calls + 1, us + (e.self_device_time_total if on_gpu else e.self_cpu_time_total)
     grand = sum(t for _, t in totals.values()) or 1.0
 
     def line(phase, name, calls, us):
-        return f"{phase:<28} {name[:50]:<50} {calls // steps:>6} {us / 1e3 / steps:>9.3f} {100 * us / grand:>5.1f}%"
+        n = len(steps)
+        return f"{phase:<28} {name[:50]:<50} {calls // n:>6} {us / 1e3 / n:>9.3f} {100 * us / grand:>5.1f}%"
 
     op = f"op (self {'device' if on_gpu else 'CPU'} time)"
     lines = [f"{'phase':<28} {op:<50} {'calls':>6} {'ms/step':>9} {'share':>6}"]
@@ -1149,7 +1125,9 @@ def phase_table(profiler, steps, on_gpu, compiled, rows=8):
         ops = sorted(((t, c, name) for (ph, name), (c, t) in totals.items() if ph == phase), reverse=True)
         lines.append(line(phase, "all", sum(c for _, c, _ in ops), sum(t for t, _, _ in ops)))
         lines += [line("", name, c, t) for t, c, name in ops[:rows]]
-    return "\n".join(lines)
+    say("\n".join(lines))
+    say(f"profile: steps {steps[0]}-{steps[-1]} traced into {trace} (Perfetto or chrome://tracing) | step time "
+        f"mean {np.mean(ms):.1f} ms, min {min(ms):.1f} ms, max {max(ms):.1f} ms")
 
 
 # Inductor's mix-order reduction (on GPUs since torch 2.10) drops the write of a column sum into a slice of
@@ -2113,8 +2091,7 @@ def stop_diverged(step, loss, norm, cfg):
 # -----------------------------------------------------------------------------
 # Shared torch plumbing: processes, ZeRO-1, evaluation
 #
-# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
-# carries an edit made in FILE to every copy).
+# The same in both torch trainers (python tests/sync_copies.py FILE carries an edit made in FILE to both).
 
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
 CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
@@ -2125,29 +2102,25 @@ def flat_layout(shapes, groups, world):
     """({name: first element}, [(first, end) of each group]) of the groups' tensors in one flat buffer."""
     # each tensor from a FLAT_ALIGN boundary, each group padded to a multiple of FLAT_ALIGN x world: equal shards
     starts, spans, size = {}, [], 0
-    unit = FLAT_ALIGN * world
     for names, _ in groups:
         first = size
         for k in names:
             starts[k] = size
             size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
-        size = first + -(-(size - first) // unit) * unit
+        size = -(-size // (FLAT_ALIGN * world)) * FLAT_ALIGN * world
         spans.append((first, size))
     return starts, spans
 
 
 def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
     """{name: its tensor, a view into `buffer`}, which may hold only the group that starts at element `first`."""
-    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
-            for k in names}
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k]) for k in names}
 
 
 def state_layout(groups, muon_names, shapes, world):
     """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
-    muon = set(muon_names)
-    split = [g for g in groups if not muon.intersection(g[0])]
-    starts, spans = flat_layout(shapes, split, world)
-    if len(split) < len(groups):
+    starts, spans = flat_layout(shapes, groups[:-1] if muon_names else groups, world)
+    if muon_names:
         # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
         names, first = groups[-1][0], spans[-1][1]
         ends, local = [0] * world, {}
@@ -2164,9 +2137,7 @@ def shard_ranges(starts, shapes, span, rank, world):
     """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
     n = (span[1] - span[0]) // world
     first, ranges = span[0] + rank * n, {}
-    for k in starts:
-        if not span[0] <= starts[k] < span[1]:
-            continue
+    for k in starts:  # another group's tensors lie outside the span, so outside the shard
         lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
         if lo < hi:
             ranges[k] = (lo, hi)
@@ -2207,13 +2178,11 @@ def setup_device(cfg):
     else:
         device = torch.device("cpu")
         if world > 1:  # processes on one machine split its cores instead of oversubscribing them
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     store = None
     if world > 1:
         port = os.environ.get("MASTER_PORT", "")
-        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
-                and 1 <= int(port) <= 65535):
+        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
             die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
                 "say where process 0 is (launch with torchrun, or set both)")
         # env://'s store, made here to be read after a failure (under torchrun, its agent serves it)
@@ -2242,14 +2211,11 @@ def fail_on_out_of_memory(cfg):
 
 def any_process_failed(world, device):
     """open_run's `any_failed` for a run of `world` processes (None for one): True when any passes True."""
-    if world == 1:
-        return None
-
     def any_failed(failed):
         flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-    return any_failed
+    return any_failed if world > 1 else None
 
 
 def agree_to_stop(budget_spent, signum, rank, device):
@@ -2267,17 +2233,15 @@ def fail_on_lost_peer(store, rank, world):
         yield
     except RuntimeError as e:
         tb = e.__traceback__
-        while tb is not None and tb.tb_next is not None:
+        while tb.tb_next is not None:  # where it was raised
             tb = tb.tb_next
-        where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-        if world == 1 or not where.startswith("torch.distributed"):
+        if world == 1 or not tb.tb_frame.f_globals.get("__name__", "").startswith("torch.distributed"):
             raise
         # a roll call in the run's store: the ranks silent for CENSUS_SECONDS; None once process 0's store is gone
         try:
             socket.create_connection((store.host, store.port), timeout=2).close()  # writing a closed store warns
             store.set(f"census/{rank}", "alive")
-            deadline = time.monotonic() + CENSUS_SECONDS
-            silent = list(range(world))
+            silent, deadline = list(range(world)), time.monotonic() + CENSUS_SECONDS
             while silent and time.monotonic() < deadline:
                 silent = [r for r in range(world) if not store.check([f"census/{r}"])]
                 time.sleep(0.1)
@@ -2294,44 +2258,36 @@ def fail_on_lost_peer(store, rank, world):
 
 
 def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank, world):
-    """Stage 1 (ZeRO-1): per group of state_layout's `layout`, a process keeps 1/world of the fp32 masters, m, v and
-    the summed gradients, and updates that shard of the weights (`own_weights`); shard_*, m, v: {name: its piece}."""
+    """ZeRO-1: per group of `layout`, a process keeps 1/world of the fp32 masters, m, v and summed gradients."""
     groups, starts, spans = layout
     muon = set(muon_names)
     state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
     for (names, dtype), (first, end) in zip(groups, spans):
         n = (end - first) // world
         own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
-        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
-        views = flat_views(group["weights"], starts, shapes, names, first)
+        weights = torch.zeros(end - first, dtype=dtype, device=device)             # (N,)
+        state["weights"].update(flat_views(weights, starts, shapes, names, first))
         for k in names:
-            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        state["weights"].update(views)
-        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
-        # fp32 weights are their own masters; bf16 ones get an fp32 shard
-        group["params"] = (group["own_weights"] if dtype == torch.float32 else
-                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
-        # one process alone reduces into its gradient buffer itself
-        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
-                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
-        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
-        for name in sources:
-            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
-        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
-            sources["params"] = params
-        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        for name, source in sources.items():
-            for k, (lo, hi) in ranges.items():
-                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
-                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
-        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
-        if dtype != torch.float32:
-            pieces["own_weights"] = "shard_copies"
-        for k, (lo, hi) in ranges.items():
-            for name, into in pieces.items():
-                if name in group:
-                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
-                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
+            state["weights"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=device)
+        group = {"span": (first, end), "names": names, "weights": weights, "m": zeros(),
+                 "own_weights": weights[own - first:own - first + n]}              # (S,) a view
+        # fp32 weights are their own masters; one process alone reduces into its gradient buffer itself
+        group["params"] = group["own_weights"] if dtype == torch.float32 else zeros()  # (S,)
+        group["grads"] = state["grad_buffer"][first:end] if world == 1 else zeros()    # (S,)
+        if not muon.intersection(names):  # Muon keeps one buffer
+            group["v"] = zeros()                                                   # (S,)
+        # each tensor's piece of the shard goes into the state's dict `into`, filled from `sources`' arrays
+        into, sources = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}, {"m": m, "v": v}
+        if dtype != torch.float32:  # a bf16 group's masters start from params; its update refreshes its copies
+            into["own_weights"], sources["params"] = "shard_copies", params
+        for k, (lo, hi) in shard_ranges(starts, shapes, (first, end), rank, world).items():
+            for name in into.keys() & group.keys():
+                piece = group[name][lo - own:hi - own]                             # (hi-lo,)
+                if name in sources:
+                    flat = np.asarray(sources[name][k], np.float32).reshape(-1)
+                    piece.copy_(torch.from_numpy(flat[lo - starts[k]:hi - starts[k]].copy()))
+                state[into[name]][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
         state["groups"].append(group)
     state["shard_copies"] = state["shard_copies"] or None
     return state
@@ -2353,9 +2309,8 @@ def peak_memory_gb(device):
 def flat_gradients(shapes, layout, device):
     """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
     _, starts, spans = layout
-    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
-    return state
+    buffer = torch.zeros(spans[-1][1], dtype=torch.float32, device=device)         # (P,) padded
+    return {"grad_buffer": buffer, "grads": flat_views(buffer, starts, shapes, list(shapes)), "starts": starts}
 
 
 def state_bytes(zero_stage, shapes, layout, muon_names, world):
@@ -2392,20 +2347,17 @@ def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say
         return
     if cfg.zero_stage == 0:
         full = state["params"], state["m"], state["v"]
-    else:  # the shards of the masters and moments, all-gathered group by group
-        shapes, full = recipe.shapes(cfg), []
+    else:  # the shards of the masters and moments, all-gathered group by group (Muon's has no v)
+        full = []
         for name in ("params", "m", "v"):
-            buffer, names = torch.empty_like(state["grad_buffer"]), []                # (P,)
-            for group in state["groups"]:
-                if name not in group:  # Muon's group has no v
-                    continue
-                first, end = group["span"]
+            buffer, groups = torch.empty_like(state["grad_buffer"]), [g for g in state["groups"] if name in g]
+            for group in groups:
                 if world > 1:
-                    dist.all_gather_single(buffer[first:end], group[name])
+                    dist.all_gather_single(buffer[slice(*group["span"])], group[name])
                 else:
-                    buffer[first:end].copy_(group[name])
-                names += [k for k in shapes if first <= state["starts"][k] < end]
-            full.append(flat_views(buffer, state["starts"], shapes, names))
+                    buffer[slice(*group["span"])].copy_(group[name])
+            names = [k for group in groups for k in group["names"]]
+            full.append(flat_views(buffer, state["starts"], recipe.shapes(cfg), names))
     if master:
         full = [{k: t.detach().float().cpu().numpy() for k, t in tensors.items()} for tensors in full]
         say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg)}")
@@ -2491,8 +2443,7 @@ def main(argv, signals):
         flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * on_gpu
-        profiler = torch.profiler.profile(activities=activities) if cfg.profile else None
+        profiler = torch.profiler.profile() if cfg.profile else None  # the CPU's ops, and CUDA's on a GPU
         times = {}  # step -> seconds
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
@@ -2503,8 +2454,7 @@ def main(argv, signals):
             scalars = recipe.scalars(step, cfg, device)                            # (3,) or (6,)
             loss, norm = train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
-            dt = time.perf_counter() - t0
-            times[step] = dt
+            times[step] = dt = time.perf_counter() - t0
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # --time-budget and signals: all processes must stop at the same step
@@ -2515,17 +2465,7 @@ def main(argv, signals):
             if cfg.compile and step == first:
                 say(f"compiled train step in {dt:.1f} s (compilation and step {step})")
             if cfg.profile and step == profile_steps[-1]:
-                profiler.stop()
-                os.makedirs(os.path.join(cfg.out_dir, "profile"), exist_ok=True)
-                trace = os.path.join(cfg.out_dir, "profile", f"trace_rank{rank}.json")
-                profiler.export_chrome_trace(trace)
-                ms = [1000 * times[s] for s in profile_steps]
-                sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-                say(profiler.key_averages().table(sort_by=sort, row_limit=25))
-                say(phase_table(profiler, len(profile_steps), on_gpu, cfg.compile))
-                say(f"profile: steps {profile_steps[0]}-{profile_steps[-1]} traced into {trace} "
-                    f"(Perfetto or chrome://tracing) | step time mean {np.mean(ms):.1f} ms, min "
-                    f"{min(ms):.1f} ms, max {max(ms):.1f} ms")
+                say_profile(profiler, profile_steps, [1000 * times[s] for s in profile_steps], cfg, on_gpu, rank, say)
             report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
                         FRAMEWORK, master, say)
             # the checkpoint before a signal's stop and the evaluations (--resume runs those log.jsonl lacks)

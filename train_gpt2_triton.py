@@ -1037,10 +1037,8 @@ def newton_schulz(G, dtype):
 
 def fp8_quantize(x, kind):
     """--fp8-head's operand `kind` of x: x times fp8_reciprocal(kind) in fp32, saturated, rounded to nearest even."""
-    # clamped: torch's e5m2 cast would overflow to inf
-    fmt = FP8_FORMATS[kind]
-    q = x.float() * fp8_reciprocal(kind)
-    return q.clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
+    fmt = FP8_FORMATS[kind]  # clamped: torch's e5m2 cast would overflow to inf
+    return (x.float() * fp8_reciprocal(kind)).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(TORCH_FP8[fmt])
 
 
 def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
@@ -2400,8 +2398,7 @@ def stop_diverged(step, loss, norm, cfg):
 # -----------------------------------------------------------------------------
 # Shared torch plumbing: processes, ZeRO-1, evaluation
 #
-# The same in every trainer (tests/test_copies.py holds the copies equal; python tests/sync_copies.py FILE
-# carries an edit made in FILE to every copy).
+# The same in both torch trainers (python tests/sync_copies.py FILE carries an edit made in FILE to both).
 
 FLAT_ALIGN = 16  # every tensor starts 64 bytes into a flat buffer, and every shard is a multiple of 16
 CENSUS_SECONDS = 5  # after a failed collective: how long the survivors wait to hear from each other
@@ -2412,29 +2409,25 @@ def flat_layout(shapes, groups, world):
     """({name: first element}, [(first, end) of each group]) of the groups' tensors in one flat buffer."""
     # each tensor from a FLAT_ALIGN boundary, each group padded to a multiple of FLAT_ALIGN x world: equal shards
     starts, spans, size = {}, [], 0
-    unit = FLAT_ALIGN * world
     for names, _ in groups:
         first = size
         for k in names:
             starts[k] = size
             size += -(-math.prod(shapes[k]) // FLAT_ALIGN) * FLAT_ALIGN
-        size = first + -(-(size - first) // unit) * unit
+        size = -(-size // (FLAT_ALIGN * world)) * FLAT_ALIGN * world
         spans.append((first, size))
     return starts, spans
 
 
 def flat_views(buffer, starts, shapes, names=PARAM_NAMES, first=0):
     """{name: its tensor, a view into `buffer`}, which may hold only the group that starts at element `first`."""
-    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k])
-            for k in names}
+    return {k: buffer[starts[k] - first:starts[k] - first + math.prod(shapes[k])].view(shapes[k]) for k in names}
 
 
 def state_layout(groups, muon_names, shapes, world):
     """(groups, starts, spans): flat_layout's of the compute groups, then Muon's matrices (the last group) whole."""
-    muon = set(muon_names)
-    split = [g for g in groups if not muon.intersection(g[0])]
-    starts, spans = flat_layout(shapes, split, world)
-    if len(split) < len(groups):
+    starts, spans = flat_layout(shapes, groups[:-1] if muon_names else groups, world)
+    if muon_names:
         # dealt as the reference's Muon deals them (round-robin, largest first), a process's in its ZeRO-1 shard
         names, first = groups[-1][0], spans[-1][1]
         ends, local = [0] * world, {}
@@ -2451,9 +2444,7 @@ def shard_ranges(starts, shapes, span, rank, world):
     """ZeRO-1: {name: (lo, hi)}, the elements of each tensor of the group over `span` in rank's shard of it."""
     n = (span[1] - span[0]) // world
     first, ranges = span[0] + rank * n, {}
-    for k in starts:
-        if not span[0] <= starts[k] < span[1]:
-            continue
+    for k in starts:  # another group's tensors lie outside the span, so outside the shard
         lo, hi = max(starts[k], first), min(starts[k] + math.prod(shapes[k]), first + n)
         if lo < hi:
             ranges[k] = (lo, hi)
@@ -2494,13 +2485,11 @@ def setup_device(cfg):
     else:
         device = torch.device("cpu")
         if world > 1:  # processes on one machine split its cores instead of oversubscribing them
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     store = None
     if world > 1:
         port = os.environ.get("MASTER_PORT", "")
-        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit()
-                and 1 <= int(port) <= 65535):
+        if not (os.environ.get("MASTER_ADDR") and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
             die(f"$WORLD_SIZE is {world}, but $MASTER_ADDR / $MASTER_PORT ({port!r}: a port in 1-65535) do not "
                 "say where process 0 is (launch with torchrun, or set both)")
         # env://'s store, made here to be read after a failure (under torchrun, its agent serves it)
@@ -2529,14 +2518,11 @@ def fail_on_out_of_memory(cfg):
 
 def any_process_failed(world, device):
     """open_run's `any_failed` for a run of `world` processes (None for one): True when any passes True."""
-    if world == 1:
-        return None
-
     def any_failed(failed):
         flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-    return any_failed
+    return any_failed if world > 1 else None
 
 
 def agree_to_stop(budget_spent, signum, rank, device):
@@ -2554,17 +2540,15 @@ def fail_on_lost_peer(store, rank, world):
         yield
     except RuntimeError as e:
         tb = e.__traceback__
-        while tb is not None and tb.tb_next is not None:
+        while tb.tb_next is not None:  # where it was raised
             tb = tb.tb_next
-        where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-        if world == 1 or not where.startswith("torch.distributed"):
+        if world == 1 or not tb.tb_frame.f_globals.get("__name__", "").startswith("torch.distributed"):
             raise
         # a roll call in the run's store: the ranks silent for CENSUS_SECONDS; None once process 0's store is gone
         try:
             socket.create_connection((store.host, store.port), timeout=2).close()  # writing a closed store warns
             store.set(f"census/{rank}", "alive")
-            deadline = time.monotonic() + CENSUS_SECONDS
-            silent = list(range(world))
+            silent, deadline = list(range(world)), time.monotonic() + CENSUS_SECONDS
             while silent and time.monotonic() < deadline:
                 silent = [r for r in range(world) if not store.check([f"census/{r}"])]
                 time.sleep(0.1)
@@ -2581,44 +2565,36 @@ def fail_on_lost_peer(store, rank, world):
 
 
 def sharded_state(state, params, m, v, shapes, layout, muon_names, device, rank, world):
-    """Stage 1 (ZeRO-1): per group of state_layout's `layout`, a process keeps 1/world of the fp32 masters, m, v and
-    the summed gradients, and updates that shard of the weights (`own_weights`); shard_*, m, v: {name: its piece}."""
+    """ZeRO-1: per group of `layout`, a process keeps 1/world of the fp32 masters, m, v and summed gradients."""
     groups, starts, spans = layout
     muon = set(muon_names)
     state.update(groups=[], weights={}, shard_params={}, shard_grads={}, shard_copies={}, m={}, v={})
     for (names, dtype), (first, end) in zip(groups, spans):
         n = (end - first) // world
         own = first + rank * n  # this process's shard: elements [own, own + n) of the layout
-        group = {"span": (first, end), "weights": torch.zeros(end - first, dtype=dtype, device=device)}
-        views = flat_views(group["weights"], starts, shapes, names, first)
+        weights = torch.zeros(end - first, dtype=dtype, device=device)             # (N,)
+        state["weights"].update(flat_views(weights, starts, shapes, names, first))
         for k in names:
-            views[k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
-        state["weights"].update(views)
-        group["own_weights"] = group["weights"][own - first:own - first + n]      # (S,) a view
-        # fp32 weights are their own masters; bf16 ones get an fp32 shard
-        group["params"] = (group["own_weights"] if dtype == torch.float32 else
-                           torch.zeros(n, dtype=torch.float32, device=device))     # (S,)
-        # one process alone reduces into its gradient buffer itself
-        group["grads"] = (state["grad_buffer"][first:end] if world == 1 else
-                          torch.zeros(n, dtype=torch.float32, device=device))      # (S,)
-        sources = {"m": m} if muon.intersection(names) else {"m": m, "v": v}  # Muon keeps one buffer
-        for name in sources:
-            group[name] = torch.zeros(n, dtype=torch.float32, device=device)      # (S,)
-        if dtype != torch.float32:  # the fp32 masters that are weights already hold their values
-            sources["params"] = params
-        ranges = shard_ranges(starts, shapes, (first, end), rank, world)
-        for name, source in sources.items():
-            for k, (lo, hi) in ranges.items():
-                flat = np.asarray(source[k], np.float32).reshape(-1)[lo - starts[k]:hi - starts[k]]
-                group[name][lo - own:hi - own] = torch.from_numpy(flat.copy())
-        pieces = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}
-        if dtype != torch.float32:
-            pieces["own_weights"] = "shard_copies"
-        for k, (lo, hi) in ranges.items():
-            for name, into in pieces.items():
-                if name in group:
-                    piece = group[name][lo - own:hi - own]                         # (hi-lo,)
-                    state[into][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
+            state["weights"][k].copy_(torch.from_numpy(np.asarray(params[k], np.float32)))
+        zeros = functools.partial(torch.zeros, n, dtype=torch.float32, device=device)
+        group = {"span": (first, end), "names": names, "weights": weights, "m": zeros(),
+                 "own_weights": weights[own - first:own - first + n]}              # (S,) a view
+        # fp32 weights are their own masters; one process alone reduces into its gradient buffer itself
+        group["params"] = group["own_weights"] if dtype == torch.float32 else zeros()  # (S,)
+        group["grads"] = state["grad_buffer"][first:end] if world == 1 else zeros()    # (S,)
+        if not muon.intersection(names):  # Muon keeps one buffer
+            group["v"] = zeros()                                                   # (S,)
+        # each tensor's piece of the shard goes into the state's dict `into`, filled from `sources`' arrays
+        into, sources = {"params": "shard_params", "grads": "shard_grads", "m": "m", "v": "v"}, {"m": m, "v": v}
+        if dtype != torch.float32:  # a bf16 group's masters start from params; its update refreshes its copies
+            into["own_weights"], sources["params"] = "shard_copies", params
+        for k, (lo, hi) in shard_ranges(starts, shapes, (first, end), rank, world).items():
+            for name in into.keys() & group.keys():
+                piece = group[name][lo - own:hi - own]                             # (hi-lo,)
+                if name in sources:
+                    flat = np.asarray(sources[name][k], np.float32).reshape(-1)
+                    piece.copy_(torch.from_numpy(flat[lo - starts[k]:hi - starts[k]].copy()))
+                state[into[name]][k] = piece.view(shapes[k]) if k in muon else piece  # Muon's whole, shaped
         state["groups"].append(group)
     state["shard_copies"] = state["shard_copies"] or None
     return state
@@ -2640,9 +2616,8 @@ def peak_memory_gb(device):
 def flat_gradients(shapes, layout, device):
     """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
     _, starts, spans = layout
-    state = {"grad_buffer": torch.zeros(spans[-1][1], dtype=torch.float32, device=device)}  # (P,) padded
-    state["grads"], state["starts"] = flat_views(state["grad_buffer"], starts, shapes, list(shapes)), starts
-    return state
+    buffer = torch.zeros(spans[-1][1], dtype=torch.float32, device=device)         # (P,) padded
+    return {"grad_buffer": buffer, "grads": flat_views(buffer, starts, shapes, list(shapes)), "starts": starts}
 
 
 def state_bytes(zero_stage, shapes, layout, muon_names, world):
@@ -2679,20 +2654,17 @@ def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say
         return
     if cfg.zero_stage == 0:
         full = state["params"], state["m"], state["v"]
-    else:  # the shards of the masters and moments, all-gathered group by group
-        shapes, full = recipe.shapes(cfg), []
+    else:  # the shards of the masters and moments, all-gathered group by group (Muon's has no v)
+        full = []
         for name in ("params", "m", "v"):
-            buffer, names = torch.empty_like(state["grad_buffer"]), []                # (P,)
-            for group in state["groups"]:
-                if name not in group:  # Muon's group has no v
-                    continue
-                first, end = group["span"]
+            buffer, groups = torch.empty_like(state["grad_buffer"]), [g for g in state["groups"] if name in g]
+            for group in groups:
                 if world > 1:
-                    dist.all_gather_single(buffer[first:end], group[name])
+                    dist.all_gather_single(buffer[slice(*group["span"])], group[name])
                 else:
-                    buffer[first:end].copy_(group[name])
-                names += [k for k in shapes if first <= state["starts"][k] < end]
-            full.append(flat_views(buffer, state["starts"], shapes, names))
+                    buffer[slice(*group["span"])].copy_(group[name])
+            names = [k for group in groups for k in group["names"]]
+            full.append(flat_views(buffer, state["starts"], recipe.shapes(cfg), names))
     if master:
         full = [{k: t.detach().float().cpu().numpy() for k, t in tensors.items()} for tensors in full]
         say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg)}")

@@ -384,7 +384,7 @@ def fp8_flags(shards, out, init):
 @pytest.fixture(scope="session")
 def fp8_reference(tiny_shards, tmp_path_factory):
     """(init model file, per-step losses) of tests/speedrun_reference.py's float64 FP8_RUN with the FP8 head
-    (~2 s of CPU), from speedrun_random_weights (seed 1), written by trainkit as the trainers write it."""
+    (~2 s of CPU), from speedrun_random_weights (seed 1), written as the trainers write it."""
     import speedrun_reference
     from train_gpt2_jax import speedrun_shapes, write_speedrun_file
     from types import SimpleNamespace

@@ -47,16 +47,13 @@ DIFFERENT = {
     "speedrun_scalars": "host arrays in JAX, device tensors in torchfunc",
     "speedrun_update": "JAX returns the new state / torchfunc updates it in place / the Triton trainer through "
                        "its op interface",
-    "newton_schulz": "JAX's jnp / torch's (the torch trainers share theirs)",
-    "fp8_quantize": "JAX's jnp / torch's (the torch trainers share theirs)",
-    "state_layout": "JAX's shardings / the torch trainers' flat buffers",
-    "evaluate_val": "JAX's jitted sums / the torch trainers' (shared)",
-    "evaluate_hellaswag": "JAX's jitted losses / the torch trainers' (shared)",
-    "peak_memory_gb": "JAX's device stats / torch's", "fail_on_out_of_memory": "JAX's error type / torch's",
-    "fail_on_lost_peer": "JAX's processes / torch's",
 }
 # The other scripts' own versions of names that the trainers also define: compared with no other file's
 OWN = {
+    # JAX's own of what the two torch trainers share (their copies are held equal): jnp, shardings, its
+    # jitted evaluation, its device stats, errors and processes
+    "train_gpt2_jax.py": {"newton_schulz", "fp8_quantize", "state_layout", "evaluate_val", "evaluate_hellaswag",
+                          "peak_memory_gb", "fail_on_out_of_memory", "fail_on_lost_peer"},
     "train_aiayn_jax.py": {"Config", "FRAMEWORK", "LN_EPS", "MODEL_PRESETS", "PARAM_NAMES", "RECIPES",
                            "adam_scalars", "forward", "layernorm", "linear", "load_checkpoint", "main",
                            "param_shapes", "parse_args", "save_checkpoint", "train_step"},  # another model

@@ -436,7 +436,7 @@ def test_an_out_dir_holding_a_run_is_not_overwritten(trained, data_dir, jax_env,
 def test_force_twice_in_a_second_keeps_both_runs(tmp_path, capsys):
     """Two --force starts in quick succession (the same second, as a script's retries may be) each move
     the run they replace, its hypotheses with it, into a replaced_ folder of its own, so that neither run
-    is lost (the translator's out dir is trainkit's, as the GPT-2 trainers keep theirs)."""
+    is lost (the translator's out dir is kept by the GPT-2 trainers' shared plumbing)."""
     out = tmp_path / "run"
     out.mkdir()
     cfg = replace(aiayn.Config(), out_dir=str(out), force=True)
@@ -460,7 +460,7 @@ def logged_step(out):
 
 
 def test_a_requeued_run_is_locked_and_stops_at_a_checkpoint_on_ctrl_c(data_dir, jax_env, tmp_path):
-    """As the GPT-2 trainers do (trainkit's out dir and signals): --resume auto in an out dir whose run was
+    """As the GPT-2 trainers do (the shared plumbing's out dir and signals): --resume auto in an out dir whose run was
     killed before its first checkpoint starts at step 0, its log set aside in replaced_<time>; the same
     launch again while it runs (a requeued job) is refused in one line naming it; Ctrl-C then stops it at
     the end of a step, with that step's checkpoint, one line, exit 130, no traceback and no ckpt_*.tmp. The

@@ -192,7 +192,7 @@ def test_checkpoint_save_clears_a_crashed_save(tmp_path):
     """A save finds what a run that died while saving the same step left behind (a half-written .tmp dir, an
     .old dir from a replacement cut short) and still writes a complete checkpoint; saving the step again
     replaces it whole; a resume reads back the weights, moments and data position."""
-    mod = importlib.import_module("train_gpt2_jax")  # its Config and RECIPES; the checkpoints are trainkit's
+    mod = importlib.import_module("train_gpt2_jax")  # its Config and RECIPES; the checkpoints are the shared plumbing's
     cfg = mod.Config(n_layer=2, n_head=4, n_embd=64, block_size=64, seq_len=32)
     shapes = mod.param_shapes(cfg)
     rng = np.random.default_rng(0)

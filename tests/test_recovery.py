@@ -156,7 +156,7 @@ def test_non_finite_or_out_of_range_checkpoints_are_refused(tmp_path):
     inf (an llm.c model file given to --init-from is read by the same reader, in fp32 and in bf16), its
     optimizer state holds a NaN or an inf (a first moment: AdamW's, or Muon's momentum in the speedrun
     recipe; an AdamW second moment), or its seed is out of the range that --seed takes."""
-    mod = importlib.import_module("train_gpt2_jax")  # its Config and RECIPES; the checks are trainkit's
+    mod = importlib.import_module("train_gpt2_jax")  # its Config and RECIPES; the checks are the shared plumbing's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8,
                      out_dir=str(tmp_path))
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}

@@ -185,7 +185,7 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
     """A state.npz whose step, shard, position or seed is out of range (a negative step would train with
     a negative learning rate) or not an integer scalar is refused with one line naming the field; --resume
     auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
-    mod = tj  # its Config and RECIPES; the checks are trainkit's
+    mod = tj  # its Config and RECIPES; the checks are the shared plumbing's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
     good = Path(save_checkpoint(str(tmp_path / "good"), 3, zeros, zeros, zeros, (0, 0), cfg))

@@ -1,6 +1,6 @@
 """--shuffle: llm.c's shuffled data order (llmc/rand.h's generator, llmc/dataloader.h's permutations), held
 to the generator's published outputs, to cases worked by hand from llm.c's code, and to
-tests/llmc_reference.py's word-by-word port of llm.c's loader, which shares no code with trainkit."""
+tests/llmc_reference.py's word-by-word port of llm.c's loader, which shares no code with the trainers."""
 import numpy as np
 import pytest
 
