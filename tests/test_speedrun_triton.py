@@ -19,8 +19,6 @@ import torch.nn.functional as F
 import speedrun_reference as ref
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-import train_gpt2_triton as tks
-import train_gpt2_triton as tools
 from conftest import (assert_same_step_values, run_script, speedrun_random_weights, step_events,
                       stop_by_signals_and_resume, train_losses)
 
@@ -157,8 +155,8 @@ def test_muon_update_is_the_references():
 def test_the_speedrun_ops_are_listed_once():
     """Both backends' speedrun tables fill in SPEEDRUN_OP_NAMES exactly; --recipe speedrun's namespace
     holds those and OP_NAMES, each backend's own."""
-    assert sorted(vars(OPS)) == sorted(vars(tks.TRITON_SPEEDRUN_OPS)) == sorted(tg.SPEEDRUN_OP_NAMES)
-    for backend, table in (("torch", OPS), ("triton", tks.TRITON_SPEEDRUN_OPS)):
+    assert sorted(vars(OPS)) == sorted(vars(tg.TRITON_SPEEDRUN_OPS)) == sorted(tg.SPEEDRUN_OP_NAMES)
+    for backend, table in (("torch", OPS), ("triton", tg.TRITON_SPEEDRUN_OPS)):
         ops = vars(tg.backend_ops(backend, "speedrun"))
         assert sorted(ops) == sorted(tg.OP_NAMES + tg.SPEEDRUN_OP_NAMES)
         assert all(ops[k] is f for k, f in vars(table).items())
@@ -270,12 +268,12 @@ def test_a_triton_checkpoint_resumes_in_backend_torch(runs, tiny_shards, tmp_pat
 def test_bench_ops_lists_every_speedrun_kernel(capsys, monkeypatch, one_thread):
     """--bench-ops --recipe speedrun times every speedrun op of backend triton (the attention's backward
     with its forward; Muon once per shape it batches over) against the PyTorch ops it replaces."""
-    monkeypatch.setattr(tools, "BENCH_WARMUP", 0)
-    monkeypatch.setattr(tools, "BENCH_REPS", 1)
-    monkeypatch.setattr(tools, "COPY_BYTES", 1 << 16)
+    monkeypatch.setattr(tg, "BENCH_WARMUP", 0)
+    monkeypatch.setattr(tg, "BENCH_REPS", 1)
+    monkeypatch.setattr(tg, "COPY_BYTES", 1 << 16)
     cfg = replace(tiny_cfg(), backend="triton", n_layer=1, seq_len=16, batch_size=1, vocab_size=61,
                   padded_vocab_size=64)
-    tools.bench_ops(cfg, tg.backend_ops("triton", "speedrun"), torch.device("cpu"))
+    tg.bench_ops(cfg, tg.backend_ops("triton", "speedrun"), torch.device("cpu"))
     out = capsys.readouterr().out
     benched = [line.split()[0] for line in out.splitlines() if " | " in line and line.endswith("x")]
     assert set(benched) == (set(tg.SPEEDRUN_OP_NAMES) - {"scaled_attention_backward"}

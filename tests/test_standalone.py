@@ -41,7 +41,7 @@ def test_a_trainer_copied_alone_trains_and_resumes(case, recipe, tmp_path, tiny_
     copy = run_script(script, *flags, "--out-dir", alone / "out", cwd=alone, env=env)
     assert copy.stdout.count("no samples: GPT-2's tokenizer did not load") == 1, copy.stdout
     if case == "jax":  # the file's bytes are the checkout's: one trainer shows the numbers are too
-        checkout = run_script(script, *flags, "--out-dir", tmp_path / "checkout", "--sample-every", "0")
+        run_script(script, *flags, "--out-dir", tmp_path / "checkout", "--sample-every", "0")
         assert numbers(alone / "out") == numbers(tmp_path / "checkout")
     assert len(numbers(alone / "out")) == 4
     run_script(script, *flags, "--sample-every", "0", "--resume", alone / "out" / "ckpt_0000001", "--out-dir",

@@ -1,5 +1,5 @@
-"""train_gpt2_triton.py: hand-derived backward, and the Triton kernels of triton_kernels.py and
-triton_kernels_speedrun.py, with triton_tools.py's --test, --profile and --bench-ops
+"""train_gpt2_triton.py: hand-derived backward, and its Triton kernels (GPT-2's and the speedrun recipe's),
+with its --test, --profile and --bench-ops
 (backend torch on the CPU, tiny model L2 H4 C64: --test against autograd, no autograd in a step, what the
 forward keeps for the backward, --profile, --bench-ops; backend triton in Triton's interpreter without a GPU
 (compiled, and bf16 too, with one): every kernel of both recipes against backend torch, and with loops over
@@ -19,9 +19,6 @@ import pytest
 import torch
 
 import train_gpt2_triton as tg
-import train_gpt2_triton as tk
-import train_gpt2_triton as tks
-import train_gpt2_triton as tools
 from conftest import assert_clean_error, run_script, speedrun_random_weights, step_events, write_shard
 from train_gpt2_jax import DataLoader
 
@@ -63,9 +60,9 @@ def test_self_test_passes(capsys, one_thread):
     tg.main(["torch", "--test"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if " pass " in line or " FAIL " in line]
-    assert len(rows) == 2 * (len(tools.OP_CASES) + 2)
+    assert len(rows) == 2 * (len(tg.OP_CASES) + 2)
     assert all(" pass " in row for row in rows), out
-    for name, _ in tools.OP_CASES:
+    for name, _ in tg.OP_CASES:
         assert sum(row.startswith(name + " ") for row in rows) == 2, name
     assert f"all {len(rows)} checks passed" in out
 
@@ -79,11 +76,11 @@ def test_self_test_catches_a_wrong_backward(monkeypatch, capsys, one_thread):
         return (dy * 0.5 * (1.0 + t)).to(pre.dtype)
 
     monkeypatch.setattr(tg.TORCH_OPS, "gelu_backward", gelu_backward_without_tanh_term)
-    monkeypatch.setattr(tools, "TEST_SHAPES", [(2, 7, 12, 3)])
-    monkeypatch.setattr(tools, "OP_CASES", [(n, c) for n, c in tools.OP_CASES
+    monkeypatch.setattr(tg, "TEST_SHAPES", [(2, 7, 12, 3)])
+    monkeypatch.setattr(tg, "OP_CASES", [(n, c) for n, c in tg.OP_CASES
                                          if n in ("gelu fwd+bwd", "layernorm fwd+bwd")])
     with pytest.raises(SystemExit) as e:
-        tools.run_self_test(small_cfg())
+        tg.run_self_test(small_cfg())
     assert str(e.value) == "error: --test: 4 of 8 checks failed"
     table = capsys.readouterr().out
     failed = {line[:34].strip() for line in table.splitlines() if " FAIL " in line}
@@ -148,7 +145,7 @@ def test_forward_keeps_ten_channels_per_layer():
     w = tg.make_state(params, zeros, zeros, cfg, torch.device("cpu"))["weights"]
     x = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len))  # (B, T)
     N, C, L, f32 = cfg.batch_size * cfg.seq_len, cfg.n_embd, cfg.n_layer, 4
-    assert tools.kept_bytes(w, x, cfg, tg.TORCH_OPS) == {
+    assert tg.kept_bytes(w, x, cfg, tg.TORCH_OPS) == {
         "encoder_forward": N * C * f32,  # layer 0's input
         "residual_layernorm_forward": (2 * L * C + 2) * N * f32,  # res2, res3 per layer; ln_f's mean, rstd
         "matmul_forward": L * N * 3 * C * f32,  # qkv
@@ -180,9 +177,9 @@ def test_profile_and_bench_ops(tmp_path, capsys, monkeypatch, one_thread):
     assert set(vars(tg.TORCH_OPS)) <= names
     assert [e["step"] for e in step_events(tmp_path)] == [1, 2, 3, 4, 5]
 
-    monkeypatch.setattr(tools, "BENCH_WARMUP", 1)
-    monkeypatch.setattr(tools, "BENCH_REPS", 2)
-    monkeypatch.setattr(tools, "COPY_BYTES", 1 << 20)
+    monkeypatch.setattr(tg, "BENCH_WARMUP", 1)
+    monkeypatch.setattr(tg, "BENCH_REPS", 2)
+    monkeypatch.setattr(tg, "COPY_BYTES", 1 << 20)
     tg.main(["torch", *map(str, synthetic), "--bench-ops"])
     out = capsys.readouterr().out
     benched = {line.split()[0] for line in out.splitlines() if " | " in line and line.endswith("x")}
@@ -209,16 +206,16 @@ def test_triton_self_test_covers_every_kernel(capsys, one_thread):
     runs); and the two runs launched every Triton kernel that the kernel files launch anywhere."""
     launches = []
     dtypes = 2 if ON_GPU else 1
-    for recipe, cases in (("gpt2", tools.OP_CASES), ("speedrun", tks.SPEEDRUN_OP_CASES)):
-        with tools.timed_kernels(DEVICE, launches, []):
+    for recipe, cases in (("gpt2", tg.OP_CASES), ("speedrun", tg.SPEEDRUN_OP_CASES)):
+        with tg.timed_kernels(DEVICE, launches, []):
             tg.main(["triton", "--recipe", recipe, "--test"])
         out = capsys.readouterr().out
         rows = [line for line in out.splitlines() if " pass " in line or " FAIL " in line]
         assert len(rows) == dtypes * (len(cases) + 2) and all(" pass " in row for row in rows), out
         for name, _ in cases:
             assert sum(row.startswith(name + " ") for row in rows) == dtypes, name
-    source = open(tk.__file__).read() + open(tks.__file__).read()
-    launched_in_file = set(re.findall(r"\b(\w+)\[", source)) & set(tools.launched_kernels())
+    source = open(tg.__file__).read() + open(tg.__file__).read()
+    launched_in_file = set(re.findall(r"\b(\w+)\[", source)) & set(tg.launched_kernels())
     assert len(launched_in_file) >= 20 and {launch[1] for launch in launches} == launched_in_file
 
 
@@ -262,8 +259,7 @@ def step_torch_ops(monkeypatch, ops, recipe="gpt2"):
                 return fn(*args, **kwargs)
         return call
     monkeypatch.setattr(GridExecutor, "__call__", labelled("excluded", GridExecutor.__call__))
-    for module in (tk, tks):  # the speedrun kernels file imports it from triton_kernels
-        monkeypatch.setattr(module, "_tensor_table", labelled("excluded", tk._tensor_table))
+    monkeypatch.setattr(tg, "_tensor_table", labelled("excluded", tg._tensor_table))
     # 40 rows: more than one interpreter block, so dW splits over the rows
     cfg, _, state = small_state(recipe, DEVICE, batch_size=5)
     xs = torch.randint(cfg.vocab_size, (2, cfg.batch_size, cfg.seq_len), device=DEVICE)  # (A, B, T)
@@ -289,7 +285,7 @@ def test_no_torch_compute_op_in_a_triton_step(monkeypatch, one_thread):
     """Under torch.profiler, a whole training step of backend triton (2 micro-batches,
     zeroing, loss sum, global norm, clipping, AdamW) runs no torch op but allocation, views and reading the
     loss and the norm on the host; the same probe finds backend torch's compute ops (so it can fail)."""
-    ops = step_torch_ops(monkeypatch, tk.TRITON_OPS)
+    ops = step_torch_ops(monkeypatch, tg.TRITON_OPS)
     assert ops.get("aten::empty", 0) > 10 and ops.get("aten::item") == 2
     assert set(ops) <= ALLOWED_IN_STEP, sorted(set(ops) - ALLOWED_IN_STEP)
     torch_ops = step_torch_ops(monkeypatch, tg.TORCH_OPS)
@@ -320,12 +316,12 @@ def test_triton_profile_tables(tmp_path, capsys, monkeypatch, one_thread):
     state = tg.make_state(params, zeros, dict(zeros), cfg, DEVICE)
     x, y = tg.step_batches(loader, 2)
     xs, ys = tg.put_batch(x, DEVICE), tg.put_batch(y, DEVICE)
-    tg.train_step(state, xs, ys, 1, cfg, tk.TRITON_OPS, 1)  # on a GPU: compiles and autotunes
-    profile = tools.start_profile(tk.TRITON_OPS, DEVICE)
+    tg.train_step(state, xs, ys, 1, cfg, tg.TRITON_OPS, 1)  # on a GPU: compiles and autotunes
+    profile = tg.start_profile(tg.TRITON_OPS, DEVICE)
     t0 = time.perf_counter()
     tg.train_step(state, xs, ys, 2, cfg, profile["ops"], 1)
     step_ms = 1000 * (time.perf_counter() - t0)
-    tools.finish_profile(profile, [2], [step_ms], state["weights"], xs[0], cfg, tk.TRITON_OPS, DEVICE, 0, True)
+    tg.finish_profile(profile, [2], [step_ms], state["weights"], xs[0], cfg, tg.TRITON_OPS, DEVICE, 0, True)
     out = capsys.readouterr().out
     kernels = {line.split()[2]: line.split()[0] for line in out.splitlines()
                if " / " in line and not line.startswith("op / kernel")}
@@ -343,13 +339,13 @@ def test_triton_profile_tables(tmp_path, capsys, monkeypatch, one_thread):
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {f"kernel {k}" for k in kernels} <= names and "matmul_backward" in names
 
-    monkeypatch.setattr(tools, "BENCH_WARMUP", 1)
-    monkeypatch.setattr(tools, "BENCH_REPS", 1)
-    monkeypatch.setattr(tools, "COPY_BYTES", 1 << 16)
-    tools.bench_ops(cfg, tk.TRITON_OPS, DEVICE)
+    monkeypatch.setattr(tg, "BENCH_WARMUP", 1)
+    monkeypatch.setattr(tg, "BENCH_REPS", 1)
+    monkeypatch.setattr(tg, "COPY_BYTES", 1 << 16)
+    tg.bench_ops(cfg, tg.TRITON_OPS, DEVICE)
     out = capsys.readouterr().out
     benched = {line.split()[0] for line in out.splitlines() if " | " in line and line.endswith("x")}
-    assert benched == set(vars(tk.TRITON_OPS)) - {"attention_backward"} | {"attention_forward+backward"}
+    assert benched == set(vars(tg.TRITON_OPS)) - {"attention_backward"} | {"attention_forward+backward"}
 
 
 def test_triton_clean_errors(tmp_path, tiny_shards, one_thread):
@@ -380,8 +376,8 @@ def test_triton_encoder_backward_at_real_sizes(one_thread):
     N = B * T
     tokens = torch.cat([torch.randint(0, 17, (21,), generator=gen), torch.full((600,), 17),
                         torch.randint(18, 40, (N - 621,), generator=gen)])  # (N,) sorted: 17 from slot 21
-    assert 21 % tk.ENC_SLOTS and 621 % tk.ENC_SLOTS and 600 > (tk.ENC_CARRY_TILES + 2) * tk.ENC_SLOTS
-    assert N > 2 * tk.ENC_SORT_BLOCK_M
+    assert 21 % tg.ENC_SLOTS and 621 % tg.ENC_SLOTS and 600 > (tg.ENC_CARRY_TILES + 2) * tg.ENC_SLOTS
+    assert N > 2 * tg.ENC_SORT_BLOCK_M
     for idx in (torch.randint(0, 40, (B, T), generator=gen),
                 tokens[torch.randperm(N, generator=gen)].view(B, T)):  # (B, T) each
         dx = torch.randint(-64, 64, (B, T, C), generator=gen) / 16.0  # (B, T, C)
@@ -389,7 +385,7 @@ def test_triton_encoder_backward_at_real_sizes(one_thread):
         dwpe = torch.randint(-64, 64, (T + 3, C), generator=gen) / 16.0  # (maxT, C)
         got = [t.to(DEVICE, copy=True) for t in (dwte, dwpe)]  # the same start, apart
         tg.TORCH_OPS.encoder_backward(dx, idx, dwte, dwpe)
-        tk.TRITON_OPS.encoder_backward(dx.to(DEVICE), idx.to(DEVICE), *got)
+        tg.TRITON_OPS.encoder_backward(dx.to(DEVICE), idx.to(DEVICE), *got)
         assert torch.equal(got[0].cpu(), dwte) and torch.equal(got[1].cpu(), dwpe)
 
 
@@ -415,18 +411,18 @@ def test_triton_crossentropy_over_several_blocks(one_thread):
     want_dlogits = logits.double()  # (N, Vp) overwritten with dlogits
     want = tg.TORCH_OPS.crossentropy_forward_backward(want_dlogits, targets, V, 1.0 / N)  # (N,)
     got_dlogits = logits.to(DEVICE, copy=True)  # (N, Vp) overwritten with dlogits
-    got = tk.crossentropy_forward_backward(got_dlogits, targets.to(DEVICE), V, 1.0 / N, block_v=128)
-    assert tools.compare(got, want)[1] <= 1e-6
-    assert tools.compare(got_dlogits, want_dlogits)[1] <= 1e-5
+    got = tg.crossentropy_forward_backward(got_dlogits, targets.to(DEVICE), V, 1.0 / N, block_v=128)
+    assert tg.compare(got, want)[1] <= 1e-6
+    assert tg.compare(got_dlogits, want_dlogits)[1] <= 1e-5
     assert not got_dlogits[:, V:].any()
     # the speedrun model's: soft-capped logits, the loss over all their columns
     z = logits[:, :V] * 3  # (N, V) well into the cap's bend
     want_dz = z.double()  # (N, V) overwritten with dz
     want = tg.TORCH_SPEEDRUN_OPS.softcap_crossentropy_forward_backward(want_dz, targets, 1.0 / N)  # (N,)
     got_dz = z.to(DEVICE, copy=True)  # (N, V) overwritten with dz
-    got = tks.softcap_crossentropy_forward_backward(got_dz, targets.to(DEVICE), 1.0 / N, block_v=128)
-    assert tools.compare(got, want)[1] <= 1e-6
-    assert tools.compare(got_dz, want_dz)[1] <= 1e-5
+    got = tg.softcap_crossentropy_forward_backward(got_dz, targets.to(DEVICE), 1.0 / N, block_v=128)
+    assert tg.compare(got, want)[1] <= 1e-6
+    assert tg.compare(got_dz, want_dz)[1] <= 1e-5
 
 
 GUARD = 16  # elements of signaling NaN just past each tensor that the multi-tensor kernels are given
@@ -468,7 +464,7 @@ def test_triton_multi_tensor_kernels_over_several_chunks(one_thread):
 
     grads = rand()
     want = tg.TORCH_OPS.global_norm([g.double() for g in grads])
-    assert tools.compare(tk.global_norm([guarded(g) for g in grads], chunk=256, block=64), want)[1] <= 1e-6
+    assert tg.compare(tg.global_norm([guarded(g) for g in grads], chunk=256, block=64), want)[1] <= 1e-6
     state = [rand(), rand(0.1), [v.abs() for v in rand(0.1)]]  # params, m, v
     got = [[guarded(t) for t in ts] for ts in state]
     want = [[t.double() for t in ts] for ts in state]
@@ -476,12 +472,12 @@ def test_triton_multi_tensor_kernels_over_several_chunks(one_thread):
     decays = [0.1, 0.0, 0.1, 0.0]
     for step, grad_scale in ((1, 1.0), (2, 0.37)):
         grads = rand()
-        tk.adamw_update(got[0], [guarded(g) for g in grads], got[1], got[2], copies, 0.01, tg.BETA1, tg.BETA2,
+        tg.adamw_update(got[0], [guarded(g) for g in grads], got[1], got[2], copies, 0.01, tg.BETA1, tg.BETA2,
                         tg.EPS, decays, step, grad_scale, chunk=256, block=64)
         tg.TORCH_OPS.adamw_update(want[0], [g.double() for g in grads], want[1], want[2], None, 0.01, tg.BETA1,
                                   tg.BETA2, tg.EPS, decays, step, grad_scale)
     for g_list, w_list in zip(got, want):
-        assert all(tools.compare(g, w)[1] <= 1e-6 for g, w in zip(g_list, w_list))
+        assert all(tg.compare(g, w)[1] <= 1e-6 for g, w in zip(g_list, w_list))
         assert all(guard_intact(g) for g in g_list)
     if copies is not None:
         assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copies, got[0]))
@@ -498,12 +494,12 @@ def test_triton_muon_update_stays_inside_its_tensors(one_thread):
     want = [[t.clone() for t in ts] for ts in (params, ms)]
     got = [[guarded(t.flatten()).view(23, 40) for t in ts] for ts in (params, grads, ms)]
     copies = [guarded(torch.zeros(23 * 40), torch.bfloat16).view(23, 40) for _ in range(2)] if ON_GPU else None
-    tks.muon_update(got[0], got[1], got[2], copies, 0.02, tg.MUON_MOMENTUM, tg.MUON_WEIGHT_DECAY, torch.float32,
+    tg.muon_update(got[0], got[1], got[2], copies, 0.02, tg.MUON_MOMENTUM, tg.MUON_WEIGHT_DECAY, torch.float32,
                     chunk=256, block=64)
     tg.TORCH_SPEEDRUN_OPS.muon_update(want[0], grads, want[1], None, 0.02, tg.MUON_MOMENTUM,
                                       tg.MUON_WEIGHT_DECAY, torch.float32)
     for g, w in zip(got[0] + got[2], want[0] + want[1]):
-        assert tools.compare(g, w.to(DEVICE))[1] <= 1e-5
+        assert tg.compare(g, w.to(DEVICE))[1] <= 1e-5
     assert all(guard_intact(t.flatten()) for t in got[0] + got[1] + got[2] + (copies or []))
 
 
@@ -520,7 +516,7 @@ def test_clip_by_norm_passes_nan_and_inf_on(one_thread):
         p.grad = g.clone()
         torch.nn.utils.clip_grad_norm_([p], 1.0)
         assert p.grad.isnan().any()
-        for ops, device in ((tg.TORCH_OPS, torch.device("cpu")), (tk.TRITON_OPS, DEVICE)):
+        for ops, device in ((tg.TORCH_OPS, torch.device("cpu")), (tg.TRITON_OPS, DEVICE)):
             flat = g.clone().to(device)  # (n,)
             ops.clip_by_norm(flat, ops.global_norm([flat]), 1.0)
             torch.testing.assert_close(flat.cpu(), p.grad, rtol=0, atol=0, equal_nan=True)
