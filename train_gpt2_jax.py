@@ -10,9 +10,7 @@ whose buffers are donated. With several devices it trains data parallel over a M
     python train_gpt2_jax.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
     python train_gpt2_jax.py --zero-stage 3 --coordinator host0:1234 --num-processes 2 --process-id 0
 
-Map: the file's sections, in order. The shared plumbing is the same in every trainer, a copy held equal by
-tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to every copy). Delete
-`Recipe: speedrun` and GPT-2 trains as before.
+Map: the file's sections, in order (delete `Recipe: speedrun` and GPT-2 trains as before).
     GPT-2: config                          vocabulary, names, Config, Recipe, flags, shapes, init, model files
     GPT-2: model                           the forward and its loss
     GPT-2: AdamW and the lr schedule       AdamW, llm.c's cosine schedule
@@ -1049,9 +1047,8 @@ def zero_spec(shape, world):
 
 def copied_names(cfg):
     """The tensors stage 1 keeps whole bf16 copies of across steps (all but the embeddings; none in fp32)."""
-    if cfg.zero_stage != 1 or cfg.dtype == "fp32":
-        return []
-    return [k for k in param_shapes(cfg) if k not in RECIPES[cfg.recipe].embeddings]
+    kept = cfg.zero_stage == 1 and cfg.dtype != "fp32"
+    return [k for k in param_shapes(cfg) if kept and k not in RECIPES[cfg.recipe].embeddings]
 
 
 def cast_copies(params, names, cfg):
@@ -1145,10 +1142,8 @@ def resolve_attention(cfg, platform):
     """--attn auto: cuDNN flash attention when it compiles here (an NVIDIA GPU, bf16), else XLA's."""
     if cfg.attn == "cudnn" and (platform != "gpu" or cfg.dtype != "bf16"):
         die("--attn cudnn needs an NVIDIA GPU and --dtype bf16 (cuDNN's fused attention has no fp32)")
-    if cfg.attn != "auto":
-        return cfg.attn
-    if platform != "gpu" or cfg.dtype != "bf16":
-        return "xla"
+    if cfg.attn != "auto" or platform != "gpu" or cfg.dtype != "bf16":
+        return "xla" if cfg.attn == "auto" else cfg.attn
     q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
     probe = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     try:
