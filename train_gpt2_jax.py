@@ -7,15 +7,10 @@ whose buffers are donated. With several devices it trains data parallel over a M
 
     python train_gpt2_jax.py --data data/fineweb_edu                         # GPT-2 124M, llm.c recipe
     python train_gpt2_jax.py --recipe speedrun --data data/fineweb_edu       # the speedrun baseline
-    python train_gpt2_jax.py --data synthetic --steps 20 --batch-size 32 \\
-        --val-every 0 --hellaswag-every 0 --sample-every 0 --ckpt-every 0    # benchmark: tokens/s, MFU
     python train_gpt2_jax.py --init-from gpt2_124M.bin --eval-only --data data/fineweb_edu
-    python train_gpt2_jax.py --data data/fineweb_edu --resume auto           # continue the newest ckpt
     python train_gpt2_jax.py --zero-stage 3 --coordinator host0:1234 --num-processes 2 --process-id 0
 
-Map: the file's sections, in order. The shared plumbing is the same in every trainer, a copy held equal by
-tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to every copy). Delete
-`Recipe: speedrun` and GPT-2 trains as before.
+Map: the file's sections, in order (delete `Recipe: speedrun` and GPT-2 trains as before).
     GPT-2: config                          vocabulary, names, Config, Recipe, flags, shapes, init, model files
     GPT-2: model                           the forward and its loss
     GPT-2: AdamW and the lr schedule       AdamW, llm.c's cosine schedule
@@ -1052,9 +1047,8 @@ def zero_spec(shape, world):
 
 def copied_names(cfg):
     """The tensors stage 1 keeps whole bf16 copies of across steps (all but the embeddings; none in fp32)."""
-    if cfg.zero_stage != 1 or cfg.dtype == "fp32":
-        return []
-    return [k for k in param_shapes(cfg) if k not in RECIPES[cfg.recipe].embeddings]
+    kept = cfg.zero_stage == 1 and cfg.dtype != "fp32"
+    return [k for k in param_shapes(cfg) if kept and k not in RECIPES[cfg.recipe].embeddings]
 
 
 def cast_copies(params, names, cfg):
@@ -1148,10 +1142,8 @@ def resolve_attention(cfg, platform):
     """--attn auto: cuDNN flash attention when it compiles here (an NVIDIA GPU, bf16), else XLA's."""
     if cfg.attn == "cudnn" and (platform != "gpu" or cfg.dtype != "bf16"):
         die("--attn cudnn needs an NVIDIA GPU and --dtype bf16 (cuDNN's fused attention has no fp32)")
-    if cfg.attn != "auto":
-        return cfg.attn
-    if platform != "gpu" or cfg.dtype != "bf16":
-        return "xla"
+    if cfg.attn != "auto" or platform != "gpu" or cfg.dtype != "bf16":
+        return "xla" if cfg.attn == "auto" else cfg.attn
     q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
     probe = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     try:
@@ -1218,31 +1210,13 @@ def init_processes(cfg):
 
     def port_of(address, source):
         # jax takes a malformed address for a crash or a silent hang
-        host, _, port = address.rpartition(":")
-        inner = host[1:-1] if host[:1] == "[" and host[-1:] == "]" else host
-        if not inner or (inner == host and ":" in host) or "[" in inner or "]" in inner:
+        found = re.fullmatch(r"(\[[^][]+\]|[^][:]+):([^:]*)", address)
+        if not found:
             die(f"{source} {address!r}: expected HOST:PORT (an IPv6 host in [brackets])")
+        port = found[2]
         if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
             die(f"{source} {address!r}: the port must be a number in 1-65535")
         return port
-
-    def join(coordinator, n, rank, waiting, check):
-        print(waiting, flush=True)
-        # jax's own deadline ends in a C++ abort that Python cannot catch: a timer thread ends the process first
-        def give_up():
-            os.write(2, f"error: the processes did not all join within {cfg.coordinator_timeout} s "
-                        f"(--coordinator-timeout): {check}\n".encode())
-            os._exit(1)
-        timer = threading.Timer(cfg.coordinator_timeout, give_up)
-        timer.start()
-        # jax's preemption notifier would swallow SIGTERM: trainkit.signals' handler stops every process instead
-        jax.config.update("jax_enable_preemption_service", False)
-        try:
-            jax.distributed.initialize(coordinator, n, rank, initialization_timeout=cfg.coordinator_timeout + 60)
-        except jax.errors.JaxRuntimeError as e:  # e.g. process 0's port taken after its check
-            die(f"joining the processes failed ({str(e).splitlines()[0][:200]}): {check}")
-        finally:
-            timer.cancel()
 
     if cfg.num_processes < 0 or cfg.process_id < -1:
         die("--num-processes must be >= 0 (0: from the environment), --process-id >= 0")
@@ -1262,38 +1236,56 @@ def init_processes(cfg):
     if n == 0:  # srun / mpirun: JAX finds the coordinator, count, rank and local devices itself
         if cfg.coordinator:
             port_of(cfg.coordinator, "--coordinator")
-        join(cfg.coordinator or None, None, None, f"waiting up to {cfg.coordinator_timeout} s for the {launched} "
-             "processes of this srun/mpirun launch to join",
-             "check that all of them started, that their hosts reach process 0's (firewalls), and that none got "
-             "another --coordinator or --num-processes")
-        return
-    coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
-    rank = cfg.process_id if cfg.process_id >= 0 else env_int("JAX_PROCESS_ID", -1)
-    if not coordinator:
-        die(f"--num-processes {n} needs --coordinator HOST:PORT (or $JAX_COORDINATOR_ADDRESS)")
-    source = "--coordinator" if cfg.coordinator else "$JAX_COORDINATOR_ADDRESS"
-    port = port_of(coordinator, source)
-    if not 0 <= rank < n:
-        die(f"--num-processes {n} needs --process-id (or $JAX_PROCESS_ID) in [0, {n}), got {rank}")
-    if rank == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
-        # on a port already taken jax often segfaults instead of raising: bind it here first (as gRPC does)
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("", int(port)))
-            except OSError as e:
-                die(f"{source} {coordinator}: process 0 cannot listen on port {port} here ({e.strerror}): another "
-                    "run, or an earlier process 0 still running, may hold it; stop that or pick another port")
-    if rank == 0:
-        waiting = f"for processes 1 .. {n - 1} to join the coordinator it starts at {coordinator}"
-        check = (f"check that processes 1 .. {n - 1} started with --coordinator {coordinator} and "
-                 f"--num-processes {n}, each with its own --process-id, and that their hosts reach port "
-                 f"{port} here (firewalls)")
+        coordinator, n, rank = cfg.coordinator or None, None, None
+        waiting = (f"waiting up to {cfg.coordinator_timeout} s for the {launched} processes of this srun/mpirun "
+                   "launch to join")
+        check = ("check that all of them started, that their hosts reach process 0's (firewalls), and that none got "
+                 "another --coordinator or --num-processes")
     else:
-        waiting = f"for the coordinator at {coordinator} (process 0 must start too)"
-        check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no firewall "
-                 f"blocks port {port} between the hosts, and that every process got --num-processes {n}")
-    join(coordinator, n, rank, f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s {waiting}", check)
+        coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+        rank = cfg.process_id if cfg.process_id >= 0 else env_int("JAX_PROCESS_ID", -1)
+        if not coordinator:
+            die(f"--num-processes {n} needs --coordinator HOST:PORT (or $JAX_COORDINATOR_ADDRESS)")
+        source = "--coordinator" if cfg.coordinator else "$JAX_COORDINATOR_ADDRESS"
+        port = port_of(coordinator, source)
+        if not 0 <= rank < n:
+            die(f"--num-processes {n} needs --process-id (or $JAX_PROCESS_ID) in [0, {n}), got {rank}")
+        if rank == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+            # on a port already taken jax often segfaults instead of raising: bind it here first (as gRPC does)
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("", int(port)))
+                except OSError as e:
+                    die(f"{source} {coordinator}: process 0 cannot listen on port {port} here ({e.strerror}): "
+                        "another run, or an earlier process 0 still running, may hold it; stop that or pick "
+                        "another port")
+        waiting = f"process {rank} of {n}: waiting up to {cfg.coordinator_timeout} s "
+        if rank == 0:
+            waiting += f"for processes 1 .. {n - 1} to join the coordinator it starts at {coordinator}"
+            check = (f"check that processes 1 .. {n - 1} started with --coordinator {coordinator} and "
+                     f"--num-processes {n}, each with its own --process-id, and that their hosts reach port "
+                     f"{port} here (firewalls)")
+        else:
+            waiting += f"for the coordinator at {coordinator} (process 0 must start too)"
+            check = (f"check that process 0 runs and listens at {coordinator} (that host, that port), that no "
+                     f"firewall blocks port {port} between the hosts, and that every process got --num-processes {n}")
+    print(waiting, flush=True)
+    # jax's own deadline ends in a C++ abort that Python cannot catch: a timer thread ends the process first
+    def give_up():
+        os.write(2, f"error: the processes did not all join within {cfg.coordinator_timeout} s "
+                    f"(--coordinator-timeout): {check}\n".encode())
+        os._exit(1)
+    timer = threading.Timer(cfg.coordinator_timeout, give_up)
+    timer.start()
+    # jax's preemption notifier would swallow SIGTERM: trainkit.signals' handler stops every process instead
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        jax.distributed.initialize(coordinator, n, rank, initialization_timeout=cfg.coordinator_timeout + 60)
+    except jax.errors.JaxRuntimeError as e:  # e.g. process 0's port taken after its check
+        die(f"joining the processes failed ({str(e).splitlines()[0][:200]}): {check}")
+    finally:
+        timer.cancel()
 
 
 def place(tree, shardings):
@@ -2292,10 +2284,7 @@ def main(argv, signals):
     master = signals.master = rank == 0  # the one process that prints, logs and writes checkpoints
     say = print if master else (lambda *args, **kwargs: None)
 
-    def log(**fields):
-        if master:
-            log_event(cfg.out_dir, FRAMEWORK, **fields)
-
+    log = partial(log_event, cfg.out_dir, FRAMEWORK) if master else (lambda **fields: None)
     cfg.attn = resolve_attention(cfg, platform)
 
     # the weights and optimizer state, the loaders (of this process's devices' rows), the out dir (locked)
