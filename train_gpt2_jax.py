@@ -796,9 +796,6 @@ def read_speedrun_file(path):
     return header, {k: tensors[k] for k in shapes}
 
 
-# -- config
-
-
 # -- model
 
 # The reference's GPT: weights by their state_dict names (cast here: evaluation hands in fp32 masters),

@@ -827,8 +827,6 @@ def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
     return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
 
 
-# -- config
-
 # -- model
 
 

@@ -1050,9 +1050,6 @@ def fp8_matmul(a, b, scale_a, scale_b, out_dtype, fast_accum=False):
     return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
 
 
-# -- config
-
-
 # -- ops
 
 # The speedrun recipe's own ops, beside GPT-2's that it shares (matmul, the optimizer's and the step's)
