@@ -108,7 +108,7 @@ class Config:
     dtype: str = ""  # "": the device's default (default_dtype): bf16 on a GPU, fp32 on a CPU
     recompute: str = "none"  # what the backward recomputes instead of keeping: RECOMPUTE_LEVELS
     seed: int = 1337
-    fp8_head: bool = False  # the speedrun head's training matmuls in FP8 (trainkit.speedrun, docs/FORMATS.md)
+    fp8_head: bool = False  # the speedrun head's training matmuls in FP8 (docs/FORMATS.md)
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
@@ -1275,7 +1275,7 @@ def init_processes(cfg):
         os._exit(1)
     timer = threading.Timer(cfg.coordinator_timeout, give_up)
     timer.start()
-    # jax's preemption notifier would swallow SIGTERM: trainkit.signals' handler stops every process instead
+    # jax's preemption notifier would swallow SIGTERM: StopSignals' handler stops every process instead
     jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(coordinator, n, rank, initialization_timeout=cfg.coordinator_timeout + 60)

@@ -130,7 +130,7 @@ class Config:
     dtype: str = ""  # "": the device's default (default_dtype): bf16 on a GPU, fp32 on a CPU
     recompute: str = "none"  # what the backward recomputes instead of keeping: RECOMPUTE_LEVELS
     seed: int = 1337
-    fp8_head: bool = False  # the speedrun head's training matmuls in FP8 (trainkit.speedrun, docs/FORMATS.md)
+    fp8_head: bool = False  # the speedrun head's training matmuls in FP8 (docs/FORMATS.md)
     # checkpoints, evaluation, output
     init_from: str = ""
     resume: str = ""
