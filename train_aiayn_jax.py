@@ -1138,16 +1138,7 @@ class StopSignals:
     """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
 
     def __init__(self):
-        self.received, self.training, self.master, self.previous = 0, False, True, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
-            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        self.received, self.training, self.master = 0, False, True
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -1192,19 +1183,22 @@ class OutputThatMayClose:
 
 
 def stops_on_signals(main):
-    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
+    """main(argv, signals) with StopSignals' handlers, outputs that may close and one line for any OSError."""
     @functools.wraps(main)
     def run(argv=None):
-        streams = sys.stdout, sys.stderr
+        streams, signals = (sys.stdout, sys.stderr), StopSignals()
         sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        on_main = threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
+        previous = {s: signal.signal(s, signals.handle) for s in STOP_SIGNALS} if on_main else {}
         try:
-            with StopSignals() as signals:
-                return main(argv, signals)
+            return main(argv, signals)
         except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
             if e.errno in DISK_FULL:
                 die(write_failure(e.filename, e))
             die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
         finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             sys.stdout.flush()  # what they still buffer, while a closed reader is caught
             sys.stderr.flush()
             sys.stdout, sys.stderr = streams

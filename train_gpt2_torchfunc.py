@@ -1182,19 +1182,6 @@ def write_failure(path, e):
         return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
     return f"cannot write {path}: {e.strerror}"
 
-
-def require_file(path, what):
-    """Stops in one line unless `path` is a regular file (reading a FIFO would wait forever)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:  # absent, a link loop: convert_hf.py has no OSError boundary of its own
-        die(f"{what} {path}: {e.strerror}")
-    if not stat.S_ISREG(mode):
-        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
-                      if os.path.isfile(os.path.join(path, f))), None)
-        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
-        die(f"{what} {path} is not a regular file{hint}")
-
 # --recompute (docs/FORMATS.md): none keeps what the backward reads; pointwise recomputes the norms' outputs and
 # the MLP's activation; block keeps each block's input alone and reruns its forward in the backward
 RECOMPUTE_LEVELS = ("none", "pointwise", "block")
@@ -1428,7 +1415,8 @@ class MersenneTwister(np.random.RandomState):
 
 def permutation_picks(n, rng):
     """llm.c's random_permutation of n items: for i = n-1 down to 1, the j (a draw mod i+1) that item i swaps with."""
-    return rng.draws(max(n - 1, 0)) % np.arange(n, 1, -1, dtype=np.uint32)
+    # rng: numpy's legacy RandomState(seed) is llm.c's MT19937 seeded as init_genrand; a full-range randint its output
+    return rng.randint(0, 2**32, max(n - 1, 0), dtype=np.uint32) % np.arange(n, 1, -1, dtype=np.uint32)
 
 
 def permute(items, picks):
@@ -1442,7 +1430,7 @@ class ShuffledOrder:
     # an epoch shuffles the last epoch's shard order, then each shard it opens its samples; one generator draws both
 
     def __init__(self, counts, seed):
-        self.counts, self.rng = counts, MersenneTwister(seed)
+        self.counts, self.rng = counts, np.random.RandomState(seed)
         self.order, self.k, self.opened = list(range(len(counts))), len(counts) - 1, -1
         self._move_on()
 
@@ -1577,8 +1565,16 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
 
 
 def read_weights(path, cfg):
-    """(header, params) of a model file of cfg.recipe; another recipe's file is refused."""
-    require_file(path, "model file")
+    """(header, params) of a model file of cfg.recipe; another recipe's file, or no regular file, is refused."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # absent, a link loop: the path named as a model file
+        die(f"model file {path}: {e.strerror}")
+    if not stat.S_ISREG(mode):  # reading a FIFO would wait forever
+        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
+                      if os.path.isfile(os.path.join(path, f))), None)
+        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
+        die(f"model file {path} is not a regular file{hint}")
     with open(path, "rb") as f:
         head = f.read(9)
     recipe = RECIPES[cfg.recipe]
@@ -2018,16 +2014,7 @@ class StopSignals:
     """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
 
     def __init__(self):
-        self.received, self.training, self.master, self.previous = 0, False, True, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
-            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        self.received, self.training, self.master = 0, False, True
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -2072,19 +2059,22 @@ class OutputThatMayClose:
 
 
 def stops_on_signals(main):
-    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
+    """main(argv, signals) with StopSignals' handlers, outputs that may close and one line for any OSError."""
     @functools.wraps(main)
     def run(argv=None):
-        streams = sys.stdout, sys.stderr
+        streams, signals = (sys.stdout, sys.stderr), StopSignals()
         sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        on_main = threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
+        previous = {s: signal.signal(s, signals.handle) for s in STOP_SIGNALS} if on_main else {}
         try:
-            with StopSignals() as signals:
-                return main(argv, signals)
+            return main(argv, signals)
         except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
             if e.errno in DISK_FULL:
                 die(write_failure(e.filename, e))
             die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
         finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             sys.stdout.flush()  # what they still buffer, while a closed reader is caught
             sys.stderr.flush()
             sys.stdout, sys.stderr = streams
