@@ -1042,31 +1042,6 @@ def move_aside(out, names, prefix):
     return aside
 
 
-def abandon_newer(out, step):
-    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
-    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
-             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
-    if not newer:
-        return
-    aside = move_aside(out, newer, "abandoned_")
-    log = os.path.join(out, "log.jsonl")
-    if os.path.isfile(log):
-        kept, cut = [], []
-        with open(log, "rb") as f:
-            for line in f:
-                try:
-                    later = json.loads(line).get("step", 0) > step
-                except (ValueError, AttributeError, TypeError):
-                    later = False
-                (cut if later else kept).append(line)
-        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
-            with open(path, "wb") as f:
-                f.writelines(lines)
-        os.replace(log + ".tmp", log)
-    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
-          f"{step} moved to {aside}")
-
-
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
@@ -1092,8 +1067,25 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
                 "whose log.jsonl would then hold both: resume it into a new --out-dir")
     os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
-    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
-        abandon_newer(out, step)
+    # resumed, the checkpoints past its step and their log lines go to abandoned_<time> (unless it trains nothing)
+    newer = [n for n in held_run() if n.startswith("ckpt_") and n[5:].isdigit() and int(n[5:]) > step]
+    if cfg.resume and not cfg.eval_only and step < cfg.steps and newer:
+        aside, log = move_aside(out, newer, "abandoned_"), os.path.join(out, "log.jsonl")
+        if os.path.isfile(log):
+            kept, cut = [], []
+            with open(log, "rb") as f:
+                for line in f:
+                    try:
+                        later = json.loads(line).get("step", 0) > step
+                    except (ValueError, AttributeError, TypeError):
+                        later = False
+                    (cut if later else kept).append(line)
+            for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+                with open(path, "wb") as f:
+                    f.writelines(lines)
+            os.replace(log + ".tmp", log)
+        print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+              f"{step} moved to {aside}")
     run = held_run()
     moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
     aside = move_aside(out, run, "replaced_") if moved else None

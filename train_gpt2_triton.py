@@ -1592,8 +1592,6 @@ def apply_model_header(cfg, header, explicit):
 
 SHARD_MAGIC = 20240520
 SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
-GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
-            "synthetic for a benchmark")
 
 
 def read_shard(path):
@@ -1623,7 +1621,8 @@ def find_shards(cfg):
     else:
         train, val, missing = sorted(glob.glob(cfg.data)), [], "no such directory and no file matches that glob"
     if not train and not cfg.eval_only:
-        die(f"--data {cfg.data}: {missing} ({GET_DATA})")
+        die(f"--data {cfg.data}: {missing} (get shards with `python prepro_fineweb.py` (it writes "
+            "data/fineweb_edu), or use --data synthetic for a benchmark)")
     if cfg.val_data:
         val = sorted(glob.glob(cfg.val_data))
         if not val:
@@ -1938,14 +1937,6 @@ def resolve_resume(cfg, trains, needed=("state.npz",)):
     return False
 
 
-def check_checkpoint_step(path, step):
-    """A checkpoint dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names."""
-    name = os.path.basename(os.path.normpath(path))
-    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != step:
-        die(f"checkpoint {path} holds step {step}, not the step {int(name[5:])} its name says (renamed or "
-            f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
-
-
 def load_checkpoint(path, cfg):
     """(header, params, m, v, state) from a checkpoint dir of cfg.recipe."""
     recipe = RECIPES[cfg.recipe]
@@ -1976,7 +1967,11 @@ def load_checkpoint(path, cfg):
             TokenError) as e:
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
-    check_checkpoint_step(path, state["step"])
+    # a dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names
+    name = os.path.basename(os.path.normpath(path))
+    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != state["step"]:
+        die(f"checkpoint {path} holds step {state['step']}, not the step {int(name[5:])} its name says (renamed or "
+            f"copied by hand?): name it ckpt_{state['step']:07d} elsewhere, or remove it")
     for k in params:
         moments = [m[k], v[k]] if k in v else [m[k]]
         if any(t.shape != params[k].shape or t.dtype != np.float32 for t in moments):
@@ -2044,31 +2039,6 @@ def move_aside(out, names, prefix):
     return aside
 
 
-def abandon_newer(out, step):
-    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
-    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
-             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
-    if not newer:
-        return
-    aside = move_aside(out, newer, "abandoned_")
-    log = os.path.join(out, "log.jsonl")
-    if os.path.isfile(log):
-        kept, cut = [], []
-        with open(log, "rb") as f:
-            for line in f:
-                try:
-                    later = json.loads(line).get("step", 0) > step
-                except (ValueError, AttributeError, TypeError):
-                    later = False
-                (cut if later else kept).append(line)
-        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
-            with open(path, "wb") as f:
-                f.writelines(lines)
-        os.replace(log + ".tmp", log)
-    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
-          f"{step} moved to {aside}")
-
-
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
@@ -2094,8 +2064,25 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
                 "whose log.jsonl would then hold both: resume it into a new --out-dir")
     os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
-    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
-        abandon_newer(out, step)
+    # resumed, the checkpoints past its step and their log lines go to abandoned_<time> (unless it trains nothing)
+    newer = [n for n in held_run() if n.startswith("ckpt_") and n[5:].isdigit() and int(n[5:]) > step]
+    if cfg.resume and not cfg.eval_only and step < cfg.steps and newer:
+        aside, log = move_aside(out, newer, "abandoned_"), os.path.join(out, "log.jsonl")
+        if os.path.isfile(log):
+            kept, cut = [], []
+            with open(log, "rb") as f:
+                for line in f:
+                    try:
+                        later = json.loads(line).get("step", 0) > step
+                    except (ValueError, AttributeError, TypeError):
+                        later = False
+                    (cut if later else kept).append(line)
+            for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+                with open(path, "wb") as f:
+                    f.writelines(lines)
+            os.replace(log + ".tmp", log)
+        print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+              f"{step} moved to {aside}")
     run = held_run()
     moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
     aside = move_aside(out, run, "replaced_") if moved else None
