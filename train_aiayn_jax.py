@@ -1100,10 +1100,7 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
 
 def drop_partial_log_line(out_dir):
     """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path, "rb+") as f:
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
@@ -1155,23 +1152,17 @@ class OutputThatMayClose:
     def __init__(self, stream):
         self.stream = stream
 
-    def write(self, text):
-        self.guarded(self.stream.write, text)
-        return len(text)
-
-    def flush(self):
-        self.guarded(self.stream.flush)
-
     def guarded(self, call, *args):
         try:
-            call(*args)
+            return call(*args)
         except BrokenPipeError:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
             os.close(null)
 
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
+    def __getattr__(self, name):  # write and flush guarded, the rest the stream's own
+        attr = getattr(self.stream, name)
+        return functools.partial(self.guarded, attr) if name in ("write", "flush") else attr
 
 
 def stops_on_signals(main):

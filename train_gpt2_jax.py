@@ -272,10 +272,8 @@ def read_model_file(path):
     raw, params, offset = np.fromfile(path, np.uint8), {}, 1024
     for name in PARAM_NAMES:
         chunk = raw[offset: offset + math.prod(shapes[name]) * itemsize]
-        if itemsize == 4:
-            t = chunk.view("<f4").astype(np.float32)
-        else:
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        t = (chunk.view("<f4").astype(np.float32) if itemsize == 4 else
+             (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32))  # bf16: an fp32's top 16 bits
         bad = t.size - np.count_nonzero(np.isfinite(t))
         if bad:
             die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights "
@@ -1458,13 +1456,13 @@ def apply_model_header(cfg, header, explicit):
     for k in ("n_layer", "n_head", "n_embd"):
         if k in explicit and explicit[k] != header[k]:
             die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+        setattr(cfg, k, header[k])
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
         die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
     if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
         if cfg.seq_len > header["block_size"]:
             die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
         cfg.block_size = header["block_size"]
-    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
     cfg.padded_vocab_size = header["padded_vocab_size"]
 
 SHARD_MAGIC = 20240520
@@ -1606,9 +1604,7 @@ class ShuffledOrder:
             self.samples = list(range(self.counts[self.shard()]))
             permute(self.samples, self.picks)
         here = self.shard(), self.samples[self.sample]
-        self.sample += 1
-        if self.sample == len(self.samples):
-            self._move_on()
+        self.skip(1)
         return here
 
     def skip(self, n):
@@ -1966,10 +1962,7 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
 
 def drop_partial_log_line(out_dir):
     """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path, "rb+") as f:
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
@@ -2064,10 +2057,8 @@ def peak_flops(device_name, dtype):
 
 def logged_evals(out_dir, step):
     """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`."""
-    path, found = os.path.join(out_dir, "log.jsonl"), set()
-    if not os.path.isfile(path):
-        return found
-    with open(path) as f:
+    found = set()
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl")) as f:
         for line in f:
             try:
                 event = json.loads(line)
@@ -2182,23 +2173,17 @@ class OutputThatMayClose:
     def __init__(self, stream):
         self.stream = stream
 
-    def write(self, text):
-        self.guarded(self.stream.write, text)
-        return len(text)
-
-    def flush(self):
-        self.guarded(self.stream.flush)
-
     def guarded(self, call, *args):
         try:
-            call(*args)
+            return call(*args)
         except BrokenPipeError:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
             os.close(null)
 
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
+    def __getattr__(self, name):  # write and flush guarded, the rest the stream's own
+        attr = getattr(self.stream, name)
+        return functools.partial(self.guarded, attr) if name in ("write", "flush") else attr
 
 
 def stops_on_signals(main):
