@@ -232,14 +232,13 @@ def model_file_header(cfg):
 
 def write_model_file(path, params, cfg):
     """An fp32 llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
-    shapes, tmp = gpt2_shapes(cfg), path + ".tmp"
-    with open(tmp, "wb") as f:
+    shapes = gpt2_shapes(cfg)
+    with open(path, "wb") as f:  # into a checkpoint's temporary dir, which save_checkpoint renames when complete
         f.write(model_file_header(cfg).tobytes())
         for name in PARAM_NAMES:
             t = np.asarray(params[name], dtype=np.float32)
             assert t.shape == shapes[name], (name, t.shape, shapes[name])
             f.write(t.astype("<f4").tobytes())
-    os.replace(tmp, path)
 
 
 def read_model_header(path):
@@ -648,10 +647,9 @@ def speedrun_shapes(cfg):
     C, Vp = cfg.n_embd, cfg.padded_vocab_size
     shapes = {"embed.weight": (Vp, C)}
     for i in range(cfg.n_layer):
-        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
-            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
-        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
-        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        for name, rows, cols in (("attn.q", C, C), ("attn.k", C, C), ("attn.v", C, C), ("attn.proj", C, C),
+                                 ("mlp.fc", 4 * C, C), ("mlp.proj", C, 4 * C)):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (rows, cols), (rows,)
         shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
     shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
     return shapes
@@ -749,9 +747,8 @@ def write_speedrun_file(path, params, cfg):
         if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
             tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
     data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
-    with open(path + ".tmp", "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
+    with open(path, "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
         f.write(data)
-    os.replace(path + ".tmp", path)
 
 
 def read_speedrun_file(path):
@@ -1749,12 +1746,11 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     try:
         os.makedirs(tmp)
         recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
-        with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+        with open(os.path.join(tmp, "state.npz"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
         shutil.rmtree(tmp, ignore_errors=True)
         die(write_failure(tmp, e))
-    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
     rename_into_place(tmp, final)
     return final
 
