@@ -1112,11 +1112,10 @@ def due(every, step, steps):
 
 def log_event(out_dir, framework, **record):
     """Appends one JSON object to <out_dir>/log.jsonl (docs/FORMATS.md), with the trainer's `framework` name."""
-    record["framework"] = framework
     path = os.path.join(out_dir, "log.jsonl")
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**record, "framework": framework}) + "\n")
     except OSError as e:  # a write's error names no file; a half line left is cut off on --resume
         die(write_failure(path, e))
 
@@ -1130,20 +1129,17 @@ class StopSignals:
         self.received, self.training, self.master = 0, False, True
 
     def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.training and not self.received:
-            self.received = signum
-            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
-            return
+        name, later = signal.Signals(signum).name, self.training and not self.received
         # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
         hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
-        self.tell(f"{name}: stopped at once{hint}")
-        raise SystemExit(128 + signum)
-
-    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
-        if self.master:
+        line = (f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)" if later
+                else f"{name}: stopped at once{hint}")
+        if self.master:  # os.write: print could be inside a print of the interrupted code
             with contextlib.suppress(OSError):  # stderr's reader is gone: the stop goes on without its line
                 os.write(2, f"{line}\n".encode())
+        if not later:
+            raise SystemExit(128 + signum)
+        self.received = signum
 
 
 class OutputThatMayClose:
