@@ -927,7 +927,7 @@ def fp8_reciprocal(kind):
 
 
 def read_safetensors(path, check=None):
-    """{name: fp32 array} of a safetensors file of finite floats; check({name: (type, shape)}) before any is read."""
+    """({name: fp32 array}, check({name: (type, shape)})) of a safetensors file of finite floats; check runs first."""
     try:
         with safetensors.safe_open(path, framework="numpy") as f:
             entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
@@ -938,8 +938,7 @@ def read_safetensors(path, check=None):
             die(f"model file {path} has a tensor name with unprintable characters: {json.dumps(k)[:100]}")
         if dtype not in SAFETENSORS_TYPES:
             die(f"model file {path}: tensor {k[:100]} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
-    if check is not None:
-        check(entries)
+    checked = check(entries) if check else None
     with open(path, "rb") as f:
         stored = safetensors.deserialize(f.read())
     tensors = {}
@@ -951,7 +950,7 @@ def read_safetensors(path, check=None):
             die(f"model file {path}: tensor {k[:100]} holds {bad} non-finite values (NaN or inf): the weights of "
                 "a diverged run?")
         tensors[k] = t.reshape(e["shape"])
-    return tensors
+    return tensors, checked
 
 
 def is_safetensors_file(head):
@@ -973,8 +972,6 @@ def write_speedrun_file(path, params, cfg):
 
 def read_speedrun_file(path):
     """(header, {name: fp32 array}) of a speedrun model file of any float type, its names and shapes checked first."""
-    found = {}
-
     def check(entries):  # the shape from embed.weight and the blocks' count, bounded by their names
         embed = entries.get("embed.weight", (None, ()))[1]
         if len(embed) != 2:
@@ -1001,9 +998,8 @@ def read_speedrun_file(path):
         extra = [k for k in entries if k not in shapes and k not in freqs]
         if extra:
             die(f"model file {path} holds tensor {extra[0][:100]}, which the speedrun model does not have")
-        found.update(header=header, shapes=shapes, types={k: e[0] for k, e in entries.items()})
-    tensors = read_safetensors(path, check)
-    header, shapes, types = found["header"], found["shapes"], found["types"]
+        return header, shapes, {k: e[0] for k, e in entries.items()}
+    tensors, (header, shapes, types) = read_safetensors(path, check)
     for i in range(header["n_layer"]):  # as the file's type rounds them (the reference's bf16 state_dict)
         k = f"blocks.{i}.attn.rotary.angular_freq"
         if not np.allclose(tensors[k], rotary_freq_numpy(HEAD_DIM), atol=0,
