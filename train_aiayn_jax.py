@@ -1042,31 +1042,6 @@ def move_aside(out, names, prefix):
     return aside
 
 
-def abandon_newer(out, step):
-    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
-    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
-             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
-    if not newer:
-        return
-    aside = move_aside(out, newer, "abandoned_")
-    log = os.path.join(out, "log.jsonl")
-    if os.path.isfile(log):
-        kept, cut = [], []
-        with open(log, "rb") as f:
-            for line in f:
-                try:
-                    later = json.loads(line).get("step", 0) > step
-                except (ValueError, AttributeError, TypeError):
-                    later = False
-                (cut if later else kept).append(line)
-        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
-            with open(path, "wb") as f:
-                f.writelines(lines)
-        os.replace(log + ".tmp", log)
-    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
-          f"{step} moved to {aside}")
-
-
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
@@ -1092,8 +1067,25 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
                 "whose log.jsonl would then hold both: resume it into a new --out-dir")
     os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
-    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
-        abandon_newer(out, step)
+    # resumed, the checkpoints past its step and their log lines go to abandoned_<time> (unless it trains nothing)
+    newer = [n for n in held_run() if n.startswith("ckpt_") and n[5:].isdigit() and int(n[5:]) > step]
+    if cfg.resume and not cfg.eval_only and step < cfg.steps and newer:
+        aside, log = move_aside(out, newer, "abandoned_"), os.path.join(out, "log.jsonl")
+        if os.path.isfile(log):
+            kept, cut = [], []
+            with open(log, "rb") as f:
+                for line in f:
+                    try:
+                        later = json.loads(line).get("step", 0) > step
+                    except (ValueError, AttributeError, TypeError):
+                        later = False
+                    (cut if later else kept).append(line)
+            for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+                with open(path, "wb") as f:
+                    f.writelines(lines)
+            os.replace(log + ".tmp", log)
+        print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+              f"{step} moved to {aside}")
     run = held_run()
     moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
     aside = move_aside(out, run, "replaced_") if moved else None
@@ -1108,10 +1100,7 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
 
 def drop_partial_log_line(out_dir):
     """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path, "rb+") as f:
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
@@ -1123,11 +1112,10 @@ def due(every, step, steps):
 
 def log_event(out_dir, framework, **record):
     """Appends one JSON object to <out_dir>/log.jsonl (docs/FORMATS.md), with the trainer's `framework` name."""
-    record["framework"] = framework
     path = os.path.join(out_dir, "log.jsonl")
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**record, "framework": framework}) + "\n")
     except OSError as e:  # a write's error names no file; a half line left is cut off on --resume
         die(write_failure(path, e))
 
@@ -1138,32 +1126,20 @@ class StopSignals:
     """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
 
     def __init__(self):
-        self.received, self.training, self.master, self.previous = 0, False, True, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
-            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        self.received, self.training, self.master = 0, False, True
 
     def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.training and not self.received:
-            self.received = signum
-            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
-            return
+        name, later = signal.Signals(signum).name, self.training and not self.received
         # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
         hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
-        self.tell(f"{name}: stopped at once{hint}")
-        raise SystemExit(128 + signum)
-
-    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
-        if self.master:
+        line = (f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)" if later
+                else f"{name}: stopped at once{hint}")
+        if self.master:  # os.write: print could be inside a print of the interrupted code
             with contextlib.suppress(OSError):  # stderr's reader is gone: the stop goes on without its line
                 os.write(2, f"{line}\n".encode())
+        if not later:
+            raise SystemExit(128 + signum)
+        self.received = signum
 
 
 class OutputThatMayClose:
@@ -1172,39 +1148,36 @@ class OutputThatMayClose:
     def __init__(self, stream):
         self.stream = stream
 
-    def write(self, text):
-        self.guarded(self.stream.write, text)
-        return len(text)
-
-    def flush(self):
-        self.guarded(self.stream.flush)
-
     def guarded(self, call, *args):
         try:
-            call(*args)
+            return call(*args)
         except BrokenPipeError:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
             os.close(null)
 
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
+    def __getattr__(self, name):  # write and flush guarded, the rest the stream's own
+        attr = getattr(self.stream, name)
+        return functools.partial(self.guarded, attr) if name in ("write", "flush") else attr
 
 
 def stops_on_signals(main):
-    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
+    """main(argv, signals) with StopSignals' handlers, outputs that may close and one line for any OSError."""
     @functools.wraps(main)
     def run(argv=None):
-        streams = sys.stdout, sys.stderr
+        streams, signals = (sys.stdout, sys.stderr), StopSignals()
         sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        on_main = threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
+        previous = {s: signal.signal(s, signals.handle) for s in STOP_SIGNALS} if on_main else {}
         try:
-            with StopSignals() as signals:
-                return main(argv, signals)
+            return main(argv, signals)
         except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
             if e.errno in DISK_FULL:
                 die(write_failure(e.filename, e))
             die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
         finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             sys.stdout.flush()  # what they still buffer, while a closed reader is caught
             sys.stderr.flush()
             sys.stdout, sys.stderr = streams

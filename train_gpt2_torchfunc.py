@@ -212,14 +212,13 @@ def model_file_header(cfg):
 
 def write_model_file(path, params, cfg):
     """An fp32 llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
-    shapes, tmp = gpt2_shapes(cfg), path + ".tmp"
-    with open(tmp, "wb") as f:
+    shapes = gpt2_shapes(cfg)
+    with open(path, "wb") as f:  # into a checkpoint's temporary dir, which save_checkpoint renames when complete
         f.write(model_file_header(cfg).tobytes())
         for name in PARAM_NAMES:
             t = np.asarray(params[name], dtype=np.float32)
             assert t.shape == shapes[name], (name, t.shape, shapes[name])
             f.write(t.astype("<f4").tobytes())
-    os.replace(tmp, path)
 
 
 def read_model_header(path):
@@ -252,10 +251,8 @@ def read_model_file(path):
     raw, params, offset = np.fromfile(path, np.uint8), {}, 1024
     for name in PARAM_NAMES:
         chunk = raw[offset: offset + math.prod(shapes[name]) * itemsize]
-        if itemsize == 4:
-            t = chunk.view("<f4").astype(np.float32)
-        else:
-            t = (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        t = (chunk.view("<f4").astype(np.float32) if itemsize == 4 else
+             (chunk.view("<u2").astype(np.uint32) << 16).view(np.float32))  # bf16: an fp32's top 16 bits
         bad = t.size - np.count_nonzero(np.isfinite(t))
         if bad:
             die(f"model file {path}: tensor {name} holds {bad} non-finite values (NaN or inf): the weights "
@@ -647,10 +644,9 @@ def speedrun_shapes(cfg):
     C, Vp = cfg.n_embd, cfg.padded_vocab_size
     shapes = {"embed.weight": (Vp, C)}
     for i in range(cfg.n_layer):
-        for name in ("attn.q", "attn.k", "attn.v", "attn.proj"):
-            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (C, C), (C,)
-        shapes[f"blocks.{i}.mlp.fc.weight"], shapes[f"blocks.{i}.mlp.fc.bias"] = (4 * C, C), (4 * C,)
-        shapes[f"blocks.{i}.mlp.proj.weight"], shapes[f"blocks.{i}.mlp.proj.bias"] = (C, 4 * C), (C,)
+        for name, rows, cols in (("attn.q", C, C), ("attn.k", C, C), ("attn.v", C, C), ("attn.proj", C, C),
+                                 ("mlp.fc", 4 * C, C), ("mlp.proj", C, 4 * C)):
+            shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = (rows, cols), (rows,)
         shapes[f"blocks.{i}.norm1.gains"], shapes[f"blocks.{i}.norm2.gains"] = (C,), (C,)
     shapes.update({"proj.weight": (Vp, C), "proj.bias": (Vp,), "norm1.gains": (C,), "norm2.gains": (C,)})
     return shapes
@@ -708,7 +704,7 @@ def fp8_reciprocal(kind):
 
 
 def read_safetensors(path, check=None):
-    """{name: fp32 array} of a safetensors file of finite floats; check({name: (type, shape)}) before any is read."""
+    """({name: fp32 array}, check({name: (type, shape)})) of a safetensors file of finite floats; check runs first."""
     try:
         with safetensors.safe_open(path, framework="numpy") as f:
             entries = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
@@ -719,8 +715,7 @@ def read_safetensors(path, check=None):
             die(f"model file {path} has a tensor name with unprintable characters: {json.dumps(k)[:100]}")
         if dtype not in SAFETENSORS_TYPES:
             die(f"model file {path}: tensor {k[:100]} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
-    if check is not None:
-        check(entries)
+    checked = check(entries) if check else None
     with open(path, "rb") as f:
         stored = safetensors.deserialize(f.read())
     tensors = {}
@@ -732,7 +727,7 @@ def read_safetensors(path, check=None):
             die(f"model file {path}: tensor {k[:100]} holds {bad} non-finite values (NaN or inf): the weights of "
                 "a diverged run?")
         tensors[k] = t.reshape(e["shape"])
-    return tensors
+    return tensors, checked
 
 
 def is_safetensors_file(head):
@@ -748,15 +743,12 @@ def write_speedrun_file(path, params, cfg):
         if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
             tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
     data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
-    with open(path + ".tmp", "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
+    with open(path, "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
         f.write(data)
-    os.replace(path + ".tmp", path)
 
 
 def read_speedrun_file(path):
     """(header, {name: fp32 array}) of a speedrun model file of any float type, its names and shapes checked first."""
-    found = {}
-
     def check(entries):  # the shape from embed.weight and the blocks' count, bounded by their names
         embed = entries.get("embed.weight", (None, ()))[1]
         if len(embed) != 2:
@@ -783,9 +775,8 @@ def read_speedrun_file(path):
         extra = [k for k in entries if k not in shapes and k not in freqs]
         if extra:
             die(f"model file {path} holds tensor {extra[0][:100]}, which the speedrun model does not have")
-        found.update(header=header, shapes=shapes, types={k: e[0] for k, e in entries.items()})
-    tensors = read_safetensors(path, check)
-    header, shapes, types = found["header"], found["shapes"], found["types"]
+        return header, shapes, {k: e[0] for k, e in entries.items()}
+    tensors, (header, shapes, types) = read_safetensors(path, check)
     for i in range(header["n_layer"]):  # as the file's type rounds them (the reference's bf16 state_dict)
         k = f"blocks.{i}.attn.rotary.angular_freq"
         if not np.allclose(tensors[k], rotary_freq_numpy(HEAD_DIM), atol=0,
@@ -1158,19 +1149,6 @@ def write_failure(path, e):
         return f"cannot write {path}: no space left, the disk is full (free some; --resume auto continues)"
     return f"cannot write {path}: {e.strerror}"
 
-
-def require_file(path, what):
-    """Stops in one line unless `path` is a regular file (reading a FIFO would wait forever)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:  # absent, a link loop: convert_hf.py has no OSError boundary of its own
-        die(f"{what} {path}: {e.strerror}")
-    if not stat.S_ISREG(mode):
-        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
-                      if os.path.isfile(os.path.join(path, f))), None)
-        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
-        die(f"{what} {path} is not a regular file{hint}")
-
 # --recompute (docs/FORMATS.md): none keeps what the backward reads; pointwise recomputes the norms' outputs and
 # the MLP's activation; block keeps each block's input alone and reruns its forward in the backward
 RECOMPUTE_LEVELS = ("none", "pointwise", "block")
@@ -1283,19 +1261,17 @@ def apply_model_header(cfg, header, explicit):
     for k in ("n_layer", "n_head", "n_embd"):
         if k in explicit and explicit[k] != header[k]:
             die(f"--{k.replace('_', '-')} {explicit[k]} does not match the model file ({header[k]})")
+        setattr(cfg, k, header[k])
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
         die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
     if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
         if cfg.seq_len > header["block_size"]:
             die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
         cfg.block_size = header["block_size"]
-    cfg.n_layer, cfg.n_head, cfg.n_embd = header["n_layer"], header["n_head"], header["n_embd"]
     cfg.padded_vocab_size = header["padded_vocab_size"]
 
 SHARD_MAGIC = 20240520
 SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthetic
-GET_DATA = ("get shards with `python prepro_fineweb.py` (it writes data/fineweb_edu), or use --data "
-            "synthetic for a benchmark")
 
 
 def read_shard(path):
@@ -1325,7 +1301,8 @@ def find_shards(cfg):
     else:
         train, val, missing = sorted(glob.glob(cfg.data)), [], "no such directory and no file matches that glob"
     if not train and not cfg.eval_only:
-        die(f"--data {cfg.data}: {missing} ({GET_DATA})")
+        die(f"--data {cfg.data}: {missing} (get shards with `python prepro_fineweb.py` (it writes "
+            "data/fineweb_edu), or use --data synthetic for a benchmark)")
     if cfg.val_data:
         val = sorted(glob.glob(cfg.val_data))
         if not val:
@@ -1404,7 +1381,8 @@ class MersenneTwister(np.random.RandomState):
 
 def permutation_picks(n, rng):
     """llm.c's random_permutation of n items: for i = n-1 down to 1, the j (a draw mod i+1) that item i swaps with."""
-    return rng.draws(max(n - 1, 0)) % np.arange(n, 1, -1, dtype=np.uint32)
+    # rng: numpy's legacy RandomState(seed) is llm.c's MT19937 seeded as init_genrand; a full-range randint its output
+    return rng.randint(0, 2**32, max(n - 1, 0), dtype=np.uint32) % np.arange(n, 1, -1, dtype=np.uint32)
 
 
 def permute(items, picks):
@@ -1418,7 +1396,7 @@ class ShuffledOrder:
     # an epoch shuffles the last epoch's shard order, then each shard it opens its samples; one generator draws both
 
     def __init__(self, counts, seed):
-        self.counts, self.rng = counts, MersenneTwister(seed)
+        self.counts, self.rng = counts, np.random.RandomState(seed)
         self.order, self.k, self.opened = list(range(len(counts))), len(counts) - 1, -1
         self._move_on()
 
@@ -1439,9 +1417,7 @@ class ShuffledOrder:
             self.samples = list(range(self.counts[self.shard()]))
             permute(self.samples, self.picks)
         here = self.shard(), self.samples[self.sample]
-        self.sample += 1
-        if self.sample == len(self.samples):
-            self._move_on()
+        self.skip(1)
         return here
 
     def skip(self, n):
@@ -1553,8 +1529,16 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
 
 
 def read_weights(path, cfg):
-    """(header, params) of a model file of cfg.recipe; another recipe's file is refused."""
-    require_file(path, "model file")
+    """(header, params) of a model file of cfg.recipe; another recipe's file, or no regular file, is refused."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # absent, a link loop: the path named as a model file
+        die(f"model file {path}: {e.strerror}")
+    if not stat.S_ISREG(mode):  # reading a FIFO would wait forever
+        found = next((os.path.join(path, f) for f in ("model.bin", "model.safetensors")
+                      if os.path.isfile(os.path.join(path, f))), None)
+        hint = f": a checkpoint directory; give its {found}, or --resume {path}" if found else ""
+        die(f"model file {path} is not a regular file{hint}")
     with open(path, "rb") as f:
         head = f.read(9)
     recipe = RECIPES[cfg.recipe]
@@ -1578,12 +1562,11 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     try:
         os.makedirs(tmp)
         recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
-        with open(os.path.join(tmp, "state.npz.tmp"), "wb") as f:
+        with open(os.path.join(tmp, "state.npz"), "wb") as f:
             np.savez(f, **state)
     except OSError as e:  # nothing of this checkpoint is kept; the earlier ones are untouched
         shutil.rmtree(tmp, ignore_errors=True)
         die(write_failure(tmp, e))
-    os.replace(os.path.join(tmp, "state.npz.tmp"), os.path.join(tmp, "state.npz"))
     rename_into_place(tmp, final)
     return final
 
@@ -1631,14 +1614,6 @@ def resolve_resume(cfg, trains, needed=("state.npz",)):
     return False
 
 
-def check_checkpoint_step(path, step):
-    """A checkpoint dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names."""
-    name = os.path.basename(os.path.normpath(path))
-    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != step:
-        die(f"checkpoint {path} holds step {step}, not the step {int(name[5:])} its name says (renamed or "
-            f"copied by hand?): name it ckpt_{step:07d} elsewhere, or remove it")
-
-
 def load_checkpoint(path, cfg):
     """(header, params, m, v, state) from a checkpoint dir of cfg.recipe."""
     recipe = RECIPES[cfg.recipe]
@@ -1669,7 +1644,11 @@ def load_checkpoint(path, cfg):
             TokenError) as e:
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
-    check_checkpoint_step(path, state["step"])
+    # a dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names
+    name = os.path.basename(os.path.normpath(path))
+    if re.fullmatch(r"ckpt_\d+", name) and int(name[5:]) != state["step"]:
+        die(f"checkpoint {path} holds step {state['step']}, not the step {int(name[5:])} its name says (renamed or "
+            f"copied by hand?): name it ckpt_{state['step']:07d} elsewhere, or remove it")
     for k in params:
         moments = [m[k], v[k]] if k in v else [m[k]]
         if any(t.shape != params[k].shape or t.dtype != np.float32 for t in moments):
@@ -1737,31 +1716,6 @@ def move_aside(out, names, prefix):
     return aside
 
 
-def abandon_newer(out, step):
-    """Moves the checkpoints past `step` and log.jsonl's lines past it into an abandoned_<time> folder."""
-    newer = [os.path.basename(p) for p in sorted(glob.glob(os.path.join(glob.escape(out), "ckpt_*")))
-             if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) > step]
-    if not newer:
-        return
-    aside = move_aside(out, newer, "abandoned_")
-    log = os.path.join(out, "log.jsonl")
-    if os.path.isfile(log):
-        kept, cut = [], []
-        with open(log, "rb") as f:
-            for line in f:
-                try:
-                    later = json.loads(line).get("step", 0) > step
-                except (ValueError, AttributeError, TypeError):
-                    later = False
-                (cut if later else kept).append(line)
-        for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
-            with open(path, "wb") as f:
-                f.writelines(lines)
-        os.replace(log + ".tmp", log)
-    print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
-          f"{step} moved to {aside}")
-
-
 def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     """Makes --out-dir, returning process 0's RunLock; a run there is refused unless resumed or moved (--force)."""
     out = cfg.out_dir
@@ -1787,8 +1741,25 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
                 "whose log.jsonl would then hold both: resume it into a new --out-dir")
     os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
-    if cfg.resume and not cfg.eval_only and step < cfg.steps:  # a run that trains nothing moves nothing
-        abandon_newer(out, step)
+    # resumed, the checkpoints past its step and their log lines go to abandoned_<time> (unless it trains nothing)
+    newer = [n for n in held_run() if n.startswith("ckpt_") and n[5:].isdigit() and int(n[5:]) > step]
+    if cfg.resume and not cfg.eval_only and step < cfg.steps and newer:
+        aside, log = move_aside(out, newer, "abandoned_"), os.path.join(out, "log.jsonl")
+        if os.path.isfile(log):
+            kept, cut = [], []
+            with open(log, "rb") as f:
+                for line in f:
+                    try:
+                        later = json.loads(line).get("step", 0) > step
+                    except (ValueError, AttributeError, TypeError):
+                        later = False
+                    (cut if later else kept).append(line)
+            for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
+                with open(path, "wb") as f:
+                    f.writelines(lines)
+            os.replace(log + ".tmp", log)
+        print(f"--resume: step {step} is now the live run: the newer {', '.join(newer)} and log lines past step "
+              f"{step} moved to {aside}")
     run = held_run()
     moved = (cfg.force or restart) and not cfg.resume and any(name not in extras for name in run)
     aside = move_aside(out, run, "replaced_") if moved else None
@@ -1803,10 +1774,7 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
 
 def drop_partial_log_line(out_dir):
     """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
-    path = os.path.join(out_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path, "rb+") as f:
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
@@ -1901,10 +1869,8 @@ def peak_flops(device_name, dtype):
 
 def logged_evals(out_dir, step):
     """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`."""
-    path, found = os.path.join(out_dir, "log.jsonl"), set()
-    if not os.path.isfile(path):
-        return found
-    with open(path) as f:
+    found = set()
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl")) as f:
         for line in f:
             try:
                 event = json.loads(line)
@@ -1954,11 +1920,10 @@ def due(every, step, steps):
 
 def log_event(out_dir, framework, **record):
     """Appends one JSON object to <out_dir>/log.jsonl (docs/FORMATS.md), with the trainer's `framework` name."""
-    record["framework"] = framework
     path = os.path.join(out_dir, "log.jsonl")
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**record, "framework": framework}) + "\n")
     except OSError as e:  # a write's error names no file; a half line left is cut off on --resume
         die(write_failure(path, e))
 
@@ -1994,32 +1959,20 @@ class StopSignals:
     """While training, the first SIGINT/SIGTERM stops the run at the step's end (`received`); else one stops at once."""
 
     def __init__(self):
-        self.received, self.training, self.master, self.previous = 0, False, True, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
-            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        self.received, self.training, self.master = 0, False, True
 
     def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.training and not self.received:
-            self.received = signum
-            self.tell(f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)")
-            return
+        name, later = signal.Signals(signum).name, self.training and not self.received
         # before training (startup, --eval-only, --test, --bench-ops) there is nothing of this launch to resume
         hint = "; --resume auto continues from the latest checkpoint" if self.training else ""
-        self.tell(f"{name}: stopped at once{hint}")
-        raise SystemExit(128 + signum)
-
-    def tell(self, line):  # os.write: print could be inside a print of the interrupted code
-        if self.master:
+        line = (f"{name}: stopping at the end of this step, with a checkpoint ({name} again stops at once)" if later
+                else f"{name}: stopped at once{hint}")
+        if self.master:  # os.write: print could be inside a print of the interrupted code
             with contextlib.suppress(OSError):  # stderr's reader is gone: the stop goes on without its line
                 os.write(2, f"{line}\n".encode())
+        if not later:
+            raise SystemExit(128 + signum)
+        self.received = signum
 
 
 class OutputThatMayClose:
@@ -2028,39 +1981,36 @@ class OutputThatMayClose:
     def __init__(self, stream):
         self.stream = stream
 
-    def write(self, text):
-        self.guarded(self.stream.write, text)
-        return len(text)
-
-    def flush(self):
-        self.guarded(self.stream.flush)
-
     def guarded(self, call, *args):
         try:
-            call(*args)
+            return call(*args)
         except BrokenPipeError:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self.stream.fileno())  # what the stream still buffers goes there at its next flush
             os.close(null)
 
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
+    def __getattr__(self, name):  # write and flush guarded, the rest the stream's own
+        attr = getattr(self.stream, name)
+        return functools.partial(self.guarded, attr) if name in ("write", "flush") else attr
 
 
 def stops_on_signals(main):
-    """main(argv, signals) under StopSignals, with outputs that may close and one line for any OSError."""
+    """main(argv, signals) with StopSignals' handlers, outputs that may close and one line for any OSError."""
     @functools.wraps(main)
     def run(argv=None):
-        streams = sys.stdout, sys.stderr
+        streams, signals = (sys.stdout, sys.stderr), StopSignals()
         sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
+        on_main = threading.current_thread() is threading.main_thread()  # the only thread that may set handlers
+        previous = {s: signal.signal(s, signals.handle) for s in STOP_SIGNALS} if on_main else {}
         try:
-            with StopSignals() as signals:
-                return main(argv, signals)
+            return main(argv, signals)
         except OSError as e:  # the one boundary for the operating system's errors: the file and the reason
             if e.errno in DISK_FULL:
                 die(write_failure(e.filename, e))
             die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
         finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             sys.stdout.flush()  # what they still buffer, while a closed reader is caught
             sys.stderr.flush()
             sys.stdout, sys.stderr = streams

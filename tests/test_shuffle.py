@@ -6,8 +6,7 @@ import pytest
 
 import llmc_reference
 from conftest import write_shard
-from train_gpt2_jax import (MersenneTwister, ShuffledLoader, ShuffledOrder, make_loaders, permutation_picks,
-                           permute)
+from train_gpt2_jax import ShuffledLoader, ShuffledOrder, make_loaders, permutation_picks, permute
 from train_gpt2_jax import Config
 
 # std::mt19937 seeded 42: its first ten outputs, as widely published (numpy's RandomState(42) gives them
@@ -18,6 +17,13 @@ MT_SEED_42 = [1608637542, 3421126067, 4083286876, 787846414, 3143890026, 3348747
 MT_DEFAULT_SEED, MT_10000TH = 5489, 4123659995
 # llm.c's rand.h, in its opening comment: seed 137's first five outputs, which torch's generator also gives
 MT_SEED_137 = [4053805790, 2173880614, 380293709, 1237255315, 2986595568]
+
+
+class MersenneTwister(np.random.RandomState):
+    """The generator the shuffled order draws from (permutation_picks' rng), with its raw outputs."""
+
+    def draws(self, n):
+        return self.randint(0, 2**32, n, dtype=np.uint32)
 
 
 def test_generator_gives_the_published_outputs():

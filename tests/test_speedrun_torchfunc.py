@@ -299,7 +299,7 @@ def test_crafted_safetensors_files(tmp_path):
         return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
     good = {"a": entry(), "b": entry((4,), (24, 40))}
     good_file = write_raw_safetensors(tmp_path / "good.safetensors", good, data)
-    assert read_safetensors(good_file)["a"].tolist() == a.tolist()
+    assert read_safetensors(good_file)[0]["a"].tolist() == a.tolist()
     deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     nan = np.array([0, np.nan, 0, 0], "<f4").tobytes()
     invalid = "is not a valid safetensors file"
