@@ -202,27 +202,21 @@ def init_gpt2_numpy(cfg):
     return params
 
 
-def model_file_header(cfg):
-    """The 256-int32 header of an fp32 (version 3) llm.c model file of cfg's shape."""
-    header = np.zeros(256, dtype="<i4")
+def write_model_file(path, params, cfg):
+    """An fp32 (version 3) llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
+    shapes, header = gpt2_shapes(cfg), np.zeros(256, dtype="<i4")
     header[:8] = [MODEL_MAGIC, 3, cfg.block_size, cfg.vocab_size,
                   cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.padded_vocab_size]
-    return header
-
-
-def write_model_file(path, params, cfg):
-    """An fp32 llm.c model file: the 256-int32 header, then the tensors in PARAM_NAMES order."""
-    shapes = gpt2_shapes(cfg)
     with open(path, "wb") as f:  # into a checkpoint's temporary dir, which save_checkpoint renames when complete
-        f.write(model_file_header(cfg).tobytes())
+        f.write(header.tobytes())
         for name in PARAM_NAMES:
             t = np.asarray(params[name], dtype=np.float32)
             assert t.shape == shapes[name], (name, t.shape, shapes[name])
             f.write(t.astype("<f4").tobytes())
 
 
-def read_model_header(path):
-    """(header dict, version: 3 = fp32, 5 = bf16) of an llm.c model file, its header and size checked."""
+def read_model_file(path):
+    """(header dict, {name: fp32 array}) of an llm.c model file (version 3: fp32, 5: bf16), its header checked first."""
     size = os.path.getsize(path)
     if size < 1024:
         die(f"model file {path} is truncated: {size} bytes, shorter than its 1024-byte header")
@@ -235,19 +229,11 @@ def read_model_header(path):
                   n_embd=int(h[6]), padded_vocab_size=int(h[7]))
     if min(header.values()) <= 0 or header["n_embd"] % header["n_head"]:
         die(f"model file {path} has an invalid header {header}")
-    shapes = gpt2_shapes(SimpleNamespace(**header))
-    expected = 1024 + (4 if h[1] == 3 else 2) * sum(math.prod(s) for s in shapes.values())
+    shapes, itemsize = gpt2_shapes(SimpleNamespace(**header)), 4 if h[1] == 3 else 2
+    expected = 1024 + itemsize * sum(math.prod(s) for s in shapes.values())
     if size != expected:
         cut = " (truncated)" if size < expected else ""
         die(f"model file {path} has {size} bytes, its header implies {expected}{cut}")
-    return header, int(h[1])
-
-
-def read_model_file(path):
-    """(header dict, {name: fp32 array}) from an llm.c model file (version 3 = fp32, 5 = bf16)."""
-    header, version = read_model_header(path)  # the header is checked before the weights are read
-    shapes = gpt2_shapes(SimpleNamespace(**header))
-    itemsize = 4 if version == 3 else 2
     raw, params, offset = np.fromfile(path, np.uint8), {}, 1024
     for name in PARAM_NAMES:
         chunk = raw[offset: offset + math.prod(shapes[name]) * itemsize]
@@ -260,11 +246,6 @@ def read_model_file(path):
         params[name] = t.reshape(shapes[name])
         offset += chunk.size
     return header, params
-
-
-def is_model_file(head):
-    """Whether a file's first bytes are those of an llm.c model file."""
-    return head[:4] == np.array(MODEL_MAGIC, "<i4").tobytes()
 
 
 # -----------------------------------------------------------------------------
@@ -595,9 +576,10 @@ def gpt2_activation_bytes(cfg):
 RECIPES = {"gpt2": Recipe(
     help="llm.c's GPT-2 and AdamW", defaults={}, configure=configure_gpt2, shapes=gpt2_shapes, init=init_gpt2_numpy,
     lr_at=cosine_lr, muon_names=lambda shapes: [], model_file="model.bin", file_kind="an llm.c model file (.bin)",
-    is_file=is_model_file, read_file=read_model_file, write_file=write_model_file, model_name="GPT-2", table="wpe",
-    optimizers="AdamW", activation_bytes=gpt2_activation_bytes, token_losses=token_losses, summed=False,
-    scalars=adam_scalars, update=adamw_update, embeddings=EMBEDDINGS, next_logits=next_logits)}
+    is_file=lambda head: head[:4] == MODEL_MAGIC.to_bytes(4, "little"), read_file=read_model_file,
+    write_file=write_model_file, model_name="GPT-2", table="wpe", optimizers="AdamW", scalars=adam_scalars,
+    activation_bytes=gpt2_activation_bytes, token_losses=token_losses, summed=False, update=adamw_update,
+    embeddings=EMBEDDINGS, next_logits=next_logits)}
 
 
 # -----------------------------------------------------------------------------
@@ -728,11 +710,6 @@ def read_safetensors(path, check=None):
                 "a diverged run?")
         tensors[k] = t.reshape(e["shape"])
     return tensors, checked
-
-
-def is_safetensors_file(head):
-    """Whether a file's first 9 bytes are those of a safetensors file (a JSON header after its length)."""
-    return head[8:9] == b"{"
 
 
 def write_speedrun_file(path, params, cfg):
@@ -1021,7 +998,7 @@ def speedrun_activation_bytes(cfg):
 RECIPES["speedrun"] = Recipe(
     help=SPEEDRUN_HELP, defaults={**SPEEDRUN_DEFAULTS, "out_dir": f"out/speedrun_{FRAMEWORK}"},
     configure=configure_speedrun, shapes=speedrun_shapes, init=init_speedrun_numpy, lr_at=speedrun_lr,
-    muon_names=muon_names, model_file="model.safetensors", is_file=is_safetensors_file,
+    muon_names=muon_names, model_file="model.safetensors", is_file=lambda head: head[8:9] == b"{",
     file_kind="a safetensors file of the reference's state_dict (.safetensors)", read_file=read_speedrun_file,
     write_file=write_speedrun_file, model_name="speedrun GPT", table="embed.weight", optimizers="AdamW and Muon",
     activation_bytes=speedrun_activation_bytes, token_losses=speedrun_token_losses, summed=True,
