@@ -954,9 +954,8 @@ def latest_checkpoint(out_dir, needed=("state.npz",)):
     """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
-    while found and not all(os.path.isfile(os.path.join(found[-1], f)) for f in needed):
-        missing = next(f for f in needed if not os.path.isfile(os.path.join(found[-1], f)))
-        print(f"--resume auto: skipping {found[-1]}, which has no {missing}")
+    while found and (missing := [f for f in needed if not os.path.isfile(os.path.join(found[-1], f))]):
+        print(f"--resume auto: skipping {found[-1]}, which has no {missing[0]}")
         found.pop()
     return found[-1] if found else None
 

@@ -79,8 +79,7 @@ MODEL_MAGIC = 20240326
 
 @dataclass
 class Config:
-    """The flags, with their defaults (a flag is named in parse_args and here): the shared ones, then this
-    trainer's own."""
+    """The flags with their defaults (each also named in parse_args): the shared ones, then this trainer's own."""
     # gpt2: llm.c's model and AdamW; speedrun: modded-nanogpt's simplified baseline, its model and Muon
     recipe: str = "gpt2"
     # model (block_size = rows of wpe: seq_len from scratch, the file's max T with --init-from)
@@ -133,8 +132,7 @@ class Config:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A row of RECIPES: what --recipe NAME trains (the fields every trainer has, then this trainer's). The rest of
-    the file looks a recipe up here, never by its name; each recipe's section ends by adding its row."""
+    """A row of RECIPES, added where its recipe's section ends: the code asks this row, never the recipe's name."""
     help: str             # --recipe's help text for it
     defaults: dict        # its defaults over Config's
     configure: Callable   # (cfg, given, shape): checks and derives the flags after parsing
@@ -490,8 +488,6 @@ def cosine_lr(it, cfg):
     min_lr = cfg.lr * cfg.lr_decay_frac
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
-    if it > cfg.steps:
-        return min_lr
     ratio = (it - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (cfg.lr - min_lr)
 
@@ -583,6 +579,7 @@ RECIPES = {"gpt2": Recipe(
 # Recipe: speedrun
 # its lrs per parameter group; --lr sets Muon's and scales the others with it
 SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
+ADAMW_GROUPS = {"embed.weight": "embed", "proj.weight": "head"}  # the AdamW tensors' groups; the rest "vector"
 # its defaults over Config's (--weight-decay is AdamW's, Muon's MUON_WEIGHT_DECAY); the rest are llm.c's recipe's
 SPEEDRUN_DEFAULTS = {"steps": 3250, "lr": SPEEDRUN_LRS["muon"], "warmup": 0, "weight_decay": 0.001,
                      "grad_clip": 0.0, "val_every": 125}
@@ -671,11 +668,6 @@ def speedrun_lrs(it, cfg):
     return {group: lr * scale for group, lr in SPEEDRUN_LRS.items()}
 
 
-def adamw_group(name):
-    """The SPEEDRUN_LRS group of a tensor that AdamW updates in the speedrun recipe."""
-    return {"embed.weight": "embed", "proj.weight": "head"}.get(name, "vector")
-
-
 def fp8_reciprocal(kind):
     """The fp32 value that --fp8-head multiplies operand `kind` by before its cast: 1/scale rounded to fp32 once."""
     # the same in every framework, as a division's rounding is not (CUDA torch, Triton's approximate division)
@@ -696,8 +688,7 @@ def read_safetensors(path, check=None):
             die(f"model file {path}: tensor {k[:100]} is {dtype}, not one of {', '.join(SAFETENSORS_TYPES)}")
     checked = check(entries) if check else None
     with open(path, "rb") as f:
-        stored = safetensors.deserialize(f.read())
-    tensors = {}
+        stored, tensors = safetensors.deserialize(f.read()), {}
     for k, e in stored:
         t = np.frombuffer(e["data"], SAFETENSORS_TYPES[e["dtype"]])
         t = (t.astype(np.uint32) << 16).view(np.float32) if e["dtype"] == "BF16" else t.astype(np.float32)
@@ -716,9 +707,8 @@ def write_speedrun_file(path, params, cfg):
         tensors[k] = np.ascontiguousarray(params[k], np.float32)
         if k.endswith(".attn.proj.bias"):  # where the reference's state_dict puts the attention's buffer
             tensors[k.replace("proj.bias", "rotary.angular_freq")] = rotary_freq_numpy(HEAD_DIM)
-    data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
     with open(path, "wb") as f:  # written here, not by the library: a full disk is an OSError with errno
-        f.write(data)
+        f.write(safetensors.numpy.save(tensors, metadata={"format": "pt"}))
 
 
 def read_speedrun_file(path):
@@ -941,8 +931,9 @@ def speedrun_update(params, grads, m, v, scalars, cfg, layout):
     lr = {group: scalars[i] for i, group in enumerate(SPEEDRUN_LRS)}
     new_params, new_m, new_v = {}, {}, {}
     for k in v:
-        new_params[k], new_m[k], new_v[k] = speedrun_adamw(params[k], grads[k], m[k], v[k], lr[adamw_group(k)],
-                                                           scalars[4], scalars[5], cfg.weight_decay)
+        new_params[k], new_m[k], new_v[k] = speedrun_adamw(params[k], grads[k], m[k], v[k],
+                                                           lr[ADAMW_GROUPS.get(k, "vector")], scalars[4], scalars[5],
+                                                           cfg.weight_decay)
     muon = [k for k in grads if k not in v]
     for shape in dict.fromkeys(params[k].shape for k in muon):
         p, momentum = speedrun_muon([k for k in muon if params[k].shape == shape], params, grads, m,
@@ -1735,9 +1726,8 @@ def latest_checkpoint(out_dir, needed=("state.npz",)):
     """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
-    while found and not all(os.path.isfile(os.path.join(found[-1], f)) for f in needed):
-        missing = next(f for f in needed if not os.path.isfile(os.path.join(found[-1], f)))
-        print(f"--resume auto: skipping {found[-1]}, which has no {missing}")
+    while found and (missing := [f for f in needed if not os.path.isfile(os.path.join(found[-1], f))]):
+        print(f"--resume auto: skipping {found[-1]}, which has no {missing[0]}")
         found.pop()
     return found[-1] if found else None
 
@@ -1951,8 +1941,7 @@ def sample_encoder(say):
 
 
 def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
-    """A run's start, weights and data checked before the out dir changes: (step, params, m, v, micro-batches per
-    step, train loader, val loader, the samples' encoder or None, the out dir's lock)."""
+    """(step, params, m, v, grad_accum, train, val, encoder, lock) of a run, checked before the out dir changes."""
     try:
         restart = resolve_resume(cfg, not cfg.eval_only)
         recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
