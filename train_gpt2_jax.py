@@ -569,21 +569,16 @@ def attention_bytes(cfg, n_head):
 def gpt2_activation_bytes(cfg):
     """Bytes of one micro-batch's saved activations per device at cfg.recompute, row statistics (<1%) left out."""
     N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
-    block = {  # per block
-        "none": (2 * N * C * d               # ln_1's input x and output (B,T,C) (the barrier's 3 are one)
-                 + 3 * N * C * d             # q, k, v (B,T,C)
-                 + attention_bytes(cfg, cfg.n_head)
-                 + N * C * d                 # the attention's output (B,T,C), attn.c_proj's input
-                 + 2 * N * C * d             # ln_2's input and output (B,T,C)
-                 + 2 * N * 4 * C * d),       # c_fc's output and GELU's output (B,T,4C)
-        "pointwise": (N * C * d              # the block's input x (B,T,C)
-                      + 3 * N * C * d        # q, k, v (B,T,C)
-                      + 2 * N * C * d        # the attention's and attn.c_proj's outputs (B,T,C)
-                      + N * 4 * C * d),      # c_fc's output (B,T,4C)
-        "block": N * C * d,                  # the block's input x (B,T,C)
+    block = {  # per block, in (B,T,C) tensors: 4C wide counts 4
+        # ln_1's input and output (the barrier's 3 are one), q, k, v, the attention's output, ln_2's input
+        # and output; c_fc's and GELU's outputs (B,T,4C)
+        "none": N * C * d * (2 + 3 + 1 + 2 + 2 * 4) + attention_bytes(cfg, cfg.n_head),
+        # the block's input x, q, k, v, the attention's and attn.c_proj's outputs; c_fc's output (B,T,4C)
+        "pointwise": N * C * d * (1 + 3 + 2 + 4),
+        "block": N * C * d,  # the block's input x
     }[cfg.recompute]
-    head = (2 * N * C * d                    # ln_f's input and output (B,T,C)
-            + N * cfg.padded_vocab_size * d)  # the logits (B,T,Vp), the cross-entropy's backward's input
+    # ln_f's input and output (B,T,C); the logits (B,T,Vp), the cross-entropy's backward's input
+    head = 2 * N * C * d + N * cfg.padded_vocab_size * d
     return cfg.n_layer * block + head
 
 
@@ -984,24 +979,18 @@ def speedrun_activation_bytes(cfg):
     # an RMSNorm with gains keeps its input in fp32, 2x and the normalized x (fp32 each) and its output (B,T,C)
     norm = N * C * (3 * 4 + d)
     block = {  # per block
-        "none": (norm                        # norm1 (its input: the block's input)
-                 + 2 * N * C * 2 * 4         # q's and k's RMSNorms: the input in fp32 and 2x (B,T,H,D) each
-                 + N * C * d                 # v (B,T,H,D)
-                 + 2 * N * C * d             # q and k after the rotary (B,T,H,D), the attention's inputs
-                 + attention_bytes(cfg, C // HEAD_DIM)
-                 + N * C * d                 # the attention's output (B,T,C), attn.proj's input
-                 + norm                      # norm2
-                 + N * 4 * C * (1 + 2 * d)),  # ReLU^2: ReLU's mask (bool), 2 ReLU(h) and the output (B,T,4C)
-        "pointwise": (N * C * d              # the block's input x (B,T,C)
-                      + 3 * N * C * d        # q, k, v (B,T,C)
-                      + 2 * N * C * d        # the attention's and attn.proj's outputs (B,T,C)
-                      + N * 4 * C * d),      # mlp.fc's output (B,T,4C)
-        "block": N * C * d,                  # the block's input x (B,T,C)
+        # norm1 and norm2; q's and k's RMSNorms (the input in fp32 and 2x, (B,T,H,D) each); v, q and k after
+        # the rotary (the attention's inputs) and the attention's output; ReLU^2: ReLU's mask (bool),
+        # 2 ReLU(h) and the output (B,T,4C)
+        "none": (2 * norm + 2 * N * C * 2 * 4 + 4 * N * C * d + attention_bytes(cfg, C // HEAD_DIM)
+                 + N * 4 * C * (1 + 2 * d)),
+        # the block's input x, q, k, v, the attention's and attn.proj's outputs (B,T,C); mlp.fc's output (B,T,4C)
+        "pointwise": N * C * d * (1 + 3 + 2 + 4),
+        "block": N * C * d,  # the block's input x (B,T,C)
     }[cfg.recompute]
-    head = (N * C * 3 * 4                    # the embedding's RMSNorm, less its output (block 0's input)
-            + norm                           # the final RMSNorm
-            + 3 * N * cfg.padded_vocab_size * 4)  # the logits before the cap, its rsqrt, the softmax's exp
-    return cfg.n_layer * block + head
+    # the embedding's RMSNorm less its output (block 0's input), the final RMSNorm, and the logits before the
+    # cap, its rsqrt and the softmax's exp (B,T,Vp) in fp32
+    return cfg.n_layer * block + N * C * 3 * 4 + norm + 3 * N * cfg.padded_vocab_size * 4
 
 
 RECIPES["speedrun"] = Recipe(
