@@ -348,19 +348,6 @@ def _gelu_bwd(h, dy):
 gelu.defvjp(lambda h: (gelu(h), h), _gelu_bwd)  # the backward reruns from h
 
 
-def logsumexp_one_pass(x):
-    """fp32 logsumexp over the last axis in one read of x (an online softmax as a variadic reduction)."""
-    def combine(a, b):  # two partials (running max, sum of exp(x - max)) merged with one exp
-        (ma, sa), (mb, sb) = a, b
-        e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
-        return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
-    xf = x.astype(jnp.float32)                                                     # (..., V)
-    lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
-    m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
-                          combine, (x.ndim - 1,))                             # (...,) each
-    return m + jnp.log(s)                                                          # (...,)
-
-
 @jax.custom_vjp
 def cross_entropy(logits, targets):
     """Per-token fp32 loss (...,) of logits (..., Vp) over the first V columns; llm.c's fused backward."""
@@ -368,7 +355,17 @@ def cross_entropy(logits, targets):
 
 
 def _cross_entropy_fwd(logits, targets):
-    lse = logsumexp_one_pass(logits[..., :VOCAB_SIZE])                             # (...,)
+    # the fp32 logsumexp of the first V columns in one read of the logits: an online softmax as a variadic
+    # reduction, whose partials (running max, sum of exp(x - max)) merge with one exp
+    def combine(a, b):
+        (ma, sa), (mb, sb) = a, b
+        e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
+        return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
+    xf = logits[..., :VOCAB_SIZE].astype(jnp.float32)                              # (..., V)
+    lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
+    m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
+                          combine, (xf.ndim - 1,))                                 # (...,) each
+    lse = m + jnp.log(s)                                                           # (...,)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (...,)
     return lse - target_logit.astype(jnp.float32), (logits, targets, lse)
 
@@ -414,18 +411,14 @@ def block(x, lp, cfg):
     return x + linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                  # (B,T,C)
 
 
-# --recompute as the jax.checkpoint policy around each block: pointwise keeps the matmuls' and the
-# attention's outputs (the rest reruns in the backward), block keeps only each block's input
-RECOMPUTE_POLICIES = {"none": None,
-                      "pointwise": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
-                      "block": jax.checkpoint_policies.nothing_saveable}
-
-
 def recomputed(block_fn, cfg):
     """block_fn(x, weights) -> x, its backward keeping what cfg.recompute keeps."""
-    policy = RECOMPUTE_POLICIES[cfg.recompute]
-    if policy is None:
+    if cfg.recompute == "none":
         return block_fn
+    # the jax.checkpoint policy: pointwise keeps the matmuls' and the attention's outputs (the rest reruns in
+    # the backward), block keeps only each block's input
+    policy = {"pointwise": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
+              "block": jax.checkpoint_policies.nothing_saveable}[cfg.recompute]
     checkpointed = jax.checkpoint(block_fn, policy=policy)
     layer = jax.custom_vjp(checkpointed)
 
@@ -1195,19 +1188,17 @@ def init_processes(cfg):
             die(f"{source} {address!r}: the port must be a number in 1-65535")
         return port
 
-    if cfg.num_processes < 0 or cfg.process_id < -1:
-        die("--num-processes must be >= 0 (0: from the environment), --process-id >= 0")
     if cfg.coordinator_timeout <= 0:
         die(f"--coordinator-timeout {cfg.coordinator_timeout}: must be a positive number of seconds")
     n = cfg.num_processes or env_int("JAX_NUM_PROCESSES", 0)
+    count = "--num-processes" if cfg.num_processes else "$JAX_NUM_PROCESSES"
     launched = max(env_int("SLURM_NTASKS", 1), env_int("OMPI_COMM_WORLD_SIZE", 1))
-    if n < 0:
-        die(f"$JAX_NUM_PROCESSES must be >= 1, got {n}")
+    if n < 0 or cfg.process_id < -1:
+        die(f"{count} must be >= 0 (0: from the environment) and --process-id >= 0, got {n} and {cfg.process_id}")
     if cfg.process_id >= 0 and n == 0:
         die(f"--process-id {cfg.process_id} needs --num-processes (or $JAX_NUM_PROCESSES), the count it is a rank of")
     if cfg.process_id >= n:
-        source = "--num-processes" if cfg.num_processes else "$JAX_NUM_PROCESSES"
-        die(f"--process-id {cfg.process_id} is out of range: {source} {n} needs it in [0, {n})")
+        die(f"--process-id {cfg.process_id} is out of range: {count} {n} needs it in [0, {n})")
     if n == 1 or (n == 0 and launched <= 1):
         return
     if n == 0:  # srun / mpirun: JAX finds the coordinator, count, rank and local devices itself
@@ -2288,7 +2279,7 @@ def main(argv, signals):
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile_dir = os.path.join(cfg.out_dir, "profile")
-        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
+        times = {}  # step -> seconds
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
@@ -2301,13 +2292,11 @@ def main(argv, signals):
                                                             put_rows(step_batch, y), scalars)
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
                 # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
-                dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
-            times[step] = dt
-            spent += dt
+                times[step] = dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # every process stops at the same step: process 0's clock decides, a signal to any stops all
-            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
+            budget_spent, signum = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget, signals.received
             if ranks > 1:
                 flags = multihost_utils.process_allgather(np.array([budget_spent, signum], np.int32))
                 budget_spent, signum = bool(flags[0, 0]), int(flags[:, 1].max())
