@@ -386,25 +386,23 @@ def linear(x, w, b):
     return checkpoint_name(x @ w.T + b, "matmul")                                  # (..., out)
 
 
-def attention(q, k, v, cfg):
-    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C): cuDNN's flash attention (--attn cudnn) or XLA's."""
-    B, T, C = q.shape
-    H, D = cfg.n_head, C // cfg.n_head
-    q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))                           # (B,T,H,D) each
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+def attention(q, k, v, cfg, scale=None):
+    """Causal self-attention of q, k, v (B,T,H,D) -> (B,T,C): cuDNN's flash attention (--attn cudnn) or XLA's."""
+    B, T, H, D = q.shape
+    y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                      implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
-    return checkpoint_name(y.reshape(B, T, C), "attention")                        # (B,T,C)
+    return checkpoint_name(y.reshape(B, T, H * D), "attention")                    # (B,T,C)
 
 
 def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's weights."""
-    C = x.shape[-1]
+    B, T, C = x.shape
     h = layernorm(x, lp["ln_1.w"], lp["ln_1.b"])                                  # (B,T,C)
     # three matmuls give three contiguous q, k, v (slicing one (B,T,3C) product copies); the barrier
     # stops XLA merging them back, which would add the biases in a pass of its own, not in cuBLAS's epilogue
     hs = jax.lax.optimization_barrier((h, h, h))                                   # 3 x (B,T,C)
     q, k, v = (linear(hs[i], lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
-               for i in range(3))                                                  # (B,T,C) each
+               .reshape(B, T, cfg.n_head, C // cfg.n_head) for i in range(3))      # (B,T,H,D) each
     x = x + linear(attention(q, k, v, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
     h = layernorm(x, lp["ln_2.w"], lp["ln_2.b"])                                  # (B,T,C)
     h = gelu(linear(h, lp["c_fc.w"], lp["c_fc.b"]))                               # (B,T,4C)
@@ -809,10 +807,7 @@ def speedrun_block(x, params, layer, cfg):
     q, k, v = (linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).reshape(B, T, H, D)
                for n in "qkv")                                                     # (B,T,H,D) each
     q, k = (rotary(rms_norm(t, None, eps)) for t in (q, k))                        # (B,T,H,D) each
-    y = jax.nn.dot_product_attention(q, k, v, scale=ATTN_SCALE, is_causal=True,
-                                     implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
-    y = checkpoint_name(y.reshape(B, T, C), "attention")                           # (B,T,C)
-    x = x + linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                 # (B,T,C)
+    x = x + linear(attention(q, k, v, cfg, ATTN_SCALE), w["attn.proj.weight"], w["attn.proj.bias"])  # (B,T,C)
     h = rms_norm(x, w["norm2.gains"], eps)                                         # (B,T,C)
     h = jnp.square(jax.nn.relu(linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"])))  # (B,T,4C)
     return x + linear(h, w["mlp.proj.weight"], w["mlp.proj.bias"])                # (B,T,C)
@@ -936,13 +931,11 @@ def speedrun_muon(names, params, grads, m, lr, dtype, deal):
     # torch.lerp's form for a weight >= 0.5: end - (end - start) * (1 - weight)
     u = momentum - (1.0 - MUON_MOMENTUM) * (momentum - g)                          # (n,r,c)
     r, c = u.shape[1:]
-    if deal is None:
-        update = newton_schulz(u, dtype)                                           # (n,r,c)
-    else:  # pinned on both sides: XLA would otherwise split the iterations like the weights they update
-        if len(names) % deal.mesh.size:
-            deal = NamedSharding(deal.mesh, PartitionSpec())
-        constrain = partial(jax.lax.with_sharding_constraint, shardings=deal)
-        update = constrain(newton_schulz(constrain(u), dtype))                     # (n,r,c)
+    if deal is not None and len(names) % deal.mesh.size:
+        deal = NamedSharding(deal.mesh, PartitionSpec())
+    # pinned on both sides: XLA would otherwise split the iterations like the weights they update
+    constrain = (lambda a: a) if deal is None else partial(jax.lax.with_sharding_constraint, shardings=deal)
+    update = constrain(newton_schulz(constrain(u), dtype))                         # (n,r,c)
     update = update.astype(jnp.float32) * max(1.0, r / c) ** 0.5                   # (n,r,c)
     p = jnp.stack([params[k] for k in names]) * (1.0 - lr * MUON_WEIGHT_DECAY) - lr * update  # (n,r,c)
     return {k: p[i] for i, k in enumerate(names)}, {k: momentum[i] for i, k in enumerate(names)}
@@ -1115,9 +1108,8 @@ def resolve_attention(cfg, platform):
     if cfg.attn != "auto" or platform != "gpu" or cfg.dtype != "bf16":
         return "xla" if cfg.attn == "auto" else cfg.attn
     q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
-    probe = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     try:
-        jax.jit(probe).lower(q, q, q).compile()
+        jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")).lower(q, q, q).compile()
     except Exception as e:  # noqa: BLE001  (any failure here means: not available, use XLA's)
         print(f"cuDNN attention unavailable ({str(e).splitlines()[0][:120]}); using XLA's")
         return "xla"
