@@ -327,19 +327,6 @@ def _gelu_bwd(h, dy):
 gelu.defvjp(lambda h: (gelu(h), h), _gelu_bwd)  # the backward reruns from h
 
 
-def logsumexp_one_pass(x):
-    """fp32 logsumexp over the last axis in one read of x (an online softmax as a variadic reduction)."""
-    def combine(a, b):  # two partials (running max, sum of exp(x - max)) merged with one exp
-        (ma, sa), (mb, sb) = a, b
-        e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
-        return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
-    xf = x.astype(jnp.float32)                                                     # (..., V)
-    lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
-    m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
-                          combine, (x.ndim - 1,))                             # (...,) each
-    return m + jnp.log(s)                                                          # (...,)
-
-
 @jax.custom_vjp
 def cross_entropy(logits, targets):
     """Per-token fp32 loss (...,) of logits (..., Vp) over the first V columns; llm.c's fused backward."""
@@ -347,7 +334,17 @@ def cross_entropy(logits, targets):
 
 
 def _cross_entropy_fwd(logits, targets):
-    lse = logsumexp_one_pass(logits[..., :VOCAB_SIZE])                             # (...,)
+    # the fp32 logsumexp of the first V columns in one read of the logits: an online softmax as a variadic
+    # reduction, whose partials (running max, sum of exp(x - max)) merge with one exp
+    def combine(a, b):
+        (ma, sa), (mb, sb) = a, b
+        e = jnp.exp(-jnp.abs(ma - mb))  # exp(smaller max - larger max)
+        return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
+    xf = logits[..., :VOCAB_SIZE].astype(jnp.float32)                              # (..., V)
+    lowest = jnp.finfo(jnp.float32).min  # finite, so merging two empty partials gives no inf - inf
+    m, s = jax.lax.reduce((xf, jnp.ones_like(xf)), (jnp.float32(lowest), jnp.float32(0.0)),
+                          combine, (xf.ndim - 1,))                                 # (...,) each
+    lse = m + jnp.log(s)                                                           # (...,)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (...,)
     return lse - target_logit.astype(jnp.float32), (logits, targets, lse)
 
@@ -368,43 +365,37 @@ def linear(x, w, b):
     return checkpoint_name(x @ w.T + b, "matmul")                                  # (..., out)
 
 
-def attention(q, k, v, cfg):
-    """Causal self-attention of q, k, v (B,T,C) -> (B,T,C): cuDNN's flash attention (--attn cudnn) or XLA's."""
-    B, T, C = q.shape
-    H, D = cfg.n_head, C // cfg.n_head
-    q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))                           # (B,T,H,D) each
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+def attention(q, k, v, cfg, scale=None):
+    """Causal self-attention of q, k, v (B,T,H,D) -> (B,T,C): cuDNN's flash attention (--attn cudnn) or XLA's."""
+    B, T, H, D = q.shape
+    y = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                      implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
-    return checkpoint_name(y.reshape(B, T, C), "attention")                        # (B,T,C)
+    return checkpoint_name(y.reshape(B, T, H * D), "attention")                    # (B,T,C)
 
 
 def block(x, lp, cfg):
     """One pre-LN transformer block; lp holds this layer's weights."""
-    C = x.shape[-1]
+    B, T, C = x.shape
     h = layernorm(x, lp["ln_1.w"], lp["ln_1.b"])                                  # (B,T,C)
     # three matmuls give three contiguous q, k, v (slicing one (B,T,3C) product copies); the barrier
     # stops XLA merging them back, which would add the biases in a pass of its own, not in cuBLAS's epilogue
     hs = jax.lax.optimization_barrier((h, h, h))                                   # 3 x (B,T,C)
     q, k, v = (linear(hs[i], lp["c_attn.w"][i * C:(i + 1) * C], lp["c_attn.b"][i * C:(i + 1) * C])
-               for i in range(3))                                                  # (B,T,C) each
+               .reshape(B, T, cfg.n_head, C // cfg.n_head) for i in range(3))      # (B,T,H,D) each
     x = x + linear(attention(q, k, v, cfg), lp["attn.c_proj.w"], lp["attn.c_proj.b"])  # (B,T,C)
     h = layernorm(x, lp["ln_2.w"], lp["ln_2.b"])                                  # (B,T,C)
     h = gelu(linear(h, lp["c_fc.w"], lp["c_fc.b"]))                               # (B,T,4C)
     return x + linear(h, lp["mlp.c_proj.w"], lp["mlp.c_proj.b"])                  # (B,T,C)
 
 
-# --recompute as the jax.checkpoint policy around each block: pointwise keeps the matmuls' and the
-# attention's outputs (the rest reruns in the backward), block keeps only each block's input
-RECOMPUTE_POLICIES = {"none": None,
-                      "pointwise": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
-                      "block": jax.checkpoint_policies.nothing_saveable}
-
-
 def recomputed(block_fn, cfg):
     """block_fn(x, weights) -> x, its backward keeping what cfg.recompute keeps."""
-    policy = RECOMPUTE_POLICIES[cfg.recompute]
-    if policy is None:
+    if cfg.recompute == "none":
         return block_fn
+    # the jax.checkpoint policy: pointwise keeps the matmuls' and the attention's outputs (the rest reruns in
+    # the backward), block keeps only each block's input
+    policy = {"pointwise": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
+              "block": jax.checkpoint_policies.nothing_saveable}[cfg.recompute]
     checkpointed = jax.checkpoint(block_fn, policy=policy)
     layer = jax.custom_vjp(checkpointed)
 
@@ -546,21 +537,16 @@ def attention_bytes(cfg, n_head):
 def gpt2_activation_bytes(cfg):
     """Bytes of one micro-batch's saved activations per device at cfg.recompute, row statistics (<1%) left out."""
     N, C, d = cfg.batch_size * cfg.seq_len, cfg.n_embd, jnp.dtype(compute_dtype(cfg)).itemsize
-    block = {  # per block
-        "none": (2 * N * C * d               # ln_1's input x and output (B,T,C) (the barrier's 3 are one)
-                 + 3 * N * C * d             # q, k, v (B,T,C)
-                 + attention_bytes(cfg, cfg.n_head)
-                 + N * C * d                 # the attention's output (B,T,C), attn.c_proj's input
-                 + 2 * N * C * d             # ln_2's input and output (B,T,C)
-                 + 2 * N * 4 * C * d),       # c_fc's output and GELU's output (B,T,4C)
-        "pointwise": (N * C * d              # the block's input x (B,T,C)
-                      + 3 * N * C * d        # q, k, v (B,T,C)
-                      + 2 * N * C * d        # the attention's and attn.c_proj's outputs (B,T,C)
-                      + N * 4 * C * d),      # c_fc's output (B,T,4C)
-        "block": N * C * d,                  # the block's input x (B,T,C)
+    block = {  # per block, in (B,T,C) tensors: 4C wide counts 4
+        # ln_1's input and output (the barrier's 3 are one), q, k, v, the attention's output, ln_2's input
+        # and output; c_fc's and GELU's outputs (B,T,4C)
+        "none": N * C * d * (2 + 3 + 1 + 2 + 2 * 4) + attention_bytes(cfg, cfg.n_head),
+        # the block's input x, q, k, v, the attention's and attn.c_proj's outputs; c_fc's output (B,T,4C)
+        "pointwise": N * C * d * (1 + 3 + 2 + 4),
+        "block": N * C * d,  # the block's input x
     }[cfg.recompute]
-    head = (2 * N * C * d                    # ln_f's input and output (B,T,C)
-            + N * cfg.padded_vocab_size * d)  # the logits (B,T,Vp), the cross-entropy's backward's input
+    # ln_f's input and output (B,T,C); the logits (B,T,Vp), the cross-entropy's backward's input
+    head = 2 * N * C * d + N * cfg.padded_vocab_size * d
     return cfg.n_layer * block + head
 
 
@@ -787,10 +773,7 @@ def speedrun_block(x, params, layer, cfg):
     q, k, v = (linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).reshape(B, T, H, D)
                for n in "qkv")                                                     # (B,T,H,D) each
     q, k = (rotary(rms_norm(t, None, eps)) for t in (q, k))                        # (B,T,H,D) each
-    y = jax.nn.dot_product_attention(q, k, v, scale=ATTN_SCALE, is_causal=True,
-                                     implementation="cudnn" if cfg.attn == "cudnn" else "xla")  # (B,T,H,D)
-    y = checkpoint_name(y.reshape(B, T, C), "attention")                           # (B,T,C)
-    x = x + linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                 # (B,T,C)
+    x = x + linear(attention(q, k, v, cfg, ATTN_SCALE), w["attn.proj.weight"], w["attn.proj.bias"])  # (B,T,C)
     h = rms_norm(x, w["norm2.gains"], eps)                                         # (B,T,C)
     h = jnp.square(jax.nn.relu(linear(h, w["mlp.fc.weight"], w["mlp.fc.bias"])))  # (B,T,4C)
     return x + linear(h, w["mlp.proj.weight"], w["mlp.proj.bias"])                # (B,T,C)
@@ -914,13 +897,11 @@ def speedrun_muon(names, params, grads, m, lr, dtype, deal):
     # torch.lerp's form for a weight >= 0.5: end - (end - start) * (1 - weight)
     u = momentum - (1.0 - MUON_MOMENTUM) * (momentum - g)                          # (n,r,c)
     r, c = u.shape[1:]
-    if deal is None:
-        update = newton_schulz(u, dtype)                                           # (n,r,c)
-    else:  # pinned on both sides: XLA would otherwise split the iterations like the weights they update
-        if len(names) % deal.mesh.size:
-            deal = NamedSharding(deal.mesh, PartitionSpec())
-        constrain = partial(jax.lax.with_sharding_constraint, shardings=deal)
-        update = constrain(newton_schulz(constrain(u), dtype))                     # (n,r,c)
+    if deal is not None and len(names) % deal.mesh.size:
+        deal = NamedSharding(deal.mesh, PartitionSpec())
+    # pinned on both sides: XLA would otherwise split the iterations like the weights they update
+    constrain = (lambda a: a) if deal is None else partial(jax.lax.with_sharding_constraint, shardings=deal)
+    update = constrain(newton_schulz(constrain(u), dtype))                         # (n,r,c)
     update = update.astype(jnp.float32) * max(1.0, r / c) ** 0.5                   # (n,r,c)
     p = jnp.stack([params[k] for k in names]) * (1.0 - lr * MUON_WEIGHT_DECAY) - lr * update  # (n,r,c)
     return {k: p[i] for i, k in enumerate(names)}, {k: momentum[i] for i, k in enumerate(names)}
@@ -951,24 +932,18 @@ def speedrun_activation_bytes(cfg):
     # an RMSNorm with gains keeps its input in fp32, 2x and the normalized x (fp32 each) and its output (B,T,C)
     norm = N * C * (3 * 4 + d)
     block = {  # per block
-        "none": (norm                        # norm1 (its input: the block's input)
-                 + 2 * N * C * 2 * 4         # q's and k's RMSNorms: the input in fp32 and 2x (B,T,H,D) each
-                 + N * C * d                 # v (B,T,H,D)
-                 + 2 * N * C * d             # q and k after the rotary (B,T,H,D), the attention's inputs
-                 + attention_bytes(cfg, C // HEAD_DIM)
-                 + N * C * d                 # the attention's output (B,T,C), attn.proj's input
-                 + norm                      # norm2
-                 + N * 4 * C * (1 + 2 * d)),  # ReLU^2: ReLU's mask (bool), 2 ReLU(h) and the output (B,T,4C)
-        "pointwise": (N * C * d              # the block's input x (B,T,C)
-                      + 3 * N * C * d        # q, k, v (B,T,C)
-                      + 2 * N * C * d        # the attention's and attn.proj's outputs (B,T,C)
-                      + N * 4 * C * d),      # mlp.fc's output (B,T,4C)
-        "block": N * C * d,                  # the block's input x (B,T,C)
+        # norm1 and norm2; q's and k's RMSNorms (the input in fp32 and 2x, (B,T,H,D) each); v, q and k after
+        # the rotary (the attention's inputs) and the attention's output; ReLU^2: ReLU's mask (bool),
+        # 2 ReLU(h) and the output (B,T,4C)
+        "none": (2 * norm + 2 * N * C * 2 * 4 + 4 * N * C * d + attention_bytes(cfg, C // HEAD_DIM)
+                 + N * 4 * C * (1 + 2 * d)),
+        # the block's input x, q, k, v, the attention's and attn.proj's outputs (B,T,C); mlp.fc's output (B,T,4C)
+        "pointwise": N * C * d * (1 + 3 + 2 + 4),
+        "block": N * C * d,  # the block's input x (B,T,C)
     }[cfg.recompute]
-    head = (N * C * 3 * 4                    # the embedding's RMSNorm, less its output (block 0's input)
-            + norm                           # the final RMSNorm
-            + 3 * N * cfg.padded_vocab_size * 4)  # the logits before the cap, its rsqrt, the softmax's exp
-    return cfg.n_layer * block + head
+    # the embedding's RMSNorm less its output (block 0's input), the final RMSNorm, and the logits before the
+    # cap, its rsqrt and the softmax's exp (B,T,Vp) in fp32
+    return cfg.n_layer * block + N * C * 3 * 4 + norm + 3 * N * cfg.padded_vocab_size * 4
 
 
 RECIPES["speedrun"] = Recipe(
@@ -1100,9 +1075,8 @@ def resolve_attention(cfg, platform):
     if cfg.attn != "auto" or platform != "gpu" or cfg.dtype != "bf16":
         return "xla" if cfg.attn == "auto" else cfg.attn
     q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
-    probe = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     try:
-        jax.jit(probe).lower(q, q, q).compile()
+        jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")).lower(q, q, q).compile()
     except Exception as e:  # noqa: BLE001  (any failure here means: not available, use XLA's)
         print(f"cuDNN attention unavailable ({str(e).splitlines()[0][:120]}); using XLA's")
         return "xla"
@@ -1173,19 +1147,17 @@ def init_processes(cfg):
             die(f"{source} {address!r}: the port must be a number in 1-65535")
         return port
 
-    if cfg.num_processes < 0 or cfg.process_id < -1:
-        die("--num-processes must be >= 0 (0: from the environment), --process-id >= 0")
     if cfg.coordinator_timeout <= 0:
         die(f"--coordinator-timeout {cfg.coordinator_timeout}: must be a positive number of seconds")
     n = cfg.num_processes or env_int("JAX_NUM_PROCESSES", 0)
+    count = "--num-processes" if cfg.num_processes else "$JAX_NUM_PROCESSES"
     launched = max(env_int("SLURM_NTASKS", 1), env_int("OMPI_COMM_WORLD_SIZE", 1))
-    if n < 0:
-        die(f"$JAX_NUM_PROCESSES must be >= 1, got {n}")
+    if n < 0 or cfg.process_id < -1:
+        die(f"{count} must be >= 0 (0: from the environment) and --process-id >= 0, got {n} and {cfg.process_id}")
     if cfg.process_id >= 0 and n == 0:
         die(f"--process-id {cfg.process_id} needs --num-processes (or $JAX_NUM_PROCESSES), the count it is a rank of")
     if cfg.process_id >= n:
-        source = "--num-processes" if cfg.num_processes else "$JAX_NUM_PROCESSES"
-        die(f"--process-id {cfg.process_id} is out of range: {source} {n} needs it in [0, {n})")
+        die(f"--process-id {cfg.process_id} is out of range: {count} {n} needs it in [0, {n})")
     if n == 1 or (n == 0 and launched <= 1):
         return
     if n == 0:  # srun / mpirun: JAX finds the coordinator, count, rank and local devices itself
@@ -2264,7 +2236,7 @@ def main(argv, signals):
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profile_dir = os.path.join(cfg.out_dir, "profile")
-        times, spent = {}, 0.0  # spent: the summed step time, for --time-budget
+        times = {}  # step -> seconds
         signals.training = True  # from here a signal stops the run at the end of a step
         for step in range(first, cfg.steps + 1):
             if cfg.profile and step == profile_steps[0]:
@@ -2277,13 +2249,11 @@ def main(argv, signals):
                                                             put_rows(step_batch, y), scalars)
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
                 # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
-                dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
-            times[step] = dt
-            spent += dt
+                times[step] = dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # every process stops at the same step: process 0's clock decides, a signal to any stops all
-            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
+            budget_spent, signum = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget, signals.received
             if ranks > 1:
                 flags = multihost_utils.process_allgather(np.array([budget_spent, signum], np.int32))
                 budget_spent, signum = bool(flags[0, 0]), int(flags[:, 1].max())
