@@ -43,7 +43,7 @@ def step_time(steps):
 
 
 # what makes two runs' train losses comparable step by step: one recipe and model, the same tokens, the
-# same init (every trainer draws it and reads its data through the same shared plumbing: one loader, one init per recipe)
+# same init (every trainer draws it and reads its data through the same shared plumbing: one loader, one init)
 SAME_RUN = ("recipe", "n_layer", "n_head", "n_embd", "seq_len", "total_batch_size", "data", "seed", "init_from",
             "dtype", "steps")
 

@@ -25,7 +25,11 @@ def numbers(out):
     return [(e["step"], e.get("train_loss"), e.get("val_loss")) for e in read_log(out)]
 
 
-@pytest.mark.parametrize("case,recipe", [(c, r) for c in CASES for r in SHAPE if (c, r) != ("triton-triton", "speedrun")])
+# backend triton's speedrun kernels run in the interpreter elsewhere: its gpt2 run shows the copy works
+RUNS = [(c, r) for c in CASES for r in SHAPE if (c, r) != ("triton-triton", "speedrun")]
+
+
+@pytest.mark.parametrize("case,recipe", RUNS)
 def test_a_trainer_copied_alone_trains_and_resumes(case, recipe, tmp_path, tiny_shards):
     """The copy's two steps (a checkpoint after each, val loss after each) log the checkout's numbers, and
     its resume from step 1's checkpoint logs step 2's again; without a tokenizer it says once that it
