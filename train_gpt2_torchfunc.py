@@ -1338,14 +1338,6 @@ class DataLoader:
 SHUFFLE_SEED = 42  # llm.c seeds rank r's shuffle with 42 + r, whatever seeds the rest of the run
 
 
-class MersenneTwister(np.random.RandomState):
-    """MT19937 as llm.c's rand.h runs it, seeded as init_genrand: numpy's legacy RandomState(seed) is that one."""
-
-    def draws(self, n):
-        """The next n 32-bit outputs (a full-range randint is the raw output)."""
-        return self.randint(0, 2**32, n, dtype=np.uint32)
-
-
 def permutation_picks(n, rng):
     """llm.c's random_permutation of n items: for i = n-1 down to 1, the j (a draw mod i+1) that item i swaps with."""
     # rng: numpy's legacy RandomState(seed) is llm.c's MT19937 seeded as init_genrand; a full-range randint its output

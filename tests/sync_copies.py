@@ -1,6 +1,7 @@
-"""The copies the scripts carry on purpose (each trainer stands alone): a top-level function, class or
-constant that two of FILES define is the same text in both, unless DIFFERENT (the GPT-2 trainers' framework
-parts) or OWN (another script's own version) names it.
+"""The copies the scripts carry on purpose (each trainer stands alone): the GPT-2 trainers' shared sections
+are the same text, and a top-level function, class or constant that two of FILES define is the same text
+in both, unless DIFFERENT (the GPT-2 trainers' framework parts) or OWN (another script's own version)
+names it.
 
     python tests/sync_copies.py FILE       # carry FILE's version of every name it shares to every copy
     python tests/sync_copies.py --check    # the names whose copies differ, with a diff; exit 1 if any
@@ -63,6 +64,21 @@ OWN = {
 }
 
 
+# Sections the GPT-2 trainers carry whole (the torch one, the two torch trainers): the same text, comments too
+SHARED_SECTIONS = ("Shared plumbing", "Shared torch plumbing")
+TRAINERS = FILES[:3]
+BANNER = "# " + "-" * 77 + "\n# "
+
+
+def section(text, title):
+    """(start, end) of the banner section whose title starts with `title`, else None."""
+    start = text.find(BANNER + title)
+    if start < 0:
+        return None
+    end = text.find("\n" + BANNER, start + 1)
+    return start, (len(text) if end < 0 else end + 1)
+
+
 def compared(name, a, b):
     """Whether the copies of `name` in files a and b must be the same text."""
     return name not in DIFFERENT and name not in OWN.get(a, ()) and name not in OWN.get(b, ())
@@ -93,6 +109,14 @@ def drifted(texts):
     """[(name, file a, file b, unified diff)] of each shared name whose copies differ (DIFFERENT and OWN aside)."""
     defs = {f: top_level(t) for f, t in texts.items()}
     out = []
+    for i, a in enumerate(TRAINERS):
+        for b in TRAINERS[i + 1:]:
+            for title in SHARED_SECTIONS:
+                sa, sb = section(texts[a], title), section(texts[b], title)
+                if sa and sb and texts[a][slice(*sa)] != texts[b][slice(*sb)]:
+                    diff = "\n".join(difflib.unified_diff(texts[a][slice(*sa)].split("\n"),
+                                                           texts[b][slice(*sb)].split("\n"), a, b, lineterm=""))
+                    out.append((f"section {title}", a, b, diff))
     for i, a in enumerate(FILES):
         for b in FILES[i + 1:]:
             for name in sorted(n for n in set(defs[a]) & set(defs[b]) if compared(n, a, b)):
@@ -104,9 +128,15 @@ def drifted(texts):
 
 
 def sync(origin, texts):
-    """texts with every name that `origin` shares with another file (DIFFERENT and OWN aside) replaced by origin's."""
-    mine = top_level(texts[origin])
+    """texts with origin's shared sections in the other GPT-2 trainers, and every name that `origin` shares with
+    another file (DIFFERENT and OWN aside) replaced by origin's."""
     out = dict(texts)
+    for f in TRAINERS:  # the shared sections whole, then the names one by one
+        for title in SHARED_SECTIONS:
+            theirs, ours = section(out[f], title), section(texts[origin], title)
+            if f != origin and origin in TRAINERS and theirs and ours:
+                out[f] = out[f][:theirs[0]] + texts[origin][slice(*ours)] + out[f][theirs[1]:]
+    mine = top_level(texts[origin])
     for f in FILES:
         if f == origin:
             continue

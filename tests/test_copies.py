@@ -40,7 +40,8 @@ def test_every_listed_name_is_defined_twice():
 
 def test_a_planted_drift_fails_and_the_sync_repairs_it(tmp_path):
     """An edit made to one copy of a shared function (here `due`, in torchfunc's block and the translator's
-    part) fails --check, naming it; `sync_copies.py FILE` carries FILE's version back to every copy."""
+    part), or a comment line added between the Triton trainer's shared definitions, fails --check, naming it;
+    `sync_copies.py FILE` carries FILE's version back to every copy."""
     (tmp_path / "tests").mkdir()
     shutil.copy(os.path.join(REPO, "tests", "sync_copies.py"), tmp_path / "tests")
     for f in sync_copies.FILES:
@@ -50,10 +51,16 @@ def test_a_planted_drift_fails_and_the_sync_repairs_it(tmp_path):
         text = originals[f]
         assert "\ndef due(" in text
         (tmp_path / f).write_text(text.replace("\ndef due(", "\ndef due(  # drifted\n", 1))
+    # a line between definitions, which no name covers: the shared section is compared whole
+    text = (tmp_path / "train_gpt2_triton.py").read_text()
+    text = text.replace("\n\ndef log_event(", "\n# drifted\n\ndef log_event(", 1)
+    (tmp_path / "train_gpt2_triton.py").write_text(text)
     tool = [sys.executable, str(tmp_path / "tests" / "sync_copies.py")]
     check = subprocess.run([*tool, "--check"], capture_output=True, text=True)
     assert check.returncode == 1 and "due: train_gpt2_jax.py and train_gpt2_torchfunc.py differ" in check.stdout
     assert "+def due(  # drifted" in check.stdout
+    assert "section Shared plumbing: train_gpt2_jax.py and train_gpt2_triton.py differ" in check.stdout
+    assert "+# drifted" in check.stdout
     subprocess.run([*tool, "train_gpt2_jax.py"], check=True, capture_output=True)
     assert subprocess.run([*tool, "--check"], capture_output=True).returncode == 0
     assert {f: (tmp_path / f).read_text() for f in sync_copies.FILES} == originals
