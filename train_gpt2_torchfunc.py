@@ -580,6 +580,9 @@ RECIPES = {"gpt2": Recipe(
 
 # -----------------------------------------------------------------------------
 # Recipe: speedrun
+#
+# modded-nanogpt's records/track_3_optimization/train_gpt_simple.py (docs/FORMATS.md, The speedrun recipe)
+
 # its lrs per parameter group; --lr sets Muon's and scales the others with it
 SPEEDRUN_LRS = {"muon": 0.025, "embed": 0.7, "head": 0.004, "vector": 0.015}
 ADAMW_GROUPS = {"embed.weight": "embed", "proj.weight": "head"}  # the AdamW tensors' groups; the rest "vector"
