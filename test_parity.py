@@ -97,8 +97,11 @@ class _ListTests:
 
 
 def main(argv):
-    import pytest
     args = list(argv)
+    if {"-h", "--help"} & set(args):  # this script's own options; pytest's would bury them under 400 lines
+        print(__doc__.split("\n\n")[1] + "\n\nAny other option is pytest's: python -m pytest --help lists them.")
+        return 0
+    import pytest
     listing = "--list" in args
     if listing:
         args.remove("--list")

@@ -1,10 +1,13 @@
 """README.md's commands as a reader runs them, taken from its code blocks: the laptop quick start (the
-committed tinyshakespeare to shards, a run of each recipe that learns and samples, the plot) and the smoke
-runs on synthetic data, each from a folder laid out as a fresh clone is."""
+committed tinyshakespeare to shards, a run of each recipe that learns and samples, the plot; then the same
+model in the other two trainers, the three compared) and the smoke runs on synthetic data, each from a
+folder laid out as a fresh clone is."""
 import math
 import os
 import re
 import shlex
+
+import pytest
 
 from conftest import OFFLINE, REPO, run_script, step_events
 
@@ -38,12 +41,13 @@ def recipe(cmd):
 
 
 def test_the_laptop_quick_start_learns(tmp_path):
-    """README's quick start on a laptop: prepro_fineweb.py turns the committed tinyshakespeare into shards,
-    each recipe trains on them (QUICK_STEPS steps here) from ln(50257) = 10.8, a uniform guess, to a loss
-    more than FALL below it, and samples at its end; plot_runs.py draws both runs."""
-    commands = readme_commands("out/quick_gpt2")
+    """README's quick start on a laptop, its two blocks in order: prepro_fineweb.py turns the committed
+    tinyshakespeare into shards, each recipe trains on them (QUICK_STEPS steps here) from ln(50257) = 10.8,
+    a uniform guess, to a loss more than FALL below it, and samples at its end; the other two trainers
+    train the gpt2 model to the same losses; plot_runs.py draws the runs."""
+    commands = readme_commands("out/quick_speedrun") + readme_commands("out/quick_gpt2_triton")
     folder = clone_like(tmp_path)
-    trained = set()
+    trained, gpt2_losses = set(), {}
     for cmd in commands:
         assert cmd[0] == "python", cmd
         if not cmd[1].startswith("train_gpt2_"):
@@ -57,7 +61,13 @@ def test_the_laptop_quick_start_learns(tmp_path):
         assert max(losses[-3:]) < losses[0] - FALL, (cmd, losses)
         assert re.search(r"^sample 0: ['\"]", proc.stdout, re.M), proc.stdout[-2000:]
         trained.add(recipe(cmd))
+        if recipe(cmd) == "gpt2":
+            gpt2_losses[cmd[1]] = losses
     assert trained == set(QUICK_STEPS), "the quick start trains each recipe"
+    assert len(gpt2_losses) == 3, "the gpt2 model in each trainer"
+    jax_losses = gpt2_losses["train_gpt2_jax.py"]
+    for name, losses in gpt2_losses.items():
+        assert losses == pytest.approx(jax_losses, rel=1e-5), name
     plots = [cmd[cmd.index("-o") + 1] for cmd in commands if cmd[1] == "plot_runs.py"]
     assert plots and all((folder / p).stat().st_size > 0 for p in plots)
 

@@ -127,6 +127,16 @@ def test_every_flag_explains_itself(path):
                 assert flag in printed, f"{path}: {flag} missing from --help"
 
 
+def test_the_suite_explains_its_own_options_first():
+    """python test_parity.py --help prints its own options (--quick, --list, -k), not pytest's hundreds of
+    lines, and exits 0."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "test_parity.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert all(opt in proc.stdout for opt in ("--quick", "--list", "-k")), proc.stdout
+    assert len(proc.stdout.splitlines()) < 20, proc.stdout[:2000]
+
+
 def test_ops_are_listed_once():
     """The op interface is OP_NAMES; each backend's table (torch, triton, and the self-test's autograd
     reference) fills it in exactly, and op_table refuses a table with an op missing or one too many."""
