@@ -18,7 +18,7 @@ import pytest
 
 import hellaswag
 import prepro_fineweb
-from conftest import (EOT, OFFLINE, REPO, assert_clean_error, data_file, run_script,
+from conftest import (EOT, OFFLINE, REPO, assert_clean_error, assert_refused, data_file, run_script,
                       run_script_on_a_full_disk, run_with_terminal_stderr)
 
 
@@ -218,9 +218,52 @@ def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
     assert "--split" in error_line(hellaswag.main, ["show", "--split", "dev"], capsys)
     (cache / "hellaswag_val.jsonl").write_text(good)
     line = error_line(hellaswag.main, ["export", "--out", cache / "hellaswag_val.jsonl", "--cache-dir",
-                                       cache], capsys)
+                                       cache, "--force"], capsys)
     assert line.startswith("error: --out ") and "the split file export reads" in line
     assert (cache / "hellaswag_val.jsonl").read_text() == good
+
+
+def test_hellaswag_bad_outputs_and_flags_are_one_line(hellaswag_dir, http_server, tmp_path, capsys):
+    """export refuses an existing --out unless --force, and --out '' or a folder, before any work; one below
+    a regular file or where nothing can be created (/proc) is one line naming it, with no temporary left; a
+    255-character name is written. A bad flag value and --split test (before any download) are one line;
+    a split file that is a folder is one line, in show and in the trainers' evaluate."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "file").write_text("not a folder")
+    earlier = out / "earlier.bin"
+    earlier.write_bytes(b"an earlier file")
+    export = ["export", "--cache-dir", str(hellaswag_dir), "--out"]
+    assert_refused(hellaswag.main, [
+        (export + [str(earlier)], f"--out {earlier} exists: pass --force to replace it"),
+        (export + [""], "--out '': give a file's name"), (export + [str(out)], "not a folder's"),
+        (export + [str(out / "file" / "x.bin")], f"cannot write {out / 'file' / 'x.bin'}: Not a directory"),
+        (export + ["/proc/x.bin"], "cannot write /proc/x.bin: "),
+        (["export", "--split", "test", "--out", "x.bin", "--base-url", http_server.url], "test split has no labels"),
+        (["show", "--limit", "x"], "argument --limit: invalid int value: 'x'")])
+    assert capsys.readouterr().err == "" and http_server.requests == []
+    assert earlier.read_bytes() == b"an earlier file" and sorted(os.listdir(out)) == ["earlier.bin", "file"]
+    hellaswag.main(export + [str(earlier), "--force"])
+    long_name = out / ("x" * 251 + ".bin")
+    hellaswag.main(export + [str(long_name)])
+    assert earlier.read_bytes() == long_name.read_bytes() and len(os.listdir(out)) == 3
+    (tmp_path / "cache" / "hellaswag_val.jsonl").mkdir(parents=True)
+    cache = str(tmp_path / "cache")
+    assert_refused(hellaswag.main, [(["show", "--cache-dir", cache], "hellaswag_val.jsonl: Is a directory")])
+    with pytest.raises(SystemExit, match="hellaswag_val.jsonl: Is a directory$"):
+        hellaswag.evaluate(lambda tokens: np.zeros((4, tokens.shape[1] - 1)), cache_dir=cache)
+
+
+def test_hellaswag_offline_fails_at_once():
+    """Offline (a port nobody listens on, or a proxy nobody listens on) a download is one try and one
+    line saying there is no connection, not a minute of retries."""
+    url = "http://127.0.0.1:9/hellaswag_val.jsonl"
+    t0 = time.time()
+    with pytest.raises(SystemExit, match="failed, no connection: .*Connection refused"):
+        hellaswag.download_file(url, "never_written.jsonl")
+    proc = run_script("hellaswag.py", "show", "--cache-dir", "no_such_cache", env=OFFLINE, check=False)
+    assert_clean_error(proc, "no connection")
+    assert time.time() - t0 < 10 and proc.stderr.count("retrying") == 0
 
 
 def test_hellaswag_export_damaged_or_empty_cache_file(tmp_path):
