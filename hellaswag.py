@@ -405,10 +405,10 @@ def write_eval_file(path, encoded):
         stream += example
     header = np.zeros(256, dtype="<i4")
     header[:4] = [EVAL_MAGIC, EVAL_VERSION, len(encoded), longest]
-    tmp = temp_name(path)
+    folder, tmp = os.path.dirname(path), temp_name(path)
     try:
-        if not os.path.exists(os.path.dirname(path) or "."):  # one that is a file: "Not a directory" below
-            os.makedirs(os.path.dirname(path))
+        if folder and not os.path.exists(folder):  # one that is a file: "Not a directory" below
+            os.makedirs(folder)
         with open(tmp, "wb") as f:
             f.write(header.tobytes())
             f.write(np.array(stream, dtype="<u2").tobytes())
@@ -446,7 +446,7 @@ def check_out(path, force):
 
 def parse_args(argv=None):
     parser = OneLineErrorParser(description="HellaSwag: download, show rendered examples, export "
-                                                 "llm.c's eval file")
+                                            "llm.c's eval file")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("download", "fetch hellaswag_<split>.jsonl into the cache dir"),
                            ("show", "print rendered examples (tokens and masks)"),

@@ -383,7 +383,7 @@ def parse_args(argv=None):
     if not os.path.basename(args.out):
         die(f"-o {args.out!r}: give a file's name")
     # a run's log.jsonl given for its out dir
-    args.runs = [os.path.dirname(d) or "." if os.path.basename(d) == LOG_NAME and os.path.isfile(d) else d
+    args.runs = [(os.path.dirname(d) or ".") if os.path.basename(d) == LOG_NAME and os.path.isfile(d) else d
                  for d in args.runs]
     return args
 

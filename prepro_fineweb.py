@@ -548,7 +548,7 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
     timer = dict(download=0.0)
     t0 = time.time()
     buf = np.empty(shard_size, dtype=np.uint16)  # (shard_size,) the shard being filled
-    fill, written, docs_read, kept = 0, 0, 0, index
+    fill, written, docs_read = 0, 0, 0
     doc_lengths = []  # while shard 0 fills: each document's tokens, for where a split of it falls
 
     def flush(tokens, next_pos):
@@ -589,7 +589,7 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
             if written == budget:
                 exhausted = False
                 break
-    if index + bool(fill) == 1 and not kept and written > 1:
+    if index + bool(fill) == 1 and written > 1:
         # all of it fits shard 0: a tenth becomes the val shard and the rest a train shard, as a trainer
         # needs both
         end = manifest["shards"].pop() if index else dict(next_doc=first_doc, next_offset=0)

@@ -773,7 +773,7 @@ def cmd_bench(args):
     text = "".join(read_chunks(args.input))
     name = os.path.normpath(args.input)
     mb = len(text.encode("utf-8")) / 1e6
-    encoder_json, vocab_bpe = (os.path.join(args.gpt2_dir, name) for name in ("encoder.json", "vocab.bpe"))
+    encoder_json, vocab_bpe = (os.path.join(args.gpt2_dir, f) for f in ("encoder.json", "vocab.bpe"))
     tok = BPETokenizer.from_gpt2(encoder_json, vocab_bpe)
     # tiktoken's GPT-2 as get_encoding("gpt2") builds it, from the same two files (hash-checked) read here
     # rather than downloaded: the comparison runs offline
