@@ -65,6 +65,12 @@ def die_writing(path, e):
     die(f"cannot write {path}: " + (f"{e.filename}: " if e.filename else "") + (e.strerror or str(e)))
 
 
+def temp_name(path, suffix="tmp"):
+    """A temporary name beside `path`, to be renamed to it: short enough whatever the length of path's name."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f"{name[:200]}.{os.getpid()}.{suffix}")
+
+
 def refuse_replacing_inputs(out, inputs, command):
     """Refuses an output `out` that is, or is a directory holding, a file the command reads (links followed)."""
     target = os.path.realpath(out)
@@ -184,7 +190,7 @@ def write_model_file_in_parts(path, cfg, tensors):
     """Writes an fp32 llm.c model file from (name, parts) in PARAM_NAMES order, under a temporary name."""
     # parts concatenated row-major make the tensor: a stacked tensor comes as its L layers, never copied whole
     assert [name for name, _ in tensors] == PARAM_NAMES
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temp_name(path)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         f = open(tmp, "wb")
@@ -316,11 +322,18 @@ GPT2_SHA256 = {  # the published files (the hashes tiktoken checks, too)
 
 
 def write_file(path, data):
-    """Writes bytes under a temporary name beside path, then renames: path is never left half-written."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Writes bytes under a temporary name beside path, then renames: path is never left half-written, and a
+    failure (an OSError naming path) leaves no temporary."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def default_gpt2_dir():
@@ -421,6 +434,8 @@ def output_dir_replaceable(out):
 
 def cmd_to_hf(args):
     out = os.path.normpath(args.out)  # "dir/" too: the temporary names below go beside it, not into it
+    if os.path.basename(out) in ("", ".", ".."):
+        die(f"-o {args.out!r}: give the name of the directory to write")
     refuse_replacing_inputs(out, [args.model], "to-hf")
     if not output_dir_replaceable(out):
         die(f"-o {args.out} exists and is not an earlier to-hf output: remove it or pick another")
@@ -432,7 +447,7 @@ def cmd_to_hf(args):
     # GPT2Tokenizer's defaults are GPT-2's; the model's length makes transformers warn of longer inputs
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": header["block_size"]}
     # assembled beside its final name, then renamed into place; an earlier output is moved aside, then removed
-    tmp, old = f"{out}.{os.getpid()}.tmp", f"{out}.{os.getpid()}.old"
+    tmp, old = temp_name(out), temp_name(out, "old")
     try:
         os.makedirs(tmp)
         for name, config in (("config.json", hf_config(header)), ("tokenizer_config.json", tokenizer_config)):
@@ -474,6 +489,8 @@ def resolve_source(source):
 
 
 def cmd_from_hf(args):
+    if not os.path.basename(args.out):
+        die(f"-o {args.out!r}: give the name of the model file to write")
     if os.path.isdir(args.out):
         die(f"-o {args.out} is a directory; from-hf writes a model file")
     if os.path.exists(args.out) and not args.force:

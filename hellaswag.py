@@ -194,6 +194,12 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
                 raise _Retryable(f"connection closed after {got} of {total} bytes")
             break
         except (_Retryable, requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            # no connection at all (refused, no such host, no network, through a proxy or not): offline,
+            # which a retry within seconds does not mend
+            reason = getattr(e.args[0] if e.args else None, "reason", None)
+            reason = getattr(reason, "original_error", reason)
+            if isinstance(reason, urllib3.exceptions.NewConnectionError):
+                die(f"download of {url} failed, no connection: {reason}")
             failures += 1
             if failures > retries:
                 die(f"download of {url} failed after {retries} retries: {e}")
@@ -229,7 +235,11 @@ def download(split="val", cache_dir=None, base_url=BASE_URL):
 def iterate_examples(split="val", cache_dir=None):
     """The jsonl rows of a split, in file order, each checked for the fields rendering needs."""
     path = download(split, cache_dir)
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:  # a folder of that name, say
+        die(f"cannot read {path}: {e.strerror}")
+    with f:
         for lineno, raw in enumerate(f, 1):
             try:  # line by line: the error names the line, and a damaged file is no traceback
                 line = raw.decode("utf-8")
@@ -376,7 +386,8 @@ def evaluate(loss_fn, split="val", limit=0, cache_dir=None, encode=None, progres
 # number of completions, the context length and tokens, then each completion's length and tokens.
 
 def write_eval_file(path, encoded):
-    """Writes [(ctx_tokens, ending_tokens, label), ...] as llm.c's eval file (temporary name, then rename)."""
+    """Writes [(ctx_tokens, ending_tokens, label), ...] as llm.c's eval file (temporary name, then rename);
+    a failed write is one line, leaving no temporary and an earlier file as it was."""
     if len(encoded) >= 1 << 16:
         die(f"{len(encoded)} examples do not fit the eval file's uint16 example index")
     stream, longest = [], 0
@@ -394,20 +405,48 @@ def write_eval_file(path, encoded):
         stream += example
     header = np.zeros(256, dtype="<i4")
     header[:4] = [EVAL_MAGIC, EVAL_VERSION, len(encoded), longest]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.array(stream, dtype="<u2").tobytes())
-    os.replace(tmp, path)
+    folder, tmp = os.path.dirname(path), temp_name(path)
+    try:
+        if folder and not os.path.exists(folder):  # one that is a file: "Not a directory" below
+            os.makedirs(folder)
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(np.array(stream, dtype="<u2").tobytes())
+        os.replace(tmp, path)
+    except OSError as e:
+        die(f"cannot write {path}: {e.strerror}")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def temp_name(path, suffix="tmp"):
+    """A temporary name beside `path`, to be renamed to it: short enough whatever the length of path's name."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f"{name[:200]}.{os.getpid()}.{suffix}")
 
 
 # -----------------------------------------------------------------------------
 # Command line
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A parser whose errors are one line, as in the trainers (its subcommands' parsers are of this class)."""
+
+    def error(self, message):
+        die(message)
+
+
+def check_out(path, force):
+    """Stops before any work on an --out that names no file, is a folder, or exists (unless force)."""
+    if not os.path.basename(path) or os.path.isdir(path):
+        die(f"--out {path!r}: give a file's name, not a folder's")
+    if os.path.lexists(path) and not force:
+        die(f"--out {path} exists: pass --force to replace it")
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="HellaSwag: download, show rendered examples, export "
-                                                 "llm.c's eval file")
+    parser = OneLineErrorParser(description="HellaSwag: download, show rendered examples, export "
+                                            "llm.c's eval file")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("download", "fetch hellaswag_<split>.jsonl into the cache dir"),
                            ("show", "print rendered examples (tokens and masks)"),
@@ -428,16 +467,21 @@ def parse_args(argv=None):
         if name == "export":
             p.add_argument("--out", required=True,
                            help="eval file to write, e.g. hellaswag_val.bin (required)")
+            p.add_argument("--force", action="store_true", help="replace an existing --out (default: refuse)")
             p.add_argument("--limit", type=int, default=0,
                            help="export the first N examples only (default: 0 = all)")
     args = parser.parse_args(argv)
     if getattr(args, "limit", 0) < 0:
         parser.error("--limit must be >= 0")
+    if args.command == "export" and args.split == "test":
+        parser.error("HellaSwag test split has no labels, so it cannot be exported")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.command == "export":
+        check_out(args.out, args.force)
     path = download(args.split, args.cache_dir, args.base_url)
     if args.command == "download":
         print(f"{path}: {os.path.getsize(path):,} bytes")

@@ -169,6 +169,8 @@ def last_per_step(events, kind):
 
 def load_run(out_dir):
     """Reads <out_dir>/log.jsonl into a Run; a bad dir or log stops with a one-line error."""
+    if os.path.isfile(out_dir):
+        die(f"{out_dir} is a file: give the run's --out-dir, the folder of its {LOG_NAME}")
     if not os.path.isdir(out_dir):
         die(f"{out_dir}: no such directory")
     path = os.path.join(out_dir, LOG_NAME)
@@ -333,18 +335,24 @@ def save_figure(fig, path):
     temporary name beside it that is renamed when complete: a failed write leaves no partial figure and an
     earlier one as it was. A failed write is a one-line error."""
     fmt = os.path.splitext(path)[1][1:].lower() or "png"
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temp_name(path)
     try:
         fig.savefig(tmp, format=fmt)  # format= and not the name's extension: the temporary name has none
         os.replace(tmp, path)
-    except ValueError as e:  # an extension that is no format matplotlib writes
-        die(f"cannot write {path}: {e}")
+    except (ValueError, RuntimeError) as e:  # an extension that is no format matplotlib writes; .pgf's LaTeX
+        die(f"cannot write {path}: {str(e).splitlines()[0]}")
     except OSError as e:
         die(f"cannot write {path}: " + ("no space left, the disk is full" if e.errno in NO_SPACE
                                          else e.strerror or str(e)))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def temp_name(path, suffix="tmp"):
+    """A temporary name beside `path`, to be renamed to it: short enough whatever the length of path's name."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f"{name[:200]}.{os.getpid()}.{suffix}")
 
 
 def describe(run):
@@ -372,6 +380,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smooth < 0:
         die(f"--smooth must be >= 0, got {args.smooth}")
+    if not os.path.basename(args.out):
+        die(f"-o {args.out!r}: give a file's name")
+    # a run's log.jsonl given for its out dir
+    args.runs = [(os.path.dirname(d) or ".") if os.path.basename(d) == LOG_NAME and os.path.isfile(d) else d
+                 for d in args.runs]
     return args
 
 

@@ -37,7 +37,7 @@ import requests
 from tqdm import tqdm
 
 # one copy of the resumable, checked download, and of GPT-2's encoding with its offline fallback
-from hellaswag import EncodingUnavailable, download_file, load_gpt2_encoding, sha256_of
+from hellaswag import EncodingUnavailable, download_file, load_gpt2_encoding, sha256_of, temp_name
 
 # -----------------------------------------------------------------------------
 # Config
@@ -136,6 +136,7 @@ def positive_int(text):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="FineWeb(-Edu) or local text to llm.c GPT-2 token shards")
+    parser.error = die  # a bad flag gets one line naming it, as in the trainers
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="edu-10B",
                         help="Hugging Face sample to download: edu-10B or edu-100B (FineWeb-Edu's "
                              "sample-10BT or sample-100BT), 10B (FineWeb's sample-10BT); ignored with "
@@ -169,6 +170,10 @@ def parse_args(argv=None):
         parser.error("argument --max-tokens: must be >= 0")
     if args.bench and args.tokenizer:
         parser.error("argument --bench: compares against tiktoken's GPT-2 encoder; drop --tokenizer")
+    if args.out_dir == "":
+        parser.error("argument --out-dir: give a folder's name")
+    if "/" in (args.name or ""):
+        parser.error(f"argument --name: {args.name!r} is a file name prefix, which holds no '/'")
     return args
 
 
@@ -432,7 +437,7 @@ def write_file(path, *chunks):
     """Writes the bytes-like chunks, one after the other, to a temporary name beside `path`, renamed when
     complete: a failed write (a one-line error, a full disk said as such) removes the temporary and leaves
     an earlier `path` as it was."""
-    tmp = path + ".tmp"
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
@@ -459,6 +464,12 @@ def shard_is_complete(path, ntokens):
         return False
     header = np.fromfile(path, dtype="<i4", count=3)
     return header.tolist() == [SHARD_MAGIC, SHARD_VERSION, ntokens]
+
+
+def doc_position(ends, used):
+    """(documents finished, tokens into the next one) at token `used` of documents ending at offsets `ends`."""
+    done = int(np.searchsorted(ends, used, side="right"))
+    return done, used - (int(ends[done - 1]) if done else 0)
 
 
 def save_manifest(path, manifest):
@@ -538,17 +549,18 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
     t0 = time.time()
     buf = np.empty(shard_size, dtype=np.uint16)  # (shard_size,) the shard being filled
     fill, written, docs_read = 0, 0, 0
+    doc_lengths = []  # while shard 0 fills: each document's tokens, for where a split of it falls
 
-    def flush(next_pos):
-        """Writes the shard being filled; records where the next one starts (document, token offset)."""
-        nonlocal index, fill
+    def flush(tokens, next_pos):
+        """Writes the next shard; records where the one after it starts (document, token offset)."""
+        nonlocal index
         fname = shard_name(name, index)
         with _uninterrupted():  # a shard counts once the manifest lists it
-            write_shard(os.path.join(out_dir, fname), buf[:fill])
-            manifest["shards"].append(dict(file=fname, tokens=fill, next_doc=next_pos[0],
+            write_shard(os.path.join(out_dir, fname), tokens)
+            manifest["shards"].append(dict(file=fname, tokens=len(tokens), next_doc=next_pos[0],
                                            next_offset=next_pos[1]))
             save_manifest(manifest_path, manifest)
-            index, fill = index + 1, 0
+            index += 1
 
     first_doc, exhausted = next_doc, budget != 0
     docs = iter_documents(sources, next_doc, timer) if budget != 0 else iter(())
@@ -556,6 +568,8 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
     with tqdm(total=max_tokens or None, initial=index * shard_size, unit="tok", unit_scale=True,
               desc=name) as bar, contextlib.closing(results):  # closed: the pool joined, on any exit
         for ndocs, tokens, lengths in results:
+            if index == 0:
+                doc_lengths.append(lengths)
             ends = np.cumsum(lengths)  # (D,) token offset where each document of the chunk ends
             used = skip_tokens         # the resumed document's tokens already in the kept shards
             skip_tokens = 0
@@ -567,16 +581,25 @@ def prepare(sources, out_dir, name, shard_size, max_tokens, workers, tokenizer_p
                 fill, used, written = fill + take, used + take, written + take
                 bar.update(take)
                 if fill == shard_size or written == budget:
-                    done_docs = int(np.searchsorted(ends, used, side="right"))  # documents finished
-                    offset = used - (int(ends[done_docs - 1]) if done_docs else 0)
-                    flush((first_doc + done_docs, offset))
+                    done_docs, offset = doc_position(ends, used)
+                    flush(buf[:fill], (first_doc + done_docs, offset))
+                    fill = 0
             first_doc += ndocs
             docs_read += ndocs
             if written == budget:
                 exhausted = False
                 break
+    if index + bool(fill) == 1 and written > 1:
+        # all of it fits shard 0: a tenth becomes the val shard and the rest a train shard, as a trainer
+        # needs both
+        end = manifest["shards"].pop() if index else dict(next_doc=first_doc, next_offset=0)
+        index, fill, cut = 0, 0, -(-written // 10)
+        print(f"{out_dir}: the {written:,} tokens fit one shard (--shard-size {shard_size:,}): the first "
+              f"{cut:,} make the val shard, the other {written - cut:,} the train shard")
+        flush(buf[:cut], doc_position(np.cumsum(np.concatenate(doc_lengths)), cut))
+        flush(buf[cut:written], (end["next_doc"], end["next_offset"]))
     if fill:
-        flush((first_doc, 0))
+        flush(buf[:fill], (first_doc, 0))
     if not manifest["shards"]:  # no document at all: nothing written, and no manifest of nothing
         if created:
             os.rmdir(out_dir)

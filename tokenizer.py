@@ -80,11 +80,24 @@ WORDS = regex.compile(r"\s*\S+|\s+")
 
 
 def write_file(path, data):
-    """Writes bytes under a temporary name beside path, then renames: path is never left half-written."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Writes bytes under a temporary name beside path, then renames: path is never left half-written, and a
+    failure (an OSError naming path) leaves no temporary."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def temp_name(path, suffix="tmp"):
+    """A temporary name beside `path`, to be renamed to it: short enough whatever the length of path's name."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f"{name[:200]}.{os.getpid()}.{suffix}")
 
 
 # -----------------------------------------------------------------------------
@@ -681,6 +694,21 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A parser whose errors are one line, as in the trainers (its subcommands' parsers are of this class)."""
+
+    def error(self, message):
+        die(message)
+
+
+def check_out(path, force):
+    """Stops before any work on an --out that names no file, is a folder, or exists (unless force)."""
+    if not os.path.basename(path) or os.path.isdir(path):
+        die(f"--out {path!r}: give a file's name, not a folder's")
+    if os.path.lexists(path) and not force:
+        die(f"--out {path} exists: pass --force to replace it")
+
+
 def refuse_input_as_output(args, *inputs):
     """--out may not be one of the files the command reads: the output would destroy its own input."""
     out = getattr(args, "out", None)
@@ -695,6 +723,7 @@ def load_tokenizer_arg(name):
 
 def cmd_train(args):
     refuse_input_as_output(args, *args.input)
+    check_out(args.out, args.force)
     t0 = time.perf_counter()
     tok = BPETokenizer.train(args.input, args.vocab_size, args.special)
     dt = time.perf_counter() - t0
@@ -705,6 +734,7 @@ def cmd_train(args):
 
 def cmd_encode(args):
     refuse_input_as_output(args, args.input, args.tokenizer)
+    check_out(args.out, args.force)
     chunks = read_chunks(args.input)
     tok = load_tokenizer_arg(args.tokenizer)
     if tok.vocab_size > 65536:
@@ -723,6 +753,8 @@ def cmd_encode(args):
 
 def cmd_decode(args):
     refuse_input_as_output(args, args.input, args.tokenizer)
+    if args.out is not None:
+        check_out(args.out, args.force)
     tokens = read_shard(args.input)
     data = load_tokenizer_arg(args.tokenizer).decode(tokens).encode("utf-8")  # invalid UTF-8 -> U+FFFD
     if args.out:
@@ -733,20 +765,22 @@ def cmd_decode(args):
 
 def cmd_bench(args):
     import tiktoken  # the reference, for the comparison only
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
 
     if args.repeats < 1:
         die(f"--repeats {args.repeats}: must be at least 1")
     text = "".join(read_chunks(args.input))
     name = os.path.normpath(args.input)
     mb = len(text.encode("utf-8")) / 1e6
-    tok = BPETokenizer.from_gpt2(os.path.join(args.gpt2_dir, "encoder.json"),
-                                 os.path.join(args.gpt2_dir, "vocab.bpe"))
-    try:
-        enc = tiktoken.get_encoding("gpt2")
-    except (OSError, ValueError) as e:  # a failed download (requests), a damaged cache file (hash)
-        die(f"tiktoken could not load GPT-2's encoding ({type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0][:300]}); it downloads vocab.bpe and encoder.json once, then "
-            f"reads them from its cache ($TIKTOKEN_CACHE_DIR, else data-gym-cache in the temp dir)")
+    encoder_json, vocab_bpe = (os.path.join(args.gpt2_dir, f) for f in ("encoder.json", "vocab.bpe"))
+    tok = BPETokenizer.from_gpt2(encoder_json, vocab_bpe)
+    # tiktoken's GPT-2 as get_encoding("gpt2") builds it, from the same two files (hash-checked) read here
+    # rather than downloaded: the comparison runs offline
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, GPT2_SHA256["vocab.bpe"],
+                                            GPT2_SHA256["encoder.json"])
+    enc = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                            special_tokens={ENDOFTEXT: len(ranks)}, explicit_n_vocab=len(ranks) + 1)
 
     def cold():
         tok.cache.clear()
@@ -776,7 +810,7 @@ def cmd_bench(args):
 def main(argv=None):
     # bench's defaults: the copies committed for the tests, so that it runs in any clone, offline
     test_data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data")
-    p = argparse.ArgumentParser(description="Byte-level BPE tokenizer, GPT-2-exact.")
+    p = OneLineErrorParser(description="Byte-level BPE tokenizer, GPT-2-exact.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="learn a vocabulary from text files")
     t.add_argument("--input", nargs="+", required=True,
@@ -787,6 +821,7 @@ def main(argv=None):
                    help=f"special tokens, given the ids after the merges; none with a bare --special "
                         f"(default: {ENDOFTEXT})")
     t.add_argument("--out", required=True, help="tokenizer file to write, plain text (required)")
+    t.add_argument("--force", action="store_true", help="replace an existing --out (default: refuse)")
     e = sub.add_parser("encode", help="encode a text file into an llm.c token shard")
     e.add_argument("--tokenizer", required=True, help="'gpt2' (GPT-2's files from $GPT2_BPE_DIR or "
                    "data/gpt2, downloaded there once) or a file written by train (required)")
@@ -794,11 +829,13 @@ def main(argv=None):
                    "(when the vocabulary has it) then its tokens; special tokens in the text are encoded "
                    "(required)")
     e.add_argument("--out", required=True, help="llm.c token shard to write, .bin (required)")
+    e.add_argument("--force", action="store_true", help="replace an existing --out (default: refuse)")
     d = sub.add_parser("decode", help="decode an llm.c token shard into text")
     d.add_argument("--tokenizer", required=True, help="'gpt2' (GPT-2's files from $GPT2_BPE_DIR or "
                    "data/gpt2, downloaded there once) or a file written by train (required)")
     d.add_argument("--input", required=True, help="llm.c token shard to read, .bin (required)")
     d.add_argument("--out", help="text file to write (default: stdout)")
+    d.add_argument("--force", action="store_true", help="replace an existing --out (default: refuse)")
     b = sub.add_parser("bench", help="encode MB/s vs tiktoken, and time to train a vocabulary")
     b.add_argument("--input", default=os.path.join(test_data, "tinyshakespeare", "input.txt"),
                    help="text to encode and train on (default: tinyshakespeare from tests/data)")
@@ -812,8 +849,10 @@ def main(argv=None):
     commands = {"train": cmd_train, "encode": cmd_encode, "decode": cmd_decode, "bench": cmd_bench}
     try:
         commands[args.command](args)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         die(str(e))
+    except OSError as e:  # the one boundary for the system's errors: a missing file, a folder, a full disk
+        die(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
 
 
 if __name__ == "__main__":

@@ -1287,6 +1287,12 @@ def download_file(url, path, retries=DOWNLOAD_RETRIES, backoff=DOWNLOAD_BACKOFF_
                 raise _Retryable(f"connection closed after {got} of {total} bytes")
             break
         except (_Retryable, requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            # no connection at all (refused, no such host, no network, through a proxy or not): offline,
+            # which a retry within seconds does not mend
+            reason = getattr(e.args[0] if e.args else None, "reason", None)
+            reason = getattr(reason, "original_error", reason)
+            if isinstance(reason, urllib3.exceptions.NewConnectionError):
+                die(f"download of {url} failed, no connection: {reason}")
             failures += 1
             if failures > retries:
                 die(f"download of {url} failed after {retries} retries: {e}")

@@ -28,7 +28,7 @@ import speedrun_reference  # noqa: E402
 import train_gpt2_jax  # noqa: E402
 import train_gpt2_torchfunc  # noqa: E402
 import train_gpt2_triton  # noqa: E402
-from conftest import (OFFLINE, REPO, assert_clean_error, data_file, run_script,  # noqa: E402
+from conftest import (OFFLINE, REPO, assert_clean_error, assert_refused, data_file, run_script,  # noqa: E402
                       run_script_on_a_full_disk, step_events, write_model_file)
 
 V, VP = 50257, 50304
@@ -542,6 +542,23 @@ def test_an_unwritable_output_is_one_line(hf_source, converted, tmp_path):
             message = str(e.value)
             assert message.startswith(f"error: cannot write {out}: ") and "\n" not in message, message
     assert os.listdir(tmp_path) == ["file"]
+
+
+def test_an_output_naming_nothing_or_a_long_name(hf_source, converted, tmp_path, monkeypatch):
+    """-o '' or a path ending in / (from-hf), '' or '.' (to-hf) is one line asking for a name, nothing
+    written; a name of 255 characters, the longest a file may have, is written by both commands."""
+    monkeypatch.chdir(tmp_path)
+    source, model = str(hf_source[0]), str(converted)
+    assert_refused(convert_hf.main, [
+        (["from-hf", source, "-o", ""], "-o '': give the name of the model file to write"),
+        (["from-hf", source, "-o", "new/"], "-o 'new/': give the name of the model file to write"),
+        (["to-hf", model, "-o", ""], "-o '': give the name of the directory to write"),
+        (["to-hf", model, "-o", "."], "-o '.': give the name of the directory to write")])
+    assert os.listdir(tmp_path) == []
+    from_hf(source, "x" * 251 + ".bin")
+    to_hf(converted, "y" * 255)
+    assert sorted(os.listdir(tmp_path)) == ["x" * 251 + ".bin", "y" * 255]
+    assert (tmp_path / ("x" * 251 + ".bin")).read_bytes() == converted.read_bytes()
 
 
 def test_a_full_disk_is_one_line(exported, converted, hf_source, tmp_path):

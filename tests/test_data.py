@@ -18,7 +18,7 @@ import pytest
 
 import hellaswag
 import prepro_fineweb
-from conftest import (EOT, OFFLINE, REPO, assert_clean_error, data_file, run_script,
+from conftest import (EOT, OFFLINE, REPO, assert_clean_error, assert_refused, data_file, run_script,
                       run_script_on_a_full_disk, run_with_terminal_stderr)
 
 
@@ -218,9 +218,52 @@ def test_hellaswag_bad_input_clean_errors(http_server, tmp_path, capsys):
     assert "--split" in error_line(hellaswag.main, ["show", "--split", "dev"], capsys)
     (cache / "hellaswag_val.jsonl").write_text(good)
     line = error_line(hellaswag.main, ["export", "--out", cache / "hellaswag_val.jsonl", "--cache-dir",
-                                       cache], capsys)
+                                       cache, "--force"], capsys)
     assert line.startswith("error: --out ") and "the split file export reads" in line
     assert (cache / "hellaswag_val.jsonl").read_text() == good
+
+
+def test_hellaswag_bad_outputs_and_flags_are_one_line(hellaswag_dir, http_server, tmp_path, capsys):
+    """export refuses an existing --out unless --force, and --out '' or a folder, before any work; one below
+    a regular file or where nothing can be created (/proc) is one line naming it, with no temporary left; a
+    255-character name is written. A bad flag value and --split test (before any download) are one line;
+    a split file that is a folder is one line, in show and in the trainers' evaluate."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "file").write_text("not a folder")
+    earlier = out / "earlier.bin"
+    earlier.write_bytes(b"an earlier file")
+    export = ["export", "--cache-dir", str(hellaswag_dir), "--out"]
+    assert_refused(hellaswag.main, [
+        (export + [str(earlier)], f"--out {earlier} exists: pass --force to replace it"),
+        (export + [""], "--out '': give a file's name"), (export + [str(out)], "not a folder's"),
+        (export + [str(out / "file" / "x.bin")], f"cannot write {out / 'file' / 'x.bin'}: Not a directory"),
+        (export + ["/proc/x.bin"], "cannot write /proc/x.bin: "),
+        (["export", "--split", "test", "--out", "x.bin", "--base-url", http_server.url], "test split has no labels"),
+        (["show", "--limit", "x"], "argument --limit: invalid int value: 'x'")])
+    assert capsys.readouterr().err == "" and http_server.requests == []
+    assert earlier.read_bytes() == b"an earlier file" and sorted(os.listdir(out)) == ["earlier.bin", "file"]
+    hellaswag.main(export + [str(earlier), "--force"])
+    long_name = out / ("x" * 251 + ".bin")
+    hellaswag.main(export + [str(long_name)])
+    assert earlier.read_bytes() == long_name.read_bytes() and len(os.listdir(out)) == 3
+    (tmp_path / "cache" / "hellaswag_val.jsonl").mkdir(parents=True)
+    cache = str(tmp_path / "cache")
+    assert_refused(hellaswag.main, [(["show", "--cache-dir", cache], "hellaswag_val.jsonl: Is a directory")])
+    with pytest.raises(SystemExit, match="hellaswag_val.jsonl: Is a directory$"):
+        hellaswag.evaluate(lambda tokens: np.zeros((4, tokens.shape[1] - 1)), cache_dir=cache)
+
+
+def test_hellaswag_offline_fails_at_once():
+    """Offline (a port nobody listens on, or a proxy nobody listens on) a download is one try and one
+    line saying there is no connection, not a minute of retries."""
+    url = "http://127.0.0.1:9/hellaswag_val.jsonl"
+    t0 = time.time()
+    with pytest.raises(SystemExit, match="failed, no connection: .*Connection refused"):
+        hellaswag.download_file(url, "never_written.jsonl")
+    proc = run_script("hellaswag.py", "show", "--cache-dir", "no_such_cache", env=OFFLINE, check=False)
+    assert_clean_error(proc, "no connection")
+    assert time.time() - t0 < 10 and proc.stderr.count("retrying") == 0
 
 
 def test_hellaswag_export_damaged_or_empty_cache_file(tmp_path):
@@ -440,10 +483,16 @@ def test_prepro_bad_input_clean_errors(enc, tmp_path, capsys):
              (["--input", other], ["notes.csv", "not a .txt, .jsonl or .parquet"]),
              (["--input", bad, "--shard-size", "0"], ["--shard-size"]),
              (["--input", bad, "--workers", "0"], ["--workers"]),
-             (["--input", bad, "--tokenizer", tmp_path / "none.tok"], ["--tokenizer", "no such file"])]
+             (["--input", bad, "--tokenizer", tmp_path / "none.tok"], ["--tokenizer", "no such file"]),
+             (["--input", bad, "--name", "a/b"], ["--name: 'a/b'", "holds no '/'"])]
     for args, needles in cases:
         line = error_line(prepro_fineweb.main, [*args, "--out-dir", out], capsys)
         assert all(n in line for n in needles), (line, needles)
+    assert "--out-dir: give a folder's name" in error_line(prepro_fineweb.main, ["--input", bad, "--out-dir", ""],
+                                                           capsys)
+    proc = run_script("prepro_fineweb.py", "--input", bad, "--shard-size", "x", check=False)
+    assert_clean_error(proc, "argument --shard-size: invalid positive_int value: 'x'")
+    assert proc.stderr.count("\n") == 1
     proc = run_script("prepro_fineweb.py", "--input", bad, "--out-dir", out, "--workers", 1, check=False)
     assert_clean_error(proc, "bad.jsonl:2", "no 'text' string")
     latin = tmp_path / "latin.jsonl"
@@ -467,7 +516,8 @@ def test_prepro_bad_input_clean_errors(enc, tmp_path, capsys):
     os.remove(out / "tiny_prepro.json")
     proc = run_script("prepro_fineweb.py", "--input", tiny, "--out-dir", out, "--workers", 1, check=False)
     assert_clean_error(proc, "no tiny_prepro.json")
-    assert read_shards(out, "tiny")["tiny_val_000000.bin"].tolist() == [EOT] + enc.encode("Hello world.")
+    tokens = [EOT] + enc.encode("Hello world.")
+    assert [t.tolist() for t in read_shards(out, "tiny").values()] == [tokens[:1], tokens[1:]]
 
 
 def test_prepro_empty_input_refused(tmp_path):
@@ -480,6 +530,30 @@ def test_prepro_empty_input_refused(tmp_path):
                           check=False)
         assert_clean_error(proc, "empty.jsonl", "nothing to tokenize")
         assert not (tmp_path / "out").exists()
+
+
+def test_prepro_input_within_one_shard_gets_a_train_shard(shakespeare_parquet, shakespeare_tokens, enc, tmp_path):
+    """An input that fits one shard (a small text file; --max-tokens, here exactly one shard) is written as a
+    val shard of its first tenth and a train shard of the rest, said in one line; a rerun without
+    --max-tokens redoes it as shards of --shard-size: the same as a single run."""
+    small = tmp_path / "small.txt"
+    small.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    proc = run_script("prepro_fineweb.py", "--input", small, "--out-dir", tmp_path / "small", "--workers", 1)
+    tokens = [EOT] + enc.encode_ordinary(small.read_text())
+    cut = -(-len(tokens) // 10)
+    assert f"the first {cut} make the val shard, the other {len(tokens) - cut} the train shard" in proc.stdout
+    assert [t.tolist() for t in read_shards(tmp_path / "small", "small").values()] == [tokens[:cut], tokens[cut:]]
+    out = tmp_path / "out"
+    args = ["prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out, "--shard-size", SHARD,
+            "--workers", 1]
+    run_script(*args, "--max-tokens", SHARD)
+    shards = read_shards(out, "shakespeare")
+    assert [len(t) for t in shards.values()] == [SHARD // 10, SHARD - SHARD // 10]
+    assert np.array_equal(np.concatenate(list(shards.values())), shakespeare_tokens[:SHARD])
+    run_script(*args)
+    shards = read_shards(out, "shakespeare")
+    assert list(shards) == expected_names("shakespeare", len(shakespeare_tokens))
+    assert np.array_equal(np.concatenate(list(shards.values())), shakespeare_tokens)
 
 
 @pytest.mark.parametrize("signum, group", [(signal.SIGINT, True), (signal.SIGTERM, True),
@@ -586,15 +660,15 @@ def test_prepro_unwritable_out_dir_clean_error(tmp_path, capsys):
 def test_prepro_full_disk_clean_error(shakespeare_parquet, tmp_path):
     """A disk that fills while a shard is written (an 8 KiB limit on the size of the files the script
     writes: EFBIG, which counts as ENOSPC) is one line that names the shard and says the disk is full; the
-    temporary is removed, and what an earlier run wrote (a short val shard, which the rerun was to redo
-    longer, and the manifest) is left as it was."""
+    temporary is removed, and what an earlier run wrote (a short val and train shard, which the rerun was
+    to redo longer, and the manifest) is left as it was."""
     out = tmp_path / "out"
     args = ["prepro_fineweb.py", "--input", shakespeare_parquet, "--out-dir", out, "--shard-size", SHARD,
             "--workers", 1]
     run_script(*args, "--max-tokens", 1000)
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    assert sorted(before) == ["shakespeare_prepro.json", "shakespeare_val_000000.bin"]
-    proc = run_script_on_a_full_disk(8192, *args, "--max-tokens", 5000)
+    assert sorted(before) == ["shakespeare_prepro.json", "shakespeare_train_000001.bin", "shakespeare_val_000000.bin"]
+    proc = run_script_on_a_full_disk(8192, *args, "--max-tokens", 40_000)
     assert_clean_error(proc)
     assert proc.stderr.splitlines()[-1] == \
         f"error: cannot write {out / 'shakespeare_val_000000.bin'}: no space left, the disk is full"

@@ -269,3 +269,25 @@ def test_a_full_disk_is_one_line(tmp_path, capsys):
         assert proc.stderr.splitlines()[-1] == f"error: cannot write {out}: no space left, the disk is full"
     assert [out.read_bytes() for out in figures] == before
     assert sorted(os.listdir(tmp_path)) == ["fig.png", "fig.svg", "good"]
+
+
+def test_a_log_for_its_run_and_outputs_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """A run's log.jsonl stands for its out dir (here too: no folder before it); another file given as a
+    run, -o '' and a .pgf figure without LaTeX on the PATH are each one line, nothing written; a
+    255-character -o is written, its temporary name within the limit too."""
+    good = write_log(tmp_path / "good", [step_event(1, 9.0, 100), step_event(2, 8.0, 100)])
+    shutil.copy(good / "log.jsonl", good / "copy.jsonl")
+    monkeypatch.chdir(good)
+    pr.main(["log.jsonl", str(good / "log.jsonl"), "-o", str(tmp_path / ("x" * 251 + ".png"))])
+    assert capsys.readouterr().out.startswith("jax (.): steps 1-2")
+    monkeypatch.setenv("PATH", str(tmp_path / "no_tex"))
+    cases = [(["log.jsonl", "-o", "log.jsonl"], "is a log this plot reads"),
+             (["copy.jsonl", "-o", "fig.png"], "copy.jsonl is a file: give the run's --out-dir"),
+             (["log.jsonl", "-o", ""], "-o '': give a file's name"),
+             (["log.jsonl", "-o", "fig.pgf"], "cannot write fig.pgf: 'xelatex' not found")]
+    for args, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            pr.main(args)
+        assert str(e.value).startswith("error: ") and needle in str(e.value) and "\n" not in str(e.value), args
+    assert sorted(os.listdir(good)) == ["copy.jsonl", "log.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["good", "x" * 251 + ".png"]

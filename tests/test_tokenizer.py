@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import regex
 
-from conftest import EOT, assert_clean_error, run_script, data_file
+from conftest import EOT, OFFLINE, assert_clean_error, data_file, run_script
 import tokenizer
 from tokenizer import BPETokenizer
 
@@ -480,3 +480,47 @@ def test_cli_bad_input(tmp_path, monkeypatch):
         assert needle in cli_error(*args)
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "o.bin")
     assert (text.read_bytes(), shard.read_bytes()) == kept  # an output never replaces an input
+
+
+def test_cli_outputs_and_flags(tmp_path, capsys):
+    """train, encode and decode refuse an existing --out unless --force, and --out '' or a folder, before
+    any work; an --out below a regular file or where nothing can be created (/proc) is one line naming it,
+    with no temporary left; a 255-character name is written. A bad flag value is one line."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, " * 50)
+    BPETokenizer.train(str(text.read_text()), 260).save(tmp_path / "t.bpe")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "file").write_text("not a folder")
+    earlier = out / "earlier"
+    earlier.write_bytes(b"an earlier file")
+    commands = [["train", "--input", text, "--vocab-size", "260", "--out"],
+                ["encode", "--tokenizer", tmp_path / "t.bpe", "--input", text, "--out"]]
+    cli(*commands[1], out / "s.bin")
+    commands.append(["decode", "--tokenizer", tmp_path / "t.bpe", "--input", out / "s.bin", "--out"])
+    for command in commands:
+        for bad, needle in ((earlier, f"--out {earlier} exists: pass --force to replace it"),
+                            ("", "--out '': give a file's name"), (out, "not a folder's"),
+                            (out / "file" / "x", f"{out / 'file' / 'x'}: Not a directory"),
+                            ("/proc/x", "/proc/x: ")):
+            assert needle in cli_error(*command, bad)
+        assert earlier.read_bytes() == b"an earlier file" and sorted(os.listdir(out)) == ["earlier", "file", "s.bin"]
+        cli(*command, earlier, "--force")
+        assert earlier.read_bytes() != b"an earlier file"
+        earlier.write_bytes(b"an earlier file")
+    long_name = out / ("x" * 251 + ".bin")
+    cli(*commands[1], long_name)
+    assert long_name.read_bytes() == (out / "s.bin").read_bytes() and len(os.listdir(out)) == 4
+    capsys.readouterr()
+    assert "argument --vocab-size: invalid int value: 'many'" in cli_error(*commands[0][:-2], "many", "--out", "x")
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_bench_offline(tmp_path, shakespeare):
+    """`bench` compares with tiktoken built from the committed GPT-2 files: offline, with tiktoken's cache
+    empty, it still runs."""
+    small = tmp_path / "small.txt"
+    small.write_text(shakespeare[:5000], encoding="utf-8")
+    proc = run_script("tokenizer.py", "bench", "--input", small, "--vocab-size", "260", "--repeats", "1",
+                      env={**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")})
+    assert "identical to tiktoken: yes" in proc.stdout
