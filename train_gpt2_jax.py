@@ -1045,7 +1045,7 @@ def generate(params, key, cfg, prompt):
     def sample_next(t, carry):                                                     # token t+1 from 0..t
         tokens, key = carry
         logits = RECIPES[cfg.recipe].next_logits(params, tokens, t, cfg)          # (S,V)
-        top_logits, top_ids = jax.lax.top_k(logits, min(cfg.top_k, VOCAB_SIZE))   # (S,K) each
+        top_logits, top_ids = jax.lax.top_k(logits, min(cfg.top_k or VOCAB_SIZE, VOCAB_SIZE))  # (S,K) each
         key, sub = jax.random.split(key)
         choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
         return tokens.at[:, t + 1].set(top_ids[jnp.arange(SAMPLE_COUNT), choice]), key
@@ -1328,7 +1328,7 @@ def parse_args(argv=None):
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
     p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
     p.add_argument("--sample-tokens", type=int, help=f"tokens each sample adds (default {d.sample_tokens})")
-    p.add_argument("--top-k", type=int, help=f"sample among the k likeliest tokens, 1 = greedy (default {d.top_k})")
+    p.add_argument("--top-k", type=int, help=f"draw from the k likeliest tokens; 1: greedy, 0: all (default {d.top_k})")
     p.add_argument("--prompt", help="the text each sample continues (default: none, a new document)")
     only = p.add_mutually_exclusive_group()  # one line where both are given (p.error)
     only.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
@@ -1341,8 +1341,7 @@ def parse_args(argv=None):
     d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
-    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens",
-                 "sample_tokens", "top_k"):
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens"):
         if getattr(cfg, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive")
     if val_steps is not None:
@@ -1353,7 +1352,7 @@ def parse_args(argv=None):
     if cfg.val_tokens < cfg.seq_len:
         die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
-                 "time_budget"):
+                 "time_budget", "sample_tokens", "top_k"):
         if not getattr(cfg, flag) >= 0:  # NaN fails this too
             die(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag

@@ -1398,7 +1398,7 @@ def generate(params, generator, cfg, prompt):
         h = recipe.forward(params, tokens, cfg, ops)  # (S*T, C)
         h = h.view(SAMPLE_COUNT, T, -1)[:, t].contiguous()  # (S, C)
         logits = recipe.logits(head_logits(h, params, cfg, ops))[:, :VOCAB_SIZE].float()  # (S, V)
-        top_logits, top_ids = torch.topk(logits, min(cfg.top_k, VOCAB_SIZE), dim=-1)  # (S, K) each
+        top_logits, top_ids = torch.topk(logits, min(cfg.top_k or VOCAB_SIZE, VOCAB_SIZE), dim=-1)  # (S, K) each
         choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S, 1)
         tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
     return tokens
@@ -1478,7 +1478,7 @@ def parse_args(argv=None):
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
     p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
     p.add_argument("--sample-tokens", type=int, help=f"tokens each sample adds (default {d.sample_tokens})")
-    p.add_argument("--top-k", type=int, help=f"sample among the k likeliest tokens, 1 = greedy (default {d.top_k})")
+    p.add_argument("--top-k", type=int, help=f"draw from the k likeliest tokens; 1: greedy, 0: all (default {d.top_k})")
     p.add_argument("--prompt", help="the text each sample continues (default: none, a new document)")
     only = p.add_mutually_exclusive_group()  # one line where both are given (p.error)
     only.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
@@ -1491,8 +1491,7 @@ def parse_args(argv=None):
     d = replace(d, **RECIPES[given.get("recipe", d.recipe)].defaults)
     cfg = replace(d, **{**shape, **given})
     cfg.block_size = cfg.seq_len
-    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens",
-                 "sample_tokens", "top_k"):
+    for flag in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "total_batch_size", "steps", "val_tokens"):
         if getattr(cfg, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive")
     if val_steps is not None:
@@ -1503,7 +1502,7 @@ def parse_args(argv=None):
     if cfg.val_tokens < cfg.seq_len:
         die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
-                 "time_budget"):
+                 "time_budget", "sample_tokens", "top_k"):
         if not getattr(cfg, flag) >= 0:  # NaN fails this too
             die(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag

@@ -276,7 +276,8 @@ def test_greedy_samples_agree_across_trainers(tmp_path, one_thread, capsys):
                                                 "--sample-only", "--prompt", "To be, or not to be", "--top-k", "1",
                                                 "--sample-tokens", "12", "--dtype", "fp32"])
         texts[name] = sample_lines(capsys.readouterr().out)
-    assert len(set(texts["jax"][0].split())) > 8 and texts["jax"] == texts["torchfunc"] == texts["triton-torch"]
+    assert len(set(texts["jax"][0].split("not to be")[1].split())) > 3  # not one token over and over
+    assert texts["jax"] == texts["torchfunc"] == texts["triton-torch"]
 
 
 @pytest.mark.parametrize("name", TRAINERS)
