@@ -119,7 +119,11 @@ class Config:
     hellaswag_every: int = 1000
     hellaswag_limit: int = 0
     sample_every: int = 1000
+    sample_tokens: int = 63  # tokens each sample adds: EOT + 63 = 64 wide, a multiple of 64
+    top_k: int = 40
+    prompt: str = ""  # the text each sample continues, after EOT
     eval_only: bool = False
+    sample_only: bool = False
     profile: bool = False
     zero_stage: int = 0  # 0: every device holds all optimizer state, 1: ZeRO-1, 3: weights and gradients too
     # JAX only
@@ -1033,21 +1037,28 @@ def evaluate_hellaswag(losses_jit, params, cfg):
                               progress=jax.process_index() == 0)
 
 
-def generate(params, key, cfg):
-    """SAMPLE_COUNT continuations of EOT with top-k TOP_K: token ids (S,T) int32, column 0 = EOT (no KV cache)."""
-    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, 0].set(EOT)            # (S,T)
+def generate(params, key, cfg, prompt):
+    """SAMPLE_COUNT top-k continuations of the tokens prompt (P,): token ids (S,T) int32, prompt first (no KV cache)."""
+    T = min(cfg.block_size, len(prompt) + cfg.sample_tokens)
+    tokens = jnp.zeros((SAMPLE_COUNT, T), jnp.int32).at[:, :len(prompt)].set(prompt)  # (S,T)
 
     def sample_next(t, carry):                                                     # token t+1 from 0..t
         tokens, key = carry
         logits = RECIPES[cfg.recipe].next_logits(params, tokens, t, cfg)          # (S,V)
-        top_logits, top_ids = jax.lax.top_k(logits, TOP_K)                        # (S,K) each
+        top_logits, top_ids = jax.lax.top_k(logits, min(cfg.top_k or VOCAB_SIZE, VOCAB_SIZE))  # (S,K) each
         key, sub = jax.random.split(key)
         choice = jax.random.categorical(sub, top_logits, axis=-1)                 # (S,)
         return tokens.at[:, t + 1].set(top_ids[jnp.arange(SAMPLE_COUNT), choice]), key
 
-    tokens, _ = jax.lax.fori_loop(0, T - 1, sample_next, (tokens, key))
+    tokens, _ = jax.lax.fori_loop(len(prompt) - 1, T - 1, sample_next, (tokens, key))
     return tokens
+
+
+def say_samples(generate_jit, params, step, cfg, sampler, say):
+    """Prints generate's rows after EOT (the prompt, then the model's tokens), drawn with (--seed, step)'s key."""
+    key = jax.random.fold_in(jax.random.key(cfg.seed), step)
+    for i, row in enumerate(np.asarray(generate_jit(params, key, prompt=jnp.array(sampler[1]))).tolist()):
+        say(f"sample {i}: {sampler[0](row[1:])!r}")
 
 
 def device_state_bytes(cfg, shapes, world):
@@ -1316,7 +1327,12 @@ def parse_args(argv=None):
     p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evals (default {d.hellaswag_every})")
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
     p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
-    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
+    p.add_argument("--sample-tokens", type=int, help=f"tokens each sample adds (default {d.sample_tokens})")
+    p.add_argument("--top-k", type=int, help=f"draw from the k likeliest tokens; 1: greedy, 0: all (default {d.top_k})")
+    p.add_argument("--prompt", help="the text each sample continues (default: none, a new document)")
+    only = p.add_mutually_exclusive_group()  # one line where both are given (p.error)
+    only.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
+    only.add_argument("--sample-only", action="store_true", help="samples of --init-from or --resume; no training")
     p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first")
     given = vars(p.parse_args(argv))
     preset = given.pop("model", None)
@@ -1336,7 +1352,7 @@ def parse_args(argv=None):
     if cfg.val_tokens < cfg.seq_len:
         die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
-                 "time_budget"):
+                 "time_budget", "sample_tokens", "top_k"):
         if not getattr(cfg, flag) >= 0:  # NaN fails this too
             die(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag
@@ -1384,7 +1400,7 @@ def apply_model_header(cfg, header, explicit):
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
         die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
     if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
-        if cfg.seq_len > header["block_size"]:
+        if cfg.seq_len > header["block_size"] and not cfg.sample_only:  # sampling reads no sequences
             die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
         cfg.block_size = header["block_size"]
     cfg.padded_vocab_size = header["padded_vocab_size"]
@@ -1901,34 +1917,40 @@ def hellaswag_module():
     return hellaswag
 
 
-def sample_encoder(say):
-    """GPT-2's tokenizer for the samples: hellaswag.py's, else tiktoken's (a trainer alone), else None, said once."""
+def sample_encoder(cfg, say):
+    """(decode, EOT and --prompt's tokens) of GPT-2's tokenizer: hellaswag.py's, else tiktoken's; else None, said."""
     try:
         import hellaswag
     except ModuleNotFoundError:
         hellaswag = None
     import tiktoken
     try:
-        return hellaswag.load_gpt2_encoding() if hellaswag else tiktoken.get_encoding("gpt2")
+        encoder = hellaswag.load_gpt2_encoding() if hellaswag else tiktoken.get_encoding("gpt2")
     except (OSError, ValueError, getattr(hellaswag, "EncodingUnavailable", OSError)) as e:
-        say(f"no samples: GPT-2's tokenizer did not load ({str(e).splitlines()[0][:200]})")
+        (die if cfg.sample_only else say)("no samples: GPT-2's tokenizer did not load "
+                                          f"({str(e).splitlines()[0][:200]})")
         return None
+    prompt = [EOT, *encoder.encode_ordinary(cfg.prompt)]
+    if len(prompt) >= cfg.block_size:  # no room left for a sampled token
+        die(f"--prompt is {len(prompt) - 1} tokens; the model's context of {cfg.block_size} takes {cfg.block_size - 2}")
+    return encoder.decode, prompt
 
 
 def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
-    """(step, params, m, v, grad_accum, train, val, encoder, lock) of a run, checked before the out dir changes."""
+    """(step, params, m, v, grad_accum, train, val, sampler, lock) of a run, checked before the out dir changes."""
     try:
-        restart = resolve_resume(cfg, not cfg.eval_only)
+        trains = not (cfg.eval_only or cfg.sample_only)
+        restart = resolve_resume(cfg, trains)
         recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
-        if cfg.eval_only and not (cfg.resume or cfg.init_from):
-            die("--eval-only needs weights: give --init-from or --resume")
+        if not trains and not (cfg.resume or cfg.init_from):
+            die(f"--{'eval' if cfg.eval_only else 'sample'}-only needs weights: give --init-from or --resume")
         if cfg.resume:
             header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
             apply_model_header(cfg, header, explicit)
             if explicit.get("seed", saved["seed"]) != saved["seed"]:  # its synthetic data, its samples
                 die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {saved['seed']}, which a "
                     f"resumed run keeps; leave --seed out, or give {saved['seed']}")
-            if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
+            if cfg.shuffle != saved["shuffle"] and trains:
                 said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
                 die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
             cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
@@ -1937,6 +1959,9 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             apply_model_header(cfg, header, explicit)
         else:
             params = recipe.init(cfg)
+        sampler = (cfg.sample_only or cfg.sample_every > 0 and trains) and sample_encoder(cfg, say)
+        if cfg.sample_only:  # the weights and the prompt alone: no optimizer state, data or out dir
+            return step, params, None, None, 0, None, None, sampler, None
         if not cfg.resume:  # v: AdamW's second moments, of every tensor but Muon's matrices
             muon = recipe.muon_names(recipe.shapes(cfg))
             m = {k: np.zeros_like(p) for k, p in params.items()}
@@ -1944,7 +1969,6 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         if cfg.hellaswag_every > 0:
             hellaswag_module()
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
-        encoder = sample_encoder(say) if cfg.sample_every > 0 and not cfg.eval_only else None
         lock = prepare_out_dir(cfg, master, step, restart)
     except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
         if any_failed is not None:
@@ -1952,9 +1976,9 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         raise
     if any_failed is not None and any_failed(False):
         die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
-    return step, params, m, v, grad_accum, train, val, encoder, lock
+    return step, params, m, v, grad_accum, train, val, sampler, lock
 
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
+SAMPLE_COUNT = 4
 PROFILE_STEPS = 3
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets; the first match counts
     "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 417.5e12), "H100": (989e12, 494.5e12),  # SXM
@@ -2170,8 +2194,11 @@ def main(argv, signals):
     rows = cfg.batch_size * jax.local_device_count()
     any_failed = None if ranks == 1 else (  # True in every process when any passes True
         lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max()))
-    step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
+    step, params, m, v, grad_accum, train_loader, val_loader, sampler, lock = open_run(  # noqa: F841
         cfg, explicit, rows, rank, ranks, master, say, any_failed)
+    generate_jit = jax.jit(partial(generate, cfg=cfg))
+    if cfg.sample_only:  # the weights as read: no optimizer state on the devices
+        return say_samples(generate_jit, params, step, cfg, sampler, say)
 
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -2232,7 +2259,6 @@ def main(argv, signals):
         compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies), grad_accum)
         compile_s = time.perf_counter() - t0
         say(f"compiled train step in {compile_s:.1f} s (counted in the first step's time)")
-        generate_jit = jax.jit(partial(generate, cfg=cfg))
 
         peak = peak_flops(devices[0].device_kind, cfg.dtype) if platform == "gpu" else None
         flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
@@ -2278,10 +2304,8 @@ def main(argv, signals):
                 multihost_utils.sync_global_devices(f"checkpoint {step}")
             stop_on_signal(signum, step, cfg, master)  # --resume runs the step's evaluations log.jsonl lacks
             run_evals(params, step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
-            if encoder is not None and due(cfg.sample_every, step, last):
-                key = jax.random.fold_in(jax.random.key(cfg.seed), step)
-                for i, row in enumerate(np.asarray(generate_jit(params, key))):
-                    say(f"sample {i}: {encoder.decode([int(t) for t in row[1:]])!r}")
+            if sampler and due(cfg.sample_every, step, last):
+                say_samples(generate_jit, params, step, cfg, sampler, say)
             if budget_spent:
                 say(f"--time-budget {cfg.time_budget:g} s reached: stopped after step {step} of {cfg.steps}")
                 break

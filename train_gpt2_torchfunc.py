@@ -120,7 +120,11 @@ class Config:
     hellaswag_every: int = 1000
     hellaswag_limit: int = 0
     sample_every: int = 1000
+    sample_tokens: int = 63  # tokens each sample adds: EOT + 63 = 64 wide, a multiple of 64
+    top_k: int = 40
+    prompt: str = ""  # the text each sample continues, after EOT
     eval_only: bool = False
+    sample_only: bool = False
     profile: bool = False
     zero_stage: int = 0  # 0: every device holds all optimizer state, 1: ZeRO-1, 3: weights and gradients too
     # torch only: 1 = torch.compile (--compile defaults to 1 with CUDA, 0 on the CPU)
@@ -1039,13 +1043,14 @@ def device_state_bytes(cfg, shapes, world):
     return state_bytes(cfg.zero_stage, shapes, layout, muon, world)
 
 
-def generate(params, generator, cfg):
-    """SAMPLE_COUNT top-k continuations of EOT: token ids (S,T); eager, no KV cache (faster than compiling)."""
-    T = min(cfg.block_size, SAMPLE_TOKENS + 1)
-    tokens = torch.full((SAMPLE_COUNT, T), EOT, dtype=torch.int64, device=next(iter(params.values())).device)  # (S,T)
-    for t in range(T - 1):                                                         # token t+1 from 0..t
+def generate(params, generator, cfg, prompt):
+    """SAMPLE_COUNT top-k continuations of the tokens prompt: token ids (S,T), prompt first; eager, no KV cache."""
+    T = min(cfg.block_size, len(prompt) + cfg.sample_tokens)
+    tokens = torch.tensor(prompt + [EOT] * (T - len(prompt)), device=next(iter(params.values())).device)
+    tokens = tokens.repeat(SAMPLE_COUNT, 1)                                        # (S,T)
+    for t in range(len(prompt) - 1, T - 1):                                        # token t+1 from 0..t
         logits = RECIPES[cfg.recipe].next_logits(params, tokens, t, cfg)          # (S,V)
-        top_logits, top_ids = torch.topk(logits, TOP_K, dim=-1)                   # (S,K) each
+        top_logits, top_ids = torch.topk(logits, min(cfg.top_k or VOCAB_SIZE, VOCAB_SIZE), dim=-1)  # (S,K) each
         choice = torch.multinomial(torch.softmax(top_logits, dim=-1), 1, generator=generator)  # (S,1)
         tokens[:, t + 1] = torch.gather(top_ids, -1, choice)[:, 0]
     return tokens
@@ -1167,7 +1172,12 @@ def parse_args(argv=None):
     p.add_argument("--hellaswag-every", type=int, help=f"steps between HellaSwag evals (default {d.hellaswag_every})")
     p.add_argument("--hellaswag-limit", type=int, help="HellaSwag examples scored, 0 = all (default 0)")
     p.add_argument("--sample-every", type=int, help=f"steps between samples, 0 = never (default {d.sample_every})")
-    p.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
+    p.add_argument("--sample-tokens", type=int, help=f"tokens each sample adds (default {d.sample_tokens})")
+    p.add_argument("--top-k", type=int, help=f"draw from the k likeliest tokens; 1: greedy, 0: all (default {d.top_k})")
+    p.add_argument("--prompt", help="the text each sample continues (default: none, a new document)")
+    only = p.add_mutually_exclusive_group()  # one line where both are given (p.error)
+    only.add_argument("--eval-only", action="store_true", help="val loss and HellaSwag of --init-from or --resume")
+    only.add_argument("--sample-only", action="store_true", help="samples of --init-from or --resume; no training")
     p.add_argument("--profile", action="store_true", help=f"profile the {PROFILE_STEPS} steps after the first")
     given = vars(p.parse_args(argv))
     preset = given.pop("model", None)
@@ -1187,7 +1197,7 @@ def parse_args(argv=None):
     if cfg.val_tokens < cfg.seq_len:
         die(f"--val-tokens {cfg.val_tokens} is less than one sequence of --seq-len {cfg.seq_len}")
     for flag in ("warmup", "ckpt_every", "val_every", "hellaswag_every", "hellaswag_limit", "sample_every",
-                 "time_budget"):
+                 "time_budget", "sample_tokens", "top_k"):
         if not getattr(cfg, flag) >= 0:  # NaN fails this too
             die(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("data", "val_data", "init_from", "resume", "out_dir"):  # "$UNSET" would mean no flag
@@ -1235,7 +1245,7 @@ def apply_model_header(cfg, header, explicit):
     if header["vocab_size"] != VOCAB_SIZE or header["padded_vocab_size"] < VOCAB_SIZE:
         die(f"model file has vocab {header['vocab_size']}/{header['padded_vocab_size']}, expected {VOCAB_SIZE}")
     if "block_size" in header:  # gpt2's position table bounds T; the speedrun model's rotary does not
-        if cfg.seq_len > header["block_size"]:
+        if cfg.seq_len > header["block_size"] and not cfg.sample_only:  # sampling reads no sequences
             die(f"--seq-len {cfg.seq_len} exceeds the model file's max sequence length {header['block_size']}")
         cfg.block_size = header["block_size"]
     cfg.padded_vocab_size = header["padded_vocab_size"]
@@ -1752,34 +1762,40 @@ def hellaswag_module():
     return hellaswag
 
 
-def sample_encoder(say):
-    """GPT-2's tokenizer for the samples: hellaswag.py's, else tiktoken's (a trainer alone), else None, said once."""
+def sample_encoder(cfg, say):
+    """(decode, EOT and --prompt's tokens) of GPT-2's tokenizer: hellaswag.py's, else tiktoken's; else None, said."""
     try:
         import hellaswag
     except ModuleNotFoundError:
         hellaswag = None
     import tiktoken
     try:
-        return hellaswag.load_gpt2_encoding() if hellaswag else tiktoken.get_encoding("gpt2")
+        encoder = hellaswag.load_gpt2_encoding() if hellaswag else tiktoken.get_encoding("gpt2")
     except (OSError, ValueError, getattr(hellaswag, "EncodingUnavailable", OSError)) as e:
-        say(f"no samples: GPT-2's tokenizer did not load ({str(e).splitlines()[0][:200]})")
+        (die if cfg.sample_only else say)("no samples: GPT-2's tokenizer did not load "
+                                          f"({str(e).splitlines()[0][:200]})")
         return None
+    prompt = [EOT, *encoder.encode_ordinary(cfg.prompt)]
+    if len(prompt) >= cfg.block_size:  # no room left for a sampled token
+        die(f"--prompt is {len(prompt) - 1} tokens; the model's context of {cfg.block_size} takes {cfg.block_size - 2}")
+    return encoder.decode, prompt
 
 
 def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
-    """(step, params, m, v, grad_accum, train, val, encoder, lock) of a run, checked before the out dir changes."""
+    """(step, params, m, v, grad_accum, train, val, sampler, lock) of a run, checked before the out dir changes."""
     try:
-        restart = resolve_resume(cfg, not cfg.eval_only)
+        trains = not (cfg.eval_only or cfg.sample_only)
+        restart = resolve_resume(cfg, trains)
         recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
-        if cfg.eval_only and not (cfg.resume or cfg.init_from):
-            die("--eval-only needs weights: give --init-from or --resume")
+        if not trains and not (cfg.resume or cfg.init_from):
+            die(f"--{'eval' if cfg.eval_only else 'sample'}-only needs weights: give --init-from or --resume")
         if cfg.resume:
             header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
             apply_model_header(cfg, header, explicit)
             if explicit.get("seed", saved["seed"]) != saved["seed"]:  # its synthetic data, its samples
                 die(f"--seed {explicit['seed']} with --resume: the checkpoint's seed is {saved['seed']}, which a "
                     f"resumed run keeps; leave --seed out, or give {saved['seed']}")
-            if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
+            if cfg.shuffle != saved["shuffle"] and trains:
                 said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
                 die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
             cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
@@ -1788,6 +1804,9 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             apply_model_header(cfg, header, explicit)
         else:
             params = recipe.init(cfg)
+        sampler = (cfg.sample_only or cfg.sample_every > 0 and trains) and sample_encoder(cfg, say)
+        if cfg.sample_only:  # the weights and the prompt alone: no optimizer state, data or out dir
+            return step, params, None, None, 0, None, None, sampler, None
         if not cfg.resume:  # v: AdamW's second moments, of every tensor but Muon's matrices
             muon = recipe.muon_names(recipe.shapes(cfg))
             m = {k: np.zeros_like(p) for k, p in params.items()}
@@ -1795,7 +1814,6 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         if cfg.hellaswag_every > 0:
             hellaswag_module()
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
-        encoder = sample_encoder(say) if cfg.sample_every > 0 and not cfg.eval_only else None
         lock = prepare_out_dir(cfg, master, step, restart)
     except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
         if any_failed is not None:
@@ -1803,9 +1821,9 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         raise
     if any_failed is not None and any_failed(False):
         die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
-    return step, params, m, v, grad_accum, train, val, encoder, lock
+    return step, params, m, v, grad_accum, train, val, sampler, lock
 
-SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
+SAMPLE_COUNT = 4
 PROFILE_STEPS = 3
 PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vendors' datasheets; the first match counts
     "H100 PCIe": (756e12, 378e12), "H100 NVL": (835e12, 417.5e12), "H100": (989e12, 494.5e12),  # SXM
@@ -2273,14 +2291,12 @@ def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say
         dist.barrier()
 
 
-def say_samples(sample, cfg, step, last, device, decode, master, say):
-    """Prints step's samples where --sample-every (or the last step) asks: sample(generator)'s rows (S, T) after EOT."""
-    if decode is None or not (master and due(cfg.sample_every, step, last)):
-        return
+def say_samples(weights, step, cfg, device, sampler, say):
+    """Prints generate's rows after EOT (the prompt, then the model's tokens), drawn with (--seed, step)'s generator."""
     seed = int(np.random.SeedSequence([cfg.seed, step]).generate_state(1)[0])
     generator = torch.Generator(device=device).manual_seed(seed)  # (--seed, step)'s: as an uninterrupted run's
-    for i, row in enumerate(sample(generator).tolist()):
-        say(f"sample {i}: {decode(row[1:])!r}")
+    for i, row in enumerate(generate(weights, generator, cfg, sampler[1]).tolist()):
+        say(f"sample {i}: {sampler[0](row[1:])!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -2296,8 +2312,11 @@ def main(argv, signals):
     say = print if master else (lambda *args, **kwargs: None)
 
     # weights, optimizer state, data (each process reads B rows of a micro-batch) and the locked out dir
-    step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
+    step, params, m, v, grad_accum, train_loader, val_loader, sampler, lock = open_run(  # noqa: F841
         cfg, explicit, cfg.batch_size, rank, world, master, say, any_process_failed(world, device))
+    if cfg.sample_only:  # the weights as the run computes with them: no optimizer state
+        masters = to_device(params, device)
+        return say_samples(model_weights(masters, compute_copies(masters, cfg)), step, cfg, device, sampler, say)
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
     recipe = RECIPES[cfg.recipe]
@@ -2380,8 +2399,8 @@ def main(argv, signals):
             checkpoint_if_due(state, step, last, train_loader, cfg, recipe, world, master, say)
             stop_on_signal(signum, step, cfg, master)
             run_evals(step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
-            say_samples(lambda g: generate(weights, g, cfg), cfg, step, last, device, encoder and encoder.decode,
-                        master, say)
+            if sampler and master and due(cfg.sample_every, step, last):
+                say_samples(weights, step, cfg, device, sampler, say)
             if budget_spent:
                 say(f"--time-budget {cfg.time_budget:g} s reached: stopped after step {step} of {cfg.steps}")
                 break

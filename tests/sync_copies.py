@@ -54,7 +54,7 @@ OWN = {
     # JAX's own of what the two torch trainers share (their copies are held equal): jnp, shardings, its
     # jitted evaluation, its device stats, errors and processes
     "train_gpt2_jax.py": {"newton_schulz", "fp8_quantize", "state_layout", "evaluate_val", "evaluate_hellaswag",
-                          "peak_memory_gb", "fail_on_out_of_memory", "fail_on_lost_peer"},
+                          "peak_memory_gb", "fail_on_out_of_memory", "fail_on_lost_peer", "say_samples"},
     "train_aiayn_jax.py": {"Config", "FRAMEWORK", "LN_EPS", "MODEL_PRESETS", "PARAM_NAMES", "RECIPES",
                            "adam_scalars", "forward", "layernorm", "linear", "load_checkpoint", "main",
                            "param_shapes", "parse_args", "save_checkpoint", "train_step"},  # another model

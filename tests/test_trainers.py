@@ -20,8 +20,8 @@ import torch
 
 import llmc_reference
 from conftest import (REPO, STEP_KEYS, assert_clean_error, assert_due_events, assert_eval_only_repeats,
-                      assert_same_checkpoint, assert_same_step_values, read_log, run_script, step_events,
-                      step_lines, stop_by_signals_and_resume, tiny_params, write_bad_shards,
+                      assert_refused, assert_same_checkpoint, assert_same_step_values, read_log, run_script,
+                      step_events, step_lines, stop_by_signals_and_resume, tiny_params, write_bad_shards,
                       write_model_file, write_shard)
 from test_recovery import assert_lost_evaluations_recovered, write_damaged_checkpoints
 from train_gpt2_jax import latest_checkpoint, save_checkpoint
@@ -224,6 +224,60 @@ def test_exact_resume_and_eval_only(name, trained, tiny_shards, tmp_path, hellas
                "--out-dir", val_only, *t.flags, env={"HELLASWAG_DIR": str(tmp_path / "none"), **env(name)})
     logged = [sorted(k for k in e if k in ("val_loss", "hellaswag_acc")) for e in read_log(val_only)]
     assert logged == [["val_loss"]]
+
+
+def sample_lines(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("sample ")]
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_sample_only(name, trained, tiny_model_file, tmp_path, env, one_thread, capsys, monkeypatch):
+    """--sample-only on the step-6 checkpoint, with no data, prints the samples the run printed at step 6 and
+    writes nothing; from a model file each sample is the --prompt and --sample-tokens more tokens, the same
+    --seed gives the same text, another seed another. Without a tokenizer, with a prompt that fills the model's
+    context, with --eval-only or without weights it is refused in one line."""
+    t = TRAINERS[name]
+    out, stdout = trained(name)
+    nowhere = tmp_path / "none"
+    proc = run_script(*t.argv, "--resume", out / "ckpt_0000006", "--sample-only", "--out-dir", nowhere, env=env(name))
+    assert sample_lines(proc.stdout) == sample_lines(stdout) and len(sample_lines(stdout)) == 4
+    assert not nowhere.exists()
+
+    mod, backend = importlib.import_module(t.module), [*map(str, t.argv[1:])]
+    flags = [*backend, "--init-from", str(tiny_model_file), "--sample-only", "--prompt", "To be, or",
+             "--sample-tokens", "5", "--out-dir", str(nowhere)]
+    texts = []
+    for seed in (1, 1, 2):
+        mod.main([*flags, "--seed", str(seed)])
+        texts.append(sample_lines(capsys.readouterr().out))
+    assert texts[0] == texts[1] != texts[2] and len(texts[0]) == 4
+    assert all(re.fullmatch(r"sample \d: 'To be, or.+'", line) for line in texts[0])
+
+    def no_gpt2(name):
+        raise ValueError("no GPT-2 here")
+    monkeypatch.setitem(sys.modules, "hellaswag", None)  # no hellaswag.py, and tiktoken's GPT-2 fails
+    monkeypatch.setattr("tiktoken.get_encoding", no_gpt2)
+    assert_refused(mod.main, [(flags, "no samples: GPT-2's tokenizer did not load (no GPT-2 here)")])
+    monkeypatch.undo()
+    assert_refused(mod.main, [([*flags, "--prompt", "a" + " a" * 62], "--prompt is 63 tokens", "context of 64"),
+                              ([*flags, "--eval-only"], "--eval-only: not allowed with argument --sample-only"),
+                              ([*backend, "--sample-only", "--out-dir", str(nowhere)], "--sample-only needs weights")])
+    assert not nowhere.exists()
+
+
+def test_greedy_samples_agree_across_trainers(tmp_path, one_thread, capsys):
+    """--top-k 1 (greedy) continues a --prompt with the same text in the three trainers from one model file,
+    whose weights are GPT-2's init ten times over, so that the greedy tokens vary."""
+    params = [p if i in (2, 8, 14) else 10 * p for i, p in enumerate(tiny_params(seed=0))]  # ln gains stay 1
+    write_model_file(tmp_path / "model.bin", params, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    texts = {}
+    for name, t in TRAINERS.items():
+        importlib.import_module(t.module).main([*map(str, t.argv[1:]), "--init-from", str(tmp_path / "model.bin"),
+                                                "--sample-only", "--prompt", "To be, or not to be", "--top-k", "1",
+                                                "--sample-tokens", "12", "--dtype", "fp32"])
+        texts[name] = sample_lines(capsys.readouterr().out)
+    assert len(set(texts["jax"][0].split("not to be")[1].split())) > 3  # not one token over and over
+    assert texts["jax"] == texts["torchfunc"] == texts["triton-torch"]
 
 
 @pytest.mark.parametrize("name", TRAINERS)

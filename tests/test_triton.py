@@ -239,6 +239,18 @@ def test_triton_training_run_matches_backend_torch(tiny_shards, tiny_model_file,
     assert events["triton"][1]["train_loss"] != events["triton"][0]["train_loss"]
 
 
+def test_triton_samples_through_backend_torch(tiny_model_file, capsys, monkeypatch, one_thread):
+    """Backend triton samples through backend torch's ops (sampling is no kernel's job; in the interpreter a
+    smoke run's samples outlasted its training): with its own ops removed, its samples are backend torch's."""
+    ops = tg.backend_ops
+    monkeypatch.setattr(tg, "backend_ops", lambda name, recipe="gpt2": ops(name, recipe) if name == "torch" else None)
+    texts = []
+    for backend in ("torch", "triton"):
+        tg.main([backend, "--init-from", str(tiny_model_file), "--sample-only", "--sample-tokens", "8"])
+        texts.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("sample ")])
+    assert texts[0] == texts[1] and len(texts[0]) == 4
+
+
 ALLOWED_IN_STEP = {  # allocation, views, and reading the step's loss and norm on the host
     "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::lift_fresh",
     "aten::detach_", "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::slice", "aten::select",
