@@ -111,13 +111,16 @@ def state_part(cfg, held, world):
 
 def test_zero_stages_match_stage_0(runs):
     """On 4 devices, --zero-stage 3 prints stage 0's losses and grad norms (rel 1e-6) at every step in
-    fp32, and --zero-stage 1 (with its bf16 copies kept across steps) in bf16; each prints what one
+    fp32, and --zero-stage 1 (with its bf16 copies kept across steps) in bf16 (rel 1e-5 at the first step,
+    then within a bf16 ulp, 2^-8, as tests/test_zero.py explains); each prints what one
     device holds: the moments and gradients (stage 1; as in fp32) and also the masters (stage 3; at stage
     1 those of the bf16 weights) a quarter of stage 0's, as device_state_bytes computes them."""
     s0 = step_events(runs("s0")[0])
     assert len(s0) == STEPS
     assert_same_steps(s0, step_events(runs("s3")[0]), rel=1e-6)
-    assert_same_steps(step_events(runs("s0b")[0]), step_events(runs("s1b")[0]), rel=1e-6)
+    s0b, s1b = step_events(runs("s0b")[0]), step_events(runs("s1b")[0])
+    assert_same_steps(s0b[:1], s1b[:1], rel=1e-5)  # the norm summed in another order (tests/test_zero.py)
+    assert_same_steps(s0b, s1b, rel=2 ** -8)  # the bf16 copies of masters clipped an ulp apart (the same)
     bf16 = tg.Config(zero_stage=1, dtype="bf16", n_layer=2, n_head=4, n_embd=64, block_size=64)
     held = tg.device_state_bytes(bf16, tg.param_shapes(bf16), 4)
     embeddings = sum(4 * np.prod(s) for k, s in tg.param_shapes(bf16).items() if k in tg.EMBEDDINGS)
