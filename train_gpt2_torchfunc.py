@@ -1486,8 +1486,7 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     val = DataLoader(val_files, rows, T, rank, ranks) if val_files and validates else None
     if validates and not val_files:
         if cfg.eval_only and not cfg.hellaswag_every:
-            die(f"--eval-only with --hellaswag-every 0 and no val shards in --data {cfg.data}: nothing to "
-                "evaluate (give --val-data GLOB)")
+            die(f"--eval-only with --hellaswag-every 0 and no val shards in --data {cfg.data}: nothing to evaluate")
         say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
     elif validates:  # its --val-tokens in whole batches, none twice
         batch, wanted, sizes = rows * ranks, cfg.val_tokens // T, [len(read_shard(f)) for f in val_files]
@@ -1513,10 +1512,9 @@ def read_weights(path, cfg):
     with open(path, "rb") as f:
         head = f.read(9)
         # a safetensors header (its length, then JSON) naming transformers' GPT-2 blocks: h.<i>.attn.c_attn.*
-        hf = head[8:9] == b"{" and b".attn.c_attn." in f.read(min(int.from_bytes(head[:8], "little"), 1 << 24))
-    if hf:
-        die(f"{path} is a Hugging Face transformers GPT-2: convert its folder with `python convert_hf.py from-hf "
-            f"{os.path.dirname(path) or '.'} -o model.bin`, then --init-from model.bin")
+        if head[8:9] == b"{" and b".attn.c_attn." in f.read(min(int.from_bytes(head[:8], "little"), 1 << 24)):
+            die(f"{path} is a Hugging Face transformers GPT-2: convert its folder with `python convert_hf.py "
+                f"from-hf {os.path.dirname(path) or '.'} -o model.bin`, then --init-from model.bin")
     recipe = RECIPES[cfg.recipe]
     for name, other in RECIPES.items():
         if other is not recipe and other.is_file(head) and not recipe.is_file(head):
@@ -1809,8 +1807,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
         encoder = sample_encoder(say) if cfg.sample_every > 0 and not cfg.eval_only else None
         lock = prepare_out_dir(cfg, master, step, restart)
-        checkpoints = ", checkpoints ckpt_*" if cfg.ckpt_every and not cfg.eval_only else ""
-        say(f"out dir {cfg.out_dir}: log.jsonl{checkpoints}")
+        say(f"out dir {cfg.out_dir}: log.jsonl" + ", checkpoints ckpt_*" * bool(cfg.ckpt_every and not cfg.eval_only))
     except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
         if any_failed is not None:
             any_failed(True)
@@ -1857,8 +1854,7 @@ def logged_evals(out_dir, step):
 
 def format_memory(cfg, held, activations, world, optimizers):
     """The start line's bytes per device: the training state `held`, one micro-batch's activations."""
-    mb = {k: f"{n / 1e6:.1f} MB" for k, n in held.items()}
-    # held["params"]: copies in the compute dtype kept across steps; without them the fp32 masters are the params
+    mb = {k: f"{n / 1e6:.1f} MB" for k, n in held.items()}  # params: kept copies, else the masters are the params
     weights = (f"{cfg.dtype} params {mb['params']} | grads {mb['grads']} | fp32 masters {mb['masters']}"
                if held["params"] else f"fp32 params {mb['masters']} | grads {mb['grads']}")
     return (f"per device: {weights} | {optimizers} moments {mb['moments']} (ZeRO stage {cfg.zero_stage} over "
