@@ -2159,8 +2159,8 @@ def logged_evals(out_dir, step):
 
 def format_memory(cfg, held, activations, world, optimizers):
     """The start line's bytes per device: the training state `held`, one micro-batch's activations."""
-    mb = {k: f"{n / 1e6:.1f} MB" for k, n in held.items()}  # params: kept copies, else the masters are the params
-    weights = (f"{cfg.dtype} params {mb['params']} | grads {mb['grads']} | fp32 masters {mb['masters']}"
+    mb = {k: f"{n / 1e6:.1f} MB" for k, n in held.items()}  # "params": kept bf16 copies; none: the masters serve
+    weights = (f"{cfg.dtype} copies {mb['params']} | grads {mb['grads']} | fp32 masters {mb['masters']}"
                if held["params"] else f"fp32 params {mb['masters']} | grads {mb['grads']}")
     return (f"per device: {weights} | {optimizers} moments {mb['moments']} (ZeRO stage {cfg.zero_stage} over "
             f"{world} devices) | activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
