@@ -83,9 +83,10 @@ def load_gpt2_encoding(fallback=True, announce=True):
 
 
 def gpt2_encoding():
-    """load_gpt2_encoding() (also the trainers' sampler's), or a one-line error where neither loads."""
+    """load_gpt2_encoding(), the committed files' without a line (they encode as tiktoken does), or a one-line
+    error where neither loads."""
     try:
-        return load_gpt2_encoding()
+        return load_gpt2_encoding(announce=False)
     except EncodingUnavailable as e:
         die(str(e))
 

@@ -1208,6 +1208,8 @@ def parse_args(argv=None):
             "synthetic tokens are random already")
     if cfg.resume and "init_from" in given:  # which --resume would otherwise ignore
         die("--init-from with --resume: a resumed run continues its checkpoint's weights; leave one out")
+    if (cfg.eval_only or cfg.sample_only) and not (cfg.resume or cfg.init_from):  # before any weights are made
+        die(f"--{'eval' if cfg.eval_only else 'sample'}-only needs weights: give --init-from or --resume")
     if not 0 < cfg.lr < math.inf:
         die("--lr must be positive and finite")
     if not 0 <= cfg.lr_decay_frac <= 1:
@@ -1256,6 +1258,9 @@ SYNTHETIC_TOKENS = 1 << 23  # length of the random "shard" behind --data synthet
 
 def read_shard(path):
     """An llm.c token shard as a read-only uint16 memmap, its header and size checked."""
+    if not os.path.isfile(path):  # a FIFO's read would wait forever
+        kind = "a broken symlink" if os.path.islink(path) and not os.path.exists(path) else "not a regular file"
+        die(f"shard {path} is {'a folder' if os.path.isdir(path) else kind}, not an llm.c token shard")
     size = os.path.getsize(path)
     if size < 256 * 4:
         die(f"shard {path} is truncated: {size} bytes, shorter than its 1024-byte header")
@@ -1487,10 +1492,13 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
         if position + rows * ranks * T + 1 > len(train.tokens):
             die(f"--resume: the checkpoint's position {position} leaves less than one batch of {rows * ranks * T} "
                 f"tokens in train shard {shard} (a different --batch-size or --data than the run had?)")
-    val = DataLoader(val_files, rows, T, rank, ranks) if val_files else None
-    if val is None and (cfg.eval_only or cfg.val_every > 0):
+    validates = cfg.eval_only or cfg.val_every > 0  # else no val loader, and its shards go unchecked
+    val = DataLoader(val_files, rows, T, rank, ranks) if val_files and validates else None
+    if validates and not val_files:
+        if cfg.eval_only and not cfg.hellaswag_every:
+            die(f"--eval-only with --hellaswag-every 0 and no val shards in --data {cfg.data}: nothing to evaluate")
         say(f"no validation shards in --data {cfg.data} (give --val-data GLOB): val loss skipped")
-    elif cfg.eval_only or cfg.val_every > 0:  # its --val-tokens in whole batches, none twice
+    elif validates:  # its --val-tokens in whole batches, none twice
         batch, wanted, sizes = rows * ranks, cfg.val_tokens // T, [len(read_shard(f)) for f in val_files]
         held = sum((n - 1) // (batch * T) for n in sizes) * batch
         if wanted > held:
@@ -1513,6 +1521,10 @@ def read_weights(path, cfg):
         die(f"model file {path} is not a regular file{hint}")
     with open(path, "rb") as f:
         head = f.read(9)
+        # a safetensors header (its length, then JSON) naming transformers' GPT-2 blocks: h.<i>.attn.c_attn.*
+        if head[8:9] == b"{" and b".attn.c_attn." in f.read(min(int.from_bytes(head[:8], "little"), 1 << 24)):
+            die(f"{path} is a Hugging Face transformers GPT-2: convert its folder with `python convert_hf.py "
+                f"from-hf {os.path.dirname(path) or '.'} -o model.bin`, then --init-from model.bin")
     recipe = RECIPES[cfg.recipe]
     for name, other in RECIPES.items():
         if other is not recipe and other.is_file(head) and not recipe.is_file(head):
@@ -1770,10 +1782,9 @@ def sample_encoder(cfg, say):
         hellaswag = None
     import tiktoken
     try:
-        encoder = hellaswag.load_gpt2_encoding() if hellaswag else tiktoken.get_encoding("gpt2")
+        encoder = hellaswag.load_gpt2_encoding(announce=False) if hellaswag else tiktoken.get_encoding("gpt2")
     except (OSError, ValueError, getattr(hellaswag, "EncodingUnavailable", OSError)) as e:
-        (die if cfg.sample_only else say)("no samples: GPT-2's tokenizer did not load "
-                                          f"({str(e).splitlines()[0][:200]})")
+        (die if cfg.sample_only else say)(f"no samples: GPT-2's tokenizer did not load ({str(e).splitlines()[0]})")
         return None
     prompt = [EOT, *encoder.encode_ordinary(cfg.prompt)]
     if len(prompt) >= cfg.block_size:  # no room left for a sampled token
@@ -1787,8 +1798,6 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         trains = not (cfg.eval_only or cfg.sample_only)
         restart = resolve_resume(cfg, trains)
         recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
-        if not trains and not (cfg.resume or cfg.init_from):
-            die(f"--{'eval' if cfg.eval_only else 'sample'}-only needs weights: give --init-from or --resume")
         if cfg.resume:
             header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
             apply_model_header(cfg, header, explicit)
@@ -1815,6 +1824,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             hellaswag_module()
         grad_accum, train, val = make_loaders(cfg, rows, rank, ranks, loader_state, say)
         lock = prepare_out_dir(cfg, master, step, restart)
+        say(f"out dir {cfg.out_dir}: log.jsonl" + ", checkpoints ckpt_*" * bool(cfg.ckpt_every and not cfg.eval_only))
     except (SystemExit, OSError):  # any_failed, a collective of several processes, stops them together
         if any_failed is not None:
             any_failed(True)
@@ -1861,10 +1871,11 @@ def logged_evals(out_dir, step):
 
 def format_memory(cfg, held, activations, world, optimizers):
     """The start line's bytes per device: the training state `held`, one micro-batch's activations."""
-    return (f"per device: params {held['params'] / 1e6:.1f} MB | grads {held['grads'] / 1e6:.1f} MB | fp32 "
-            f"masters {held['masters'] / 1e6:.1f} MB | {optimizers} moments "
-            f"{held['moments'] / 1e6:.1f} MB (ZeRO stage {cfg.zero_stage} over {world} devices) | "
-            f"activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
+    mb = {k: f"{n / 1e6:.1f} MB" for k, n in held.items()}  # "params": kept bf16 copies; none: the masters serve
+    weights = (f"{cfg.dtype} copies {mb['params']} | grads {mb['grads']} | fp32 masters {mb['masters']}"
+               if held["params"] else f"fp32 params {mb['masters']} | grads {mb['grads']}")
+    return (f"per device: {weights} | {optimizers} moments {mb['moments']} (ZeRO stage {cfg.zero_stage} over "
+            f"{world} devices) | activations {activations / 1e6:.1f} MB per micro-batch (--recompute {cfg.recompute})")
 
 
 def host_memory_available():
@@ -1914,18 +1925,17 @@ def format_mean(times, first, profiled, cfg, flops):
         kept, note = list(times), ""
     dt = sum(times[s] for s in kept) / len(kept)
     tokens_per_s = cfg.total_batch_size / dt
-    mfu = flops[0] * tokens_per_s / flops[1] if flops[1] else None
-    return (f"mean over {len(kept)} step(s){note}: {1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s, "
-            f"mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+    mfu = f", mfu {100 * flops[0] * tokens_per_s / flops[1]:.1f}%" if flops[1] else ""
+    return f"mean over {len(kept)} step(s){note}: {1000 * dt:.1f} ms, {tokens_per_s:,.0f} tok/s{mfu}"
 
 
 def report_step(step, cfg, loss, norm, lr, dt, mem, flops, framework, master, say):
     """Prints step's line and (process 0) logs its event; `flops`: (model FLOPs per token, peak FLOP/s or None)."""
     tokens_per_s = cfg.total_batch_size / dt
     mfu = flops[0] * tokens_per_s / flops[1] if flops[1] else None
-    mem_s = "n/a" if mem is None else f"{mem:.1f} GB"
+    measured = ("" if mfu is None else f" | mfu {100 * mfu:.1f}%") + ("" if mem is None else f" | mem {mem:.1f} GB")
     say(f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | {1000 * dt:.1f} ms | "
-        f"{tokens_per_s:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem {mem_s}")
+        f"{tokens_per_s:,.0f} tok/s{measured}")
     if master:
         log_event(cfg.out_dir, framework, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                   tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gb=mem)
@@ -2368,6 +2378,10 @@ def main(argv, signals):
 
         peak = peak_flops(device_kind, cfg.dtype) if on_gpu else None
         flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
+        absent = ([f"mfu (no peak FLOP/s known for {device_kind})"] * (peak is None)
+                  + ["mem (no memory statistics)"] * (peak_memory_gb(device) is None))
+        if absent:
+            say(f"step lines without {' and '.join(absent)}")
         first = step + 1
         profile_steps = range(min(first + 1, cfg.steps), min(first + PROFILE_STEPS, cfg.steps) + 1)
         profiler = torch.profiler.profile() if cfg.profile else None  # the CPU's ops, and CUDA's on a GPU

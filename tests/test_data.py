@@ -284,15 +284,15 @@ def test_hellaswag_export_damaged_or_empty_cache_file(tmp_path):
 
 def test_gpt2_encoding_offline_falls_back_to_committed_files(tmp_path):
     """With tiktoken's cache empty and no network (a proxy nobody listens on), hellaswag.gpt2_encoding()
-    (the trainers' sampler's and HellaSwag's) says in one line that it uses tokenizer.py's GPT-2 from
-    tests/data/gpt2, and encodes and decodes as GPT-2 does."""
+    (HellaSwag's, as the trainers and hellaswag.py score it) uses tokenizer.py's GPT-2 from tests/data/gpt2
+    without a word, and encodes and decodes as GPT-2 does."""
     code = ("import hellaswag; e = hellaswag.gpt2_encoding(); "
             "print(e.encode_ordinary('Hello world, this is GPT-2!'), e.eot_token, e.n_vocab, "
             "repr(e.decode([15496, 995, 50256])))")
     proc = run_script("-c", code, env={**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")})
     assert proc.stdout.strip() == ("[15496, 995, 11, 428, 318, 402, 11571, 12, 17, 0] 50256 50257 "
                                    "'Hello world<|endoftext|>'"), proc.stdout
-    assert proc.stderr.count("\n") == 1 and "tests/data/gpt2" in proc.stderr, proc.stderr
+    assert proc.stderr == "", proc.stderr
 
 
 # -----------------------------------------------------------------------------

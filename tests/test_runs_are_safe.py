@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -50,7 +51,7 @@ def test_a_run_is_never_overwritten(name, tmp_path, capsys, monkeypatch, hellasw
     auto and --force, and leaves the old run as it was; --force moves the old run's log and checkpoints
     into a replaced_<time> folder, so that the new log.jsonl holds one run. An unwritable --out-dir is one
     line. A run without val shards says in one line that it skips the val loss, when training with
-    --val-every and with --eval-only (which still scores HellaSwag)."""
+    --val-every and with --eval-only (which still scores HellaSwag, and says it writes log.jsonl alone)."""
     mod, out = MODULES[name], tmp_path / "run"
     argv = [*ARGV[name], *MICRO, "--steps", "2", "--ckpt-every", "2", "--out-dir", str(out)]
     mod.main([*argv, "--val-every", "1"])
@@ -72,7 +73,8 @@ def test_a_run_is_never_overwritten(name, tmp_path, capsys, monkeypatch, hellasw
     monkeypatch.setattr(hellaswag, "DEFAULT_CACHE_DIR", str(hellaswag_dir))
     mod.main([*ARGV[name], *MICRO, "--eval-only", "--hellaswag-every", "1", "--hellaswag-limit", "2",
               "--out-dir", str(tmp_path / "eval"), "--init-from", str(aside / "ckpt_0000002" / "model.bin")])
-    assert said in capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out.splitlines()
+    assert said in printed and f"out dir {tmp_path / 'eval'}: log.jsonl" in printed  # it writes no checkpoint
     logged = read_log(out) + read_log(aside) + read_log(tmp_path / "eval")
     assert not any("val_loss" in e for e in logged) and any("hellaswag_acc" in e for e in logged)
     with pytest.raises(SystemExit) as e:  # nothing can be created under /proc, root or not
@@ -339,6 +341,22 @@ def test_paths_with_glob_characters(tmp_path):
     cfg = tj.Config(data=str(shards))
     train, val = find_shards(cfg)
     assert train == [str(shards / "t_train_000000.bin")] and val == [str(shards / "t_val_000000.bin")]
+
+
+def test_val_shards_are_read_only_where_the_val_loss_is_taken(tmp_path):
+    """(make_loaders is the same code in all three trainers.) A val shard shorter than one batch is refused
+    in one line where the val loss is taken (--val-every, --eval-only), and with --val-every 0, which never
+    validates (nor at the run's end), it is left unread."""
+    write_shard(tmp_path / "t_train_000001.bin", np.arange(5000) % 50257)
+    write_shard(tmp_path / "t_val_000000.bin", np.arange(100) % 50257)
+    cfg, _ = tj.parse_args(["--data", str(tmp_path), "--seq-len", "64", "--batch-size", "4", "--total-batch-size",
+                            "256", "--val-every", "0"])
+    _, train, val = tj.make_loaders(cfg, 4, 0, 1, (0, 0), print)
+    assert train.files == [str(tmp_path / "t_train_000001.bin")] and val is None
+    assert not tj.due(cfg.val_every, cfg.steps, cfg.steps)
+    for taken in ({"val_every": 1}, {"eval_only": True}):
+        with pytest.raises(SystemExit, match="t_val_000000.bin holds fewer than 257 tokens, one batch needs that"):
+            tj.make_loaders(replace(cfg, **taken), 4, 0, 1, (0, 0), print)
 
 
 def test_a_model_path_that_is_no_file_says_what_it_is(tmp_path):

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 
 import llmc_reference
@@ -154,6 +155,12 @@ def test_training_run(name, trained, tiny_shards, tiny_model_file):
     assert start["framework"] == name and start["activation_bytes"] == recipe.activation_bytes(cfg) > 0
     assert start["state_bytes"] == mod.device_state_bytes(cfg, mod.param_shapes(cfg), 1)
     assert format_memory(cfg, start["state_bytes"], start["activation_bytes"], 1, recipe.optimizers) in stdout
+    weights = 4 * sum(math.prod(s) for s in mod.param_shapes(cfg).values())  # fp32: the masters are the params
+    assert f"per device: fp32 params {weights / 1e6:.1f} MB | grads " in stdout
+    assert f"out dir {out}: log.jsonl, checkpoints ckpt_*" in stdout.splitlines()
+    # the step lines hold what is measured: on the CPU no mfu or memory, which a start line says once
+    assert on_gpu or ("step lines without mfu (no peak FLOP/s known for cpu) and mem (no memory statistics)"
+                      in stdout.splitlines() and not any(s in stdout for s in ("n/a", "| mfu", "| mem")))
 
     assert_due_events(out, stdout, STEPS)
     swag = next(e for e in read_log(out) if "hellaswag_acc" in e)  # a share of the examples scored
@@ -334,9 +341,12 @@ def test_checkpoint_written_before_a_failing_evaluation(name, tiny_shards, tiny_
 
 @pytest.mark.parametrize("name", TRAINERS)
 def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread, monkeypatch):
-    """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary),
-    missing data (the default --data too: the error says how to get shards), a model file that
-    contradicts the flags or is cut short, a directory that is not a checkpoint, a damaged checkpoint
+    """Bad shards (wrong magic, truncated, a train or val shard with token ids past GPT-2's vocabulary, a
+    glob matching a folder, a FIFO or a broken symlink, each said as such), missing data (the default
+    --data too: the error says how to get shards), a model file that contradicts the flags or is cut
+    short, a transformers GPT-2 (either recipe: the line names convert_hf.py's from-hf), --eval-only
+    without weights (refused while parsing) or with nothing to evaluate (no val shards, HellaSwag off), a
+    directory that is not a checkpoint, a damaged checkpoint
     state.npz (text, cut, empty, a failing CRC, a member that does not inflate), bad flags (NaN, an empty
     path as an unset shell variable gives, --init-from or another --seed or --shuffle than the
     checkpoint's with --resume, a shuffled checkpoint's sample past its shard, --shuffle on synthetic
@@ -349,6 +359,12 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
     bad = write_bad_shards(tmp_path / "bad")
     (bad / "model.bin").write_bytes(tiny_model_file.read_bytes()[:-4])
     (bad / "cut.bin").write_bytes(tiny_model_file.read_bytes()[:5000])
+    (bad / "hf").mkdir()  # transformers' GPT-2 names (convert_hf.py's from-hf reads its folder)
+    safetensors.numpy.save_file({"h.0.attn.c_attn.weight": np.zeros((64, 192), np.float32)},
+                                bad / "hf" / "model.safetensors", metadata={"format": "pt"})
+    (bad / "folder_train_000001.bin").mkdir()  # --data globs matching what is no shard file
+    os.mkfifo(bad / "fifo_train_000001.bin")
+    (bad / "dangling_train_000001.bin").symlink_to(bad / "gone.bin")
     tokens = np.arange(5000) % V
     tokens[-1] = V  # the first id past the vocabulary, at the shard's end
     write_shard(bad / "vocab_train_000001.bin", tokens)
@@ -371,8 +387,8 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
         (["--data", str(bad / "short_*.bin")], "truncated"),
         (["--data", str(bad / "vocab_*.bin")], str(bad / "vocab_train_000001.bin"), "up to 50257",
          "vocabulary of 50257"),
-        (["--data", shards, "--val-data", str(bad / "wide_*.bin")], str(bad / "wide_val_000000.bin"),
-         "up to 65535"),
+        (["--data", shards, "--val-data", str(bad / "wide_*.bin"), "--val-every", "1"],
+         str(bad / "wide_val_000000.bin"), "up to 65535"),
         (["--data", shards, "--init-from", str(tiny_model_file), "--n-layer", "3"],
          "--n-layer 3 does not match"),
         (["--data", shards, "--init-from", str(bad / "model.bin")], "its header implies"),
@@ -381,6 +397,16 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
         (["--data", shards, "--dtype", "fp16"], "--dtype"),
         (["--data", shards, "--total-batch-size", "500"], "not a multiple"),
         (["--data", shards, "--eval-only"], "--eval-only needs"),
+        (["--data", "synthetic", "--eval-only", "--init-from", str(tiny_model_file)], "nothing to evaluate"),
+        (["--data", f"{shards}/*_train_*.bin", "--eval-only", "--init-from", str(tiny_model_file)],
+         "--eval-only with --hellaswag-every 0 and no val shards", "nothing to evaluate"),
+        (["--data", shards, "--init-from", str(bad / "hf" / "model.safetensors")], "a Hugging Face transformers",
+         f"python convert_hf.py from-hf {bad / 'hf'} -o model.bin"),
+        (["--data", shards, "--recipe", "speedrun", "--n-embd", "128", "--n-head", "1", "--init-from",
+          str(bad / "hf" / "model.safetensors")], "a Hugging Face transformers", "convert_hf.py from-hf"),
+        (["--data", str(bad / "folder_*.bin")], f"shard {bad / 'folder_train_000001.bin'} is a folder"),
+        (["--data", str(bad / "fifo_*.bin")], "fifo_train_000001.bin is not a regular file"),
+        (["--data", str(bad / "dangling_*.bin")], "dangling_train_000001.bin is a broken symlink"),
         ([], "--data data/fineweb_edu: no such directory", "python prepro_fineweb.py", "--data synthetic"),
         (["--data", str(tmp_path / "nothing")], "no such directory", "python prepro_fineweb.py"),
         (["--data", shards, "--val-data", str(tmp_path / "none_*.bin")], "--val-data"),
@@ -413,6 +439,8 @@ def test_bad_input(name, tmp_path, tiny_shards, tiny_model_file, env, one_thread
         assert str(e.value).startswith("error: ") and all(n in str(e.value) for n in needles), \
             (args, str(e.value))
     assert not out.exists()
+    with pytest.raises(SystemExit, match="--eval-only needs"):  # refused before any weights are made
+        mod.parse_args([*t.argv[1:], "--eval-only"])
     proc = run_script(*t.argv, "--data", bad / "magic_*.bin", "--model", "d12", *base, check=False,
                       env=env(name))
     assert_clean_error(proc, "magic")
