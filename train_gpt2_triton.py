@@ -2014,12 +2014,9 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
         if os.path.isfile(log):
             kept, cut = [], []
             with open(log, "rb") as f:
-                for line in f:
-                    try:
-                        later = json.loads(line).get("step", 0) > step
-                    except (ValueError, AttributeError, TypeError):
-                        later = False
-                    (cut if later else kept).append(line)
+                for line in f:  # a line that is no event stays in the live log
+                    at = (log_line_event(line) or {}).get("step")
+                    (cut if isinstance(at, int) and at > step else kept).append(line)
             for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
                 with open(path, "wb") as f:
                     f.writelines(lines)
@@ -2038,12 +2035,22 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
     return lock
 
 
+def log_line_event(line):
+    """The JSON object that a line of log.jsonl (bytes) holds, else None: cut short, damaged, not an object."""
+    with contextlib.suppress(ValueError):  # not JSON, or not UTF-8: None
+        event = json.loads(line)
+        return event if isinstance(event, dict) else None
+
+
 def drop_partial_log_line(out_dir):
-    """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
+    """Ends <out_dir>/log.jsonl with a whole line: a last event without its newline gets one, half of one is cut."""
     with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
         data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+        end = data.rfind(b"\n") + 1
+        if log_line_event(data[end:]) is not None:  # a last event whose newline an editor dropped: whole again
+            f.write(b"\n")
+        else:  # half a line that a kill while appending left, or nothing
+            f.truncate(end)
 
 
 def hellaswag_module():
@@ -2133,15 +2140,14 @@ def peak_flops(device_name, dtype):
 
 
 def logged_evals(out_dir, step):
-    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`."""
-    found = set()
-    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl")) as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash while it was written
-                continue
-            if event.get("step") == step:
+    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`; a damaged line stops."""
+    found, path = set(), os.path.join(out_dir, "log.jsonl")
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            event = log_line_event(line)
+            if event is None and line.endswith(b"\n"):  # not the half line a kill leaves last
+                die(f"{path} line {number} is no JSON object ({line[:60]!r}): mend or remove that line")
+            if event and event.get("step") == step:
                 found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
     return found
 

@@ -29,7 +29,9 @@ TIMING_KEYS = {"dt_ms", "tokens_per_s", "mfu", "peak_mem_gb"}  # the only keys t
 
 def test_logged_evals_reads_the_log(tmp_path):
     """logged_evals names the evaluations log.jsonl records at a step, whatever trainer wrote them; a
-    missing log records none, and a line cut short by a crash is no event."""
+    missing log records none, and a last line cut short by a crash is no event. A damaged line before the
+    last (not UTF-8, JSON that is no object, a line cut short) is one line naming the file and line number,
+    and the log is left as it was."""
     assert logged_evals(str(tmp_path), 3) == set()
     events = [{"step": 3, "train_loss": 5.0, "framework": "jax"},
               {"step": 3, "val_loss": 4.9, "framework": "torchfunc"},
@@ -39,17 +41,25 @@ def test_logged_evals_reads_the_log(tmp_path):
     assert logged_evals(str(tmp_path), 3) == {"val_loss"}
     assert logged_evals(str(tmp_path), 6) == {"hellaswag_acc"}
     assert logged_evals(str(tmp_path), 9) == set()
+    for bad in (b"\xff\xfe not UTF-8", b"[1]", b"3", b'{"step": 3, "val_lo'):  # damaged, or no object
+        damaged = "".join(lines[:2]).encode() + bad + b"\n" + lines[2].encode()
+        (tmp_path / "log.jsonl").write_bytes(damaged)
+        with pytest.raises(SystemExit) as e:
+            logged_evals(str(tmp_path), 3)
+        assert str(e.value).startswith(f"error: {tmp_path / 'log.jsonl'} line 3 is no JSON object (")
+        assert "\n" not in str(e.value) and (tmp_path / "log.jsonl").read_bytes() == damaged
 
 
 def test_drop_partial_log_line(tmp_path):
     """drop_partial_log_line cuts log.jsonl back to its last complete line (a kill while appending leaves
-    half a line, which the next event would be glued to); a complete log, an empty one or none is left as
-    it is."""
+    half a line, which the next event would be glued to); a last event whose newline was lost (an editor
+    saved it without) gets it back, JSON that is no object is no event; a complete log, an empty one or none
+    is left as it is."""
     drop_partial_log_line(str(tmp_path))
     assert not (tmp_path / "log.jsonl").exists()
     complete = '{"step": 1, "train_loss": 5.0}\n{"step": 1, "val_loss": 4.9}\n'
     for text, kept in ((complete + '{"step": 2, "tra', complete), (complete, complete), ("", ""),
-                       ('{"step": 1, "tra', "")):
+                       ('{"step": 1, "tra', ""), (complete[:-1], complete), (complete + "[2]", complete)):
         (tmp_path / "log.jsonl").write_text(text)
         drop_partial_log_line(str(tmp_path))
         assert (tmp_path / "log.jsonl").read_text() == kept
