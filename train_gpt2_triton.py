@@ -1854,12 +1854,17 @@ def rename_into_place(tmp, final):
 
 
 def latest_checkpoint(out_dir, needed=("state.npz",)):
-    """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
+    """The newest ckpt_<n> dir in out_dir that holds the files `needed` (newer ones skipped, said), None if none is."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
+    newest = found[-1:]
     while found and (missing := [f for f in needed if not os.path.isfile(os.path.join(found[-1], f))]):
         print(f"--resume auto: skipping {found[-1]}, which has no {missing[0]}")
         found.pop()
+    if newest and not found:  # pruned, or another trainer's: a run all the same, never one to replace
+        die(f"--resume auto: no checkpoint in {out_dir} holds {', '.join(needed)}, the newest ({newest[0]}) holds "
+            f"{', '.join(sorted(os.listdir(newest[0]))) or 'nothing'}: pruned, or another trainer's run? (--force "
+            "without --resume starts over, moving them aside)")
     return found[-1] if found else None
 
 
@@ -2140,7 +2145,7 @@ def peak_flops(device_name, dtype):
 
 
 def logged_evals(out_dir, step):
-    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`; a damaged line stops."""
+    """The evaluations ("val_loss", "hellaswag_acc") <out_dir>/log.jsonl records at `step`; a damaged line stops."""
     found, path = set(), os.path.join(out_dir, "log.jsonl")
     with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
         for number, line in enumerate(f, 1):

@@ -427,3 +427,33 @@ def test_resume_branches_never_splice_logs(tmp_path, capsys):
                                 "another run (ckpt_0000002, ckpt_0000003, log.jsonl), whose log.jsonl would then "
                                 "hold both: resume it into a new --out-dir")
     assert out_dir_state(out) == before
+
+
+def test_checkpoints_that_cannot_resume_are_no_absent_run(tmp_path, capsys):
+    """--resume auto where no checkpoint can resume, yet some are there (each pruned of its state.npz to save
+    space; the translator pointed at a GPT-2 out dir) says in one line what the newest holds and moves
+    nothing: only an out dir without checkpoints starts over. (latest_checkpoint is the same code in every
+    trainer.)"""
+    import train_aiayn_jax as aiayn
+    out = tmp_path / "run"
+    cfg = tj.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in tj.param_shapes(cfg).items()}
+    for step in (1, 2, 3):
+        save_checkpoint(str(out), step, zeros, zeros, zeros, (0, 0), cfg)
+    (out / "log.jsonl").write_text('{"step": 1, "train_loss": 5.0}\n')
+    before = out_dir_state(out)
+    with pytest.raises(SystemExit) as e:
+        aiayn.main(["--resume", "auto", "--out-dir", str(out)])
+    assert str(e.value) == (f"error: --resume auto: no checkpoint in {out} holds params.npz, state.npz, "
+                            f"tokenizer.bpe, the newest ({out / 'ckpt_0000003'}) holds model.bin, state.npz: "
+                            "pruned, or another trainer's run? (--force without --resume starts over, moving "
+                            "them aside)")
+    assert out_dir_state(out) == before
+    for step in (1, 2, 3):
+        os.remove(out / f"ckpt_{step:07d}" / "state.npz")
+    before = out_dir_state(out)
+    with pytest.raises(SystemExit) as e:
+        tj.main([*MICRO, "--steps", "4", "--out-dir", str(out), "--resume", "auto"])
+    assert str(e.value).startswith(f"error: --resume auto: no checkpoint in {out} holds state.npz, the newest "
+                                   f"({out / 'ckpt_0000003'}) holds model.bin: pruned")
+    assert out_dir_state(out) == before and "moved" not in capsys.readouterr().out
