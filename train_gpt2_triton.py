@@ -1709,8 +1709,11 @@ class ShuffledLoader:
         self.counts = [(n - 1) // (world * B * T) for n in shard_lengths(files, world * B * T)]
         self.set_state(0, 0)
 
-    def set_state(self, opened, sample):
-        """Puts every rank where rank 0's state() was `(opened, sample)`: each replays as many samples."""
+    def set_state(self, opened, sample, layout=None):
+        """Puts every rank where rank 0's state() was `(opened, sample, layout)`: each replays as many samples."""
+        if layout is not None and tuple(layout) != (self.B, self.T, self.world):  # the order is another's
+            die(f"--resume: the checkpoint's --shuffle order is that of --batch-size, --seq-len and devices (llm.c's "
+                f"ranks) {tuple(layout)}, not this run's {(self.B, self.T, self.world)}: resume with those")
         first, served = ShuffledOrder(self.counts, SHUFFLE_SEED), 0
         while first.opened < opened:  # a whole shard at a time
             served += self.counts[first.shard()]
@@ -1724,8 +1727,8 @@ class ShuffledLoader:
         self.tokens = {}  # the shards the ranks read now: file index -> tokens
 
     def state(self):
-        """The first rank's ShuffledOrder.state(): in process 0, llm.c rank 0's, which checkpoints keep."""
-        return self.orders[0].state()
+        """The first rank's ShuffledOrder.state() and the (B, T, W) of the order: process 0's, what checkpoints keep."""
+        return *self.orders[0].state(), (self.B, self.T, self.world)
 
     def next_batch(self):
         B, T, rows = self.B, self.T, []
@@ -1762,7 +1765,7 @@ def val_batches(cfg, loader):
 
 def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     """(micro-batches per step, train loader at `loader_state`, val loader) of rank `rank` of `ranks`, `rows` rows."""
-    T, (shard, position) = cfg.seq_len, loader_state
+    T, (shard, position, *layout) = cfg.seq_len, loader_state
     tokens = cfg.batch_size * T * (rows * ranks // cfg.batch_size)  # one micro-batch on every device
     if cfg.total_batch_size % tokens:
         die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
@@ -1773,7 +1776,7 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     elif cfg.shuffle:  # each device of this process is an llm.c rank of --batch-size rows
         per = rows // cfg.batch_size
         train = ShuffledLoader(train_files, cfg.batch_size, T, rank * per, per, ranks * per)
-        train.set_state(shard, position)
+        train.set_state(shard, position, *layout)
     else:
         train, n_shards = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed), len(train_files or [None])
         if shard >= n_shards:
@@ -1824,7 +1827,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
-    state.update(step=np.int64(step), shard=np.int64(loader_state[0]), position=np.int64(loader_state[1]),
+    # shard, position and with --shuffle the layout that the order depends on: a loader's state()
+    state.update(zip(("shard", "position", "shuffle_layout"), map(np.int64, loader_state)), step=np.int64(step),
                  seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
@@ -1908,8 +1912,10 @@ def load_checkpoint(path, cfg):
                 state[k] = int(z[k])
                 if not low <= state[k] < 2**63:
                     die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
-            # the run's --shuffle, from its config (a checkpoint written before the flag read in order)
+            # the run's --shuffle, from its config (a checkpoint written before the flag read in order); its order's
+            # (B, T, W), which the loader's set_state checks (None: written before they were kept)
             state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
+            state["layout"] = tuple(z["shuffle_layout"].ravel().tolist()) if "shuffle_layout" in z.files else None
     # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
     except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
             TokenError) as e:
@@ -2099,7 +2105,8 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
                 said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
                 die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
-            cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
+            cfg.seed, step = saved["seed"], saved["step"]
+            loader_state = saved["shard"], saved["position"], saved["layout"]
         elif cfg.init_from:
             header, params = read_weights(cfg.init_from, cfg)
             apply_model_header(cfg, header, explicit)
