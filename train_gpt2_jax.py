@@ -1663,7 +1663,7 @@ def read_weights(path, cfg):
     return recipe.read_file(path)
 
 
-def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, spent=0.0):
     """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
     final, recipe = os.path.join(out_dir, f"ckpt_{step:07d}"), RECIPES[cfg.recipe]
     tmp = final + ".tmp"
@@ -1673,7 +1673,7 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
     # shard, position and with --shuffle the layout that the order depends on: a loader's state()
     state.update(zip(("shard", "position", "shuffle_layout"), map(np.int64, loader_state)), step=np.int64(step),
-                 seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
+                 seed=np.int64(cfg.seed), time_spent=np.float64(spent), config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
         recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
@@ -1760,6 +1760,10 @@ def load_checkpoint(path, cfg):
             # (B, T, W), which the loader's set_state checks (None: written before they were kept)
             state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
             state["layout"] = tuple(z["shuffle_layout"].ravel().tolist()) if "shuffle_layout" in z.files else None
+            spent = z["time_spent"] if "time_spent" in z.files else np.float64(0)  # 0: written before it was kept
+            if spent.shape != () or spent.dtype.kind != "f" or not 0 <= spent < math.inf:
+                die(f"checkpoint {state_file}: time_spent is {spent.dtype} {spent}, not seconds in [0, inf)")
+            state["time_spent"] = float(spent)
     # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
     except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
             TokenError) as e:
@@ -1934,10 +1938,10 @@ def sample_encoder(say):
 
 
 def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
-    """(step, params, m, v, grad_accum, train, val, encoder, lock) of a run, checked before the out dir changes."""
+    """(step, time_spent, params, m, v, grad_accum, train, val, encoder, lock), checked before the out dir changes."""
     try:
         restart = resolve_resume(cfg, not cfg.eval_only)
-        recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
+        recipe, step, loader_state, spent = RECIPES[cfg.recipe], 0, (0, 0), 0.0
         if cfg.eval_only and not (cfg.resume or cfg.init_from):
             die("--eval-only needs weights: give --init-from or --resume")
         if cfg.resume:
@@ -1949,7 +1953,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
                 said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
                 die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
-            cfg.seed, step = saved["seed"], saved["step"]
+            cfg.seed, step, spent = saved["seed"], saved["step"], saved["time_spent"]
             loader_state = saved["shard"], saved["position"], saved["layout"]
         elif cfg.init_from:
             header, params = read_weights(cfg.init_from, cfg)
@@ -1971,7 +1975,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         raise
     if any_failed is not None and any_failed(False):
         die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
-    return step, params, m, v, grad_accum, train, val, encoder, lock
+    return step, spent, params, m, v, grad_accum, train, val, encoder, lock
 
 SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 PROFILE_STEPS = 3
@@ -2188,7 +2192,7 @@ def main(argv, signals):
     rows = cfg.batch_size * jax.local_device_count()
     any_failed = None if ranks == 1 else (  # True in every process when any passes True
         lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max()))
-    step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
+    step, spent, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
         cfg, explicit, rows, rank, ranks, master, say, any_failed)
 
     mesh = Mesh(np.array(devices), ("data",))
@@ -2245,6 +2249,9 @@ def main(argv, signals):
         if step >= cfg.steps:
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
+        if 0 < cfg.time_budget <= spent:  # the budget is the run's, as its steps are: earlier launches spent it
+            say(f"the run's steps took {spent:.1f} s of --time-budget {cfg.time_budget:g} s: nothing to train")
+            return
 
         t0 = time.perf_counter()
         compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies), grad_accum)
@@ -2271,10 +2278,11 @@ def main(argv, signals):
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
                 # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
                 times[step] = dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
+                spent += dt  # the run's step time, its earlier launches' too: what --time-budget counts
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # every process stops at the same step: process 0's clock decides, a signal to any stops all
-            budget_spent, signum = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget, signals.received
+            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
             if ranks > 1:
                 flags = multihost_utils.process_allgather(np.array([budget_spent, signum], np.int32))
                 budget_spent, signum = bool(flags[0, 0]), int(flags[:, 1].max())
@@ -2291,7 +2299,7 @@ def main(argv, signals):
             if due(cfg.ckpt_every, step, last):
                 whole = gather_state((params, m, v))
                 if master:
-                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg)
+                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg, spent)
                     say(f"saved {path}")
                 multihost_utils.sync_global_devices(f"checkpoint {step}")
             stop_on_signal(signum, step, cfg, master)  # --resume runs the step's evaluations log.jsonl lacks

@@ -1514,7 +1514,7 @@ def read_weights(path, cfg):
     return recipe.read_file(path)
 
 
-def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, spent=0.0):
     """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
     final, recipe = os.path.join(out_dir, f"ckpt_{step:07d}"), RECIPES[cfg.recipe]
     tmp = final + ".tmp"
@@ -1524,7 +1524,7 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
     # shard, position and with --shuffle the layout that the order depends on: a loader's state()
     state.update(zip(("shard", "position", "shuffle_layout"), map(np.int64, loader_state)), step=np.int64(step),
-                 seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
+                 seed=np.int64(cfg.seed), time_spent=np.float64(spent), config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
         recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
@@ -1611,6 +1611,10 @@ def load_checkpoint(path, cfg):
             # (B, T, W), which the loader's set_state checks (None: written before they were kept)
             state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
             state["layout"] = tuple(z["shuffle_layout"].ravel().tolist()) if "shuffle_layout" in z.files else None
+            spent = z["time_spent"] if "time_spent" in z.files else np.float64(0)  # 0: written before it was kept
+            if spent.shape != () or spent.dtype.kind != "f" or not 0 <= spent < math.inf:
+                die(f"checkpoint {state_file}: time_spent is {spent.dtype} {spent}, not seconds in [0, inf)")
+            state["time_spent"] = float(spent)
     # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
     except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
             TokenError) as e:
@@ -1785,10 +1789,10 @@ def sample_encoder(say):
 
 
 def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
-    """(step, params, m, v, grad_accum, train, val, encoder, lock) of a run, checked before the out dir changes."""
+    """(step, time_spent, params, m, v, grad_accum, train, val, encoder, lock), checked before the out dir changes."""
     try:
         restart = resolve_resume(cfg, not cfg.eval_only)
-        recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
+        recipe, step, loader_state, spent = RECIPES[cfg.recipe], 0, (0, 0), 0.0
         if cfg.eval_only and not (cfg.resume or cfg.init_from):
             die("--eval-only needs weights: give --init-from or --resume")
         if cfg.resume:
@@ -1800,7 +1804,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             if cfg.shuffle != saved["shuffle"] and not cfg.eval_only:
                 said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
                 die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
-            cfg.seed, step = saved["seed"], saved["step"]
+            cfg.seed, step, spent = saved["seed"], saved["step"], saved["time_spent"]
             loader_state = saved["shard"], saved["position"], saved["layout"]
         elif cfg.init_from:
             header, params = read_weights(cfg.init_from, cfg)
@@ -1822,7 +1826,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         raise
     if any_failed is not None and any_failed(False):
         die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
-    return step, params, m, v, grad_accum, train, val, encoder, lock
+    return step, spent, params, m, v, grad_accum, train, val, encoder, lock
 
 SAMPLE_COUNT, SAMPLE_TOKENS, TOP_K = 4, 63, 40  # EOT + 63 = 64 wide: a multiple of 64
 PROFILE_STEPS = 3
@@ -2267,7 +2271,7 @@ def evals_left_to_run(cfg, step, master, world):
     return missing
 
 
-def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say):
+def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say, spent):
     """Step's checkpoint where --ckpt-every (or the last step, `last`) asks: gathered by all, written by process 0."""
     if not due(cfg.ckpt_every, step, last):
         return
@@ -2286,7 +2290,7 @@ def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say
             full.append(flat_views(buffer, state["starts"], recipe.shapes(cfg), names))
     if master:
         full = [{k: t.detach().float().cpu().numpy() for k, t in tensors.items()} for tensors in full]
-        say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg)}")
+        say(f"saved {save_checkpoint(cfg.out_dir, step, *full, loader.state(), cfg, spent)}")
     if world > 1:
         dist.barrier()
 
@@ -2314,7 +2318,7 @@ def main(argv, signals):
     say = print if master else (lambda *args, **kwargs: None)
 
     # weights, optimizer state, data (each process reads B rows of a micro-batch) and the locked out dir
-    step, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
+    step, spent, params, m, v, grad_accum, train_loader, val_loader, encoder, lock = open_run(  # noqa: F841
         cfg, explicit, cfg.batch_size, rank, world, master, say, any_process_failed(world, device))
     state = make_state(params, m, v, cfg, device, rank, world)
     weights = state["weights"]  # what evaluation and sampling compute with
@@ -2360,6 +2364,9 @@ def main(argv, signals):
         if step >= cfg.steps:
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
+        if 0 < cfg.time_budget <= spent:  # the budget is the run's, as its steps are: earlier launches spent it
+            say(f"the run's steps took {spent:.1f} s of --time-budget {cfg.time_budget:g} s: nothing to train")
+            return
 
         # compiled on the first call, that is inside step 1: its time is reported as compile time
         grad_fn = compile_(grads_and_loss, fullgraph=True)
@@ -2381,10 +2388,11 @@ def main(argv, signals):
             loss, norm = train_step(state, x, y, scalars, cfg, grad_fn, update_fn, world)
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             times[step] = dt = time.perf_counter() - t0
+            spent += dt  # the run's step time, its earlier launches' too: what --time-budget counts
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # --time-budget and signals: all processes must stop at the same step
-            budget_spent, signum = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget, signals.received
+            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
             if world > 1:
                 budget_spent, signum = agree_to_stop(budget_spent, signum, rank, device)
             last = step if budget_spent or signum else cfg.steps
@@ -2395,7 +2403,7 @@ def main(argv, signals):
             report_step(step, cfg, loss, norm, recipe.lr_at(step - 1, cfg), dt, peak_memory_gb(device), flops,
                         FRAMEWORK, master, say)
             # the checkpoint before a signal's stop and the evaluations (--resume runs those log.jsonl lacks)
-            checkpoint_if_due(state, step, last, train_loader, cfg, recipe, world, master, say)
+            checkpoint_if_due(state, step, last, train_loader, cfg, recipe, world, master, say, spent)
             stop_on_signal(signum, step, cfg, master)
             run_evals(step, due(cfg.val_every, step, last), due(cfg.hellaswag_every, step, last))
             say_samples(lambda g: generate(weights, g, cfg), cfg, step, last, device, encoder and encoder.decode,

@@ -183,8 +183,9 @@ def test_a_signal_says_what_resume_can_do(capfd):
 
 def test_checkpoint_fields_are_checked(tmp_path, capsys):
     """A state.npz whose step, shard, position or seed is out of range (a negative step would train with
-    a negative learning rate) or not an integer scalar is refused with one line naming the field; --resume
-    auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
+    a negative learning rate) or not an integer scalar, or whose time_spent is not seconds (a float in
+    [0, inf)), is refused with one line naming the field; one written before time_spent was kept has spent
+    none; --resume auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
     mod = tj  # its Config and RECIPES; the checks are the shared plumbing's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
@@ -193,7 +194,8 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
         fields = dict(z)
     cases = {"step": np.int64(-4), "shard": np.int64(-1), "position": np.int64(-1), "seed": np.int64(-7)}
     cases = [(k, v, "out of range") for k, v in cases.items()]
-    cases += [("step", np.float64(3.0), "not an integer"), ("position", np.arange(2), "not an integer")]
+    cases += [("step", np.float64(3.0), "not an integer"), ("position", np.arange(2), "not an integer"),
+              ("time_spent", np.float64(np.nan), "not seconds in [0, inf)"), ("time_spent", np.int64(3), "int64 3")]
     for field, value, needle in cases:
         bad = tmp_path / f"{field}_{needle.split()[0]}" / "ckpt_0000003"
         bad.mkdir(parents=True)
@@ -203,6 +205,11 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
             load_checkpoint(str(bad), cfg)
         message = str(e.value)
         assert message.startswith(f"error: checkpoint {bad / 'state.npz'}: {field} ") and needle in message
+    old = tmp_path / "old" / "ckpt_0000003"  # written before time_spent was kept: no time spent
+    old.mkdir(parents=True)
+    (old / "model.bin").write_bytes((good / "model.bin").read_bytes())
+    np.savez(old / "state.npz", **{k: v for k, v in fields.items() if k != "time_spent"})
+    assert fields["time_spent"] == 0 and load_checkpoint(str(old), cfg)[4]["time_spent"] == 0
     (tmp_path / "good" / "ckpt_0000004").mkdir()
     assert latest_checkpoint(str(tmp_path / "good")) == str(good)
     said = capsys.readouterr().out.splitlines()
