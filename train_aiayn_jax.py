@@ -954,14 +954,13 @@ def latest_checkpoint(out_dir, needed=("state.npz",)):
     """The newest ckpt_<n> dir in out_dir that holds the files `needed` (newer ones skipped, said), None if none is."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
-    newest = found[-1:]
+    newest = found[-1] if found else None
     while found and (missing := [f for f in needed if not os.path.isfile(os.path.join(found[-1], f))]):
         print(f"--resume auto: skipping {found[-1]}, which has no {missing[0]}")
         found.pop()
     if newest and not found:  # pruned, or another trainer's: a run all the same, never one to replace
-        die(f"--resume auto: no checkpoint in {out_dir} holds {', '.join(needed)}, the newest ({newest[0]}) holds "
-            f"{', '.join(sorted(os.listdir(newest[0]))) or 'nothing'}: pruned, or another trainer's run? (--force "
-            "without --resume starts over, moving them aside)")
+        die(f"--resume auto: no checkpoint in {out_dir} holds {', '.join(needed)} (pruned? another trainer's?): its "
+            f"newest, {newest}, holds {', '.join(sorted(os.listdir(newest))) or 'nothing'}; --force alone starts over")
     return found[-1] if found else None
 
 

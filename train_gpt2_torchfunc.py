@@ -1522,7 +1522,6 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, spent=0.0):
     names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
-    # shard, position and with --shuffle the layout that the order depends on: a loader's state()
     state.update(zip(("shard", "position", "shuffle_layout"), map(np.int64, loader_state)), step=np.int64(step),
                  seed=np.int64(cfg.seed), time_spent=np.float64(spent), config=np.array(json.dumps(asdict(cfg))))
     try:
@@ -1556,14 +1555,13 @@ def latest_checkpoint(out_dir, needed=("state.npz",)):
     """The newest ckpt_<n> dir in out_dir that holds the files `needed` (newer ones skipped, said), None if none is."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
-    newest = found[-1:]
+    newest = found[-1] if found else None
     while found and (missing := [f for f in needed if not os.path.isfile(os.path.join(found[-1], f))]):
         print(f"--resume auto: skipping {found[-1]}, which has no {missing[0]}")
         found.pop()
     if newest and not found:  # pruned, or another trainer's: a run all the same, never one to replace
-        die(f"--resume auto: no checkpoint in {out_dir} holds {', '.join(needed)}, the newest ({newest[0]}) holds "
-            f"{', '.join(sorted(os.listdir(newest[0]))) or 'nothing'}: pruned, or another trainer's run? (--force "
-            "without --resume starts over, moving them aside)")
+        die(f"--resume auto: no checkpoint in {out_dir} holds {', '.join(needed)} (pruned? another trainer's?): its "
+            f"newest, {newest}, holds {', '.join(sorted(os.listdir(newest))) or 'nothing'}; --force alone starts over")
     return found[-1] if found else None
 
 
@@ -1607,8 +1605,7 @@ def load_checkpoint(path, cfg):
                 state[k] = int(z[k])
                 if not low <= state[k] < 2**63:
                     die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
-            # the run's --shuffle, from its config (a checkpoint written before the flag read in order); its order's
-            # (B, T, W), which the loader's set_state checks (None: written before they were kept)
+            # the run's --shuffle from its config (one written before the flag read in order), its order's (B, T, W)
             state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
             state["layout"] = tuple(z["shuffle_layout"].ravel().tolist()) if "shuffle_layout" in z.files else None
             spent = z["time_spent"] if "time_spent" in z.files else np.float64(0)  # 0: written before it was kept

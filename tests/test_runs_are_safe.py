@@ -452,15 +452,14 @@ def test_checkpoints_that_cannot_resume_are_no_absent_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         aiayn.main(["--resume", "auto", "--out-dir", str(out)])
     assert str(e.value) == (f"error: --resume auto: no checkpoint in {out} holds params.npz, state.npz, "
-                            f"tokenizer.bpe, the newest ({out / 'ckpt_0000003'}) holds model.bin, state.npz: "
-                            "pruned, or another trainer's run? (--force without --resume starts over, moving "
-                            "them aside)")
+                            f"tokenizer.bpe (pruned? another trainer's?): its newest, {out / 'ckpt_0000003'}, "
+                            "holds model.bin, state.npz; --force alone starts over")
     assert out_dir_state(out) == before
     for step in (1, 2, 3):
         os.remove(out / f"ckpt_{step:07d}" / "state.npz")
     before = out_dir_state(out)
     with pytest.raises(SystemExit) as e:
         tj.main([*MICRO, "--steps", "4", "--out-dir", str(out), "--resume", "auto"])
-    assert str(e.value).startswith(f"error: --resume auto: no checkpoint in {out} holds state.npz, the newest "
-                                   f"({out / 'ckpt_0000003'}) holds model.bin: pruned")
+    assert str(e.value).startswith(f"error: --resume auto: no checkpoint in {out} holds state.npz (pruned? "
+                                   f"another trainer's?): its newest, {out / 'ckpt_0000003'}, holds model.bin;")
     assert out_dir_state(out) == before and "moved" not in capsys.readouterr().out

@@ -231,8 +231,9 @@ def test_time_budget_stops_early_on_the_same_schedule(name, trained, tiny_shards
                                                       env):
     """--time-budget (here far below one step) stops the run after the step that reaches it, with that
     step's checkpoint and val loss as a last step's; the step is the 6-step run's own, digit for digit (the
-    lr schedule still spans --steps). The budget is the run's: resumed, it trains nothing. Without --dtype, the start line says which dtype the device's default
-    is: on a CPU fp32 (the same digits as the run's --dtype fp32)."""
+    lr schedule still spans --steps). The budget is the run's: resumed, it trains nothing. Without --dtype,
+    the start line says which dtype the device's default is: on a CPU fp32 (the same digits as the run's
+    --dtype fp32)."""
     out = tmp_path / "out"
     t = TRAINERS[name]
     flags = t.flags
