@@ -1863,6 +1863,8 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
                 "whose log.jsonl would then hold both: resume it into a new --out-dir")
     os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    if cfg.resume:  # the log it appends to, before anything moves (--force and a restart move it aside as it is)
+        check_log(out)
     # resumed, the checkpoints past its step and their log lines go to abandoned_<time> (unless it trains nothing)
     newer = [n for n in held_run() if n.startswith("ckpt_") and n[5:].isdigit() and int(n[5:]) > step]
     if cfg.resume and not cfg.eval_only and step < cfg.steps and newer:
@@ -1887,7 +1889,6 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
         print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
     elif moved:
         print(f"--force: the run in {out} moved to {aside}")
-    drop_partial_log_line(out)
     return lock
 
 
@@ -1898,15 +1899,18 @@ def log_line_event(line):
         return event if isinstance(event, dict) else None
 
 
-def drop_partial_log_line(out_dir):
-    """Ends <out_dir>/log.jsonl with a whole line: a last event without its newline gets one, half of one is cut."""
-    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if log_line_event(data[end:]) is not None:  # a last event whose newline an editor dropped: whole again
+def check_log(out_dir):
+    """Stops the run at a line of <out_dir>/log.jsonl that is no event, naming it; else makes its last line whole."""
+    path = os.path.join(out_dir, "log.jsonl")
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
+        *lines, last = f.read().split(b"\n")
+        for number, line in enumerate(lines, 1):
+            if line.strip() and log_line_event(line) is None:
+                die(f"{path} line {number} is no JSON object ({line[:60]!r}): mend or remove that line")
+        if log_line_event(last) is not None:  # a last event whose newline an editor dropped: whole again
             f.write(b"\n")
         else:  # half a line that a kill while appending left, or nothing
-            f.truncate(end)
+            f.truncate(f.tell() - len(last))
 
 
 def hellaswag_module():
@@ -1997,14 +2001,11 @@ def peak_flops(device_name, dtype):
 
 
 def logged_evals(out_dir, step):
-    """The evaluations ("val_loss", "hellaswag_acc") <out_dir>/log.jsonl records at `step`; a damaged line stops."""
-    found, path = set(), os.path.join(out_dir, "log.jsonl")
-    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            event = log_line_event(line)
-            if event is None and line.endswith(b"\n"):  # not the half line a kill leaves last
-                die(f"{path} line {number} is no JSON object ({line[:60]!r}): mend or remove that line")
-            if event and event.get("step") == step:
+    """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`."""
+    found = set()
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb") as f:
+        for event in filter(None, map(log_line_event, f)):  # check_log stopped a resume at a damaged line
+            if event.get("step") == step:
                 found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
     return found
 

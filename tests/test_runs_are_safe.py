@@ -107,7 +107,7 @@ def test_a_full_disk_during_a_log_append(tmp_path):
     """(log_event is the same code in all three trainers.) The log meeting a full disk (every file limited
     to 2 KB: the start event and about four step events) ends the run with one line naming log.jsonl and
     saying the disk is full; the lines before the failed append are whole events (the half line it left
-    is what drop_partial_log_line cuts off when the run resumes)."""
+    is what check_log cuts off when the run resumes)."""
     out = tmp_path / "run"
     args = [*SCRIPTS["triton"], *MICRO, "--ckpt-every", "0", "--steps", "20", "--out-dir", out]
     proc = run_script_on_a_full_disk(2048, *args, env=ENV)
@@ -463,3 +463,20 @@ def test_checkpoints_that_cannot_resume_are_no_absent_run(tmp_path, capsys):
     assert str(e.value).startswith(f"error: --resume auto: no checkpoint in {out} holds state.npz (pruned? "
                                    f"another trainer's?): its newest, {out / 'ckpt_0000003'}, holds model.bin;")
     assert out_dir_state(out) == before and "moved" not in capsys.readouterr().out
+
+
+def test_a_damaged_log_stops_a_resume_before_anything_moves(tmp_path):
+    """(check_log and prepare_out_dir are the same code in every trainer.) A resume over a log.jsonl with a
+    line that is no JSON object (here not UTF-8) stops in one line naming the file and the line, before it
+    moves a newer checkpoint aside or logs its start: the out dir stays as it was."""
+    out = tmp_path / "run"
+    argv = [*MICRO, "--ckpt-every", "1", "--out-dir", str(out)]
+    tj.main([*argv, "--steps", "2"])
+    lines = (out / "log.jsonl").read_bytes().splitlines(keepends=True)
+    (out / "log.jsonl").write_bytes(b"".join(lines[:2]) + b"\xff\xfe\n" + b"".join(lines[2:]))
+    before = out_dir_state(out)
+    with pytest.raises(SystemExit) as e:
+        tj.main([*argv, "--steps", "3", "--resume", str(out / "ckpt_0000001")])
+    assert str(e.value).startswith(f"error: {out / 'log.jsonl'} line 3 is no JSON object (b'\\xff\\xfe'")
+    del e  # its traceback holds the refused run's lock, released here as the run's process would as it ends
+    assert out_dir_state(out) == before
