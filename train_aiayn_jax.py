@@ -1113,7 +1113,7 @@ def check_log(out_dir):
         *lines, last = f.read().split(b"\n")
         for number, line in enumerate(lines, 1):
             if line.strip() and log_line_event(line) is None:
-                die(f"{path} line {number} is no JSON object ({line[:60]!r}): mend or remove that line")
+                die(f"{path} line {number}: not a JSON object ({line[:60]!r}); mend or remove that line")
         if log_line_event(last) is not None:  # a last event whose newline an editor dropped: whole again
             f.write(b"\n")
         else:  # half a line that a kill while appending left, or nothing

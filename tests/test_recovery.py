@@ -61,7 +61,7 @@ def test_check_log(tmp_path):
         (tmp_path / "log.jsonl").write_bytes(damaged)
         with pytest.raises(SystemExit) as e:
             check_log(str(tmp_path))
-        assert str(e.value).startswith(f"error: {tmp_path / 'log.jsonl'} line 4 is no JSON object (")
+        assert str(e.value).startswith(f"error: {tmp_path / 'log.jsonl'} line 4: not a JSON object (")
         assert "\n" not in str(e.value) and (tmp_path / "log.jsonl").read_bytes() == damaged
 
 

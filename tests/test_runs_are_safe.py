@@ -477,6 +477,6 @@ def test_a_damaged_log_stops_a_resume_before_anything_moves(tmp_path):
     before = out_dir_state(out)
     with pytest.raises(SystemExit) as e:
         tj.main([*argv, "--steps", "3", "--resume", str(out / "ckpt_0000001")])
-    assert str(e.value).startswith(f"error: {out / 'log.jsonl'} line 3 is no JSON object (b'\\xff\\xfe'")
+    assert str(e.value).startswith(f"error: {out / 'log.jsonl'} line 3: not a JSON object (b'\\xff\\xfe'")
     del e  # its traceback holds the refused run's lock, released here as the run's process would as it ends
     assert out_dir_state(out) == before
