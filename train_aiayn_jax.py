@@ -951,12 +951,16 @@ def rename_into_place(tmp, final):
 
 
 def latest_checkpoint(out_dir, needed=("state.npz",)):
-    """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
+    """The newest ckpt_<n> dir in out_dir that holds the files `needed` (newer ones skipped, said), None if none is."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
+    newest = found[-1] if found else None
     while found and (missing := [f for f in needed if not os.path.isfile(os.path.join(found[-1], f))]):
         print(f"--resume auto: skipping {found[-1]}, which has no {missing[0]}")
         found.pop()
+    if newest and not found:  # pruned, or another trainer's: a run all the same, never one to replace
+        die(f"--resume auto: no checkpoint in {out_dir} holds {', '.join(needed)} (pruned? another trainer's?): its "
+            f"newest, {newest}, holds {', '.join(sorted(os.listdir(newest))) or 'nothing'}; --force alone starts over")
     return found[-1] if found else None
 
 
@@ -1066,6 +1070,8 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
                 "whose log.jsonl would then hold both: resume it into a new --out-dir")
     os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    if cfg.resume:  # the log it appends to, before anything moves (--force and a restart move it aside as it is)
+        check_log(out)
     # resumed, the checkpoints past its step and their log lines go to abandoned_<time> (unless it trains nothing)
     newer = [n for n in held_run() if n.startswith("ckpt_") and n[5:].isdigit() and int(n[5:]) > step]
     if cfg.resume and not cfg.eval_only and step < cfg.steps and newer:
@@ -1073,12 +1079,9 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
         if os.path.isfile(log):
             kept, cut = [], []
             with open(log, "rb") as f:
-                for line in f:
-                    try:
-                        later = json.loads(line).get("step", 0) > step
-                    except (ValueError, AttributeError, TypeError):
-                        later = False
-                    (cut if later else kept).append(line)
+                for line in f:  # a line that is no event stays in the live log
+                    at = (log_line_event(line) or {}).get("step")
+                    (cut if isinstance(at, int) and at > step else kept).append(line)
             for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
                 with open(path, "wb") as f:
                     f.writelines(lines)
@@ -1093,16 +1096,28 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
         print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
     elif moved:
         print(f"--force: the run in {out} moved to {aside}")
-    drop_partial_log_line(out)
     return lock
 
 
-def drop_partial_log_line(out_dir):
-    """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
-    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+def log_line_event(line):
+    """The JSON object that a line of log.jsonl (bytes) holds, else None: cut short, damaged, not an object."""
+    with contextlib.suppress(ValueError):  # not JSON, or not UTF-8: None
+        event = json.loads(line)
+        return event if isinstance(event, dict) else None
+
+
+def check_log(out_dir):
+    """Stops the run at a line of <out_dir>/log.jsonl that is no event, naming it; else makes its last line whole."""
+    path = os.path.join(out_dir, "log.jsonl")
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
+        *lines, last = f.read().split(b"\n")
+        for number, line in enumerate(lines, 1):
+            if line.strip() and log_line_event(line) is None:
+                die(f"{path} line {number}: not a JSON object ({line[:60]!r}); mend or remove that line")
+        if log_line_event(last) is not None:  # a last event whose newline an editor dropped: whole again
+            f.write(b"\n")
+        else:  # half a line that a kill while appending left, or nothing
+            f.truncate(f.tell() - len(last))
 
 
 def due(every, step, steps):

@@ -1574,8 +1574,11 @@ class ShuffledLoader:
         self.counts = [(n - 1) // (world * B * T) for n in shard_lengths(files, world * B * T)]
         self.set_state(0, 0)
 
-    def set_state(self, opened, sample):
-        """Puts every rank where rank 0's state() was `(opened, sample)`: each replays as many samples."""
+    def set_state(self, opened, sample, layout=None):
+        """Puts every rank where rank 0's state() was `(opened, sample, layout)`: each replays as many samples."""
+        if layout is not None and tuple(layout) != (self.B, self.T, self.world):  # the order is another's
+            die(f"--resume: the checkpoint's --shuffle order is that of --batch-size, --seq-len and devices (llm.c's "
+                f"ranks) {tuple(layout)}, not this run's {(self.B, self.T, self.world)}: resume with those")
         first, served = ShuffledOrder(self.counts, SHUFFLE_SEED), 0
         while first.opened < opened:  # a whole shard at a time
             served += self.counts[first.shard()]
@@ -1589,8 +1592,8 @@ class ShuffledLoader:
         self.tokens = {}  # the shards the ranks read now: file index -> tokens
 
     def state(self):
-        """The first rank's ShuffledOrder.state(): in process 0, llm.c rank 0's, which checkpoints keep."""
-        return self.orders[0].state()
+        """The first rank's ShuffledOrder.state() and the (B, T, W) of the order: process 0's, what checkpoints keep."""
+        return *self.orders[0].state(), (self.B, self.T, self.world)
 
     def next_batch(self):
         B, T, rows = self.B, self.T, []
@@ -1627,7 +1630,7 @@ def val_batches(cfg, loader):
 
 def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     """(micro-batches per step, train loader at `loader_state`, val loader) of rank `rank` of `ranks`, `rows` rows."""
-    T, (shard, position) = cfg.seq_len, loader_state
+    T, (shard, position, *layout) = cfg.seq_len, loader_state
     tokens = cfg.batch_size * T * (rows * ranks // cfg.batch_size)  # one micro-batch on every device
     if cfg.total_batch_size % tokens:
         die(f"--total-batch-size {cfg.total_batch_size} is not a multiple of --batch-size x --seq-len "
@@ -1638,7 +1641,7 @@ def make_loaders(cfg, rows, rank, ranks, loader_state, say):
     elif cfg.shuffle:  # each device of this process is an llm.c rank of --batch-size rows
         per = rows // cfg.batch_size
         train = ShuffledLoader(train_files, cfg.batch_size, T, rank * per, per, ranks * per)
-        train.set_state(shard, position)
+        train.set_state(shard, position, *layout)
     else:
         train, n_shards = DataLoader(train_files, rows, T, rank, ranks, seed=cfg.seed), len(train_files or [None])
         if shard >= n_shards:
@@ -1688,7 +1691,7 @@ def read_weights(path, cfg):
     return recipe.read_file(path)
 
 
-def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
+def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg, spent=0.0):
     """<out_dir>/ckpt_<step>/{the recipe's model file, state.npz}, written to a temporary name, then renamed."""
     final, recipe = os.path.join(out_dir, f"ckpt_{step:07d}"), RECIPES[cfg.recipe]
     tmp = final + ".tmp"
@@ -1696,8 +1699,8 @@ def save_checkpoint(out_dir, step, params, m, v, loader_state, cfg):
     names = list(recipe.shapes(cfg))  # m: every tensor's first moment (AdamW's, Muon's momentum), v: AdamW's second
     state = {f"m.{k}": np.asarray(m[k], np.float32) for k in names}
     state.update({f"v.{k}": np.asarray(v[k], np.float32) for k in names if k in v})
-    state.update(step=np.int64(step), shard=np.int64(loader_state[0]), position=np.int64(loader_state[1]),
-                 seed=np.int64(cfg.seed), config=np.array(json.dumps(asdict(cfg))))
+    state.update(zip(("shard", "position", "shuffle_layout"), map(np.int64, loader_state)), step=np.int64(step),
+                 seed=np.int64(cfg.seed), time_spent=np.float64(spent), config=np.array(json.dumps(asdict(cfg))))
     try:
         os.makedirs(tmp)
         recipe.write_file(os.path.join(tmp, recipe.model_file), params, cfg)
@@ -1726,12 +1729,16 @@ def rename_into_place(tmp, final):
 
 
 def latest_checkpoint(out_dir, needed=("state.npz",)):
-    """The newest checkpoint dir in out_dir holding the files `needed`, or None; a newer one is skipped with a line."""
+    """The newest ckpt_<n> dir in out_dir that holds the files `needed` (newer ones skipped, said), None if none is."""
     found = sorted(d for d in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*"))
                    if os.path.basename(d)[5:].isdigit())
+    newest = found[-1] if found else None
     while found and (missing := [f for f in needed if not os.path.isfile(os.path.join(found[-1], f))]):
         print(f"--resume auto: skipping {found[-1]}, which has no {missing[0]}")
         found.pop()
+    if newest and not found:  # pruned, or another trainer's: a run all the same, never one to replace
+        die(f"--resume auto: no checkpoint in {out_dir} holds {', '.join(needed)} (pruned? another trainer's?): its "
+            f"newest, {newest}, holds {', '.join(sorted(os.listdir(newest))) or 'nothing'}; --force alone starts over")
     return found[-1] if found else None
 
 
@@ -1775,8 +1782,13 @@ def load_checkpoint(path, cfg):
                 state[k] = int(z[k])
                 if not low <= state[k] < 2**63:
                     die(f"checkpoint {state_file}: {k} is {state[k]}, out of range (must be in [{low}, 2**63))")
-            # the run's --shuffle, from its config (a checkpoint written before the flag read in order)
+            # the run's --shuffle from its config (one written before the flag read in order), its order's (B, T, W)
             state["shuffle"] = "config" in z.files and bool(json.loads(str(z["config"])).get("shuffle"))
+            state["layout"] = tuple(z["shuffle_layout"].ravel().tolist()) if "shuffle_layout" in z.files else None
+            spent = z["time_spent"] if "time_spent" in z.files else np.float64(0)  # 0: written before it was kept
+            if spent.shape != () or spent.dtype.kind != "f" or not 0 <= spent < math.inf:
+                die(f"checkpoint {state_file}: time_spent is {spent.dtype} {spent}, not seconds in [0, inf)")
+            state["time_spent"] = float(spent)
     # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
     except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
             TokenError) as e:
@@ -1879,6 +1891,8 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
                 "whose log.jsonl would then hold both: resume it into a new --out-dir")
     os.makedirs(out, exist_ok=True)
     lock = RunLock(out)  # before anything moves: a live run's files stay where it writes them
+    if cfg.resume:  # the log it appends to, before anything moves (--force and a restart move it aside as it is)
+        check_log(out)
     # resumed, the checkpoints past its step and their log lines go to abandoned_<time> (unless it trains nothing)
     newer = [n for n in held_run() if n.startswith("ckpt_") and n[5:].isdigit() and int(n[5:]) > step]
     if cfg.resume and not cfg.eval_only and step < cfg.steps and newer:
@@ -1886,12 +1900,9 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
         if os.path.isfile(log):
             kept, cut = [], []
             with open(log, "rb") as f:
-                for line in f:
-                    try:
-                        later = json.loads(line).get("step", 0) > step
-                    except (ValueError, AttributeError, TypeError):
-                        later = False
-                    (cut if later else kept).append(line)
+                for line in f:  # a line that is no event stays in the live log
+                    at = (log_line_event(line) or {}).get("step")
+                    (cut if isinstance(at, int) and at > step else kept).append(line)
             for path, lines in ((os.path.join(aside, "log.jsonl"), cut), (log + ".tmp", kept)):
                 with open(path, "wb") as f:
                     f.writelines(lines)
@@ -1906,16 +1917,28 @@ def prepare_out_dir(cfg, master, step, restart=False, extras=("profile",)):
         print(f"--resume auto: no checkpoint in {out}, starting at step 0{moved_to}")
     elif moved:
         print(f"--force: the run in {out} moved to {aside}")
-    drop_partial_log_line(out)
     return lock
 
 
-def drop_partial_log_line(out_dir):
-    """Cuts <out_dir>/log.jsonl back to its last complete line (a kill while appending leaves half of one)."""
-    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+def log_line_event(line):
+    """The JSON object that a line of log.jsonl (bytes) holds, else None: cut short, damaged, not an object."""
+    with contextlib.suppress(ValueError):  # not JSON, or not UTF-8: None
+        event = json.loads(line)
+        return event if isinstance(event, dict) else None
+
+
+def check_log(out_dir):
+    """Stops the run at a line of <out_dir>/log.jsonl that is no event, naming it; else makes its last line whole."""
+    path = os.path.join(out_dir, "log.jsonl")
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
+        *lines, last = f.read().split(b"\n")
+        for number, line in enumerate(lines, 1):
+            if line.strip() and log_line_event(line) is None:
+                die(f"{path} line {number}: not a JSON object ({line[:60]!r}); mend or remove that line")
+        if log_line_event(last) is not None:  # a last event whose newline an editor dropped: whole again
+            f.write(b"\n")
+        else:  # half a line that a kill while appending left, or nothing
+            f.truncate(f.tell() - len(last))
 
 
 def hellaswag_module():
@@ -1948,11 +1971,11 @@ def sample_encoder(cfg, say):
 
 
 def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
-    """(step, params, m, v, grad_accum, train, val, sampler, lock) of a run, checked before the out dir changes."""
+    """(step, time_spent, params, m, v, grad_accum, train, val, sampler, lock), checked before the out dir changes."""
     try:
         trains = not (cfg.eval_only or cfg.sample_only)
         restart = resolve_resume(cfg, trains)
-        recipe, step, loader_state = RECIPES[cfg.recipe], 0, (0, 0)
+        recipe, step, loader_state, spent = RECIPES[cfg.recipe], 0, (0, 0), 0.0
         if cfg.resume:
             header, params, m, v, saved = load_checkpoint(cfg.resume, cfg)
             apply_model_header(cfg, header, explicit)
@@ -1962,7 +1985,8 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             if cfg.shuffle != saved["shuffle"] and trains:
                 said = "shuffled (--shuffle): give --shuffle" if saved["shuffle"] else "in order: leave --shuffle out"
                 die(f"--resume {cfg.resume}: the checkpoint's run read its train shards {said}")
-            cfg.seed, step, loader_state = saved["seed"], saved["step"], (saved["shard"], saved["position"])
+            cfg.seed, step, spent = saved["seed"], saved["step"], saved["time_spent"]
+            loader_state = saved["shard"], saved["position"], saved["layout"]
         elif cfg.init_from:
             header, params = read_weights(cfg.init_from, cfg)
             apply_model_header(cfg, header, explicit)
@@ -1970,7 +1994,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
             params = recipe.init(cfg)
         sampler = (cfg.sample_only or cfg.sample_every > 0 and trains) and sample_encoder(cfg, say)
         if cfg.sample_only:  # the weights and the prompt alone: no optimizer state, data or out dir
-            return step, params, None, None, 0, None, None, sampler, None
+            return step, spent, params, None, None, 0, None, None, sampler, None
         if not cfg.resume:  # v: AdamW's second moments, of every tensor but Muon's matrices
             muon = recipe.muon_names(recipe.shapes(cfg))
             m = {k: np.zeros_like(p) for k, p in params.items()}
@@ -1986,7 +2010,7 @@ def open_run(cfg, explicit, rows, rank, ranks, master, say, any_failed=None):
         raise
     if any_failed is not None and any_failed(False):
         die(f"process {rank} of {ranks} stops: another process of the run refused to start (process 0's line says why)")
-    return step, params, m, v, grad_accum, train, val, sampler, lock
+    return step, spent, params, m, v, grad_accum, train, val, sampler, lock
 
 SAMPLE_COUNT = 4
 PROFILE_STEPS = 3
@@ -2013,12 +2037,8 @@ def peak_flops(device_name, dtype):
 def logged_evals(out_dir, step):
     """The evaluations ("val_loss", "hellaswag_acc") that <out_dir>/log.jsonl records at `step`."""
     found = set()
-    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl")) as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash while it was written
-                continue
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, "log.jsonl"), "rb") as f:
+        for event in filter(None, map(log_line_event, f)):  # check_log stopped a resume at a damaged line
             if event.get("step") == step:
                 found.update(k for k in ("val_loss", "hellaswag_acc") if k in event)
     return found
@@ -2204,7 +2224,7 @@ def main(argv, signals):
     rows = cfg.batch_size * jax.local_device_count()
     any_failed = None if ranks == 1 else (  # True in every process when any passes True
         lambda failed: bool(multihost_utils.process_allgather(np.array(int(failed), np.int32)).max()))
-    step, params, m, v, grad_accum, train_loader, val_loader, sampler, lock = open_run(  # noqa: F841
+    step, spent, params, m, v, grad_accum, train_loader, val_loader, sampler, lock = open_run(  # noqa: F841
         cfg, explicit, rows, rank, ranks, master, say, any_failed)
     generate_jit = jax.jit(partial(generate, cfg=cfg))
     if cfg.sample_only:  # the weights as read: no optimizer state on the devices
@@ -2264,6 +2284,9 @@ def main(argv, signals):
         if step >= cfg.steps:
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
+        if 0 < cfg.time_budget <= spent:  # the budget is the run's, as its steps are: earlier launches spent it
+            say(f"the run's steps took {spent:.1f} s of --time-budget {cfg.time_budget:g} s: nothing to train")
+            return
 
         t0 = time.perf_counter()
         compiled = compile_train_step(cfg, layout, step_batch, replicated, (params, m, v, copies), grad_accum)
@@ -2293,10 +2316,11 @@ def main(argv, signals):
                 loss, norm = float(loss), float(norm)  # waits for the device: dt spans the whole step
                 # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
                 times[step] = dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
+                spent += dt  # the run's step time, its earlier launches' too: what --time-budget counts
             if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
                 stop_diverged(step, loss, norm, cfg)
             # every process stops at the same step: process 0's clock decides, a signal to any stops all
-            budget_spent, signum = bool(cfg.time_budget) and sum(times.values()) >= cfg.time_budget, signals.received
+            budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
             if ranks > 1:
                 flags = multihost_utils.process_allgather(np.array([budget_spent, signum], np.int32))
                 budget_spent, signum = bool(flags[0, 0]), int(flags[:, 1].max())
@@ -2313,7 +2337,7 @@ def main(argv, signals):
             if due(cfg.ckpt_every, step, last):
                 whole = gather_state((params, m, v))
                 if master:
-                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg)
+                    path = save_checkpoint(cfg.out_dir, step, *whole, train_loader.state(), cfg, spent)
                     say(f"saved {path}")
                 multihost_utils.sync_global_devices(f"checkpoint {step}")
             stop_on_signal(signum, step, cfg, master)  # --resume runs the step's evaluations log.jsonl lacks

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, read_log, run_script
-from train_gpt2_jax import drop_partial_log_line, load_checkpoint, save_checkpoint
+from train_gpt2_jax import check_log, load_checkpoint, save_checkpoint
 from train_gpt2_jax import logged_evals
 
 MODULES = ["train_gpt2_jax", "train_gpt2_torchfunc", "train_gpt2_triton"]
@@ -29,30 +29,40 @@ TIMING_KEYS = {"dt_ms", "tokens_per_s", "mfu", "peak_mem_gb"}  # the only keys t
 
 def test_logged_evals_reads_the_log(tmp_path):
     """logged_evals names the evaluations log.jsonl records at a step, whatever trainer wrote them; a
-    missing log records none, and a line cut short by a crash is no event."""
+    missing log records none, and a line cut short by a crash, one not UTF-8 or JSON that is no object is no
+    event (a resume's check_log has stopped at such a line before)."""
     assert logged_evals(str(tmp_path), 3) == set()
     events = [{"step": 3, "train_loss": 5.0, "framework": "jax"},
               {"step": 3, "val_loss": 4.9, "framework": "torchfunc"},
               {"step": 6, "hellaswag_acc": 0.3, "hellaswag_acc_norm": 0.2, "framework": "jax"}]
     lines = [json.dumps(e) + "\n" for e in events]
-    (tmp_path / "log.jsonl").write_text("".join(lines) + '{"step": 9, "val_lo')
+    (tmp_path / "log.jsonl").write_bytes(("".join(lines) + '[3]\n3\n').encode() + b'\xff\n{"step": 9, "val_lo')
     assert logged_evals(str(tmp_path), 3) == {"val_loss"}
     assert logged_evals(str(tmp_path), 6) == {"hellaswag_acc"}
     assert logged_evals(str(tmp_path), 9) == set()
 
 
-def test_drop_partial_log_line(tmp_path):
-    """drop_partial_log_line cuts log.jsonl back to its last complete line (a kill while appending leaves
-    half a line, which the next event would be glued to); a complete log, an empty one or none is left as
-    it is."""
-    drop_partial_log_line(str(tmp_path))
+def test_check_log(tmp_path):
+    """check_log, as a resume starts, cuts log.jsonl back to its last complete line (a kill while appending
+    leaves half a line, which the next event would be glued to); a last event whose newline was lost (an
+    editor saved it without) gets it back; a complete log, an empty one or none is left as it is. A damaged
+    line before the last (not UTF-8, JSON that is no object, a line cut short) is one line naming the file
+    and line number, the log left as it was; a blank line is no damage."""
+    check_log(str(tmp_path))
     assert not (tmp_path / "log.jsonl").exists()
-    complete = '{"step": 1, "train_loss": 5.0}\n{"step": 1, "val_loss": 4.9}\n'
+    complete = '{"step": 1, "train_loss": 5.0}\n\n{"step": 1, "val_loss": 4.9}\n'
     for text, kept in ((complete + '{"step": 2, "tra', complete), (complete, complete), ("", ""),
-                       ('{"step": 1, "tra', "")):
+                       ('{"step": 1, "tra', ""), (complete[:-1], complete), (complete + "[2]", complete)):
         (tmp_path / "log.jsonl").write_text(text)
-        drop_partial_log_line(str(tmp_path))
+        check_log(str(tmp_path))
         assert (tmp_path / "log.jsonl").read_text() == kept
+    for bad in (b"\xff\xfe not UTF-8", b"[1]", b"3", b'{"step": 3, "val_lo'):
+        damaged = complete.encode() + bad + b"\n" + complete.encode()
+        (tmp_path / "log.jsonl").write_bytes(damaged)
+        with pytest.raises(SystemExit) as e:
+            check_log(str(tmp_path))
+        assert str(e.value).startswith(f"error: {tmp_path / 'log.jsonl'} line 4: not a JSON object (")
+        assert "\n" not in str(e.value) and (tmp_path / "log.jsonl").read_bytes() == damaged
 
 
 def logged_at(out, step, key):

@@ -109,7 +109,7 @@ def test_a_full_disk_during_a_log_append(tmp_path):
     """(log_event is the same code in all three trainers.) The log meeting a full disk (every file limited
     to 2 KB: the start event and about four step events) ends the run with one line naming log.jsonl and
     saying the disk is full; the lines before the failed append are whole events (the half line it left
-    is what drop_partial_log_line cuts off when the run resumes)."""
+    is what check_log cuts off when the run resumes)."""
     out = tmp_path / "run"
     args = [*SCRIPTS["triton"], *MICRO, "--ckpt-every", "0", "--steps", "20", "--out-dir", out]
     proc = run_script_on_a_full_disk(2048, *args, env=ENV)
@@ -185,8 +185,9 @@ def test_a_signal_says_what_resume_can_do(capfd):
 
 def test_checkpoint_fields_are_checked(tmp_path, capsys):
     """A state.npz whose step, shard, position or seed is out of range (a negative step would train with
-    a negative learning rate) or not an integer scalar is refused with one line naming the field; --resume
-    auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
+    a negative learning rate) or not an integer scalar, or whose time_spent is not seconds (a float in
+    [0, inf)), is refused with one line naming the field; one written before time_spent was kept has spent
+    none; --resume auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
     mod = tj  # its Config and RECIPES; the checks are the shared plumbing's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
@@ -195,7 +196,8 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
         fields = dict(z)
     cases = {"step": np.int64(-4), "shard": np.int64(-1), "position": np.int64(-1), "seed": np.int64(-7)}
     cases = [(k, v, "out of range") for k, v in cases.items()]
-    cases += [("step", np.float64(3.0), "not an integer"), ("position", np.arange(2), "not an integer")]
+    cases += [("step", np.float64(3.0), "not an integer"), ("position", np.arange(2), "not an integer"),
+              ("time_spent", np.float64(np.nan), "not seconds in [0, inf)"), ("time_spent", np.int64(3), "int64 3")]
     for field, value, needle in cases:
         bad = tmp_path / f"{field}_{needle.split()[0]}" / "ckpt_0000003"
         bad.mkdir(parents=True)
@@ -205,6 +207,11 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
             load_checkpoint(str(bad), cfg)
         message = str(e.value)
         assert message.startswith(f"error: checkpoint {bad / 'state.npz'}: {field} ") and needle in message
+    old = tmp_path / "old" / "ckpt_0000003"  # written before time_spent was kept: no time spent
+    old.mkdir(parents=True)
+    (old / "model.bin").write_bytes((good / "model.bin").read_bytes())
+    np.savez(old / "state.npz", **{k: v for k, v in fields.items() if k != "time_spent"})
+    assert fields["time_spent"] == 0 and load_checkpoint(str(old), cfg)[4]["time_spent"] == 0
     (tmp_path / "good" / "ckpt_0000004").mkdir()
     assert latest_checkpoint(str(tmp_path / "good")) == str(good)
     said = capsys.readouterr().out.splitlines()
@@ -444,4 +451,50 @@ def test_resume_branches_never_splice_logs(tmp_path, capsys):
         assert str(e.value) == (f"error: --resume {ckpt}: a checkpoint of {whose}, and --out-dir {out} holds "
                                 "another run (ckpt_0000002, ckpt_0000003, log.jsonl), whose log.jsonl would then "
                                 "hold both: resume it into a new --out-dir")
+    assert out_dir_state(out) == before
+
+
+def test_checkpoints_that_cannot_resume_are_no_absent_run(tmp_path, capsys):
+    """--resume auto where no checkpoint can resume, yet some are there (each pruned of its state.npz to save
+    space; the translator pointed at a GPT-2 out dir) says in one line what the newest holds and moves
+    nothing: only an out dir without checkpoints starts over. (latest_checkpoint is the same code in every
+    trainer.)"""
+    import train_aiayn_jax as aiayn
+    out = tmp_path / "run"
+    cfg = tj.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
+    zeros = {k: np.zeros(shape, np.float32) for k, shape in tj.param_shapes(cfg).items()}
+    for step in (1, 2, 3):
+        save_checkpoint(str(out), step, zeros, zeros, zeros, (0, 0), cfg)
+    (out / "log.jsonl").write_text('{"step": 1, "train_loss": 5.0}\n')
+    before = out_dir_state(out)
+    with pytest.raises(SystemExit) as e:
+        aiayn.main(["--resume", "auto", "--out-dir", str(out)])
+    assert str(e.value) == (f"error: --resume auto: no checkpoint in {out} holds params.npz, state.npz, "
+                            f"tokenizer.bpe (pruned? another trainer's?): its newest, {out / 'ckpt_0000003'}, "
+                            "holds model.bin, state.npz; --force alone starts over")
+    assert out_dir_state(out) == before
+    for step in (1, 2, 3):
+        os.remove(out / f"ckpt_{step:07d}" / "state.npz")
+    before = out_dir_state(out)
+    with pytest.raises(SystemExit) as e:
+        tj.main([*MICRO, "--steps", "4", "--out-dir", str(out), "--resume", "auto"])
+    assert str(e.value).startswith(f"error: --resume auto: no checkpoint in {out} holds state.npz (pruned? "
+                                   f"another trainer's?): its newest, {out / 'ckpt_0000003'}, holds model.bin;")
+    assert out_dir_state(out) == before and "moved" not in capsys.readouterr().out
+
+
+def test_a_damaged_log_stops_a_resume_before_anything_moves(tmp_path):
+    """(check_log and prepare_out_dir are the same code in every trainer.) A resume over a log.jsonl with a
+    line that is no JSON object (here not UTF-8) stops in one line naming the file and the line, before it
+    moves a newer checkpoint aside or logs its start: the out dir stays as it was."""
+    out = tmp_path / "run"
+    argv = [*MICRO, "--ckpt-every", "1", "--out-dir", str(out)]
+    tj.main([*argv, "--steps", "2"])
+    lines = (out / "log.jsonl").read_bytes().splitlines(keepends=True)
+    (out / "log.jsonl").write_bytes(b"".join(lines[:2]) + b"\xff\xfe\n" + b"".join(lines[2:]))
+    before = out_dir_state(out)
+    with pytest.raises(SystemExit) as e:
+        tj.main([*argv, "--steps", "3", "--resume", str(out / "ckpt_0000001")])
+    assert str(e.value).startswith(f"error: {out / 'log.jsonl'} line 3: not a JSON object (b'\\xff\\xfe'")
+    del e  # its traceback holds the refused run's lock, released here as the run's process would as it ends
     assert out_dir_state(out) == before

@@ -7,7 +7,7 @@ import pytest
 import llmc_reference
 from conftest import write_shard
 from train_gpt2_jax import ShuffledLoader, ShuffledOrder, make_loaders, permutation_picks, permute
-from train_gpt2_jax import Config
+from train_gpt2_jax import Config, main
 
 # std::mt19937 seeded 42: its first ten outputs, as widely published (numpy's RandomState(42) gives them
 # too, with the same init_genrand seeding)
@@ -147,3 +147,32 @@ def test_make_loaders_makes_each_device_an_llmc_rank(tmp_path):
     for _ in range(6):
         x, _ = resumed.next_batch()                                                # (2B, T)
         np.testing.assert_array_equal(x, np.concatenate([r.next_batch()[0].numpy() for r in llmc]))
+
+
+def test_resume_refuses_another_order(tmp_path):
+    """llm.c's shuffled order is that of its W ranks' samples of B x T tokens: a --shuffle run's checkpoint
+    keeps its (--batch-size, --seq-len, devices), and a resume with another batch size, sequence length or
+    device count (a process of 2 devices here) is refused in one line, the out dir as it was. (The gradient
+    accumulation only groups the micro-batches into steps: the order goes on at any --total-batch-size.)"""
+    write_shards(tmp_path / "shards", [5, 4], [3, 0], 32)
+    out = tmp_path / "run"
+    flags = ["--data", str(tmp_path / "shards" / "*.bin"), "--shuffle", "--n-layer", "1", "--n-head", "2",
+             "--n-embd", "32", "--seq-len", "16", "--batch-size", "2", "--total-batch-size", "32", "--dtype",
+             "fp32", "--val-every", "0", "--hellaswag-every", "0", "--sample-every", "0", "--ckpt-every", "1",
+             "--out-dir", str(out)]
+    main([*flags, "--steps", "1"])
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    ours = "--resume: the checkpoint's --shuffle order is that of --batch-size, --seq-len and devices (llm.c's ranks)"
+    for change, theirs in ((["--batch-size", "1"], (1, 16, 1)), (["--seq-len", "8", "--total-batch-size", "16"],
+                                                                  (2, 8, 1))):
+        with pytest.raises(SystemExit) as e:
+            main([*flags, *change, "--steps", "2", "--resume", "auto"])
+        assert str(e.value) == f"error: {ours} (2, 16, 1), not this run's {theirs}: resume with those"
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    with np.load(out / "ckpt_0000001" / "state.npz") as z:
+        assert z["shuffle_layout"].tolist() == [2, 16, 1]
+    cfg = Config(data=str(tmp_path / "shards" / "*.bin"), seq_len=16, batch_size=2, total_batch_size=64,
+                 val_every=0, shuffle=True)
+    with pytest.raises(SystemExit) as e:
+        make_loaders(cfg, 4, 0, 1, (0, 1, (2, 16, 1)), print)
+    assert str(e.value) == f"error: {ours} (2, 16, 1), not this run's (2, 16, 2): resume with those"

@@ -292,8 +292,9 @@ def test_time_budget_stops_early_on_the_same_schedule(name, trained, tiny_shards
                                                       env):
     """--time-budget (here far below one step) stops the run after the step that reaches it, with that
     step's checkpoint and val loss as a last step's; the step is the 6-step run's own, digit for digit (the
-    lr schedule still spans --steps). Without --dtype, the start line says which dtype the device's default
-    is: on a CPU fp32 (the same digits as the run's --dtype fp32)."""
+    lr schedule still spans --steps). The budget is the run's: resumed, it trains nothing. Without --dtype,
+    the start line says which dtype the device's default is: on a CPU fp32 (the same digits as the run's
+    --dtype fp32)."""
     out = tmp_path / "out"
     t = TRAINERS[name]
     flags = t.flags
@@ -309,6 +310,11 @@ def test_time_budget_stops_early_on_the_same_schedule(name, trained, tiny_shards
     assert f"--time-budget 1e-09 s reached: stopped after step 1 of {STEPS}" in proc.stdout
     assert [(e["step"], "val_loss" in e) for e in read_log(out)] == [(1, False), (1, True)]
     assert sorted(os.listdir(out)) == ["ckpt_0000001", "log.jsonl"]
+    proc = run_script(*t.argv, "--data", tiny_shards, "--steps", STEPS, "--time-budget", 1e-9, "--out-dir", out,
+                      "--resume", "auto", "--ckpt-every", 3, "--val-every", 3, "--hellaswag-every", 0,
+                      "--sample-every", 0, *flags, env=env(name))
+    assert re.search(r"the run's steps took \d+\.\d s of --time-budget 1e-09 s: nothing to train", proc.stdout)
+    assert [(e["step"], "val_loss" in e) for e in read_log(out)] == [(1, False), (1, True)]
 
 
 @pytest.mark.parametrize("name", TRAINERS)
