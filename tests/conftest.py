@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -56,6 +57,22 @@ def run_script(*args, cwd=None, env=None, timeout=600, check=True):
                     f"--- stdout (tail) ---\n{proc.stdout[-3000:]}\n--- stderr (tail) ---\n"
                     f"{proc.stderr[-3000:]}", pytrace=False)
     return proc
+
+
+def signal_after_line(args, line, delay, signum, env=None, timeout=300):
+    """(exit code, stderr) of `python <args>` sent `signum` `delay` s after it prints a line holding `line`."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        next((x for x in proc.stdout if line in x), None)
+        time.sleep(delay)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+        proc.wait()
+    return proc.returncode, stderr
 
 
 def run_with_terminal_stderr(*args, env=None, timeout=600):

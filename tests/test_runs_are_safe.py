@@ -26,8 +26,8 @@ import hellaswag
 import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import (assert_clean_error, read_log, run_script, run_script_on_a_full_disk, step_events,
-                      write_shard)
+from conftest import (assert_clean_error, read_log, run_script, run_script_on_a_full_disk, signal_after_line,
+                      step_events, write_shard)
 from train_gpt2_jax import RunLock, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint
 from train_gpt2_jax import find_shards
 from train_gpt2_jax import StopSignals, stops_on_signals
@@ -163,10 +163,11 @@ def test_a_run_beyond_the_hosts_memory_is_warned(name, tmp_path, capsys, monkeyp
                                                    "run (try a smaller --batch-size or a cheaper --recompute)")
 
 
-def test_a_signal_says_what_resume_can_do(capfd):
+def test_a_signal_says_what_resume_can_do(capfd, monkeypatch):
     """A signal before training (startup, --eval-only, --test, --bench-ops) stops at once without pointing
     at --resume, which has nothing of the launch to continue; during training the first asks for the end
     of the step and the second stops at once, pointing at --resume auto. Exit 128 + the signal's number."""
+    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))  # the handler's exit, here an exception
     signals = StopSignals()
     with pytest.raises(SystemExit) as e:
         signals.handle(signal.SIGTERM, None)
@@ -179,6 +180,16 @@ def test_a_signal_says_what_resume_can_do(capfd):
     assert e.value.code == 130 and capfd.readouterr().err.splitlines() == [
         "SIGINT: stopping at the end of this step, with a checkpoint (SIGINT again stops at once)",
         "SIGINT: stopped at once; --resume auto continues from the latest checkpoint"]
+
+
+@pytest.mark.parametrize("signum, delay", [(signal.SIGTERM, 0.5), (signal.SIGINT, 1.5)])
+def test_a_signal_while_the_train_step_compiles_exits_128_plus_its_number(tmp_path, signum, delay):
+    """SIGINT or SIGTERM while the JAX trainer compiles its train step stops it at once with exit 128 + the
+    signal's number: not a segfault (139) of the interpreter's teardown under the compile the signal cut
+    short, nor a run that trains on (its stop raised, and swallowed, inside JAX's gc callback)."""
+    args = [*SCRIPTS["jax"], *MICRO, "--steps", "3", "--out-dir", tmp_path / "out"]
+    code, stderr = signal_after_line(args, "per device:", delay, signum, env=ENV)
+    assert code == 128 + signum and stderr.strip().splitlines()[-1] == f"{signum.name}: stopped at once", stderr
 
 
 def test_checkpoint_fields_are_checked(tmp_path, capsys):
