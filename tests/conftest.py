@@ -60,19 +60,20 @@ def run_script(*args, cwd=None, env=None, timeout=600, check=True):
 
 
 def signal_after_line(args, line, delay, signum, env=None, timeout=300):
-    """(exit code, stderr) of `python <args>` sent `signum` `delay` s after it prints a line holding `line`."""
+    """(exit code, stdout and stderr) of `python <args>` sent `signum` `delay` s after it prints a line (to
+    either) holding `line`."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        next((x for x in proc.stdout if line in x), None)
+        before = next((x for x in proc.stdout if line in x), "")
         time.sleep(delay)
         proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=timeout)
+        output = proc.communicate(timeout=timeout)[0]
     finally:
         proc.kill()
         proc.wait()
-    return proc.returncode, stderr
+    return proc.returncode, before + output
 
 
 def run_with_terminal_stderr(*args, env=None, timeout=600):

@@ -161,8 +161,8 @@ def test_a_signal_during_eval_only_exits_128_plus_its_number(trained, data_dir, 
     short. No compilation cache: the search compiles."""
     args = [SCRIPT, "--eval-only", "--bleu-split", "val", "--resume", trained[0] / LAST, "--data-dir", data_dir,
             "--out-dir", tmp_path]
-    code, stderr = signal_after_line(args, "val loss", delay, signum, env={"JAX_PLATFORMS": "cpu"})
-    assert code == 128 + signum and stderr.strip().splitlines()[-1] == f"{signum.name}: stopped at once", stderr
+    code, output = signal_after_line(args, "val loss", delay, signum, env={"JAX_PLATFORMS": "cpu"})
+    assert code == 128 + signum and output.strip().splitlines()[-1] == f"{signum.name}: stopped at once", output
 
 
 def test_average_is_the_mean_of_the_newest_checkpoints(trained):
