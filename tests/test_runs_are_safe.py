@@ -5,7 +5,8 @@ disk during a checkpoint are one line (the partial checkpoint removed, the earli
 auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it
 skips, running out of device memory is one line that names the way out (and a run beyond the host's
 memory on the CPU is warned at its start), a signal's line points at --resume only where it can continue,
-and the val loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
+one that stops at once exits 128 + its number even mid-compile, and the val loss of the same weights is the
+same on 1, 2 and 4 devices or processes and in every trainer."""
 import datetime
 import errno
 import gc
