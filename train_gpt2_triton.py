@@ -2283,8 +2283,10 @@ class StopSignals:
         if self.master:  # os.write: print could be inside a print of the interrupted code
             with contextlib.suppress(OSError):  # stderr's reader is gone: the stop goes on without its line
                 os.write(2, f"{line}\n".encode())
-        if not later:
-            raise SystemExit(128 + signum)
+        if not later:  # exits as a kill does: a SystemExit is lost in a gc callback, teardown segfaults mid-compile
+            with contextlib.suppress(RuntimeError, OSError):  # the signal landed inside a print; a full disk
+                sys.stdout.flush()
+            os._exit(128 + signum)
         self.received = signum
 
 

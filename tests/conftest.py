@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -56,6 +57,23 @@ def run_script(*args, cwd=None, env=None, timeout=600, check=True):
                     f"--- stdout (tail) ---\n{proc.stdout[-3000:]}\n--- stderr (tail) ---\n"
                     f"{proc.stderr[-3000:]}", pytrace=False)
     return proc
+
+
+def signal_after_line(args, line, delay, signum, env=None, timeout=300):
+    """(exit code, stdout and stderr) of `python <args>` sent `signum` `delay` s after it prints a line (to
+    either) holding `line`."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        before = next((x for x in proc.stdout if line in x), "")
+        time.sleep(delay)
+        proc.send_signal(signum)
+        output = proc.communicate(timeout=timeout)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    return proc.returncode, before + output
 
 
 def run_with_terminal_stderr(*args, env=None, timeout=600):

@@ -21,7 +21,7 @@ import pytest
 import sacrebleu
 
 from conftest import (REPO, assert_clean_error, read_log, run_script, run_script_on_a_full_disk, data_file,
-                      step_events)
+                      signal_after_line, step_events)
 from train_aiayn_jax import latest_checkpoint
 
 import train_aiayn_jax as aiayn  # noqa: E402  (conftest puts the repository on sys.path)
@@ -152,6 +152,17 @@ def load_trained(out):
     """(params, cfg, tokenizer) of the trained run's last checkpoint."""
     params, _, _, _, cfg = aiayn.load_checkpoint(str(out / LAST))
     return params, cfg, aiayn.load_tokenizer(str(out / LAST / aiayn.TOKENIZER_FILE))
+
+
+@pytest.mark.parametrize("signum, delay", [(signal.SIGINT, 0.8), (signal.SIGTERM, 1.5)])
+def test_a_signal_during_eval_only_exits_128_plus_its_number(trained, data_dir, tmp_path, signum, delay):
+    """SIGINT or SIGTERM while --eval-only compiles its BLEU search stops it at once with exit 128 + the
+    signal's number: not a segfault (139) of the interpreter's teardown under the compile the signal cut
+    short. No compilation cache: the search (beam, seconds on a CPU) compiles."""
+    args = [SCRIPT, "--eval-only", "--bleu-split", "val", "--decode", "beam", "--resume", trained[0] / LAST,
+            "--data-dir", data_dir, "--out-dir", tmp_path]
+    code, output = signal_after_line(args, "val loss", delay, signum, env={"JAX_PLATFORMS": "cpu"})
+    assert code == 128 + signum and output.strip().splitlines()[-1] == f"{signum.name}: stopped at once", output
 
 
 def test_average_is_the_mean_of_the_newest_checkpoints(trained):

@@ -5,9 +5,11 @@ disk during a checkpoint are one line (the partial checkpoint removed, the earli
 auto then continues exactly), a crafted state.npz is refused field by field, --resume auto says what it
 skips, running out of device memory is one line that names the way out (and a run beyond the host's
 memory on the CPU is warned at its start), a signal's line points at --resume only where it can continue,
-and the val loss of the same weights is the same on 1, 2 and 4 devices or processes and in every trainer."""
+one that stops at once exits 128 + its number even mid-compile, and the val loss of the same weights is the
+same on 1, 2 and 4 devices or processes and in every trainer."""
 import datetime
 import errno
+import gc
 import json
 import os
 import signal
@@ -27,8 +29,8 @@ import hellaswag
 import train_gpt2_jax as tj
 import train_gpt2_torchfunc as tf
 import train_gpt2_triton as tg
-from conftest import (assert_clean_error, read_log, run_script, run_script_on_a_full_disk, step_events,
-                      write_shard)
+from conftest import (assert_clean_error, read_log, run_script, run_script_on_a_full_disk, signal_after_line,
+                      step_events, write_shard)
 from train_gpt2_jax import RunLock, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint
 from train_gpt2_jax import find_shards
 from train_gpt2_jax import StopSignals, stops_on_signals
@@ -165,10 +167,11 @@ def test_a_run_beyond_the_hosts_memory_is_warned(name, tmp_path, capsys, monkeyp
                                                    "run (try a smaller --batch-size or a cheaper --recompute)")
 
 
-def test_a_signal_says_what_resume_can_do(capfd):
+def test_a_signal_says_what_resume_can_do(capfd, monkeypatch):
     """A signal before training (startup, --eval-only, --test, --bench-ops) stops at once without pointing
     at --resume, which has nothing of the launch to continue; during training the first asks for the end
     of the step and the second stops at once, pointing at --resume auto. Exit 128 + the signal's number."""
+    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))  # the handler's exit, here an exception
     signals = StopSignals()
     with pytest.raises(SystemExit) as e:
         signals.handle(signal.SIGTERM, None)
@@ -181,6 +184,34 @@ def test_a_signal_says_what_resume_can_do(capfd):
     assert e.value.code == 130 and capfd.readouterr().err.splitlines() == [
         "SIGINT: stopping at the end of this step, with a checkpoint (SIGINT again stops at once)",
         "SIGINT: stopped at once; --resume auto continues from the latest checkpoint"]
+
+
+@pytest.mark.parametrize("signum, delay", [(signal.SIGTERM, 0.2), (signal.SIGINT, 1.0)])
+def test_a_signal_while_the_train_step_compiles_exits_128_plus_its_number(tmp_path, signum, delay):
+    """SIGINT or SIGTERM while XLA compiles the JAX trainer's train step (seconds for 2 layers on a CPU)
+    stops it at once with exit 128 + the signal's number, not a segfault (139) of the interpreter's
+    teardown under the compile the signal cut short."""
+    args = [*SCRIPTS["jax"], *MICRO, "--n-layer", "2", "--steps", "3", "--out-dir", tmp_path / "out"]
+    env = {**ENV, "JAX_LOG_COMPILES": "1"}  # its lines say when the XLA compile starts
+    code, output = signal_after_line(args, "to MLIR module conversion jit(train_step)", delay, signum, env=env)
+    assert code == 128 + signum and output.strip().splitlines()[-1] == f"{signum.name}: stopped at once", output
+
+
+def test_a_stop_at_once_in_a_gc_callback_is_not_lost(capfd, monkeypatch):
+    """A signal handled while a gc callback runs (JAX has one) still stops the run at once: an exception
+    raised there would be swallowed, and the run would go on."""
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+
+    def stop(phase, info):  # at the collection's start (and not again at its stop)
+        if phase == "start":
+            StopSignals().handle(signal.SIGTERM, None)
+    gc.callbacks.append(stop)  # the list the collector holds: a new one would not be called
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(stop)
+    assert exits == [143] and capfd.readouterr().err == "SIGTERM: stopped at once\n"
 
 
 def test_checkpoint_fields_are_checked(tmp_path, capsys):
