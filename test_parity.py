@@ -2,7 +2,7 @@
 
     python test_parity.py                 # everything (CPU: 6 to 12 minutes on 2 cores, 2 workers)
     python test_parity.py --quick         # the quick tier: every script once, each GPT-2 trainer with
-                                          # each recipe (CPU: about a minute on 2 cores; pytest -m quick)
+                                          # each recipe (CPU: 1.5 to 5 minutes on 2 cores; -m quick)
     python test_parity.py -k tokenizer    # a selection (pytest -k syntax; with --quick, of the quick tier)
     python test_parity.py --list          # what each test checks, grouped by component
     pytest                                # the same tests under plain pytest

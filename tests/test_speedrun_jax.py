@@ -134,7 +134,7 @@ def test_training_matches_the_float64_reference(runs, inits, key, speedrun_refer
     for step, (a, b) in enumerate(zip(got, expected), 1):
         assert a == pytest.approx(b, rel=REFERENCE_RTOL), f"step {step}: {a} against {b}"
     assert got[-1] < got[0] - 0.5  # it learns
-    assert runs(key)[1].splitlines()[0].startswith(f"speedrun GPT L{L} H1 C{C}, ")
+    assert runs(key)[1].splitlines()[1].startswith(f"speedrun GPT L{L} H1 C{C}, ")  # after the out dir line
 
 
 def test_zero_stages_match_stage_0(runs, inits, tiny_shards):
