@@ -1791,7 +1791,7 @@ def load_checkpoint(path, cfg):
             state["time_spent"] = float(spent)
     # a damaged .npz: not a zip (numpy takes it for a pickle), cut short, a failed CRC or inflate, damaged headers
     except (ValueError, EOFError, OSError, KeyError, NotImplementedError, zipfile.BadZipFile, zlib.error,
-            TokenError) as e:
+            TokenError, AttributeError, TypeError) as e:  # the last two: a config that is JSON but not an object
         detail = (str(e).splitlines() or ["no detail"])[0][:120]
         die(f"checkpoint {state_file} is damaged ({type(e).__name__}: {detail})")
     # a dir named ckpt_<n> must hold step n: --resume auto and the abandoned_ moves go by the names

@@ -216,8 +216,8 @@ def test_a_stop_at_once_in_a_gc_callback_is_not_lost(capfd, monkeypatch):
 
 def test_checkpoint_fields_are_checked(tmp_path, capsys):
     """A state.npz whose step, shard, position or seed is out of range (a negative step would train with
-    a negative learning rate) or not an integer scalar, or whose time_spent is not seconds (a float in
-    [0, inf)), is refused with one line naming the field; one written before time_spent was kept has spent
+    a negative learning rate) or not an integer scalar, whose time_spent is not seconds (a float in
+    [0, inf)), or whose config is not a JSON object, is refused with one line naming the field; one written before time_spent was kept has spent
     none; --resume auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
     mod = tj  # its Config and RECIPES; the checks are the shared plumbing's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
@@ -238,6 +238,13 @@ def test_checkpoint_fields_are_checked(tmp_path, capsys):
             load_checkpoint(str(bad), cfg)
         message = str(e.value)
         assert message.startswith(f"error: checkpoint {bad / 'state.npz'}: {field} ") and needle in message
+    for config in ("[1, 2]", "3"):  # JSON, but not the object of flags a run writes
+        bad = tmp_path / f"config_{config[0]}" / "ckpt_0000003"
+        bad.mkdir(parents=True)
+        (bad / "model.bin").write_bytes((good / "model.bin").read_bytes())
+        np.savez(bad / "state.npz", **{**fields, "config": np.array(config)})
+        with pytest.raises(SystemExit, match=r"^error: checkpoint .*state\.npz is damaged \(AttributeError"):
+            load_checkpoint(str(bad), cfg)
     old = tmp_path / "old" / "ckpt_0000003"  # written before time_spent was kept: no time spent
     old.mkdir(parents=True)
     (old / "model.bin").write_bytes((good / "model.bin").read_bytes())
