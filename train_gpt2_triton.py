@@ -38,6 +38,7 @@ tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to ever
     Backend triton: the op interface filled in by the kernels above   TRITON_OPS
     Self-test (--test)                     each op and the whole model against a reference
     Profiling (--profile, --bench-ops)     per op and per kernel: time, FLOP/s or GB/s, against PyTorch's
+    Compiling for a GPU (--compile-for)    every kernel of a step compiled for a GPU that is not there
     The tools of each recipe               RecipeTools, TOOLS: gpt2's row (the speedrun's: its kernels' section)
     Triton kernels: speedrun               its ops on our kernels, q/k rotary, Muon, its tools' cases
 """
@@ -58,7 +59,9 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -68,6 +71,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from tokenize import TokenError
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import safetensors
@@ -148,6 +152,7 @@ class Config:
     backend: str = "torch"
     test: bool = False
     bench_ops: bool = False
+    compile_for: str = ""  # a GPU_TARGETS key: compile the step's kernels for that GPU, run nothing
 
 @dataclass(frozen=True)
 class Recipe:
@@ -190,6 +195,8 @@ def framework_flags(p):
                    "against autograd, backend triton against backend torch), then exit")
     p.add_argument("--bench-ops", action="store_true",
                    help="time every op against the PyTorch op it replaces at the model's shapes, then exit")
+    p.add_argument("--compile-for", choices=sorted(GPU_TARGETS), help="compile every kernel that a step at these "
+                   "flags launches for this GPU (no GPU needed): a row per kernel and config, then exit")
 
 
 def param_shapes(cfg):
@@ -2594,10 +2601,13 @@ def say_samples(sample, cfg, step, last, device, decode, master, say):
 @stops_on_signals
 def main(argv, signals):
     cfg, explicit = parse_args(argv)
-    dtype = default_dtype(cfg, gpu=torch.cuda.is_available())  # the device setup_device picks
+    dtype = default_dtype(cfg, gpu=torch.cuda.is_available() or bool(cfg.compile_for))  # setup_device's device
     recipe = RECIPES[cfg.recipe]
     if cfg.test:
         run_self_test(cfg)
+        return
+    if cfg.compile_for:
+        compile_for(cfg)
         return
     ops = backend_ops(cfg.backend, cfg.recipe)
     if cfg.backend == "triton" and INTERPRET and cfg.dtype == "bf16":
@@ -3346,8 +3356,9 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return pid_m, pid_n
 
 
-def _num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def _num_sms():
+    driver = triton.runtime.driver.active  # --compile-for's describes its target
+    return 1 if INTERPRET else driver.utils.get_device_properties(driver.get_current_device())["multiprocessor_count"]
 
 
 INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
@@ -3429,7 +3440,7 @@ def _dw_cost(M, N, K, sms, cfg):
 def _prune_dw_configs(configs, named_args, **kwargs):
     """Per tile shape, the two split counts _dw_cost ranks best whose partial sums fit DW_WORKSPACE_BYTES."""
     M, N, K = named_args["M"], named_args["N"], named_args["K"]
-    sms = _num_sms(named_args["a_ptr"].device)
+    sms = _num_sms()
     width = [c for c in _prune_matmul_configs(configs, named_args) if c.kwargs["SPLIT_K"] == 1
              or _dw_workspace(M, N, c)[0] * 4 <= DW_WORKSPACE_BYTES]
     kept = []
@@ -3667,11 +3678,9 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
 
 def _tma_ready(*tensors):
     """The descriptors' rules: Hopper or later (or the interpreter), 2-D, 16-byte aligned rows, contiguous."""
-    device = tensors[0].device
-    if not INTERPRET and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
-        return False
-    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-               and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+    hopper = INTERPRET or triton.runtime.driver.active.get_current_target().arch >= 90  # --compile-for's: its target
+    return hopper and all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+                          and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
 def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
@@ -3687,7 +3696,7 @@ def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
     if a.element_size() > 1 and _tma_ready(a, b_rows, c):
         # block shapes [1, 1] until the chosen config's pre-hook sets its own
         descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, b_rows, c, c if pre is None else pre)]
-    sms = _num_sms(a.device)
+    sms = _num_sms()
 
     def grid(meta):  # the pointer path: a program a tile; the descriptor path: PER_SM programs an SM at most
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
@@ -4617,8 +4626,6 @@ def launched_kernels():
 @contextlib.contextmanager
 def timed_kernels(device, launches, active):
     """Inside, our launches are traced (`kernel NAME`), kept as [innermost op's index, name, start, end, work]."""
-    kernels = launched_kernels()
-
     def wrap(name, kernel, run):
         def timed_run(*args, **kwargs):
             with torch.profiler.record_function(f"kernel {name}"):
@@ -4629,13 +4636,10 @@ def timed_kernels(device, launches, active):
             launches.append([active[-1][1] if active else None, name, t0, t1, *work])
             return out
         return timed_run
-    for name, kernel in kernels.items():
-        kernel.run = wrap(name, kernel, kernel.run)  # an instance attribute over the class's method
-    try:
+    with contextlib.ExitStack() as stack:
+        for name, kernel in launched_kernels().items():  # an instance attribute over the class's method
+            stack.enter_context(mock.patch.object(kernel, "run", wrap(name, kernel, kernel.run)))
         yield
-    finally:
-        for kernel in kernels.values():
-            del kernel.run
 
 
 ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
@@ -4912,6 +4916,100 @@ def bench_ops(cfg, ops, device):
         share = "" if flops else f"{100 * nbytes / ours_ms / 1e6 / copy_gbs:5.0f}%"
         print(f"{name:<37} {shape:<26} {ours_ms:8.3f} {unit(ours_ms):>12} {share:>6} | {torch_label:<28} "
               f"{theirs_ms:8.3f} {unit(theirs_ms):>12} {theirs_ms / ours_ms:7.2f}x")
+
+
+# -----------------------------------------------------------------------------
+# Compiling for a GPU (--compile-for)
+#
+# Triton compiles with no GPU: a step and an evaluation run at the flags on meta tensors (shapes, no data),
+# Triton's driver describing the target, and each launch compiles every config it could pick there (an
+# autotuned kernel's pruned list) with its own arguments, and runs nothing.
+
+GPU_TARGETS = {"sm_90": (132, 227), "sm_86": (80, 99), "sm_80": (108, 163)}  # SMs, KB of shared memory a block
+
+
+def kernel_resources(compiled):
+    """(registers, spilled bytes) of a thread of a compiled kernel: cuobjdump's REG and LOCAL of its cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                               text=True).stdout
+    found = re.search(r"REG:(\d+) .*LOCAL:(\d+)", usage)
+    return found.groups() if found else ("n/a", "n/a")
+
+
+def compile_for(cfg):
+    """--compile-for: a row per kernel and config of a step and an evaluation at the flags, compiled for the
+    target; exits non-zero naming each that fails to compile or needs more shared memory than the target has."""
+    if cfg.backend != "triton" or INTERPRET:
+        die("--compile-for compiles backend triton's kernels for a GPU: give backend triton, TRITON_INTERPRET unset")
+    (sms, shared_kb), arch = GPU_TARGETS[cfg.compile_for], int(cfg.compile_for[3:])
+    print(f"--compile-for {cfg.compile_for} ({shared_kb} KB of shared memory a block): {cfg.recipe} L{cfg.n_layer} "
+          f"H{cfg.n_head} C{cfg.n_embd}, B {cfg.batch_size} T {cfg.seq_len}, {cfg.dtype}: a step and an evaluation"
+          + "; matmul's TMA configs skipped (sm_90 and later)" * (arch < 90)  # as _tma_ready skips them there
+          + "; --fp8-head's FP8 kernels skipped (sm_89 and later)" * (cfg.fp8_head and arch < 89))
+    cfg.fp8_head = cfg.fp8_head and arch >= 89
+    print(f"{'kernel':<28} {'shape':<30} {'warps':>5} {'stages':>6} {'shared KB':>9} {'regs':>4} {'spill':>5}  "
+          "meta-parameters")
+    seen, failed, t0 = {}, [], time.perf_counter()  # {launch: its compiled kernel's hash}, names that failed
+
+    def compile_launch(name, kernel, run):
+        def compile_run(*args, grid, warmup, **kwargs):
+            nargs, configs = dict(zip(kernel.arg_names, args)), [None]
+            if isinstance(kernel, triton.runtime.Autotuner):
+                kernel.nargs = nargs  # what its pruning reads
+                configs = kernel.prune_configs(kwargs)
+            for config in configs:
+                meta = {**kwargs, **(config.all_kwargs() if config else {})}
+                if config and config.pre_hook:  # matmul's: the descriptors' block shapes
+                    config.pre_hook({**nargs, **meta})
+                key = repr((name, meta, [str(a.dtype) if isinstance(a, torch.Tensor) else a if type(a) is int
+                                         else type(a) for a in args]))
+                if key in seen:
+                    continue
+                seen[key] = None
+                dtype = [str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+                shape = " ".join(dtype[:1] + [f"{k}={v}" for k, v in nargs.items() if k[0].isupper()
+                                              and type(v) is int])
+                params = " ".join(f"{k}={int(v) if type(v) is bool else v}" for k, v in meta.items() if k[0].isupper())
+                try:
+                    compiled = (kernel.fn.run if config else run)(*args, grid=grid, warmup=True, **meta)
+                except Exception as e:  # named in its row, and the run exits non-zero
+                    failed.append(name)
+                    print(f"{name:<28} {shape:<30} FAILED: {str(e).strip().splitlines()[-1]} ({params})", flush=True)
+                    continue
+                m = compiled.metadata
+                if compiled.hash not in seen.values():  # else another launch's specialization, printed already
+                    print(f"{name:<28} {shape:<30} {m.num_warps:5d} {m.num_stages:6d} {m.shared / 1024:9.1f} "
+                          f"{'{:>4} {:>5}'.format(*kernel_resources(compiled))}  {params}", flush=True)
+                seen[key] = compiled.hash
+                if m.shared > shared_kb << 10:
+                    failed.append(name)
+                    print(f"{name:<28} FAILED: needs {m.shared / 1024:.1f} KB of shared memory ({params})", flush=True)
+        return compile_run
+
+    shapes = param_shapes(cfg)
+    zeros = {k: np.broadcast_to(np.float32(0), s) for k, s in shapes.items()}  # 0-stride views: no memory
+    muon = RECIPES[cfg.recipe].muon_names(shapes)
+    state = make_state(zeros, zeros, {k: z for k, z in zeros.items() if k not in muon}, cfg, torch.device("meta"))
+    x = torch.zeros((1, cfg.batch_size, cfg.seq_len), dtype=torch.int64, device="meta")  # (1, B, T)
+    driver = SimpleNamespace(get_current_target=lambda: triton.backends.compiler.GPUTarget("cuda", arch, 32),
+                             get_current_device=lambda: 0, get_current_stream=lambda device=None: 0,
+                             utils=SimpleNamespace(get_device_properties=lambda device: {"multiprocessor_count": sms}))
+    # backend_ops asks for a GPU; a meta tensor has no value for the host to read
+    patches = [(triton.runtime.driver, "_active", driver), (torch.cuda, "is_available", lambda: True),
+               (torch.Tensor, "item", lambda self: 0.0)]
+    with contextlib.ExitStack() as stack:
+        for obj, attr, value in patches + [(k, "run", compile_launch(name, k, k.run))
+                                           for name, k in launched_kernels().items()]:
+            stack.enter_context(mock.patch.object(obj, attr, value))
+        train_step(state, x, x, 1, cfg, backend_ops("triton", cfg.recipe), 1)
+        token_losses(state["weights"], x[0], x[0], cfg)
+    done = f"{len(set(seen.values()) - {None})} kernels and configs in {time.perf_counter() - t0:.0f} s"
+    if failed:
+        die(f"--compile-for {cfg.compile_for}: {', '.join(dict.fromkeys(failed))} failed ({done} compiled)")
+    print(f"--compile-for {cfg.compile_for}: compiled {done}, each within the target's shared memory")
 
 
 # -----------------------------------------------------------------------------
