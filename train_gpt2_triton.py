@@ -3165,14 +3165,14 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP:
     target = tl.load(targets_ptr + row)                                             # scalar int64
     target_logit = tl.load(logits_ptr + target).to(tl.float32)                      # read before pass 2
     if CAP > 0:
-        target_logit, _ = _softcap(target_logit, CAP)
+        target_logit = _softcap(target_logit, CAP)[0]  # (a scalar `_` here and a block below won't compile)
     run_max = tl.full((), float("-inf"), tl.float32)                                # scalar fp32
     run_sum = tl.full((), 0.0, tl.float32)                                          # scalar fp32
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols                                                               # (BV,)
         x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)         # (BV,)
         if CAP > 0:
-            x, _ = _softcap(x, CAP)
+            x = _softcap(x, CAP)[0]
         x = tl.where(c < V, x, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(x, axis=0))   # finite: every block holds a real logit
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
@@ -3357,8 +3357,10 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 def _num_sms():
+    if INTERPRET:
+        return 1
     driver = triton.runtime.driver.active  # --compile-for's describes its target
-    return 1 if INTERPRET else driver.utils.get_device_properties(driver.get_current_device())["multiprocessor_count"]
+    return driver.utils.get_device_properties(driver.get_current_device())["multiprocessor_count"]
 
 
 INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
@@ -4952,11 +4954,11 @@ def compile_for(cfg):
     cfg.fp8_head = cfg.fp8_head and arch >= 89
     print(f"{'kernel':<28} {'shape':<30} {'warps':>5} {'stages':>6} {'shared KB':>9} {'regs':>4} {'spill':>5}  "
           "meta-parameters")
-    seen, failed, t0 = {}, [], time.perf_counter()  # {launch: its compiled kernel's hash}, names that failed
+    seen, over, failed, t0 = {}, set(), [], time.perf_counter()  # {launch: compiled hash}, hashes too big
 
     def compile_launch(name, kernel, run):
         def compile_run(*args, grid, warmup, **kwargs):
-            nargs, configs = dict(zip(kernel.arg_names, args)), [None]
+            nargs, configs, keys = dict(zip(kernel.arg_names, args)), [None], []
             if isinstance(kernel, triton.runtime.Autotuner):
                 kernel.nargs = nargs  # what its pruning reads
                 configs = kernel.prune_configs(kwargs)
@@ -4964,11 +4966,11 @@ def compile_for(cfg):
                 meta = {**kwargs, **(config.all_kwargs() if config else {})}
                 if config and config.pre_hook:  # matmul's: the descriptors' block shapes
                     config.pre_hook({**nargs, **meta})
-                key = repr((name, meta, [str(a.dtype) if isinstance(a, torch.Tensor) else a if type(a) is int
-                                         else type(a) for a in args]))
-                if key in seen:
+                keys.append(repr((name, meta, [str(a.dtype) if isinstance(a, torch.Tensor) else a if type(a) is int
+                                               else type(a) for a in args])))
+                if keys[-1] in seen:
                     continue
-                seen[key] = None
+                seen[keys[-1]] = None
                 dtype = [str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
                 shape = " ".join(dtype[:1] + [f"{k}={v}" for k, v in nargs.items() if k[0].isupper()
                                               and type(v) is int])
@@ -4981,12 +4983,16 @@ def compile_for(cfg):
                     continue
                 m = compiled.metadata
                 if compiled.hash not in seen.values():  # else another launch's specialization, printed already
+                    # the autotuner skips a config that needs more shared memory than the GPU has
                     print(f"{name:<28} {shape:<30} {m.num_warps:5d} {m.num_stages:6d} {m.shared / 1024:9.1f} "
-                          f"{'{:>4} {:>5}'.format(*kernel_resources(compiled))}  {params}", flush=True)
-                seen[key] = compiled.hash
+                          f"{'{:>4} {:>5}'.format(*kernel_resources(compiled))}  {params}"
+                          + " (too big: skipped)" * (m.shared > shared_kb << 10), flush=True)
+                seen[keys[-1]] = compiled.hash
                 if m.shared > shared_kb << 10:
-                    failed.append(name)
-                    print(f"{name:<28} FAILED: needs {m.shared / 1024:.1f} KB of shared memory ({params})", flush=True)
+                    over.add(compiled.hash)
+            if all(seen[k] in over for k in keys):
+                failed.append(name)
+                print(f"{name:<28} FAILED: no config fits in {shared_kb} KB of shared memory", flush=True)
         return compile_run
 
     shapes = param_shapes(cfg)
