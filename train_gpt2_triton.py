@@ -2973,7 +2973,7 @@ def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_
 
 
 def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
-    """LayerNorm (RMSNorm with rms) over the last axis of x, or of x + h: (x + h or None, y, mean, rstd)."""
+    """LayerNorm over the last axis of x, or of x + h: (x + h or None, y, mean, rstd); RMSNorm (rms): no mean."""
     C = x.shape[-1]
     N = x.numel() // C
     xsum = torch.empty_like(x) if h is not None else None                           # (..., C) dt
@@ -2985,7 +2985,7 @@ def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
     _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
         x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y, rstd if rms else mean, rstd,
         N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
-    return xsum, y, mean, rstd
+    return (xsum, y, rstd) if rms else (xsum, y, mean, rstd)
 
 
 @triton.jit
@@ -3095,53 +3095,36 @@ def _gelu_parts(x):
 
 
 @triton.jit
-def _activation_forward_kernel(x_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _activation_kernel(x_ptr, dy_ptr, y_ptr, n, ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    # y = act(x), or (BACKWARD) dy * act'(x)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
     mask = offs < n - start
     x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
     if ACT == 1:
-        one_plus_tanh, _ = _gelu_parts(x)
+        one_plus_tanh, sech2 = _gelu_parts(x)
+    if BACKWARD and ACT == 1:
+        # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
+        du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        y = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                              # (BL,)
+    elif BACKWARD:
+        y = 2.0 * tl.maximum(x, 0.0)                                                # (BL,) d relu(x)^2 / dx
+    elif ACT == 1:
         y = 0.5 * x * one_plus_tanh                                                 # (BL,)
     else:
-        r = tl.maximum(x, 0.0)                                                      # (BL,)
-        y = r * r
+        y = tl.maximum(x, 0.0) * tl.maximum(x, 0.0)                                 # (BL,)
+    if BACKWARD:
+        y = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32) * y
     tl.store(y_ptr + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _activation_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    mask = offs < n - start
-    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
-    dy = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)        # (BL,)
-    if ACT == 1:
-        one_plus_tanh, sech2 = _gelu_parts(x)
-        # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
-        du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-        grad = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                           # (BL,)
-    else:
-        grad = 2.0 * tl.maximum(x, 0.0)                                             # (BL,) d relu(x)^2 / dx
-    tl.store(dx_ptr + start + offs, (dy * grad).to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _activation_forward(pre, activation):
-    """pre (N,M) dt -> activation(pre) (N,M) dt: "gelu" (tanh approximation) or "relu2"."""
+def _activation_op(pre, activation, dy=None):
+    """activation(pre), or with dy its backward dpre, (N,M) dt of pre (and dy) (N,M) dt: "gelu" (tanh) or "relu2"."""
     y = torch.empty_like(pre)                                                       # (N, M) dt
-    n = pre.numel()
-    _activation_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, ACT=ACTIVATIONS[activation],
-                                                              BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    _activation_kernel[(triton.cdiv(pre.numel(), ELEM_BLOCK),)](pre, pre if dy is None else dy, y, pre.numel(),
+                                                                ACT=ACTIVATIONS[activation], BACKWARD=dy is not None,
+                                                                BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
     return y
-
-
-def _activation_backward(dy, pre, activation):
-    """dy, pre (N,M) dt -> dpre (N,M) dt."""
-    dpre = torch.empty_like(pre)                                                    # (N, M) dt
-    n = pre.numel()
-    _activation_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, ACT=ACTIVATIONS[activation],
-                                                               BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
-    return dpre
 
 
 # --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
@@ -3164,7 +3147,7 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP:
     target = tl.load(targets_ptr + row)                                             # scalar int64
     target_logit = tl.load(logits_ptr + target).to(tl.float32)                      # read before pass 2
     if CAP > 0:
-        target_logit = _softcap(target_logit, CAP)[0]  # (a scalar `_` here and a block below won't compile)
+        target_logit = _softcap(target_logit, CAP)[0]  # not `_`: a scalar here, a block in the loop won't compile
     run_max = tl.full((), float("-inf"), tl.float32)                                # scalar fp32
     run_sum = tl.full((), 0.0, tl.float32)                                          # scalar fp32
     for v0 in range(0, V, BLOCK_V):
@@ -4120,8 +4103,8 @@ TRITON_OPS = op_table("triton", dict(
     residual_layernorm_forward=_layernorm_forward,  # (x + h, y, mean, rstd)
     layernorm_backward=layernorm_backward,
     matmul_forward=matmul_forward, matmul_gelu_forward=matmul_gelu_forward, matmul_backward=matmul_backward,
-    gelu_forward=functools.partial(_activation_forward, activation="gelu"),
-    gelu_backward=functools.partial(_activation_backward, activation="gelu"),
+    gelu_forward=functools.partial(_activation_op, activation="gelu"),
+    gelu_backward=lambda dy, pre: _activation_op(pre, "gelu", dy),
     attention_forward=attention_forward, attention_backward=attention_backward,
     crossentropy_forward_backward=crossentropy_forward_backward,
     global_norm=global_norm, adamw_update=adamw_update,
@@ -5036,12 +5019,6 @@ def recipe_tools(recipe):
 #
 # First the ops the kernels above serve through a flag (RMSNorm, ReLU^2, the soft cap, separate q, k, v).
 
-def residual_rmsnorm_forward(res, h, w, eps):
-    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, RMSNorm(x) (N,C) dt, rstd (N) fp32)."""
-    x, y, _, rstd = _layernorm_forward(res, h, w, None, eps, rms=True)
-    return x, y, rstd
-
-
 def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
     """losses (N) fp32 of the soft-capped z (N,Vp) dt over all Vp columns; OVERWRITES z with dloss * dlosses/dz."""
     return crossentropy_forward_backward(z, targets, z.shape[-1], dloss, block_v, cap=SOFTCAP)
@@ -5382,14 +5359,14 @@ def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
 
 TRITON_SPEEDRUN_OPS = op_table("triton", dict(
     embedding_forward=functools.partial(encoder_forward, wpe=None), embedding_backward=embedding_backward,
-    rmsnorm_forward=lambda x, w, eps: _layernorm_forward(x, None, w, None, eps, rms=True)[1::2],  # (y, rstd)
-    residual_rmsnorm_forward=residual_rmsnorm_forward,
+    rmsnorm_forward=lambda x, w, eps: _layernorm_forward(x, None, w, None, eps, rms=True)[1:],  # (y, rstd)
+    residual_rmsnorm_forward=lambda res, h, w, eps: _layernorm_forward(res, h, w, None, eps, rms=True),  # (x, y, rstd)
     rmsnorm_backward=lambda dy, x, w, rstd, dw, dres=None: layernorm_backward(dy, x, w, None, rstd, dw, None, dres),
     qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
     scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
     matmul_relu2_forward=lambda x, w, b: _matmul(x, w.t(), b, activation="relu2"),  # (relu(pre)^2, pre)
-    relu2_forward=functools.partial(_activation_forward, activation="relu2"),
-    relu2_backward=functools.partial(_activation_backward, activation="relu2"),
+    relu2_forward=functools.partial(_activation_op, activation="relu2"),
+    relu2_backward=lambda dy, pre: _activation_op(pre, "relu2", dy),
     softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
     muon_update=muon_update, add_into=add_into, fp8_quantize=triton_fp8_quantize,
     fp8_matmul_forward=fp8_matmul_forward, fp8_matmul_backward=fp8_matmul_backward,
