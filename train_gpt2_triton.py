@@ -2601,7 +2601,7 @@ def say_samples(sample, cfg, step, last, device, decode, master, say):
 @stops_on_signals
 def main(argv, signals):
     cfg, explicit = parse_args(argv)
-    dtype = default_dtype(cfg, gpu=torch.cuda.is_available() or bool(cfg.compile_for))  # setup_device's device
+    dtype = default_dtype(cfg, gpu=torch.cuda.is_available() or bool(cfg.compile_for))  # or --compile-for's GPU
     recipe = RECIPES[cfg.recipe]
     if cfg.test:
         run_self_test(cfg)
