@@ -38,6 +38,7 @@ tests/test_copies.py (`python tests/sync_copies.py FILE` carries an edit to ever
     Backend triton: the op interface filled in by the kernels above   TRITON_OPS
     Self-test (--test)                     each op and the whole model against a reference
     Profiling (--profile, --bench-ops)     per op and per kernel: time, FLOP/s or GB/s, against PyTorch's
+    Compiling for a GPU (--compile-for)    every kernel of a step compiled for a GPU that is not there
     The tools of each recipe               RecipeTools, TOOLS: gpt2's row (the speedrun's: its kernels' section)
     Triton kernels: speedrun               its ops on our kernels, q/k rotary, Muon, its tools' cases
 """
@@ -58,7 +59,9 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -68,6 +71,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from tokenize import TokenError
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import safetensors
@@ -152,6 +156,7 @@ class Config:
     backend: str = "torch"
     test: bool = False
     bench_ops: bool = False
+    compile_for: str = ""  # a GPU_TARGETS key: compile the step's kernels for that GPU, run nothing
 
 @dataclass(frozen=True)
 class Recipe:
@@ -194,6 +199,8 @@ def framework_flags(p):
                    "against autograd, backend triton against backend torch), then exit")
     p.add_argument("--bench-ops", action="store_true",
                    help="time every op against the PyTorch op it replaces at the model's shapes, then exit")
+    p.add_argument("--compile-for", choices=sorted(GPU_TARGETS), help="compile every kernel that a step at these "
+                   "flags launches for this GPU (no GPU needed): a row per kernel and config, then exit")
 
 
 def param_shapes(cfg):
@@ -2642,10 +2649,13 @@ def say_samples(weights, step, cfg, device, sampler, say):
 @stops_on_signals
 def main(argv, signals):
     cfg, explicit = parse_args(argv)
-    dtype = default_dtype(cfg, gpu=torch.cuda.is_available())  # the device setup_device picks
+    dtype = default_dtype(cfg, gpu=torch.cuda.is_available() or bool(cfg.compile_for))  # or --compile-for's GPU
     recipe = RECIPES[cfg.recipe]
     if cfg.test:
         run_self_test(cfg)
+        return
+    if cfg.compile_for:
+        compile_for(cfg)
         return
     ops = backend_ops(cfg.backend, cfg.recipe)
     if cfg.backend == "triton" and INTERPRET and cfg.dtype == "bf16":
@@ -3022,7 +3032,7 @@ def _layernorm_forward_kernel(x_ptr, h_ptr, w_ptr, b_ptr, xsum_ptr, y_ptr, mean_
 
 
 def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
-    """LayerNorm (RMSNorm with rms) over the last axis of x, or of x + h: (x + h or None, y, mean, rstd)."""
+    """LayerNorm over the last axis of x, or of x + h: (x + h or None, y, mean, rstd); RMSNorm (rms): no mean."""
     C = x.shape[-1]
     N = x.numel() // C
     xsum = torch.empty_like(x) if h is not None else None                           # (..., C) dt
@@ -3034,8 +3044,7 @@ def _layernorm_forward(x, h, w, b, eps=LN_EPS, rms=False):
     _layernorm_forward_kernel[(triton.cdiv(N, block_rows),)](
         x, h if h is not None else x, w, w if rms else b, xsum if h is not None else y, y, rstd if rms else mean, rstd,
         N, C, eps, HAS_RESIDUAL=h is not None, RMS=rms, BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=ROW_WARPS)
-    return xsum, y, mean, rstd
-
+    return (xsum, y, rstd) if rms else (xsum, y, mean, rstd)
 
 
 @triton.jit
@@ -3145,53 +3154,36 @@ def _gelu_parts(x):
 
 
 @triton.jit
-def _activation_forward_kernel(x_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _activation_kernel(x_ptr, dy_ptr, y_ptr, n, ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    # y = act(x), or (BACKWARD) dy * act'(x)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)                                                      # (BL,)
     mask = offs < n - start
     x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
     if ACT == 1:
-        one_plus_tanh, _ = _gelu_parts(x)
+        one_plus_tanh, sech2 = _gelu_parts(x)
+    if BACKWARD and ACT == 1:
+        # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
+        du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        y = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                              # (BL,)
+    elif BACKWARD:
+        y = 2.0 * tl.maximum(x, 0.0)                                                # (BL,) d relu(x)^2 / dx
+    elif ACT == 1:
         y = 0.5 * x * one_plus_tanh                                                 # (BL,)
     else:
-        r = tl.maximum(x, 0.0)                                                      # (BL,)
-        y = r * r
+        y = tl.maximum(x, 0.0) * tl.maximum(x, 0.0)                                 # (BL,)
+    if BACKWARD:
+        y = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32) * y
     tl.store(y_ptr + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _activation_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = tl.arange(0, BLOCK)                                                      # (BL,)
-    mask = offs < n - start
-    x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
-    dy = tl.load(dy_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)        # (BL,)
-    if ACT == 1:
-        one_plus_tanh, sech2 = _gelu_parts(x)
-        # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
-        du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-        grad = 0.5 * one_plus_tanh + 0.5 * x * sech2 * du                           # (BL,)
-    else:
-        grad = 2.0 * tl.maximum(x, 0.0)                                             # (BL,) d relu(x)^2 / dx
-    tl.store(dx_ptr + start + offs, (dy * grad).to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _activation_forward(pre, activation):
-    """pre (N,M) dt -> activation(pre) (N,M) dt: "gelu" (tanh approximation) or "relu2"."""
+def _activation_op(pre, activation, dy=None):
+    """activation(pre), or with dy its backward dpre, (N,M) dt of pre (and dy) (N,M) dt: "gelu" (tanh) or "relu2"."""
     y = torch.empty_like(pre)                                                       # (N, M) dt
-    n = pre.numel()
-    _activation_forward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](pre, y, n, ACT=ACTIVATIONS[activation],
-                                                              BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
+    _activation_kernel[(triton.cdiv(pre.numel(), ELEM_BLOCK),)](pre, pre if dy is None else dy, y, pre.numel(),
+                                                                ACT=ACTIVATIONS[activation], BACKWARD=dy is not None,
+                                                                BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
     return y
-
-
-def _activation_backward(dy, pre, activation):
-    """dy, pre (N,M) dt -> dpre (N,M) dt."""
-    dpre = torch.empty_like(pre)                                                    # (N, M) dt
-    n = pre.numel()
-    _activation_backward_kernel[(triton.cdiv(n, ELEM_BLOCK),)](dy, pre, dpre, n, ACT=ACTIVATIONS[activation],
-                                                               BLOCK=ELEM_BLOCK, num_warps=ELEM_WARPS)
-    return dpre
 
 
 # --- Cross-entropy over the padded vocabulary, loss and dlogits in one kernel ------------------------------
@@ -3214,14 +3206,14 @@ def _crossentropy_kernel(logits_ptr, targets_ptr, losses_ptr, V, Vp, dloss, CAP:
     target = tl.load(targets_ptr + row)                                             # scalar int64
     target_logit = tl.load(logits_ptr + target).to(tl.float32)                      # read before pass 2
     if CAP > 0:
-        target_logit, _ = _softcap(target_logit, CAP)
+        target_logit = _softcap(target_logit, CAP)[0]  # not `_`: a scalar here, a block in the loop won't compile
     run_max = tl.full((), float("-inf"), tl.float32)                                # scalar fp32
     run_sum = tl.full((), 0.0, tl.float32)                                          # scalar fp32
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols                                                               # (BV,)
         x = tl.load(logits_ptr + c, mask=c < Vp, other=0.0).to(tl.float32)         # (BV,)
         if CAP > 0:
-            x, _ = _softcap(x, CAP)
+            x = _softcap(x, CAP)[0]
         x = tl.where(c < V, x, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(x, axis=0))   # finite: every block holds a real logit
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
@@ -3405,8 +3397,11 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return pid_m, pid_n
 
 
-def _num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def _num_sms():
+    if INTERPRET:
+        return 1
+    driver = triton.runtime.driver.active  # --compile-for's describes its target
+    return driver.utils.get_device_properties(driver.get_current_device())["multiprocessor_count"]
 
 
 INTERPRETER_BLOCKS = (32, 64, 128, 256, 512)  # the interpreter's block sides (BLOCK_K up to 256)
@@ -3488,7 +3483,7 @@ def _dw_cost(M, N, K, sms, cfg):
 def _prune_dw_configs(configs, named_args, **kwargs):
     """Per tile shape, the two split counts _dw_cost ranks best whose partial sums fit DW_WORKSPACE_BYTES."""
     M, N, K = named_args["M"], named_args["N"], named_args["K"]
-    sms = _num_sms(named_args["a_ptr"].device)
+    sms = _num_sms()
     width = [c for c in _prune_matmul_configs(configs, named_args) if c.kwargs["SPLIT_K"] == 1
              or _dw_workspace(M, N, c)[0] * 4 <= DW_WORKSPACE_BYTES]
     kept = []
@@ -3726,11 +3721,9 @@ def matmul_dw_kernel(a_ptr, b_ptr, dw_ptr, db_ptr, ws_ptr, ws_db_ptr, count_ptr,
 
 def _tma_ready(*tensors):
     """The descriptors' rules: Hopper or later (or the interpreter), 2-D, 16-byte aligned rows, contiguous."""
-    device = tensors[0].device
-    if not INTERPRET and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
-        return False
-    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-               and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+    hopper = INTERPRET or triton.runtime.driver.active.get_current_target().arch >= 90  # --compile-for's: its target
+    return hopper and all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+                          and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
 def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
@@ -3746,7 +3739,7 @@ def _matmul(a, b, bias=None, activation=None, scale=None, out_dtype=None):
     if a.element_size() > 1 and _tma_ready(a, b_rows, c):
         # block shapes [1, 1] until the chosen config's pre-hook sets its own
         descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, b_rows, c, c if pre is None else pre)]
-    sms = _num_sms(a.device)
+    sms = _num_sms()
 
     def grid(meta):  # the pointer path: a program a tile; the descriptor path: PER_SM programs an SM at most
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
@@ -4169,8 +4162,8 @@ TRITON_OPS = op_table("triton", dict(
     residual_layernorm_forward=_layernorm_forward,  # (x + h, y, mean, rstd)
     layernorm_backward=layernorm_backward,
     matmul_forward=matmul_forward, matmul_gelu_forward=matmul_gelu_forward, matmul_backward=matmul_backward,
-    gelu_forward=functools.partial(_activation_forward, activation="gelu"),
-    gelu_backward=functools.partial(_activation_backward, activation="gelu"),
+    gelu_forward=functools.partial(_activation_op, activation="gelu"),
+    gelu_backward=lambda dy, pre: _activation_op(pre, "gelu", dy),
     attention_forward=attention_forward, attention_backward=attention_backward,
     crossentropy_forward_backward=crossentropy_forward_backward,
     global_norm=global_norm, adamw_update=adamw_update,
@@ -4220,17 +4213,11 @@ def autograd_layernorm_forward(x, w, b):
     return y, mean[:, 0], rstd[:, 0]
 
 
-
 def autograd_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
     dx, gw, gb = _vjp(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, LN_EPS), (x, w, torch.zeros_like(w)), dy)
     dw += gw
     db += gb
     return dx if dres is None else dx + dres
-
-
-def autograd_matmul_gelu_forward(x, w, b):
-    pre = F.linear(x, w, b)  # (N, M)
-    return F.gelu(pre, approximate="tanh"), pre
 
 
 def autograd_matmul_backward(dy, x, w, dw, db):
@@ -4242,7 +4229,6 @@ def autograd_matmul_backward(dy, x, w, dw, db):
     return grads[0]
 
 
-
 def autograd_attention_forward(qkv, n_head):
     B, T, C3 = qkv.shape
     C = C3 // 3
@@ -4252,11 +4238,6 @@ def autograd_attention_forward(qkv, n_head):
     causal = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()  # (T, T)
     lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), -1)  # (B, H, T)
     return out.transpose(1, 2).reshape(B, T, C), lse
-
-
-
-def autograd_attention_backward(dout, qkv, out, lse, n_head):
-    return _vjp(lambda qkv: autograd_attention_forward(qkv, n_head)[0], (qkv,), dout)[0]
 
 
 def autograd_crossentropy_forward_backward(logits, targets, V, dloss):
@@ -4293,11 +4274,12 @@ AUTOGRAD_OPS = op_table("autograd", dict(
     layernorm_forward=autograd_layernorm_forward,
     residual_layernorm_forward=lambda res, h, w, b: (res + h, *autograd_layernorm_forward(res + h, w, b)),
     layernorm_backward=autograd_layernorm_backward,
-    matmul_forward=F.linear, matmul_gelu_forward=autograd_matmul_gelu_forward,
-    matmul_backward=autograd_matmul_backward,
+    matmul_forward=F.linear, matmul_backward=autograd_matmul_backward,
+    matmul_gelu_forward=lambda x, w, b: (F.gelu(F.linear(x, w, b), approximate="tanh"), F.linear(x, w, b)),
     gelu_forward=lambda pre: F.gelu(pre, approximate="tanh"),
     gelu_backward=lambda dy, pre: _vjp(lambda x: F.gelu(x, approximate="tanh"), (pre,), dy)[0],
-    attention_forward=autograd_attention_forward, attention_backward=autograd_attention_backward,
+    attention_forward=autograd_attention_forward, attention_backward=lambda dout, qkv, out, lse, n_head: _vjp(
+        lambda qkv: autograd_attention_forward(qkv, n_head)[0], (qkv,), dout)[0],
     crossentropy_forward_backward=autograd_crossentropy_forward_backward,
     global_norm=lambda grads: torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])),
     adamw_update=autograd_adamw_update,
@@ -4500,15 +4482,11 @@ def compare(got, want):
 def first_configs(active=True):
     """Inside (when active), every autotuned kernel runs the first config its pruning keeps, untimed."""
     tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
-    prunes = [k.early_config_prune for k in tuners]
-    for k, prune in zip(tuners, prunes):
-        k.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: (
-            prune(configs, named_args, **kwargs) if prune else configs)[:1]
-    try:
+    with contextlib.ExitStack() as stack:
+        for k in tuners:
+            stack.enter_context(mock.patch.object(k, "early_config_prune", lambda configs, named_args, prune=(
+                k.early_config_prune), **kwargs: (prune(configs, named_args, **kwargs) if prune else configs)[:1]))
         yield
-    finally:
-        for k, prune in zip(tuners, prunes):
-            k.early_config_prune = prune
 
 
 def run_self_test(cfg):
@@ -4676,8 +4654,6 @@ def launched_kernels():
 @contextlib.contextmanager
 def timed_kernels(device, launches, active):
     """Inside, our launches are traced (`kernel NAME`), kept as [innermost op's index, name, start, end, work]."""
-    kernels = launched_kernels()
-
     def wrap(name, kernel, run):
         def timed_run(*args, **kwargs):
             with torch.profiler.record_function(f"kernel {name}"):
@@ -4688,13 +4664,10 @@ def timed_kernels(device, launches, active):
             launches.append([active[-1][1] if active else None, name, t0, t1, *work])
             return out
         return timed_run
-    for name, kernel in kernels.items():
-        kernel.run = wrap(name, kernel, kernel.run)  # an instance attribute over the class's method
-    try:
+    with contextlib.ExitStack() as stack:
+        for name, kernel in launched_kernels().items():  # an instance attribute over the class's method
+            stack.enter_context(mock.patch.object(kernel, "run", wrap(name, kernel, kernel.run)))
         yield
-    finally:
-        for kernel in kernels.values():
-            del kernel.run
 
 
 ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
@@ -4974,6 +4947,104 @@ def bench_ops(cfg, ops, device):
 
 
 # -----------------------------------------------------------------------------
+# Compiling for a GPU (--compile-for)
+#
+# Triton compiles with no GPU: a step and an evaluation run at the flags on meta tensors (shapes, no data),
+# Triton's driver describing the target, and each launch compiles every config it could pick there (an
+# autotuned kernel's pruned list) with its own arguments, and runs nothing.
+
+GPU_TARGETS = {"sm_90": (132, 227), "sm_86": (80, 99), "sm_80": (108, 163)}  # SMs, KB of shared memory a block
+
+
+def kernel_resources(compiled):
+    """(registers, spilled bytes) of a thread of a compiled kernel: cuobjdump's REG and LOCAL of its cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                               text=True).stdout
+    found = re.search(r"REG:(\d+) .*LOCAL:(\d+)", usage)
+    return found.groups() if found else ("n/a", "n/a")
+
+
+def compile_for(cfg):
+    """--compile-for: a row per kernel and config of a step and an evaluation at the flags, compiled for the
+    target; exits non-zero naming each that fails to compile or needs more shared memory than the target has."""
+    if cfg.backend != "triton" or INTERPRET:
+        die("--compile-for compiles backend triton's kernels for a GPU: give backend triton, TRITON_INTERPRET unset")
+    (sms, shared_kb), arch = GPU_TARGETS[cfg.compile_for], int(cfg.compile_for[3:])
+    print(f"--compile-for {cfg.compile_for} ({shared_kb} KB of shared memory a block): {cfg.recipe} L{cfg.n_layer} "
+          f"H{cfg.n_head} C{cfg.n_embd}, B {cfg.batch_size} T {cfg.seq_len}, {cfg.dtype}: a step and an evaluation"
+          + "; matmul's TMA configs skipped (sm_90 and later)" * (arch < 90)  # as _tma_ready skips them there
+          + "; --fp8-head's FP8 kernels skipped (sm_89 and later)" * (cfg.fp8_head and arch < 89))
+    cfg.fp8_head = cfg.fp8_head and arch >= 89
+    print(f"{'kernel':<28} {'shape':<30} {'warps':>5} {'stages':>6} {'shared KB':>9} {'regs':>4} {'spill':>5}  "
+          "meta-parameters")
+    seen, over, failed, t0 = {}, set(), [], time.perf_counter()  # {launch: compiled hash}, hashes too big
+
+    def compile_launch(name, kernel, run):
+        def compile_run(*args, grid, warmup, **kwargs):
+            nargs, configs, keys = dict(zip(kernel.arg_names, args)), [None], []
+            if isinstance(kernel, triton.runtime.Autotuner):
+                kernel.nargs = nargs  # what its pruning reads
+                configs = kernel.prune_configs(kwargs)
+            for config in configs:
+                meta = {**kwargs, **(config.all_kwargs() if config else {})}
+                if config and config.pre_hook:  # matmul's: the descriptors' block shapes
+                    config.pre_hook({**nargs, **meta})
+                keys.append(repr((name, meta, [str(a.dtype) if isinstance(a, torch.Tensor) else a if type(a) is int
+                                               else type(a) for a in args])))
+                if keys[-1] in seen:
+                    continue
+                seen[keys[-1]] = None
+                dtype = [str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+                shape = " ".join(dtype[:1] + [f"{k}={v}" for k, v in nargs.items() if k[0].isupper()
+                                              and type(v) is int])
+                params = " ".join(f"{k}={int(v) if type(v) is bool else v}" for k, v in meta.items() if k[0].isupper())
+                try:
+                    compiled = (kernel.fn.run if config else run)(*args, grid=grid, warmup=True, **meta)
+                except Exception as e:  # named in its row, and the run exits non-zero
+                    failed.append(name)
+                    print(f"{name:<28} {shape:<30} FAILED: {str(e).strip().splitlines()[-1]} ({params})", flush=True)
+                    continue
+                m = compiled.metadata
+                if compiled.hash not in seen.values():  # else another launch's specialization, printed already
+                    # the autotuner skips a config that needs more shared memory than the GPU has
+                    print(f"{name:<28} {shape:<30} {m.num_warps:5d} {m.num_stages:6d} {m.shared / 1024:9.1f} "
+                          f"{'{:>4} {:>5}'.format(*kernel_resources(compiled))}  {params}"
+                          + " (too big: the autotuner skips it)" * (m.shared > shared_kb << 10 and len(configs) > 1))
+                seen[keys[-1]] = compiled.hash
+                if m.shared > shared_kb << 10:
+                    over.add(compiled.hash)
+            if all(seen[k] in over for k in keys):
+                failed.append(name)
+                print(f"{name:<28} FAILED: needs more than {shared_kb} KB of shared memory (every config)")
+        return compile_run
+
+    shapes = param_shapes(cfg)
+    zeros = {k: np.broadcast_to(np.float32(0), s) for k, s in shapes.items()}  # 0-stride views: no memory
+    muon = RECIPES[cfg.recipe].muon_names(shapes)
+    state = make_state(zeros, zeros, {k: z for k, z in zeros.items() if k not in muon}, cfg, torch.device("meta"))
+    x = torch.zeros((1, cfg.batch_size, cfg.seq_len), dtype=torch.int64, device="meta")  # (1, B, T)
+    driver = SimpleNamespace(get_current_target=lambda: triton.backends.compiler.GPUTarget("cuda", arch, 32),
+                             get_current_device=lambda: 0, get_current_stream=lambda device=None: 0,
+                             utils=SimpleNamespace(get_device_properties=lambda device: {"multiprocessor_count": sms}))
+    # backend_ops asks for a GPU; a meta tensor has no value for the host to read
+    patches = [(triton.runtime.driver, "_active", driver), (torch.cuda, "is_available", lambda: True),
+               (torch.Tensor, "item", lambda self: 0.0)]
+    with contextlib.ExitStack() as stack:
+        for obj, attr, value in patches + [(k, "run", compile_launch(name, k, k.run))
+                                           for name, k in launched_kernels().items()]:
+            stack.enter_context(mock.patch.object(obj, attr, value))
+        train_step(state, x, x, 1, cfg, backend_ops("triton", cfg.recipe), 1)
+        token_losses(state["weights"], x[0], x[0], cfg)
+    done = f"{len(set(seen.values()) - {None})} kernels and configs in {time.perf_counter() - t0:.0f} s"
+    if failed:
+        die(f"--compile-for {cfg.compile_for}: {', '.join(dict.fromkeys(failed))} failed ({done} compiled)")
+    print(f"--compile-for {cfg.compile_for}: compiled {done}, each launch with a config that fits")
+
+
+# -----------------------------------------------------------------------------
 # The tools of each recipe
 #
 # What the tools ask of a recipe beside its RECIPES row: gpt2's row here, the speedrun's in its own section.
@@ -5006,19 +5077,6 @@ def recipe_tools(recipe):
 # Triton kernels: speedrun
 #
 # First the ops the kernels above serve through a flag (RMSNorm, ReLU^2, the soft cap, separate q, k, v).
-
-def rmsnorm_forward(x, w, eps):
-    """x (N,C) dt, w (C) dt -> (y (N,C) dt, rstd (N) fp32): RMSNorm with gain w."""
-    _, y, _, rstd = _layernorm_forward(x, None, w, None, eps, rms=True)
-    return y, rstd
-
-
-def residual_rmsnorm_forward(res, h, w, eps):
-    """res (N,C), h (N,C) dt -> (x = res + h (N,C) dt, RMSNorm(x) (N,C) dt, rstd (N) fp32)."""
-    x, y, _, rstd = _layernorm_forward(res, h, w, None, eps, rms=True)
-    return x, y, rstd
-
-
 
 def softcap_crossentropy_forward_backward(z, targets, dloss, block_v=CE_BLOCK_V):
     """losses (N) fp32 of the soft-capped z (N,Vp) dt over all Vp columns; OVERWRITES z with dloss * dlosses/dz."""
@@ -5360,13 +5418,14 @@ def fp8_matmul_backward(dz, x_f8, w_f8, dw, db):
 
 TRITON_SPEEDRUN_OPS = op_table("triton", dict(
     embedding_forward=functools.partial(encoder_forward, wpe=None), embedding_backward=embedding_backward,
-    rmsnorm_forward=rmsnorm_forward, residual_rmsnorm_forward=residual_rmsnorm_forward,
+    rmsnorm_forward=lambda x, w, eps: _layernorm_forward(x, None, w, None, eps, rms=True)[1:],  # (y, rstd)
+    residual_rmsnorm_forward=lambda res, h, w, eps: _layernorm_forward(res, h, w, None, eps, rms=True),  # (x, y, rstd)
     rmsnorm_backward=lambda dy, x, w, rstd, dw, dres=None: layernorm_backward(dy, x, w, None, rstd, dw, None, dres),
     qk_norm_rotary_forward=qk_norm_rotary_forward, qk_norm_rotary_backward=qk_norm_rotary_backward,
     scaled_attention_forward=scaled_attention_forward, scaled_attention_backward=scaled_attention_backward,
     matmul_relu2_forward=lambda x, w, b: _matmul(x, w.t(), b, activation="relu2"),  # (relu(pre)^2, pre)
-    relu2_forward=functools.partial(_activation_forward, activation="relu2"),
-    relu2_backward=functools.partial(_activation_backward, activation="relu2"),
+    relu2_forward=functools.partial(_activation_op, activation="relu2"),
+    relu2_backward=lambda dy, pre: _activation_op(pre, "relu2", dy),
     softcap_crossentropy_forward_backward=softcap_crossentropy_forward_backward,
     muon_update=muon_update, add_into=add_into, fp8_quantize=triton_fp8_quantize,
     fp8_matmul_forward=fp8_matmul_forward, fp8_matmul_backward=fp8_matmul_backward,
@@ -5401,7 +5460,6 @@ def case_matmul_relu2(ops, r, B, T, C, H):
     y, pre = ops.matmul_relu2_forward(x, w, b)  # (N, 4C) each
     dpre = ops.relu2_backward(r.rand(B * T, 4 * C), pre)  # (N, 4C)
     return dict(y=y, pre=pre, dpre=dpre)
-
 
 
 def case_softcap_crossentropy(ops, r, B, T, C, H):

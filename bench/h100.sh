@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU's first call, at most 9 minutes, in the order that a cut-off costs least:
+#   0. every kernel and config of both recipes' d12 step compiled for sm_90 without a launch (--compile-for):
+#      a compile error, or a config too big for the shared memory, named before anything runs;
 #   1. correctness: backend triton's --test of both recipes, compiled, fp32 then bf16, each row written as
 #      it is checked (the two recipes at once: compiling kernels is CPU work, and the card has 16 cores);
 #   2. the d12 step of both recipes in the three trainers (bf16, T = 1024, 4 steps of 524,288 tokens of
@@ -43,6 +45,19 @@ echo "== versions"
   $PY -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__,
                                         'jax', jax.__version__)"
 } 2>&1 | tee "$LOG/versions.txt"
+
+# 0. the kernels compiled for sm_90 (not interpreted, even in DRY), the two recipes at once
+if stage compile 150; then
+    for recipe in gpt2 speedrun; do
+        TRITON_INTERPRET=0 timeout "$LIMIT" $PY train_gpt2_triton.py triton --recipe "$recipe" --model d12 \
+            --dtype bf16 --compile-for sm_90 > "$LOG/compile_$recipe.txt" 2>&1 &
+    done
+    wait
+    for recipe in gpt2 speedrun; do
+        echo "-- --compile-for sm_90 --recipe $recipe"
+        grep -E "FAILED|compiled" "$LOG/compile_$recipe.txt" || tail -3 "$LOG/compile_$recipe.txt"
+    done
+fi
 
 # 1. correctness
 if stage test 200; then
