@@ -767,6 +767,7 @@ def cmd_bench(args):
     import tiktoken  # the reference, for the comparison only
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
+    from unittest import mock
 
     if args.repeats < 1:
         die(f"--repeats {args.repeats}: must be at least 1")
@@ -776,9 +777,10 @@ def cmd_bench(args):
     encoder_json, vocab_bpe = (os.path.join(args.gpt2_dir, f) for f in ("encoder.json", "vocab.bpe"))
     tok = BPETokenizer.from_gpt2(encoder_json, vocab_bpe)
     # tiktoken's GPT-2 as get_encoding("gpt2") builds it, from the same two files (hash-checked) read here
-    # rather than downloaded: the comparison runs offline
-    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, GPT2_SHA256["vocab.bpe"],
-                                            GPT2_SHA256["encoder.json"])
+    # rather than downloaded: the comparison runs offline. TIKTOKEN_CACHE_DIR "": none of it in tiktoken's cache
+    with mock.patch.dict(os.environ, TIKTOKEN_CACHE_DIR=""):
+        ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, GPT2_SHA256["vocab.bpe"],
+                                                GPT2_SHA256["encoder.json"])
     enc = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                             special_tokens={ENDOFTEXT: len(ranks)}, explicit_n_vocab=len(ranks) + 1)
 

@@ -1466,9 +1466,9 @@ def run(cfg, device, info, tok, tok_path, params, m, v, restart, signals):
         counts.append(tokens)
         lr, stats = lr_at(step, cfg), device.memory_stats()  # no statistics on a CPU
         mem = stats["peak_bytes_in_use"] / 1e9 if stats and "peak_bytes_in_use" in stats else None
-        mem_s = "n/a" if mem is None else f"{mem:.1f} GB"
+        mem_s = "" if mem is None else f" | mem {mem:.1f} GB"  # only where measured
         print(f"step {step:5d}/{cfg.steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.4e} | {1000 * dt:.1f} ms | "
-              f"{tokens / dt:,.0f} tok/s | mem {mem_s}")
+              f"{tokens / dt:,.0f} tok/s{mem_s}")
         log_event(cfg.out_dir, FRAMEWORK, step=step, train_loss=loss, grad_norm=norm, lr=lr, dt_ms=1000 * dt,
                   tokens_per_s=tokens / dt, peak_mem_gb=mem)
         if due(cfg.val_every, step, cfg.steps):

@@ -84,8 +84,10 @@ def trained(data_dir, jax_env, tmp_path_factory):
 
 @pytest.mark.quick  # the quick tier's run of train_aiayn_jax.py
 def test_training_loss_falls_and_logs(trained):
-    """40 steps of the tiny model cut the training and validation loss; log.jsonl logs every step."""
+    """40 steps of the tiny model cut the training and validation loss; log.jsonl logs every step; a step
+    line prints memory only where it is measured (not on the CPU)."""
     out, stdout = trained
+    assert "n/a" not in stdout and " | mem " not in stdout, stdout[:2000]
     steps = step_events(out)
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
     for e in steps:

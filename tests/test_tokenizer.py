@@ -518,9 +518,11 @@ def test_cli_outputs_and_flags(tmp_path, capsys):
 
 def test_cli_bench_offline(tmp_path, shakespeare):
     """`bench` compares with tiktoken built from the committed GPT-2 files: offline, with tiktoken's cache
-    empty, it still runs."""
+    empty, it still runs, and writes nothing into that cache."""
     small = tmp_path / "small.txt"
     small.write_text(shakespeare[:5000], encoding="utf-8")
+    (tmp_path / "empty_cache").mkdir()
     proc = run_script("tokenizer.py", "bench", "--input", small, "--vocab-size", "260", "--repeats", "1",
                       env={**OFFLINE, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")})
     assert "identical to tiktoken: yes" in proc.stdout
+    assert not os.listdir(tmp_path / "empty_cache"), "bench leaves tiktoken's cache as it found it"
