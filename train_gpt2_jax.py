@@ -1020,7 +1020,7 @@ def counted_loss_sum(params, x, y, counted, cfg):
 
 def evaluate_val(loss_sum_jit, params, loader, cfg, put):
     """Mean token loss over the first cfg.val_tokens // T sequences of the val shards, at any device count."""
-    loader.reset()
+    loader.set_state(0, 0)
     total = 0.0
     for counted in val_batches(cfg, loader):
         x, y = loader.next_batch()                                                 # (B,T) each
@@ -1476,9 +1476,6 @@ class DataLoader:
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed, self.shard = files, B, T, rank, world, seed, None
         shard_lengths(files or [], world * B * T)
-        self.reset()
-
-    def reset(self):
         self.set_state(0, 0)
 
     def set_state(self, shard, position):
@@ -2021,17 +2018,11 @@ PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vend
 }
 
 
-def model_flops_per_token(cfg, n_params):
-    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
-
-
-def peak_flops(device_name, dtype):
-    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
-    for key, (bf16, tf32) in PEAK_FLOPS.items():
-        if key in device_name:
-            return bf16 if dtype == "bf16" else tf32
-    return None
+def step_flops(cfg, n_params, gpu_name, world):
+    """(model FLOPs per token, the dense peak FLOP/s of `world` GPUs named gpu_name or None: no GPU we know)."""
+    peaks = [bf16 if cfg.dtype == "bf16" else tf32 for key, (bf16, tf32) in PEAK_FLOPS.items() if key in gpu_name]
+    # 6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len, peaks[0] * world if peaks else None
 
 
 def logged_evals(out_dir, step):
@@ -2070,12 +2061,6 @@ def memory_warning(held, activations, world, available):
     return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
             f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or a "
             "cheaper --recompute)")
-
-
-def start_event(cfg, step, world, held, activations):
-    """log.jsonl's first event of each launch (docs/FORMATS.md)."""
-    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
-                config=dict(vars(cfg)))
 
 
 def due(every, step, steps):
@@ -2254,7 +2239,8 @@ def main(argv, signals):
     warning = jax.default_backend() == "cpu" and memory_warning(held, activations, world, host_memory_available())
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
-    log(**start_event(cfg, step, world, held, activations))
+    log(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
+        config=dict(vars(cfg)))  # log.jsonl's first event of each launch (docs/FORMATS.md)
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
@@ -2295,9 +2281,8 @@ def main(argv, signals):
         compile_s = time.perf_counter() - t0
         say(f"compiled train step in {compile_s:.1f} s (counted in the first step's time)")
 
-        peak = peak_flops(devices[0].device_kind, cfg.dtype) if platform == "gpu" else None
-        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
-        absent = ([f"mfu (no peak FLOP/s known for {devices[0].device_kind})"] * (peak is None)
+        flops = step_flops(cfg, n_params, devices[0].device_kind if platform == "gpu" else "", world)
+        absent = ([f"mfu (no peak FLOP/s known for {devices[0].device_kind})"] * (flops[1] is None)
                   + ["mem (no memory statistics)"] * (peak_memory_gb(jax.local_devices()) is None))
         if absent:
             say(f"step lines without {' and '.join(absent)}")

@@ -1321,9 +1321,6 @@ class DataLoader:
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed, self.shard = files, B, T, rank, world, seed, None
         shard_lengths(files or [], world * B * T)
-        self.reset()
-
-    def reset(self):
         self.set_state(0, 0)
 
     def set_state(self, shard, position):
@@ -1866,17 +1863,11 @@ PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vend
 }
 
 
-def model_flops_per_token(cfg, n_params):
-    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
-
-
-def peak_flops(device_name, dtype):
-    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
-    for key, (bf16, tf32) in PEAK_FLOPS.items():
-        if key in device_name:
-            return bf16 if dtype == "bf16" else tf32
-    return None
+def step_flops(cfg, n_params, gpu_name, world):
+    """(model FLOPs per token, the dense peak FLOP/s of `world` GPUs named gpu_name or None: no GPU we know)."""
+    peaks = [bf16 if cfg.dtype == "bf16" else tf32 for key, (bf16, tf32) in PEAK_FLOPS.items() if key in gpu_name]
+    # 6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len, peaks[0] * world if peaks else None
 
 
 def logged_evals(out_dir, step):
@@ -1915,12 +1906,6 @@ def memory_warning(held, activations, world, available):
     return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
             f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or a "
             "cheaper --recompute)")
-
-
-def start_event(cfg, step, world, held, activations):
-    """log.jsonl's first event of each launch (docs/FORMATS.md)."""
-    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
-                config=dict(vars(cfg)))
 
 
 def due(every, step, steps):
@@ -2115,7 +2100,7 @@ def to_device(arrays, device):
 
 def evaluate_val(row_losses, weights, loader, cfg, device, world):
     """Mean token loss over the val shards' first val_tokens // T sequences, the same at any batch and world size."""
-    loader.reset()
+    loader.set_state(0, 0)
     total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
     rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
     for counted in val_batches(cfg, loader):
@@ -2366,7 +2351,8 @@ def main(argv, signals):
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
     if master:
-        log_event(cfg.out_dir, FRAMEWORK, **start_event(cfg, step, world, held, activations))
+        log_event(cfg.out_dir, FRAMEWORK, event="start", step=step, devices=world, state_bytes=held,  # docs/FORMATS.md
+                  activation_bytes=activations, config=dict(vars(cfg)))
 
     with fail_on_out_of_memory(cfg), fail_on_lost_peer(store, rank, world):
         def compile_(fn, **kwargs):
@@ -2401,9 +2387,8 @@ def main(argv, signals):
         grad_fn = compile_(grads_and_loss, fullgraph=True)
         update_fn = compile_(recipe.update, fullgraph=True)
 
-        peak = peak_flops(device_kind, cfg.dtype) if on_gpu else None
-        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
-        absent = ([f"mfu (no peak FLOP/s known for {device_kind})"] * (peak is None)
+        flops = step_flops(cfg, n_params, device_kind if on_gpu else "", world)
+        absent = ([f"mfu (no peak FLOP/s known for {device_kind})"] * (flops[1] is None)
                   + ["mem (no memory statistics)"] * (peak_memory_gb(device) is None))
         if absent:
             say(f"step lines without {' and '.join(absent)}")
