@@ -1105,7 +1105,9 @@ def fail_on_out_of_memory(cfg):
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        die_out_of_memory(cfg, e)
+        cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+        die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
+            f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
 
 
 @contextlib.contextmanager
@@ -1264,13 +1266,6 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quo
 def die(msg):
     """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
     raise SystemExit(f"error: {msg}")
-
-
-def die_out_of_memory(cfg, e):
-    """The one line that ends a run out of device memory (exception `e`): a bad --batch-size or --recompute."""
-    cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
-    die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
-        f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
 
 
 def write_failure(path, e):
@@ -2178,14 +2173,6 @@ def stop_on_signal(signum, step, cfg, master):
     raise SystemExit(128 + signum)
 
 
-def stop_diverged(step, loss, norm, cfg):
-    """Stops a run whose step gave a non-finite loss or grad norm, before that step is logged or saved."""
-    latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
-    kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
-    die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
-        f"stopped before logging or saving this step, {kept}")
-
-
 # -----------------------------------------------------------------------------
 # Main
 
@@ -2304,8 +2291,11 @@ def main(argv, signals):
                 # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
                 times[step] = dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
                 spent += dt  # the run's step time, its earlier launches' too: what --time-budget counts
-            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
-                stop_diverged(step, loss, norm, cfg)
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same in every process: stopped before the log
+                latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
+                kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
+                die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a "
+                    f"--grad-clip); stopped before logging or saving this step, {kept}")
             # every process stops at the same step: process 0's clock decides, a signal to any stops all
             budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
             if ranks > 1:
