@@ -172,13 +172,12 @@ def framework_flags(p):
                    "attention on an NVIDIA GPU in bf16, else XLA's (default auto)")
     p.add_argument("--scan-layers", action="store_true",
                    help="run the layers as one lax.scan: compile time independent of depth (gpt2 recipe)")
-    p.add_argument("--coordinator",
-                   help="several processes: HOST:PORT of process 0, an IPv6 host in [brackets] (default: "
-                   "$JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int,
-                   help="processes in the run (default: $JAX_NUM_PROCESSES, or what srun/mpirun set, else 1)")
-    p.add_argument("--process-id", type=int,
-                   help="this process's rank, 0 .. processes-1 (default: $JAX_PROCESS_ID, or srun/mpirun's)")
+    p.add_argument("--coordinator", help="several processes: HOST:PORT of process 0, an IPv6 host in [brackets] "
+                   "(default: $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, help="processes in the run (default: $JAX_NUM_PROCESSES, or what "
+                   "srun/mpirun set, else 1)")
+    p.add_argument("--process-id", type=int, help="this process's rank, 0 .. processes-1 (default: $JAX_PROCESS_ID, "
+                   "or srun/mpirun's)")
     p.add_argument("--coordinator-timeout", type=int, help="several processes: seconds each waits for all "
                    f"to join at the coordinator before it stops (default {Config.coordinator_timeout})")
 
@@ -501,8 +500,7 @@ EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no comp
 
 
 def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
-    """One optimizer step on A micro-batches x, y (A,B,T), state placed by `layout` (copies: stage 1's bf16
-    weights, else {}) -> (params, m, v, copies, mean token loss, grad norm before clipping)."""
+    """One optimizer step on micro-batches x, y (A,B,T) -> (params, m, v, copies, mean loss, unclipped grad norm)."""
     recipe = RECIPES[cfg.recipe]
     scale = 1.0 if recipe.summed else 1.0 / x.shape[0]  # the mean over the A micro-batches
     constrain = jax.lax.with_sharding_constraint
@@ -873,8 +871,8 @@ def speedrun_scalars(step, cfg):
 
 
 def newton_schulz(G, dtype):
-    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F,
-    X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T (on tall matrices' transposes, so that A is the smaller)."""
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`."""
+    # X = G/||G||_F, then X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, on tall matrices' transposes (A the smaller)
     tall = G.shape[-2] > G.shape[-1]
     X = G.astype(dtype).mT if tall else G.astype(dtype)                            # (n,r',c')
     norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(-2, -1), keepdims=True))  # (n,1,1)
@@ -896,8 +894,7 @@ def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
 
 
 def speedrun_muon(names, params, grads, m, lr, dtype, deal):
-    """Muon on the matrices `names`, all of shape (r,c), orthogonalized in `dtype` and dealt over the
-    devices by the sharding `deal` when their count divides -> ({name: new p}, {name: new m})."""
+    """Muon on the same-shape matrices `names`, orthogonalized in `dtype`, dealt by `deal` -> (new params, new m)."""
     g = jnp.stack([grads[k] for k in names])                                       # (n,r,c)
     momentum = jnp.stack([m[k] for k in names])                                    # (n,r,c)
     momentum = momentum + (1.0 - MUON_MOMENTUM) * (g - momentum)                   # (n,r,c)
@@ -994,8 +991,8 @@ def cast_copies(params, names, cfg):
 
 
 def state_layout(cfg, mesh):
-    """{piece: {name: NamedSharding}} at cfg.zero_stage for "masters", "grads", "moments", "copies" and
-    "weights" (a step's compute copies, whole); "matrices": how Muon deals its stacks (None at stage 0)."""
+    """{piece: {name: NamedSharding}} of "masters", "grads", "moments", "copies", "weights" (whole); "matrices"."""
+    # "weights": a step's compute copies; "matrices": how Muon deals its stacks (None at stage 0)
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
@@ -1062,8 +1059,7 @@ def say_samples(generate_jit, params, step, cfg, sampler, say):
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of training state one of `world` devices holds for the tensors of `shapes`, split as
-    state_layout splits them: {"params" (stage 1's copies), "grads", "masters", "moments"}."""
+    """{"params" (stage 1's copies), "grads", "masters", "moments"}: bytes one device holds, split as state_layout."""
     def held(shape, split, size=4):
         axis = shard_axis(shape, world) if split else None
         return size * math.prod(shape) // (world if axis is not None else 1)
@@ -1112,8 +1108,8 @@ def fail_on_out_of_memory(cfg):
 
 @contextlib.contextmanager
 def fail_on_lost_peer():
-    """A collective failed by a lost process: each survivor names it in one line and exits at once
-    (jax.distributed's shutdown would wait ~90 s on it, then abort); other errors pass through."""
+    """A collective failed by a lost process: each survivor names it in one line and exits at once (not waiting)."""
+    # jax.distributed's shutdown would wait ~90 s on the lost process, then abort; other errors pass through
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
@@ -1144,8 +1140,8 @@ def fail_on_lost_peer():
 
 
 def init_processes(cfg):
-    """Joins the processes of a multi-host run (jax.distributed) before anything touches a device; the
-    coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment."""
+    """Joins a multi-host run's processes (jax.distributed) before anything touches a device."""
+    # the coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment
     def env_int(name, default):
         text = os.environ.get(name, "")
         try:
@@ -1233,8 +1229,7 @@ def init_processes(cfg):
 
 def place(tree, shardings):
     """Host arrays whole on every process -> global device arrays laid out as `shardings` (a matching tree)."""
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                        tree, shardings)
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]), tree, shardings)
 
 
 def put_rows(sharding, rows):
@@ -1369,9 +1364,8 @@ def parse_args(argv=None):
     if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
         die("--seed must be in [0, 2**63)")
     if cfg.zero_stage not in ZERO_STAGES:
-        stages = " or ".join(map(str, ZERO_STAGES))
         jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
-        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {' or '.join(map(str, ZERO_STAGES))}{jax}")
     RECIPES[cfg.recipe].configure(cfg, given, shape)
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
