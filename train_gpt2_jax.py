@@ -1121,8 +1121,7 @@ def fail_on_lost_peer():
         client = jax_distributed.global_state.client
         try:
             client.key_value_set(f"census/{rank}", "alive")
-            deadline = time.monotonic() + 5
-            silent = list(range(world))
+            silent, deadline = list(range(world)), time.monotonic() + 5
             while silent and time.monotonic() < deadline:
                 marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
                 silent = [r for r in range(world) if str(r) not in marked]
