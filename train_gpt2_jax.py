@@ -172,13 +172,12 @@ def framework_flags(p):
                    "attention on an NVIDIA GPU in bf16, else XLA's (default auto)")
     p.add_argument("--scan-layers", action="store_true",
                    help="run the layers as one lax.scan: compile time independent of depth (gpt2 recipe)")
-    p.add_argument("--coordinator",
-                   help="several processes: HOST:PORT of process 0, an IPv6 host in [brackets] (default: "
-                   "$JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int,
-                   help="processes in the run (default: $JAX_NUM_PROCESSES, or what srun/mpirun set, else 1)")
-    p.add_argument("--process-id", type=int,
-                   help="this process's rank, 0 .. processes-1 (default: $JAX_PROCESS_ID, or srun/mpirun's)")
+    p.add_argument("--coordinator", help="several processes: HOST:PORT of process 0, an IPv6 host in [brackets] "
+                   "(default: $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, help="processes in the run (default: $JAX_NUM_PROCESSES, or what "
+                   "srun/mpirun set, else 1)")
+    p.add_argument("--process-id", type=int, help="this process's rank, 0 .. processes-1 (default: $JAX_PROCESS_ID, "
+                   "or srun/mpirun's)")
     p.add_argument("--coordinator-timeout", type=int, help="several processes: seconds each waits for all "
                    f"to join at the coordinator before it stops (default {Config.coordinator_timeout})")
 
@@ -501,8 +500,7 @@ EMBEDDINGS = ("wte", "wpe")  # the model gathers rows from them in fp32: no comp
 
 
 def train_step(params, m, v, copies, x, y, scalars, cfg, layout):
-    """One optimizer step on A micro-batches x, y (A,B,T), state placed by `layout` (copies: stage 1's bf16
-    weights, else {}) -> (params, m, v, copies, mean token loss, grad norm before clipping)."""
+    """One optimizer step on micro-batches x, y (A,B,T) -> (params, m, v, copies, mean loss, unclipped grad norm)."""
     recipe = RECIPES[cfg.recipe]
     scale = 1.0 if recipe.summed else 1.0 / x.shape[0]  # the mean over the A micro-batches
     constrain = jax.lax.with_sharding_constraint
@@ -873,8 +871,8 @@ def speedrun_scalars(step, cfg):
 
 
 def newton_schulz(G, dtype):
-    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`: from X = G/||G||_F,
-    X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T (on tall matrices' transposes, so that A is the smaller)."""
+    """The reference's orthogonalization of each matrix G (n,r,c) -> (n,r,c) in `dtype`."""
+    # X = G/||G||_F, then X <- 2X + (-1.5 A + 0.5 A^2) X with A = X X^T, on tall matrices' transposes (A the smaller)
     tall = G.shape[-2] > G.shape[-1]
     X = G.astype(dtype).mT if tall else G.astype(dtype)                            # (n,r',c')
     norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(-2, -1), keepdims=True))  # (n,1,1)
@@ -896,8 +894,7 @@ def speedrun_adamw(p, g, m, v, lr, bias1, bias2, weight_decay):
 
 
 def speedrun_muon(names, params, grads, m, lr, dtype, deal):
-    """Muon on the matrices `names`, all of shape (r,c), orthogonalized in `dtype` and dealt over the
-    devices by the sharding `deal` when their count divides -> ({name: new p}, {name: new m})."""
+    """Muon on the same-shape matrices `names`, orthogonalized in `dtype`, dealt by `deal` -> (new params, new m)."""
     g = jnp.stack([grads[k] for k in names])                                       # (n,r,c)
     momentum = jnp.stack([m[k] for k in names])                                    # (n,r,c)
     momentum = momentum + (1.0 - MUON_MOMENTUM) * (g - momentum)                   # (n,r,c)
@@ -994,8 +991,8 @@ def cast_copies(params, names, cfg):
 
 
 def state_layout(cfg, mesh):
-    """{piece: {name: NamedSharding}} at cfg.zero_stage for "masters", "grads", "moments", "copies" and
-    "weights" (a step's compute copies, whole); "matrices": how Muon deals its stacks (None at stage 0)."""
+    """{piece: {name: NamedSharding}} of "masters", "grads", "moments", "copies", "weights" (whole); "matrices"."""
+    # "weights": a step's compute copies; "matrices": how Muon deals its stacks (None at stage 0)
     replicated = NamedSharding(mesh, PartitionSpec())
     split = {k: NamedSharding(mesh, zero_spec(s, mesh.size)) for k, s in param_shapes(cfg).items()}
     whole = {k: replicated for k in split}
@@ -1020,7 +1017,7 @@ def counted_loss_sum(params, x, y, counted, cfg):
 
 def evaluate_val(loss_sum_jit, params, loader, cfg, put):
     """Mean token loss over the first cfg.val_tokens // T sequences of the val shards, at any device count."""
-    loader.reset()
+    loader.set_state(0, 0)
     total = 0.0
     for counted in val_batches(cfg, loader):
         x, y = loader.next_batch()                                                 # (B,T) each
@@ -1062,8 +1059,7 @@ def say_samples(generate_jit, params, step, cfg, sampler, say):
 
 
 def device_state_bytes(cfg, shapes, world):
-    """Bytes of training state one of `world` devices holds for the tensors of `shapes`, split as
-    state_layout splits them: {"params" (stage 1's copies), "grads", "masters", "moments"}."""
+    """{"params" (stage 1's copies), "grads", "masters", "moments"}: bytes one device holds, split as state_layout."""
     def held(shape, split, size=4):
         axis = shard_axis(shape, world) if split else None
         return size * math.prod(shape) // (world if axis is not None else 1)
@@ -1105,13 +1101,15 @@ def fail_on_out_of_memory(cfg):
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        die_out_of_memory(cfg, e)
+        cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+        die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
+            f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
 
 
 @contextlib.contextmanager
 def fail_on_lost_peer():
-    """A collective failed by a lost process: each survivor names it in one line and exits at once
-    (jax.distributed's shutdown would wait ~90 s on it, then abort); other errors pass through."""
+    """A collective failed by a lost process: each survivor names it in one line and exits at once (not waiting)."""
+    # jax.distributed's shutdown would wait ~90 s on the lost process, then abort; other errors pass through
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
@@ -1123,8 +1121,7 @@ def fail_on_lost_peer():
         client = jax_distributed.global_state.client
         try:
             client.key_value_set(f"census/{rank}", "alive")
-            deadline = time.monotonic() + 5
-            silent = list(range(world))
+            silent, deadline = list(range(world)), time.monotonic() + 5
             while silent and time.monotonic() < deadline:
                 marked = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get("census/")}
                 silent = [r for r in range(world) if str(r) not in marked]
@@ -1142,8 +1139,8 @@ def fail_on_lost_peer():
 
 
 def init_processes(cfg):
-    """Joins the processes of a multi-host run (jax.distributed) before anything touches a device; the
-    coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment."""
+    """Joins a multi-host run's processes (jax.distributed) before anything touches a device."""
+    # the coordinator, count and rank from the flags, else $JAX_*, else srun's or mpirun's environment
     def env_int(name, default):
         text = os.environ.get(name, "")
         try:
@@ -1231,8 +1228,7 @@ def init_processes(cfg):
 
 def place(tree, shardings):
     """Host arrays whole on every process -> global device arrays laid out as `shardings` (a matching tree)."""
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                        tree, shardings)
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]), tree, shardings)
 
 
 def put_rows(sharding, rows):
@@ -1264,13 +1260,6 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quo
 def die(msg):
     """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
     raise SystemExit(f"error: {msg}")
-
-
-def die_out_of_memory(cfg, e):
-    """The one line that ends a run out of device memory (exception `e`): a bad --batch-size or --recompute."""
-    cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
-    die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
-        f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
 
 
 def write_failure(path, e):
@@ -1374,9 +1363,8 @@ def parse_args(argv=None):
     if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
         die("--seed must be in [0, 2**63)")
     if cfg.zero_stage not in ZERO_STAGES:
-        stages = " or ".join(map(str, ZERO_STAGES))
         jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
-        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {' or '.join(map(str, ZERO_STAGES))}{jax}")
     RECIPES[cfg.recipe].configure(cfg, given, shape)
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
@@ -1476,9 +1464,6 @@ class DataLoader:
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed, self.shard = files, B, T, rank, world, seed, None
         shard_lengths(files or [], world * B * T)
-        self.reset()
-
-    def reset(self):
         self.set_state(0, 0)
 
     def set_state(self, shard, position):
@@ -2021,17 +2006,11 @@ PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vend
 }
 
 
-def model_flops_per_token(cfg, n_params):
-    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
-
-
-def peak_flops(device_name, dtype):
-    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
-    for key, (bf16, tf32) in PEAK_FLOPS.items():
-        if key in device_name:
-            return bf16 if dtype == "bf16" else tf32
-    return None
+def step_flops(cfg, n_params, gpu_name, world):
+    """(model FLOPs per token, the dense peak FLOP/s of `world` GPUs named gpu_name or None: no GPU we know)."""
+    peaks = [bf16 if cfg.dtype == "bf16" else tf32 for key, (bf16, tf32) in PEAK_FLOPS.items() if key in gpu_name]
+    # 6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len, peaks[0] * world if peaks else None
 
 
 def logged_evals(out_dir, step):
@@ -2070,12 +2049,6 @@ def memory_warning(held, activations, world, available):
     return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
             f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or a "
             "cheaper --recompute)")
-
-
-def start_event(cfg, step, world, held, activations):
-    """log.jsonl's first event of each launch (docs/FORMATS.md)."""
-    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
-                config=dict(vars(cfg)))
 
 
 def due(every, step, steps):
@@ -2193,14 +2166,6 @@ def stop_on_signal(signum, step, cfg, master):
     raise SystemExit(128 + signum)
 
 
-def stop_diverged(step, loss, norm, cfg):
-    """Stops a run whose step gave a non-finite loss or grad norm, before that step is logged or saved."""
-    latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
-    kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
-    die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
-        f"stopped before logging or saving this step, {kept}")
-
-
 # -----------------------------------------------------------------------------
 # Main
 
@@ -2254,7 +2219,8 @@ def main(argv, signals):
     warning = jax.default_backend() == "cpu" and memory_warning(held, activations, world, host_memory_available())
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
-    log(**start_event(cfg, step, world, held, activations))
+    log(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
+        config=dict(vars(cfg)))  # log.jsonl's first event of each launch (docs/FORMATS.md)
 
     # fp32 means fp32: XLA would otherwise run fp32 matmuls on a GPU as TF32
     precision = jax.default_matmul_precision("highest") if cfg.dtype == "fp32" else contextlib.nullcontext()
@@ -2295,9 +2261,8 @@ def main(argv, signals):
         compile_s = time.perf_counter() - t0
         say(f"compiled train step in {compile_s:.1f} s (counted in the first step's time)")
 
-        peak = peak_flops(devices[0].device_kind, cfg.dtype) if platform == "gpu" else None
-        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
-        absent = ([f"mfu (no peak FLOP/s known for {devices[0].device_kind})"] * (peak is None)
+        flops = step_flops(cfg, n_params, devices[0].device_kind if platform == "gpu" else "", world)
+        absent = ([f"mfu (no peak FLOP/s known for {devices[0].device_kind})"] * (flops[1] is None)
                   + ["mem (no memory statistics)"] * (peak_memory_gb(jax.local_devices()) is None))
         if absent:
             say(f"step lines without {' and '.join(absent)}")
@@ -2319,8 +2284,11 @@ def main(argv, signals):
                 # the ahead-of-time compile counts in the first step, as torch.compile's does in the torch trainers
                 times[step] = dt = time.perf_counter() - t0 + (compile_s if step == first else 0.0)
                 spent += dt  # the run's step time, its earlier launches' too: what --time-budget counts
-            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
-                stop_diverged(step, loss, norm, cfg)
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same in every process: stopped before the log
+                latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
+                kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
+                die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a "
+                    f"--grad-clip); stopped before logging or saving this step, {kept}")
             # every process stops at the same step: process 0's clock decides, a signal to any stops all
             budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
             if ranks > 1:

@@ -828,8 +828,7 @@ def speedrun_block(x, w, cfg):
     y = recomputed(functools.partial(speedrun_attention, cfg=cfg), cfg, "pointwise", [q, k, v])  # (B,T,C)
     x = x + F.linear(y, w["attn.proj.weight"], w["attn.proj.bias"])                # (B,T,C)
     h, = linears(rms_norm, x, (w["norm2.gains"],), [(w["mlp.fc.weight"], w["mlp.fc.bias"])], cfg)  # (B,T,4C)
-    h, = linears(lambda h: F.relu(h).square(), h, (), [(w["mlp.proj.weight"], w["mlp.proj.bias"])],
-                 cfg)                                                              # (B,T,C)
+    h, = linears(lambda h: F.relu(h).square(), h, (), [(w["mlp.proj.weight"], w["mlp.proj.bias"])], cfg)  # (B,T,C)
     return x + h                                                                   # (B,T,C)
 
 
@@ -1021,19 +1020,16 @@ def make_state(params, m, v, cfg, device, rank, world):
     shapes = param_shapes(cfg)
     muon = RECIPES[cfg.recipe].muon_names(shapes)
     layout = state_layout(compute_groups(cfg), muon, shapes, world)
-    state = flat_gradients(shapes, layout, device)
-    if cfg.zero_stage == 0:
-        return whole_state(state, params, m, v, cfg, device)
+    _, starts, spans = layout
+    buffer = torch.zeros(spans[-1][1], dtype=torch.float32, device=device)         # (P,) padded
+    state = {"grad_buffer": buffer, "grads": flat_views(buffer, starts, shapes, list(shapes)), "starts": starts}
+    if cfg.zero_stage == 0:  # a process's shard is the whole model (masters, bf16 copies, moments)
+        state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
+        state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
+        state["weights"] = model_weights(state["params"], state["copies"])
+        state.update(shard_params=state["params"], shard_grads=state["grads"], shard_copies=state["copies"])
+        return state
     return sharded_state(state, params, m, v, shapes, layout, muon, device, rank, world)
-
-
-def whole_state(state, params, m, v, cfg, device):
-    """Stage 0: a process's shard is the whole model (masters, bf16 copies, moments)."""
-    state.update(params=to_device(params, device), m=to_device(m, device), v=to_device(v, device))
-    state["copies"] = compute_copies(state["params"], cfg)  # refreshed by every update from then on
-    state["weights"] = model_weights(state["params"], state["copies"])
-    state.update(shard_params=state["params"], shard_grads=state["grads"], shard_copies=state["copies"])
-    return state
 
 
 def device_state_bytes(cfg, shapes, world):
@@ -1109,13 +1105,6 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a full quo
 def die(msg):
     """Stops the run with a one-line error (SystemExit prints it to stderr and exits 1, no traceback)."""
     raise SystemExit(f"error: {msg}")
-
-
-def die_out_of_memory(cfg, e):
-    """The one line that ends a run out of device memory (exception `e`): a bad --batch-size or --recompute."""
-    cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
-    die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
-        f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
 
 
 def write_failure(path, e):
@@ -1219,9 +1208,8 @@ def parse_args(argv=None):
     if not 0 <= cfg.seed < 2**63:  # numpy's generators take no negative seed; checkpoints keep it as int64
         die("--seed must be in [0, 2**63)")
     if cfg.zero_stage not in ZERO_STAGES:
-        stages = " or ".join(map(str, ZERO_STAGES))
         jax = "; 3 (sharded weights) is the JAX trainer's (train_gpt2_jax.py)" if cfg.zero_stage == 3 else ""
-        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {stages}{jax}")
+        die(f"--zero-stage {cfg.zero_stage}: this trainer takes {' or '.join(map(str, ZERO_STAGES))}{jax}")
     RECIPES[cfg.recipe].configure(cfg, given, shape)
     if cfg.n_embd % cfg.n_head:
         die(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}")
@@ -1321,9 +1309,6 @@ class DataLoader:
     def __init__(self, files, B, T, rank=0, world=1, seed=0):
         self.files, self.B, self.T, self.rank, self.world, self.seed, self.shard = files, B, T, rank, world, seed, None
         shard_lengths(files or [], world * B * T)
-        self.reset()
-
-    def reset(self):
         self.set_state(0, 0)
 
     def set_state(self, shard, position):
@@ -1866,17 +1851,11 @@ PEAK_FLOPS = {  # dense tensor-core peak (bf16, tf32) by GPU name, from the vend
 }
 
 
-def model_flops_per_token(cfg, n_params):
-    """6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
-
-
-def peak_flops(device_name, dtype):
-    """The device's dense peak for this dtype, or None when it is not a GPU we know (MFU then 'n/a')."""
-    for key, (bf16, tf32) in PEAK_FLOPS.items():
-        if key in device_name:
-            return bf16 if dtype == "bf16" else tf32
-    return None
+def step_flops(cfg, n_params, gpu_name, world):
+    """(model FLOPs per token, the dense peak FLOP/s of `world` GPUs named gpu_name or None: no GPU we know)."""
+    peaks = [bf16 if cfg.dtype == "bf16" else tf32 for key, (bf16, tf32) in PEAK_FLOPS.items() if key in gpu_name]
+    # 6N + 12LCT (PaLM appendix B / nanoGPT); N = parameters without wpe
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len, peaks[0] * world if peaks else None
 
 
 def logged_evals(out_dir, step):
@@ -1915,12 +1894,6 @@ def memory_warning(held, activations, world, available):
     return (f"warning: by the accounting above, {world} device(s) need {need / 1e9:.1f} GB and this host has "
             f"{available / 1e9:.1f} GB available: the kernel may kill the run (try a smaller --batch-size or a "
             "cheaper --recompute)")
-
-
-def start_event(cfg, step, world, held, activations):
-    """log.jsonl's first event of each launch (docs/FORMATS.md)."""
-    return dict(event="start", step=step, devices=world, state_bytes=held, activation_bytes=activations,
-                config=dict(vars(cfg)))
 
 
 def due(every, step, steps):
@@ -2038,14 +2011,6 @@ def stop_on_signal(signum, step, cfg, master):
     raise SystemExit(128 + signum)
 
 
-def stop_diverged(step, loss, norm, cfg):
-    """Stops a run whose step gave a non-finite loss or grad norm, before that step is logged or saved."""
-    latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
-    kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
-    die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a --grad-clip); "
-        f"stopped before logging or saving this step, {kept}")
-
-
 # -----------------------------------------------------------------------------
 # Shared torch plumbing: processes, ZeRO-1, evaluation
 #
@@ -2115,7 +2080,7 @@ def to_device(arrays, device):
 
 def evaluate_val(row_losses, weights, loader, cfg, device, world):
     """Mean token loss over the val shards' first val_tokens // T sequences, the same at any batch and world size."""
-    loader.reset()
+    loader.set_state(0, 0)
     total = torch.zeros((), dtype=torch.float64, device=device)                    # ()
     rows = torch.arange(loader.rank * loader.B, (loader.rank + 1) * loader.B, device=device)  # (B,)
     for counted in val_batches(cfg, loader):
@@ -2164,24 +2129,9 @@ def fail_on_out_of_memory(cfg):
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
-        die_out_of_memory(cfg, e)
-
-
-def any_process_failed(world, device):
-    """open_run's `any_failed` for a run of `world` processes (None for one): True when any passes True."""
-    def any_failed(failed):
-        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-    return any_failed if world > 1 else None
-
-
-def agree_to_stop(budget_spent, signum, rank, device):
-    """(--time-budget reached by process 0's clock, a signal to any process or 0), the same in every process."""
-    flags = torch.tensor([int(budget_spent and rank == 0), signum], dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    budget_spent, signum = flags.tolist()
-    return bool(budget_spent), signum
+        cheaper = "" if cfg.recompute == "block" else " or a cheaper --recompute"
+        die(f"out of device memory at --batch-size {cfg.batch_size} --recompute {cfg.recompute} (try a smaller "
+            f"batch{cheaper}): {str(e).splitlines()[0][:200]}")
 
 
 @contextlib.contextmanager
@@ -2264,13 +2214,6 @@ def peak_memory_gb(device):
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
-def flat_gradients(shapes, layout, device):
-    """The start of the training state: `grads` of every tensor, views of one flat fp32 `grad_buffer`, and `starts`."""
-    _, starts, spans = layout
-    buffer = torch.zeros(spans[-1][1], dtype=torch.float32, device=device)         # (P,) padded
-    return {"grad_buffer": buffer, "grads": flat_views(buffer, starts, shapes, list(shapes)), "starts": starts}
-
-
 def state_bytes(zero_stage, shapes, layout, muon_names, world):
     """Bytes of bf16 `params`, `grads`, fp32 `masters` and `moments` that one process holds (docs/FORMATS.md)."""
     groups, _, spans = layout
@@ -2287,16 +2230,6 @@ def state_bytes(zero_stage, shapes, layout, muon_names, world):
             "grads": 4 * size + (4 * size // world if world > 1 else 0),  # one process reduces in place
             "masters": sum(4 * (n if dtype == torch.float32 else n // world) for n, dtype, _ in lengths),
             "moments": sum((4 if is_muon else 8) * n // world for n, _, is_muon in lengths)}
-
-
-def evals_left_to_run(cfg, step, master, world):
-    """[val due, HellaSwag due] at a resumed `step` that process 0's log.jsonl lacks (a kill after the checkpoint)."""
-    logged = logged_evals(cfg.out_dir, step) if master else set()
-    missing = [due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
-               due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]
-    if world > 1:  # all must run the same evaluations
-        dist.broadcast_object_list(missing, src=0)
-    return missing
 
 
 def checkpoint_if_due(state, step, last, loader, cfg, recipe, world, master, say, spent):
@@ -2344,8 +2277,12 @@ def main(argv, signals):
     say = print if master else (lambda *args, **kwargs: None)
 
     # weights, optimizer state, data (each process reads B rows of a micro-batch) and the locked out dir
+    def any_failed(failed):  # True in every process when any passes True
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
     step, spent, params, m, v, grad_accum, train_loader, val_loader, sampler, lock = open_run(  # noqa: F841
-        cfg, explicit, cfg.batch_size, rank, world, master, say, any_process_failed(world, device))
+        cfg, explicit, cfg.batch_size, rank, world, master, say, any_failed if world > 1 else None)
     if cfg.sample_only:  # the weights as the run computes with them: no optimizer state
         masters = to_device(params, device)
         return say_samples(model_weights(masters, compute_copies(masters, cfg)), step, cfg, device, sampler, say)
@@ -2366,7 +2303,8 @@ def main(argv, signals):
     if warning:  # on a GPU, running out is an error the trainer reports (fail_on_out_of_memory)
         say(warning)
     if master:
-        log_event(cfg.out_dir, FRAMEWORK, **start_event(cfg, step, world, held, activations))
+        log_event(cfg.out_dir, FRAMEWORK, event="start", step=step, devices=world, state_bytes=held,  # docs/FORMATS.md
+                  activation_bytes=activations, config=dict(vars(cfg)))
 
     with fail_on_out_of_memory(cfg), fail_on_lost_peer(store, rank, world):
         def compile_(fn, **kwargs):
@@ -2388,8 +2326,13 @@ def main(argv, signals):
         if cfg.eval_only:
             run_evals(step, True, cfg.hellaswag_every > 0)
             return
-        if cfg.resume:  # the evaluations of its step that log.jsonl lacks (evals_left_to_run)
-            run_evals(step, *evals_left_to_run(cfg, step, master, world))
+        if cfg.resume:  # a run killed between a checkpoint and its evaluations runs those log.jsonl lacks
+            logged = logged_evals(cfg.out_dir, step) if master else set()
+            missing = [due(cfg.val_every, step, cfg.steps) and "val_loss" not in logged,
+                       due(cfg.hellaswag_every, step, cfg.steps) and "hellaswag_acc" not in logged]
+            if world > 1:  # process 0's log decides: all run the same evaluations
+                dist.broadcast_object_list(missing, src=0)
+            run_evals(step, *missing)
         if step >= cfg.steps:
             say(f"the checkpoint is at step {step} and --steps is {cfg.steps}: nothing to train")
             return
@@ -2401,9 +2344,8 @@ def main(argv, signals):
         grad_fn = compile_(grads_and_loss, fullgraph=True)
         update_fn = compile_(recipe.update, fullgraph=True)
 
-        peak = peak_flops(device_kind, cfg.dtype) if on_gpu else None
-        flops = (model_flops_per_token(cfg, n_params), peak * world if peak else None)  # per token; peak per s
-        absent = ([f"mfu (no peak FLOP/s known for {device_kind})"] * (peak is None)
+        flops = step_flops(cfg, n_params, device_kind if on_gpu else "", world)
+        absent = ([f"mfu (no peak FLOP/s known for {device_kind})"] * (flops[1] is None)
                   + ["mem (no memory statistics)"] * (peak_memory_gb(device) is None))
         if absent:
             say(f"step lines without {' and '.join(absent)}")
@@ -2422,12 +2364,17 @@ def main(argv, signals):
             loss, norm = loss.item(), norm.item()  # waits for the device: dt spans the whole step
             times[step] = dt = time.perf_counter() - t0
             spent += dt  # the run's step time, its earlier launches' too: what --time-budget counts
-            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same values in every process
-                stop_diverged(step, loss, norm, cfg)
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # the same in every process: stopped before the log
+                latest = sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*[0-9]")))
+                kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was written"
+                die(f"step {step}: loss {loss}, grad norm {norm}: the run diverged (try a lower --lr or a "
+                    f"--grad-clip); stopped before logging or saving this step, {kept}")
             # --time-budget and signals: all processes must stop at the same step
             budget_spent, signum = bool(cfg.time_budget) and spent >= cfg.time_budget, signals.received
             if world > 1:
-                budget_spent, signum = agree_to_stop(budget_spent, signum, rank, device)
+                flags = torch.tensor([int(budget_spent and rank == 0), signum], dtype=torch.int64, device=device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # process 0's clock, a signal to any process
+                budget_spent, signum = flags.tolist()
             last = step if budget_spent or signum else cfg.steps
             if cfg.compile and step == first:
                 say(f"compiled train step in {dt:.1f} s (compilation and step {step})")

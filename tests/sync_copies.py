@@ -35,7 +35,7 @@ DIFFERENT = {
     "global_norm": "each framework's function", "adamw_update": "each framework's function",
     "adam_scalars": "a jitted step's inputs: host arrays in JAX, device tensors in torchfunc",
     "train_step": "each framework's step", "make_state": "each torch trainer's flat layout",
-    "whole_state": "each torch trainer's flat layout", "compute_groups": "torchfunc keeps its embeddings fp32",
+    "compute_groups": "torchfunc keeps its embeddings fp32",
     "device_state_bytes": "each trainer's layout of the state", "generate": "each framework's sampler",
     "rotary": "the speedrun model in each framework", "speedrun_block": "the speedrun model in each framework",
     "speedrun_transformer": "the speedrun model in each framework",
