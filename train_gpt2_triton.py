@@ -3144,16 +3144,6 @@ ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # the ACT codes of the kernels b
 
 
 @triton.jit
-def _gelu_parts(x):
-    # (1 + tanh(u), 1 - tanh(u)^2) at u = sqrt(2/pi) (x + 0.044715 x^3), from e = exp(-2|u|): no overflow, and
-    # no cancellation where tanh is near -1 or 1
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)                             # sqrt(2/pi) = 0.797...
-    e = tl.exp(-2.0 * tl.abs(u))
-    r = 1.0 / (1.0 + e)
-    return tl.where(u >= 0.0, 2.0 * r, 2.0 * e * r), 4.0 * e * r * r
-
-
-@triton.jit
 def _activation_kernel(x_ptr, dy_ptr, y_ptr, n, ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
     # y = act(x), or (BACKWARD) dy * act'(x)
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -3161,7 +3151,13 @@ def _activation_kernel(x_ptr, dy_ptr, y_ptr, n, ACT: tl.constexpr, BACKWARD: tl.
     mask = offs < n - start
     x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
     if ACT == 1:
-        one_plus_tanh, sech2 = _gelu_parts(x)
+        # 1 + tanh(u) and 1 - tanh(u)^2 at u = sqrt(2/pi) (x + 0.044715 x^3), from e = exp(-2|u|): no overflow,
+        # and no cancellation where tanh is near -1 or 1
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)                         # (BL,) sqrt(2/pi) = 0.797...
+        e = tl.exp(-2.0 * tl.abs(u))                                                # (BL,)
+        r = 1.0 / (1.0 + e)                                                         # (BL,)
+        one_plus_tanh = tl.where(u >= 0.0, 2.0 * r, 2.0 * e * r)                    # (BL,)
+        sech2 = 4.0 * e * r * r                                                     # (BL,)
     if BACKWARD and ACT == 1:
         # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
         du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
@@ -3510,22 +3506,17 @@ DW_PRUNE = {"early_config_prune": _interpreter_dw_config if INTERPRET else _prun
 
 
 @triton.jit
-def _gelu_tanh(x, FAST_TANH: tl.constexpr):
-    """tanh-GELU of fp32 x: FAST_TANH the SFU's tanh.approx (error ~2^-11, under bf16's), else x sigmoid(2u)."""
-    u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
-    if FAST_TANH:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
-        y = 0.5 * x * (1.0 + t)
-    else:
-        y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
-    return y
-
-
-@triton.jit
 def _activation(x, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
     """The matmul epilogue's activation of fp32 x: tanh-GELU (ACT 1) or relu(x)^2 (ACT 2)."""
     if ACT == 1:
-        y = _gelu_tanh(x, FAST_TANH)
+        # FAST_TANH: the SFU's tanh.approx (error ~2^-11, under bf16's), else x sigmoid(2u)
+        u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
+        if FAST_TANH:
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+            y = 0.5 * x * (1.0 + t)
+        else:
+            y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
     else:
         r = tl.maximum(x, 0.0)
         y = r * r
@@ -4478,20 +4469,16 @@ def compare(got, want):
     return err, (err / scale if scale > 0 else err)
 
 
-@contextlib.contextmanager
 def first_configs(active=True):
     """Inside (when active), every autotuned kernel runs the first config its pruning keeps, untimed."""
     tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
-    with contextlib.ExitStack() as stack:
-        for k in tuners:
-            stack.enter_context(mock.patch.object(k, "early_config_prune", lambda configs, named_args, prune=(
-                k.early_config_prune), **kwargs: (prune(configs, named_args, **kwargs) if prune else configs)[:1]))
-        yield
+    return patched([(k, "early_config_prune", lambda configs, named_args, prune=k.early_config_prune, **kwargs:
+                     (prune(configs, named_args, **kwargs) if prune else configs)[:1]) for k in tuners])
 
 
 def run_self_test(cfg):
     """--test: a row per check as it runs; exits non-zero if any fails. TF32 off meanwhile (fp32 means fp32)."""
-    tools = recipe_tools(cfg.recipe)
+    tools = TOOLS[cfg.recipe]
     if cfg.backend == "torch" and tools.autograd_test:
         die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
             f"torch's {cfg.recipe} ops are held to autograd by {tools.autograd_test})")
@@ -4520,7 +4507,6 @@ def run_self_test(cfg):
               f"{'pass' if ok else 'FAIL':<6}  {worst}", flush=True)
         return ok
 
-    f64 = torch.float64
     passed = []
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -4531,11 +4517,11 @@ def run_self_test(cfg):
                     results = []
                     for shape in TEST_SHAPES:
                         got = case(ops, op_inputs(dt, dt, device), *shape)
-                        want = case(ref_ops, op_inputs(f64, dt, device), *shape)
+                        want = case(ref_ops, op_inputs(torch.float64, dt, device), *shape)
                         results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
                     passed.append(report(name, dt, results))
                 got = case_model(cfg.backend, op_inputs(dt, dt, device), tools.test_config)
-                want = ref_model(op_inputs(f64, dt, device), tools.test_config)
+                want = ref_model(op_inputs(torch.float64, dt, device), tools.test_config)
                 passed.append(report("model loss and logits", dt,
                                      [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
                 passed.append(report("model: every parameter gradient", dt,
@@ -4560,7 +4546,7 @@ def _nbytes(*tensors):
 def op_work(name, args, kwargs, out):
     """(flops, bytes) one call of op `name` cannot do without: the products' flops, else bytes read and written."""
     for recipe in RECIPES:
-        work = recipe_tools(recipe).op_work(name, args, kwargs, out)
+        work = TOOLS[recipe].op_work(name, args, kwargs, out)
         if work is not None:
             return work
     outs = out if isinstance(out, tuple) else (out,)
@@ -4593,7 +4579,7 @@ def op_work(name, args, kwargs, out):
         return 0, 2 * _nbytes(args[0 if name == "clip_by_norm" else 1])
     if name == "sum_into":
         return 0, _nbytes(args[1])
-    return 0, _nbytes(*args, *outs)  # layernorm, residual + layernorm and gelu: inputs read, outputs written
+    return 0, _nbytes(*args, *outs)  # the norms, gelu, relu2, q/k norm+rotary: inputs read, outputs written
 
 
 def _clock(device):
@@ -4652,6 +4638,14 @@ def launched_kernels():
 
 
 @contextlib.contextmanager
+def patched(patches):
+    """Inside, each (object, attribute, value) of `patches` set, as mock.patch.object sets it."""
+    with contextlib.ExitStack() as stack:
+        for obj, attr, value in patches:
+            stack.enter_context(mock.patch.object(obj, attr, value))
+        yield
+
+
 def timed_kernels(device, launches, active):
     """Inside, our launches are traced (`kernel NAME`), kept as [innermost op's index, name, start, end, work]."""
     def wrap(name, kernel, run):
@@ -4664,10 +4658,8 @@ def timed_kernels(device, launches, active):
             launches.append([active[-1][1] if active else None, name, t0, t1, *work])
             return out
         return timed_run
-    with contextlib.ExitStack() as stack:
-        for name, kernel in launched_kernels().items():  # an instance attribute over the class's method
-            stack.enter_context(mock.patch.object(kernel, "run", wrap(name, kernel, kernel.run)))
-        yield
+    # an instance attribute over the class's method
+    return patched([(kernel, "run", wrap(name, kernel, kernel.run)) for name, kernel in launched_kernels().items()])
 
 
 ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
@@ -4931,7 +4923,7 @@ def bench_ops(cfg, ops, device):
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
     print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
           f"{'rate':>12} {'speed-up':>8}")
-    cases = recipe_tools(cfg.recipe).bench_cases(cfg, ops, device)
+    cases = TOOLS[cfg.recipe].bench_cases(cfg, ops, device)
     for name, shape, ours, torch_label, theirs, args in cases:
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
@@ -5032,10 +5024,7 @@ def compile_for(cfg):
     # backend_ops asks for a GPU; a meta tensor has no value for the host to read
     patches = [(triton.runtime.driver, "_active", driver), (torch.cuda, "is_available", lambda: True),
                (torch.Tensor, "item", lambda self: 0.0)]
-    with contextlib.ExitStack() as stack:
-        for obj, attr, value in patches + [(k, "run", compile_launch(name, k, k.run))
-                                           for name, k in launched_kernels().items()]:
-            stack.enter_context(mock.patch.object(obj, attr, value))
+    with patched(patches + [(k, "run", compile_launch(name, k, k.run)) for name, k in launched_kernels().items()]):
         train_step(state, x, x, 1, cfg, backend_ops("triton", cfg.recipe), 1)
         token_losses(state["weights"], x[0], x[0], cfg)
     done = f"{len(set(seen.values()) - {None})} kernels and configs in {time.perf_counter() - t0:.0f} s"
@@ -5066,13 +5055,6 @@ TOOLS = {"gpt2": RecipeTools(
     op_work=lambda name, args, kwargs, out: None)}
 
 
-def recipe_tools(recipe):
-    """TOOLS' row of `recipe` (the speedrun's is added by its kernels' section)."""
-    if recipe not in TOOLS:
-        die(f"--recipe {recipe} has no row in TOOLS: no --test, --profile or --bench-ops for it")
-    return TOOLS[recipe]
-
-
 # -----------------------------------------------------------------------------
 # Triton kernels: speedrun
 #
@@ -5094,9 +5076,8 @@ def _check_heads(name, qkv, rows):
 
 def scaled_attention_forward(q, k, v, scale):
     """Causal softmax(scale q k^T) v per head of q, k, v (B,T,H,D): (out (B,T,H*D), lse (B,H,T) fp32)."""
-    B, T, H, D = q.shape
     _check_heads("scaled_attention_forward", (q, k, v), ())
-    return _flash_forward(q, k, v, B, T, H, D, scale)
+    return _flash_forward(q, k, v, *q.shape, scale)
 
 
 def scaled_attention_backward(dout, q, k, v, out, lse, scale):
@@ -5526,9 +5507,8 @@ SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", 
                      ("scaled attention fwd+bwd", case_scaled_attention),
                      ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2),
                      ("relu2 fwd+bwd", functools.partial(case_activation, act="relu2")),
-                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
-                     ("muon_update", case_muon), ("add_into", case_add_into),
-                     ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
+                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy), ("muon_update", case_muon),
+                     ("add_into", case_add_into), ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
 
 
 def speedrun_bench_cases(cfg, ops, device):
@@ -5620,9 +5600,7 @@ def speedrun_op_work(name, args, kwargs, out):
         return 0, 3 * _nbytes(args[1])
     if name == "softcap_crossentropy_forward_backward":
         return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
-    if name in SPEEDRUN_OP_NAMES:  # the norms, q/k norm+rotary, relu2: inputs read, outputs written
-        return 0, _nbytes(*args, *(out if isinstance(out, tuple) else (out,)))
-    return None
+    return None  # op_work's rule: the norms, q/k norm+rotary, relu2 read their inputs and write their outputs
 
 
 TOOLS["speedrun"] = RecipeTools(
