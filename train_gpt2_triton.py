@@ -346,8 +346,7 @@ def torch_layernorm_forward(x, w, b):
 def torch_residual_layernorm_forward(res, h, w, b):
     """x = res + h (the residual stream, kept in the compute dtype as llm.c does), then LayerNorm of x."""
     x = res + h  # (N, C)
-    y, mean, rstd = torch_layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
-    return x, y, mean, rstd
+    return (x, *torch_layernorm_forward(x, w, b))  # (N, C) x2, (N,) x2
 
 
 def torch_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
@@ -1047,8 +1046,7 @@ def torch_rmsnorm_forward(x, w, eps):
 def torch_residual_rmsnorm_forward(res, h, w, eps):
     """x = res + h (the residual stream, in the compute dtype), then RMSNorm of x: (x, y, rstd)."""
     x = res + h  # (N, C)
-    y, rstd = torch_rmsnorm_forward(x, w, eps)  # (N, C), (N,)
-    return x, y, rstd
+    return (x, *torch_rmsnorm_forward(x, w, eps))  # (N, C) x2, (N,)
 
 
 def torch_rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
@@ -3509,13 +3507,12 @@ DW_PRUNE = {"early_config_prune": _interpreter_dw_config if INTERPRET else _prun
 def _activation(x, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
     """The matmul epilogue's activation of fp32 x: tanh-GELU (ACT 1) or relu(x)^2 (ACT 2)."""
     if ACT == 1:
-        # FAST_TANH: the SFU's tanh.approx (error ~2^-11, under bf16's), else x sigmoid(2u)
         u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
-        if FAST_TANH:
+        if FAST_TANH:  # the SFU's tanh.approx (error ~2^-11, under bf16's)
             t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
                                           pack=1)
             y = 0.5 * x * (1.0 + t)
-        else:
+        else:  # x sigmoid(2u)
             y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
     else:
         r = tl.maximum(x, 0.0)
@@ -4063,8 +4060,7 @@ def attention_backward(dout, qkv, out, lse, n_head):
 # -----------------------------------------------------------------------------
 # Triton kernels: the training step's own
 
-# With these, torch only allocates and makes views in backend triton's step (one launch zeroes or clips the
-# flat gradient buffer).
+# With these, torch only allocates and makes views in backend triton's step.
 STEP_BLOCK = 1 << 16 if INTERPRET else 4096
 STEP_WARPS = 8
 SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
@@ -4156,8 +4152,7 @@ TRITON_OPS = op_table("triton", dict(
     gelu_forward=functools.partial(_activation_op, activation="gelu"),
     gelu_backward=lambda dy, pre: _activation_op(pre, "gelu", dy),
     attention_forward=attention_forward, attention_backward=attention_backward,
-    crossentropy_forward_backward=crossentropy_forward_backward,
-    global_norm=global_norm, adamw_update=adamw_update,
+    crossentropy_forward_backward=crossentropy_forward_backward, global_norm=global_norm, adamw_update=adamw_update,
     zero_fill=zero_fill, clip_by_norm=clip_by_norm, sum_into=sum_into, copy_into=copy_into,
 ))
 
@@ -4494,8 +4489,7 @@ def run_self_test(cfg):
     # compiled kernels would autotune (compile and time every configuration) at each test shape: minutes
     pinned = cfg.backend == "triton" and not INTERPRET
     print(f"--test: backend {cfg.backend}, the {cfg.recipe} recipe's ops, against {ref_name} (run in fp64) "
-          f"on {device}"
-          + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
+          f"on {device}" + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
     names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
     print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  worst")
 
@@ -4545,28 +4539,40 @@ def _nbytes(*tensors):
 
 def op_work(name, args, kwargs, out):
     """(flops, bytes) one call of op `name` cannot do without: the products' flops, else bytes read and written."""
-    for recipe in RECIPES:
-        work = TOOLS[recipe].op_work(name, args, kwargs, out)
-        if work is not None:
-            return work
     outs = out if isinstance(out, tuple) else (out,)
-    if name in ("matmul_forward", "matmul_gelu_forward"):  # x (N, K), w (M, K)
+    if name in ("matmul_forward", "matmul_gelu_forward", "matmul_relu2_forward"):  # x (N, K), w (M, K)
         return 2 * args[0].numel() * args[1].shape[0], 0
     if name == "matmul_backward":  # dy (N, M), x (N, K)
         return 4 * args[1].numel() * args[0].shape[1], 0
     if name in ("attention_forward", "attention_backward"):
         B, T, C3 = args[0 if name == "attention_forward" else 1].shape
         return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
+    if name in ("scaled_attention_forward", "scaled_attention_backward"):
+        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
+        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name in ("fp8_matmul_forward", "fp8_matmul_backward"):  # one product, or two
+        N, C = args[1].shape
+        return (2 if name == "fp8_matmul_forward" else 4) * N * C * args[2].shape[0], 0
+    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
+        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
+        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
     if name == "encoder_forward":
         idx, x = args[0], outs[0]
         return 0, _nbytes(idx) + 2 * _nbytes(x) + _nbytes(args[2][:idx.shape[1]])
+    if name == "embedding_forward":
+        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
     if name == "encoder_backward":
         dx, idx, dwte, dwpe = args[:4]
         rows = dx.numel() * dwte.element_size()  # the wte rows it updates, read and written
         return 0, _nbytes(dx, idx) + 2 * rows + 2 * dx[0].numel() * dwpe.element_size()
+    if name == "embedding_backward":  # the table rows it updates, read and written
+        dx, idx, dtable = args[:3]
+        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
     if name == "layernorm_backward":  # dw, db (and dres) are read and written
         return 0, _nbytes(*args[:5], *args[7:], out, *kwargs.values()) + 2 * _nbytes(*args[5:7])
-    if name == "crossentropy_forward_backward":
+    if name == "rmsnorm_backward":  # dw (and dres) are read and written
+        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
+    if name in ("crossentropy_forward_backward", "softcap_crossentropy_forward_backward"):
         return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
     if name == "global_norm":
         return 0, _nbytes(*args[0])
@@ -4579,6 +4585,8 @@ def op_work(name, args, kwargs, out):
         return 0, 2 * _nbytes(args[0 if name == "clip_by_norm" else 1])
     if name == "sum_into":
         return 0, _nbytes(args[1])
+    if name == "add_into":  # acc read and written
+        return 0, 3 * _nbytes(args[1])
     return 0, _nbytes(*args, *outs)  # the norms, gelu, relu2, q/k norm+rotary: inputs read, outputs written
 
 
@@ -4639,7 +4647,7 @@ def launched_kernels():
 
 @contextlib.contextmanager
 def patched(patches):
-    """Inside, each (object, attribute, value) of `patches` set, as mock.patch.object sets it."""
+    """Inside, each (object, attribute, value) of `patches` set by mock.patch.object (an instance's over its class)."""
     with contextlib.ExitStack() as stack:
         for obj, attr, value in patches:
             stack.enter_context(mock.patch.object(obj, attr, value))
@@ -4658,7 +4666,6 @@ def timed_kernels(device, launches, active):
             launches.append([active[-1][1] if active else None, name, t0, t1, *work])
             return out
         return timed_run
-    # an instance attribute over the class's method
     return patched([(kernel, "run", wrap(name, kernel, kernel.run)) for name, kernel in launched_kernels().items()])
 
 
@@ -4923,8 +4930,7 @@ def bench_ops(cfg, ops, device):
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
     print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
           f"{'rate':>12} {'speed-up':>8}")
-    cases = TOOLS[cfg.recipe].bench_cases(cfg, ops, device)
-    for name, shape, ours, torch_label, theirs, args in cases:
+    for name, shape, ours, torch_label, theirs, args in TOOLS[cfg.recipe].bench_cases(cfg, ops, device):
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
             flops, nbytes = 7 * cfg.batch_size * cfg.seq_len ** 2 * cfg.n_embd, 0
@@ -5040,19 +5046,17 @@ def compile_for(cfg):
 
 @dataclass(frozen=True)
 class RecipeTools:
-    """A row of TOOLS: what --test, --profile and --bench-ops need of a recipe."""
+    """A row of TOOLS: what --test and --bench-ops need of a recipe."""
     test_config: Config   # --test's tiny model for the whole-model check
     test_cases: Callable  # () -> --test's [(check, case)] of its ops
     autograd_test: str    # "": --test holds backend torch to autograd; else what does (--test refuses)
     bench_cases: Callable  # (cfg, ops, device) -> --bench-ops' cases of its ops
-    op_work: Callable     # (name, args, kwargs, out) -> (flops, bytes) of one of its own ops, else None
 
 
 TOOLS = {"gpt2": RecipeTools(
     test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
                        seq_len=9, batch_size=2),
-    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases,
-    op_work=lambda name, args, kwargs, out: None)}
+    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases)}
 
 
 # -----------------------------------------------------------------------------
@@ -5413,7 +5417,7 @@ TRITON_SPEEDRUN_OPS = op_table("triton", dict(
 ), SPEEDRUN_OP_NAMES)
 
 
-# -- tools: the speedrun recipe's --test and --bench-ops cases and its ops' work (TOOLS["speedrun"])
+# -- tools: the speedrun recipe's --test and --bench-ops cases (TOOLS["speedrun"])
 
 def case_embedding(ops, r, B, T, C, H):
     Vp = B * T + 3
@@ -5576,38 +5580,11 @@ def speedrun_bench_cases(cfg, ops, device):
     return cases
 
 
-def speedrun_op_work(name, args, kwargs, out):
-    """op_work of an op of SPEEDRUN_OP_NAMES: (flops, bytes) one call cannot do without; else None."""
-    if name == "matmul_relu2_forward":  # x (N, K), w (M, K)
-        return 2 * args[0].numel() * args[1].shape[0], 0
-    if name in ("scaled_attention_forward", "scaled_attention_backward"):
-        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
-        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
-    if name in ("fp8_matmul_forward", "fp8_matmul_backward"):  # one product, or two
-        N, C = args[1].shape
-        return (2 if name == "fp8_matmul_forward" else 4) * N * C * args[2].shape[0], 0
-    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
-        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
-        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
-    if name == "embedding_forward":
-        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
-    if name == "embedding_backward":  # the table rows it updates, read and written
-        dx, idx, dtable = args[:3]
-        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
-    if name == "rmsnorm_backward":  # dw (and dres) are read and written
-        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
-    if name == "add_into":  # acc read and written
-        return 0, 3 * _nbytes(args[1])
-    if name == "softcap_crossentropy_forward_backward":
-        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
-    return None  # op_work's rule: the norms, q/k norm+rotary, relu2 read their inputs and write their outputs
-
-
 TOOLS["speedrun"] = RecipeTools(
     test_config=Config(recipe="speedrun", n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
                        padded_vocab_size=64, seq_len=9, batch_size=2),  # one head
     test_cases=lambda: SPEEDRUN_OP_CASES, autograd_test="tests/test_speedrun_triton.py",
-    bench_cases=speedrun_bench_cases, op_work=speedrun_op_work)
+    bench_cases=speedrun_bench_cases)
 
 
 if __name__ == "__main__":
