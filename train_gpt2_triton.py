@@ -346,8 +346,7 @@ def torch_layernorm_forward(x, w, b):
 def torch_residual_layernorm_forward(res, h, w, b):
     """x = res + h (the residual stream, kept in the compute dtype as llm.c does), then LayerNorm of x."""
     x = res + h  # (N, C)
-    y, mean, rstd = torch_layernorm_forward(x, w, b)  # (N, C), (N,), (N,)
-    return x, y, mean, rstd
+    return (x, *torch_layernorm_forward(x, w, b))  # (N, C) x2, (N,) x2
 
 
 def torch_layernorm_backward(dy, x, w, mean, rstd, dw, db, dres=None):
@@ -1047,8 +1046,7 @@ def torch_rmsnorm_forward(x, w, eps):
 def torch_residual_rmsnorm_forward(res, h, w, eps):
     """x = res + h (the residual stream, in the compute dtype), then RMSNorm of x: (x, y, rstd)."""
     x = res + h  # (N, C)
-    y, rstd = torch_rmsnorm_forward(x, w, eps)  # (N, C), (N,)
-    return x, y, rstd
+    return (x, *torch_rmsnorm_forward(x, w, eps))  # (N, C) x2, (N,)
 
 
 def torch_rmsnorm_backward(dy, x, w, rstd, dw, dres=None):
@@ -3092,16 +3090,6 @@ ACTIVATIONS = {None: 0, "gelu": 1, "relu2": 2}  # the ACT codes of the kernels b
 
 
 @triton.jit
-def _gelu_parts(x):
-    # (1 + tanh(u), 1 - tanh(u)^2) at u = sqrt(2/pi) (x + 0.044715 x^3), from e = exp(-2|u|): no overflow, and
-    # no cancellation where tanh is near -1 or 1
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)                             # sqrt(2/pi) = 0.797...
-    e = tl.exp(-2.0 * tl.abs(u))
-    r = 1.0 / (1.0 + e)
-    return tl.where(u >= 0.0, 2.0 * r, 2.0 * e * r), 4.0 * e * r * r
-
-
-@triton.jit
 def _activation_kernel(x_ptr, dy_ptr, y_ptr, n, ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
     # y = act(x), or (BACKWARD) dy * act'(x)
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -3109,7 +3097,13 @@ def _activation_kernel(x_ptr, dy_ptr, y_ptr, n, ACT: tl.constexpr, BACKWARD: tl.
     mask = offs < n - start
     x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)          # (BL,)
     if ACT == 1:
-        one_plus_tanh, sech2 = _gelu_parts(x)
+        # 1 + tanh(u) and 1 - tanh(u)^2 at u = sqrt(2/pi) (x + 0.044715 x^3), from e = exp(-2|u|): no overflow,
+        # and no cancellation where tanh is near -1 or 1
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)                         # (BL,) sqrt(2/pi) = 0.797...
+        e = tl.exp(-2.0 * tl.abs(u))                                                # (BL,)
+        r = 1.0 / (1.0 + e)                                                         # (BL,)
+        one_plus_tanh = tl.where(u >= 0.0, 2.0 * r, 2.0 * e * r)                    # (BL,)
+        sech2 = 4.0 * e * r * r                                                     # (BL,)
     if BACKWARD and ACT == 1:
         # d/dx: (1 + tanh)/2 + x/2 * (1 - tanh^2) * du/dx, du/dx = sqrt(2/pi) * (1 + 3 * 0.044715 x^2)
         du = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
@@ -3458,22 +3452,16 @@ DW_PRUNE = {"early_config_prune": _interpreter_dw_config if INTERPRET else _prun
 
 
 @triton.jit
-def _gelu_tanh(x, FAST_TANH: tl.constexpr):
-    """tanh-GELU of fp32 x: FAST_TANH the SFU's tanh.approx (error ~2^-11, under bf16's), else x sigmoid(2u)."""
-    u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
-    if FAST_TANH:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
-        y = 0.5 * x * (1.0 + t)
-    else:
-        y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
-    return y
-
-
-@triton.jit
 def _activation(x, ACT: tl.constexpr, FAST_TANH: tl.constexpr):
     """The matmul epilogue's activation of fp32 x: tanh-GELU (ACT 1) or relu(x)^2 (ACT 2)."""
     if ACT == 1:
-        y = _gelu_tanh(x, FAST_TANH)
+        u = 0.7978845608028654 * x * (1.0 + 0.044715 * x * x)
+        if FAST_TANH:  # the SFU's tanh.approx (error ~2^-11, under bf16's)
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+            y = 0.5 * x * (1.0 + t)
+        else:  # x sigmoid(2u)
+            y = x / (1.0 + tl.exp2(-2.8853900817779268 * u))
     else:
         r = tl.maximum(x, 0.0)
         y = r * r
@@ -4020,8 +4008,7 @@ def attention_backward(dout, qkv, out, lse, n_head):
 # -----------------------------------------------------------------------------
 # Triton kernels: the training step's own
 
-# With these, torch only allocates and makes views in backend triton's step (one launch zeroes or clips the
-# flat gradient buffer).
+# With these, torch only allocates and makes views in backend triton's step.
 STEP_BLOCK = 1 << 16 if INTERPRET else 4096
 STEP_WARPS = 8
 SUM_BLOCK = 1024   # the loss sum: one program adds a micro-batch's token losses in a fixed order
@@ -4113,8 +4100,7 @@ TRITON_OPS = op_table("triton", dict(
     gelu_forward=functools.partial(_activation_op, activation="gelu"),
     gelu_backward=lambda dy, pre: _activation_op(pre, "gelu", dy),
     attention_forward=attention_forward, attention_backward=attention_backward,
-    crossentropy_forward_backward=crossentropy_forward_backward,
-    global_norm=global_norm, adamw_update=adamw_update,
+    crossentropy_forward_backward=crossentropy_forward_backward, global_norm=global_norm, adamw_update=adamw_update,
     zero_fill=zero_fill, clip_by_norm=clip_by_norm, sum_into=sum_into, copy_into=copy_into,
 ))
 
@@ -4426,20 +4412,16 @@ def compare(got, want):
     return err, (err / scale if scale > 0 else err)
 
 
-@contextlib.contextmanager
 def first_configs(active=True):
     """Inside (when active), every autotuned kernel runs the first config its pruning keeps, untimed."""
     tuners = [k for k in launched_kernels().values() if isinstance(k, triton.runtime.Autotuner)] if active else []
-    with contextlib.ExitStack() as stack:
-        for k in tuners:
-            stack.enter_context(mock.patch.object(k, "early_config_prune", lambda configs, named_args, prune=(
-                k.early_config_prune), **kwargs: (prune(configs, named_args, **kwargs) if prune else configs)[:1]))
-        yield
+    return patched([(k, "early_config_prune", lambda configs, named_args, prune=k.early_config_prune, **kwargs:
+                     (prune(configs, named_args, **kwargs) if prune else configs)[:1]) for k in tuners])
 
 
 def run_self_test(cfg):
     """--test: a row per check as it runs; exits non-zero if any fails. TF32 off meanwhile (fp32 means fp32)."""
-    tools = recipe_tools(cfg.recipe)
+    tools = TOOLS[cfg.recipe]
     if cfg.backend == "torch" and tools.autograd_test:
         die(f"--test --recipe {cfg.recipe} checks backend triton's kernels against backend torch (backend "
             f"torch's {cfg.recipe} ops are held to autograd by {tools.autograd_test})")
@@ -4455,8 +4437,7 @@ def run_self_test(cfg):
     # compiled kernels would autotune (compile and time every configuration) at each test shape: minutes
     pinned = cfg.backend == "triton" and not INTERPRET
     print(f"--test: backend {cfg.backend}, the {cfg.recipe} recipe's ops, against {ref_name} (run in fp64) "
-          f"on {device}"
-          + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
+          f"on {device}" + (", each autotuned kernel in the first configuration it would try" if pinned else ""))
     names = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
     print(f"{'check':<34} {'dtype':<5} {'max abs err':>11} {'max rel err':>11} {'tolerance':>9}  result  worst")
 
@@ -4468,7 +4449,6 @@ def run_self_test(cfg):
               f"{'pass' if ok else 'FAIL':<6}  {worst}", flush=True)
         return ok
 
-    f64 = torch.float64
     passed = []
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -4479,11 +4459,11 @@ def run_self_test(cfg):
                     results = []
                     for shape in TEST_SHAPES:
                         got = case(ops, op_inputs(dt, dt, device), *shape)
-                        want = case(ref_ops, op_inputs(f64, dt, device), *shape)
+                        want = case(ref_ops, op_inputs(torch.float64, dt, device), *shape)
                         results += [(*compare(got[k], want[k]), f"{k} @ {shape}") for k in want]
                     passed.append(report(name, dt, results))
                 got = case_model(cfg.backend, op_inputs(dt, dt, device), tools.test_config)
-                want = ref_model(op_inputs(f64, dt, device), tools.test_config)
+                want = ref_model(op_inputs(torch.float64, dt, device), tools.test_config)
                 passed.append(report("model loss and logits", dt,
                                      [(*compare(got[k], want[k]), k) for k in ("loss", "logits")]))
                 passed.append(report("model: every parameter gradient", dt,
@@ -4507,28 +4487,40 @@ def _nbytes(*tensors):
 
 def op_work(name, args, kwargs, out):
     """(flops, bytes) one call of op `name` cannot do without: the products' flops, else bytes read and written."""
-    for recipe in RECIPES:
-        work = recipe_tools(recipe).op_work(name, args, kwargs, out)
-        if work is not None:
-            return work
     outs = out if isinstance(out, tuple) else (out,)
-    if name in ("matmul_forward", "matmul_gelu_forward"):  # x (N, K), w (M, K)
+    if name in ("matmul_forward", "matmul_gelu_forward", "matmul_relu2_forward"):  # x (N, K), w (M, K)
         return 2 * args[0].numel() * args[1].shape[0], 0
     if name == "matmul_backward":  # dy (N, M), x (N, K)
         return 4 * args[1].numel() * args[0].shape[1], 0
     if name in ("attention_forward", "attention_backward"):
         B, T, C3 = args[0 if name == "attention_forward" else 1].shape
         return (2 if name == "attention_forward" else 5) * B * T * T * (C3 // 3), 0
+    if name in ("scaled_attention_forward", "scaled_attention_backward"):
+        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
+        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
+    if name in ("fp8_matmul_forward", "fp8_matmul_backward"):  # one product, or two
+        N, C = args[1].shape
+        return (2 if name == "fp8_matmul_forward" else 4) * N * C * args[2].shape[0], 0
+    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
+        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
+        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
     if name == "encoder_forward":
         idx, x = args[0], outs[0]
         return 0, _nbytes(idx) + 2 * _nbytes(x) + _nbytes(args[2][:idx.shape[1]])
+    if name == "embedding_forward":
+        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
     if name == "encoder_backward":
         dx, idx, dwte, dwpe = args[:4]
         rows = dx.numel() * dwte.element_size()  # the wte rows it updates, read and written
         return 0, _nbytes(dx, idx) + 2 * rows + 2 * dx[0].numel() * dwpe.element_size()
+    if name == "embedding_backward":  # the table rows it updates, read and written
+        dx, idx, dtable = args[:3]
+        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
     if name == "layernorm_backward":  # dw, db (and dres) are read and written
         return 0, _nbytes(*args[:5], *args[7:], out, *kwargs.values()) + 2 * _nbytes(*args[5:7])
-    if name == "crossentropy_forward_backward":
+    if name == "rmsnorm_backward":  # dw (and dres) are read and written
+        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
+    if name in ("crossentropy_forward_backward", "softcap_crossentropy_forward_backward"):
         return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
     if name == "global_norm":
         return 0, _nbytes(*args[0])
@@ -4541,7 +4533,9 @@ def op_work(name, args, kwargs, out):
         return 0, 2 * _nbytes(args[0 if name == "clip_by_norm" else 1])
     if name == "sum_into":
         return 0, _nbytes(args[1])
-    return 0, _nbytes(*args, *outs)  # layernorm, residual + layernorm and gelu: inputs read, outputs written
+    if name == "add_into":  # acc read and written
+        return 0, 3 * _nbytes(args[1])
+    return 0, _nbytes(*args, *outs)  # the norms, gelu, relu2, q/k norm+rotary: inputs read, outputs written
 
 
 def _clock(device):
@@ -4600,6 +4594,14 @@ def launched_kernels():
 
 
 @contextlib.contextmanager
+def patched(patches):
+    """Inside, each (object, attribute, value) of `patches` set by mock.patch.object (an instance's over its class)."""
+    with contextlib.ExitStack() as stack:
+        for obj, attr, value in patches:
+            stack.enter_context(mock.patch.object(obj, attr, value))
+        yield
+
+
 def timed_kernels(device, launches, active):
     """Inside, our launches are traced (`kernel NAME`), kept as [innermost op's index, name, start, end, work]."""
     def wrap(name, kernel, run):
@@ -4612,10 +4614,7 @@ def timed_kernels(device, launches, active):
             launches.append([active[-1][1] if active else None, name, t0, t1, *work])
             return out
         return timed_run
-    with contextlib.ExitStack() as stack:
-        for name, kernel in launched_kernels().items():  # an instance attribute over the class's method
-            stack.enter_context(mock.patch.object(kernel, "run", wrap(name, kernel, kernel.run)))
-        yield
+    return patched([(kernel, "run", wrap(name, kernel, kernel.run)) for name, kernel in launched_kernels().items()])
 
 
 ALLOCATION_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
@@ -4879,8 +4878,7 @@ def bench_ops(cfg, ops, device):
           f"L{cfg.n_layer} H{cfg.n_head} C{cfg.n_embd} on {device} | copy bandwidth {copy_gbs:,.0f} GB/s")
     print(f"{'op':<37} {'shape':<26} {'ms':>8} {'rate':>12} {'% copy':>6} | {'PyTorch op':<28} {'ms':>8} "
           f"{'rate':>12} {'speed-up':>8}")
-    cases = recipe_tools(cfg.recipe).bench_cases(cfg, ops, device)
-    for name, shape, ours, torch_label, theirs, args in cases:
+    for name, shape, ours, torch_label, theirs, args in TOOLS[cfg.recipe].bench_cases(cfg, ops, device):
         ours_ms, theirs_ms = time_ms(ours, device), time_ms(theirs, device)
         if args is None:  # attention forward + backward
             flops, nbytes = 7 * cfg.batch_size * cfg.seq_len ** 2 * cfg.n_embd, 0
@@ -4980,10 +4978,7 @@ def compile_for(cfg):
     # backend_ops asks for a GPU; a meta tensor has no value for the host to read
     patches = [(triton.runtime.driver, "_active", driver), (torch.cuda, "is_available", lambda: True),
                (torch.Tensor, "item", lambda self: 0.0)]
-    with contextlib.ExitStack() as stack:
-        for obj, attr, value in patches + [(k, "run", compile_launch(name, k, k.run))
-                                           for name, k in launched_kernels().items()]:
-            stack.enter_context(mock.patch.object(obj, attr, value))
+    with patched(patches + [(k, "run", compile_launch(name, k, k.run)) for name, k in launched_kernels().items()]):
         train_step(state, x, x, 1, cfg, backend_ops("triton", cfg.recipe), 1)
         token_losses(state["weights"], x[0], x[0], cfg)
     done = f"{len(set(seen.values()) - {None})} kernels and configs in {time.perf_counter() - t0:.0f} s"
@@ -4999,26 +4994,17 @@ def compile_for(cfg):
 
 @dataclass(frozen=True)
 class RecipeTools:
-    """A row of TOOLS: what --test, --profile and --bench-ops need of a recipe."""
+    """A row of TOOLS: what --test and --bench-ops need of a recipe."""
     test_config: Config   # --test's tiny model for the whole-model check
     test_cases: Callable  # () -> --test's [(check, case)] of its ops
     autograd_test: str    # "": --test holds backend torch to autograd; else what does (--test refuses)
     bench_cases: Callable  # (cfg, ops, device) -> --bench-ops' cases of its ops
-    op_work: Callable     # (name, args, kwargs, out) -> (flops, bytes) of one of its own ops, else None
 
 
 TOOLS = {"gpt2": RecipeTools(
     test_config=Config(n_layer=2, n_head=3, n_embd=24, block_size=11, vocab_size=61, padded_vocab_size=64,
                        seq_len=9, batch_size=2),
-    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases,
-    op_work=lambda name, args, kwargs, out: None)}
-
-
-def recipe_tools(recipe):
-    """TOOLS' row of `recipe` (the speedrun's is added by its kernels' section)."""
-    if recipe not in TOOLS:
-        die(f"--recipe {recipe} has no row in TOOLS: no --test, --profile or --bench-ops for it")
-    return TOOLS[recipe]
+    test_cases=lambda: OP_CASES, autograd_test="", bench_cases=bench_cases)}
 
 
 # -----------------------------------------------------------------------------
@@ -5042,9 +5028,8 @@ def _check_heads(name, qkv, rows):
 
 def scaled_attention_forward(q, k, v, scale):
     """Causal softmax(scale q k^T) v per head of q, k, v (B,T,H,D): (out (B,T,H*D), lse (B,H,T) fp32)."""
-    B, T, H, D = q.shape
     _check_heads("scaled_attention_forward", (q, k, v), ())
-    return _flash_forward(q, k, v, B, T, H, D, scale)
+    return _flash_forward(q, k, v, *q.shape, scale)
 
 
 def scaled_attention_backward(dout, q, k, v, out, lse, scale):
@@ -5380,7 +5365,7 @@ TRITON_SPEEDRUN_OPS = op_table("triton", dict(
 ), SPEEDRUN_OP_NAMES)
 
 
-# -- tools: the speedrun recipe's --test and --bench-ops cases and its ops' work (TOOLS["speedrun"])
+# -- tools: the speedrun recipe's --test and --bench-ops cases (TOOLS["speedrun"])
 
 def case_embedding(ops, r, B, T, C, H):
     Vp = B * T + 3
@@ -5474,9 +5459,8 @@ SPEEDRUN_OP_CASES = [("embedding fwd+bwd", case_embedding), ("rmsnorm fwd+bwd", 
                      ("scaled attention fwd+bwd", case_scaled_attention),
                      ("matmul+relu2 fwd, relu2 bwd", case_matmul_relu2),
                      ("relu2 fwd+bwd", functools.partial(case_activation, act="relu2")),
-                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy),
-                     ("muon_update", case_muon), ("add_into", case_add_into),
-                     ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
+                     ("softcap crossentropy fwd+bwd", case_softcap_crossentropy), ("muon_update", case_muon),
+                     ("add_into", case_add_into), ("fp8 quantize, head matmul fwd+bwd", case_fp8_head)]
 
 
 def speedrun_bench_cases(cfg, ops, device):
@@ -5544,40 +5528,11 @@ def speedrun_bench_cases(cfg, ops, device):
     return cases
 
 
-def speedrun_op_work(name, args, kwargs, out):
-    """op_work of an op of SPEEDRUN_OP_NAMES: (flops, bytes) one call cannot do without; else None."""
-    if name == "matmul_relu2_forward":  # x (N, K), w (M, K)
-        return 2 * args[0].numel() * args[1].shape[0], 0
-    if name in ("scaled_attention_forward", "scaled_attention_backward"):
-        B, T, H, D = args[0 if name == "scaled_attention_forward" else 1].shape
-        return (2 if name == "scaled_attention_forward" else 5) * B * T * T * H * D, 0
-    if name in ("fp8_matmul_forward", "fp8_matmul_backward"):  # one product, or two
-        N, C = args[1].shape
-        return (2 if name == "fp8_matmul_forward" else 4) * N * C * args[2].shape[0], 0
-    if name == "muon_update":  # Newton-Schulz on each (r', c') matrix, r' <= c': X X^T, A A, B X a step
-        n, (r, c) = len(args[0]), sorted(args[0][0].shape)
-        return n * NEWTON_SCHULZ_STEPS * (4 * r * r * c + 2 * r ** 3), 0
-    if name == "embedding_forward":
-        return 0, _nbytes(args[0]) + 2 * _nbytes(out)
-    if name == "embedding_backward":  # the table rows it updates, read and written
-        dx, idx, dtable = args[:3]
-        return 0, _nbytes(dx, idx) + 2 * dx.numel() * dtable.element_size()
-    if name == "rmsnorm_backward":  # dw (and dres) are read and written
-        return 0, _nbytes(*args[:4], *args[5:], out, *kwargs.values()) + 2 * _nbytes(args[4])
-    if name == "add_into":  # acc read and written
-        return 0, 3 * _nbytes(args[1])
-    if name == "softcap_crossentropy_forward_backward":
-        return 0, 2 * _nbytes(args[0]) + _nbytes(args[1], out)
-    if name in SPEEDRUN_OP_NAMES:  # the norms, q/k norm+rotary, relu2: inputs read, outputs written
-        return 0, _nbytes(*args, *(out if isinstance(out, tuple) else (out,)))
-    return None
-
-
 TOOLS["speedrun"] = RecipeTools(
     test_config=Config(recipe="speedrun", n_layer=2, n_head=1, n_embd=HEAD_DIM, vocab_size=61,
                        padded_vocab_size=64, seq_len=9, batch_size=2),  # one head
     test_cases=lambda: SPEEDRUN_OP_CASES, autograd_test="tests/test_speedrun_triton.py",
-    bench_cases=speedrun_bench_cases, op_work=speedrun_op_work)
+    bench_cases=speedrun_bench_cases)
 
 
 if __name__ == "__main__":
