@@ -188,7 +188,8 @@ def test_resumed_run(tmp_path):
 
 def test_bad_input(tmp_path):
     """A missing dir, a dir without log.jsonl, a corrupt line (the error names the file and line), an event
-    without its numbers, a step past int64 (numpy's arrays would overflow), a log without step events, a negative --smooth and an -o that cannot be written
+    without its numbers, a step past int64 (numpy's arrays would overflow), a log without step events, a
+    negative --smooth and an -o that cannot be written
     (a missing folder, below a regular file, an extension that is no format) or that is a log it reads
     each stop with a one-line error; the command line exits non-zero without a traceback and writes no
     figure."""

@@ -217,8 +217,9 @@ def test_a_stop_at_once_in_a_gc_callback_is_not_lost(capfd, monkeypatch):
 def test_checkpoint_fields_are_checked(tmp_path, capsys):
     """A state.npz whose step, shard, position or seed is out of range (a negative step would train with
     a negative learning rate) or not an integer scalar, whose time_spent is not seconds (a float in
-    [0, inf)), or whose config is not a JSON object, is refused with one line naming the field; one written before time_spent was kept has spent
-    none; --resume auto says in one line that it skips a newer checkpoint that lacks its state.npz."""
+    [0, inf)), or whose config is not a JSON object, is refused with one line naming the field; one
+    written before time_spent was kept has spent none; --resume auto says in one line that it skips a
+    newer checkpoint that lacks its state.npz."""
     mod = tj  # its Config and RECIPES; the checks are the shared plumbing's
     cfg = mod.Config(n_layer=1, n_head=1, n_embd=4, block_size=4, vocab_size=8, padded_vocab_size=8)
     zeros = {k: np.zeros(shape, np.float32) for k, shape in mod.param_shapes(cfg).items()}
