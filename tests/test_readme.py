@@ -14,6 +14,9 @@ from conftest import OFFLINE, REPO, run_script, step_events
 # the quick start's trainer runs here: as written, with `--steps QUICK_STEPS[recipe]` appended (argparse
 # keeps a flag's last value), so that each takes seconds; their losses still fall by more than FALL
 QUICK_STEPS = {"gpt2": 30, "speedrun": 12}
+# the other two trainers' runs of the gpt2 model: their first steps, still in its warmup (whose lr does not
+# depend on --steps), against the JAX run's
+COMPARE_STEPS = 8
 FALL = 2.0
 
 
@@ -44,7 +47,7 @@ def test_the_laptop_quick_start_learns(tmp_path):
     """README's quick start on a laptop, its two blocks in order: prepro_fineweb.py turns the committed
     tinyshakespeare into shards, each recipe trains on them (QUICK_STEPS steps here) from ln(50257) = 10.8,
     a uniform guess, to a loss more than FALL below it, and samples at its end; the other two trainers
-    train the gpt2 model to the same losses; plot_runs.py draws the runs."""
+    train the gpt2 model to the same losses (COMPARE_STEPS steps here); plot_runs.py draws the runs."""
     commands = readme_commands("out/quick_speedrun") + readme_commands("out/quick_gpt2_triton")
     folder = clone_like(tmp_path)
     trained, gpt2_losses = set(), {}
@@ -53,12 +56,13 @@ def test_the_laptop_quick_start_learns(tmp_path):
         if not cmd[1].startswith("train_gpt2_"):
             run_script(*cmd[1:], cwd=folder)
             continue
-        steps = QUICK_STEPS[recipe(cmd)]
+        compared = recipe(cmd) == "gpt2" and cmd[1] != "train_gpt2_jax.py"
+        steps = COMPARE_STEPS if compared else QUICK_STEPS[recipe(cmd)]
         proc = run_script(*cmd[1:], "--steps", steps, cwd=folder,
                           env={"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"})
         losses = [e["train_loss"] for e in step_events(folder / cmd[cmd.index("--out-dir") + 1])]
         assert len(losses) == steps and abs(losses[0] - math.log(50257)) < 0.1, (cmd, losses[:3])
-        assert max(losses[-3:]) < losses[0] - FALL, (cmd, losses)
+        assert compared or max(losses[-3:]) < losses[0] - FALL, (cmd, losses)
         assert re.search(r"^sample 0: ['\"]", proc.stdout, re.M), proc.stdout[-2000:]
         trained.add(recipe(cmd))
         if recipe(cmd) == "gpt2":
@@ -67,7 +71,7 @@ def test_the_laptop_quick_start_learns(tmp_path):
     assert len(gpt2_losses) == 3, "the gpt2 model in each trainer"
     jax_losses = gpt2_losses["train_gpt2_jax.py"]
     for name, losses in gpt2_losses.items():
-        assert losses == pytest.approx(jax_losses, rel=1e-5), name
+        assert losses == pytest.approx(jax_losses[:len(losses)], rel=1e-5), name
     plots = [cmd[cmd.index("-o") + 1] for cmd in commands if cmd[1] == "plot_runs.py"]
     assert plots and all((folder / p).stat().st_size > 0 for p in plots)
 
