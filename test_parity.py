@@ -128,7 +128,7 @@ def parallel(args):
         return []
     if any(a.startswith(("-n", "--numprocesses")) or "xdist" in a for a in args):
         return []
-    return ["-n", "2", "--dist", "loadfile"]
+    return ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]  # conftest's order: the longest first
 
 
 if __name__ == "__main__":

@@ -32,6 +32,18 @@ def pytest_configure(config):
                             "backends), and every other script")
 
 
+# the files with the most seconds of tests (on 2 cores, 2026-12-07), run first: test_parity.py's two workers,
+# each taking a file at a time, then end together, where a long file taken last would run on alone
+LONGEST_FIRST = ("test_trainers.py", "test_standalone.py", "test_cross.py", "test_zero.py", "test_runs_are_safe.py",
+                 "test_readme.py", "test_aiayn.py", "test_triton.py", "test_jax_sharded.py", "test_compile_for.py",
+                 "test_speedrun_jax.py", "test_speedrun_triton.py", "test_recompute_jax.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: a file's own order kept
+
+
 # no network for a script: a proxy nobody listens on (tiktoken downloads through requests)
 OFFLINE = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "http_proxy":
            "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
